@@ -1,0 +1,24 @@
+"""outbox: a transactional outbox relay from PostgreSQL to Kafka.
+
+Write side::
+
+    with conn.transaction():
+        conn.execute("INSERT INTO orders ...")
+        outbox.enqueue(conn, "orders", {"id": 42}, key="customer-7")
+
+Relay side: ``outbox relay --dsn ... --kafka-bootstrap ...``.
+"""
+
+from outbox.events import EVENT_ID_HEADER
+from outbox.retry import RetryPolicy
+from outbox.writer import enqueue, enqueue_async, enqueue_many, enqueue_many_async
+
+__all__ = [
+    "EVENT_ID_HEADER",
+    "RetryPolicy",
+    "enqueue",
+    "enqueue_async",
+    "enqueue_many",
+    "enqueue_many_async",
+]
+__version__ = "0.1.0"

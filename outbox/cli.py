@@ -1,0 +1,367 @@
+"""The ``outbox`` command line.
+
+Every option can also be set through an ``OUTBOX_*`` environment variable
+(shown in ``--help``); the DSN falls back to libpq's ``PG*`` variables when
+neither ``--dsn`` nor ``OUTBOX_DSN`` is set.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import psycopg
+
+from outbox import migrate as migrations
+from outbox import status as status_mod
+from outbox.dsn import redact, scrub, secrets_of
+from outbox.relay import (
+    BATCH_SIZE,
+    DELIVERY_TIMEOUT,
+    GRACE,
+    LEASE,
+    MAX_BATCHES_IN_FLIGHT,
+    POLL_INTERVAL,
+    Relay,
+    RelayConfig,
+)
+from outbox.retry import RetryPolicy
+from outbox.schema import DEFAULT_SCHEMA, validate_schema
+from outbox.sinks.kafka import KafkaSink
+
+log = logging.getLogger("outbox")
+
+
+class CliError(Exception):
+    """An error the user can fix; printed without a traceback."""
+
+
+def _env(name: str, default: Any = None) -> Any:
+    return os.environ.get(name, default)
+
+
+def _env_bool(name: str, default: bool) -> bool:
+    value = os.environ.get(name)
+    if value is None:
+        return default
+    if value.lower() in {"1", "true", "yes", "on"}:
+        return True
+    if value.lower() in {"0", "false", "no", "off"}:
+        return False
+    raise CliError(f"{name}: expected true/false, got {value!r}")
+
+
+def _env_float(name: str, default: float) -> float:
+    value = os.environ.get(name)
+    if value is None:
+        return default
+    try:
+        return float(value)
+    except ValueError:
+        raise CliError(f"{name}: expected a number, got {value!r}") from None
+
+
+def _env_int(name: str, default: int) -> int:
+    value = os.environ.get(name)
+    if value is None:
+        return default
+    try:
+        return int(value)
+    except ValueError:
+        raise CliError(f"{name}: expected an integer, got {value!r}") from None
+
+
+def parse_kafka_config(items: Sequence[str]) -> dict[str, str]:
+    """``KEY=VALUE`` strings (or comma-separated lists of them) as a dict."""
+    config: dict[str, str] = {}
+    for item in items:
+        for part in item.split(","):
+            part = part.strip()
+            if not part:
+                continue
+            key, sep, value = part.partition("=")
+            if not sep or not key.strip():
+                raise CliError(f"--kafka-config: expected KEY=VALUE, got {part.split('=')[0]!r}")
+            config[key.strip()] = value.strip()
+    return config
+
+
+class _JsonFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        entry = {
+            "ts": round(record.created, 3),
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "msg": record.getMessage(),
+        }
+        if record.exc_info:
+            entry["exc"] = self.formatException(record.exc_info)
+        return json.dumps(entry, ensure_ascii=False)
+
+
+def _setup_logging(fmt: str, level: str) -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    if fmt == "json":
+        handler.setFormatter(_JsonFormatter())
+    else:
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level.upper())
+
+
+def _add_common(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--dsn",
+        default=_env("OUTBOX_DSN", ""),
+        help="PostgreSQL connection string [OUTBOX_DSN; else libpq's PG* variables]",
+    )
+    p.add_argument(
+        "--schema",
+        default=_env("OUTBOX_SCHEMA", DEFAULT_SCHEMA),
+        help=f"schema of the outbox tables [OUTBOX_SCHEMA; default {DEFAULT_SCHEMA}]",
+    )
+    p.add_argument(
+        "--log-format",
+        choices=["text", "json"],
+        default=_env("OUTBOX_LOG_FORMAT", "text"),
+        help="log line format [OUTBOX_LOG_FORMAT; default text]",
+    )
+    p.add_argument(
+        "--log-level",
+        default=_env("OUTBOX_LOG_LEVEL", "info"),
+        choices=["debug", "info", "warning", "error"],
+        help="[OUTBOX_LOG_LEVEL; default info]",
+    )
+
+
+def _add_kafka(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--kafka-bootstrap",
+        default=_env("OUTBOX_KAFKA_BOOTSTRAP"),
+        help="Kafka bootstrap servers HOST:PORT[,...] [OUTBOX_KAFKA_BOOTSTRAP]",
+    )
+    p.add_argument(
+        "--kafka-config",
+        action="append",
+        default=[c for c in [_env("OUTBOX_KAFKA_CONFIG")] if c],
+        metavar="KEY=VALUE",
+        help="librdkafka producer setting, repeatable, e.g. security.protocol=SASL_SSL "
+        "[OUTBOX_KAFKA_CONFIG: comma-separated KEY=VALUE list]",
+    )
+
+
+def _add_relay_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--batch-size", type=int, default=_env_int("OUTBOX_BATCH_SIZE", BATCH_SIZE),
+                   help=f"events per claim [OUTBOX_BATCH_SIZE; default {BATCH_SIZE}]")
+    p.add_argument("--batches-in-flight", type=int,
+                   default=_env_int("OUTBOX_BATCHES_IN_FLIGHT", MAX_BATCHES_IN_FLIGHT),
+                   help="claimed batches awaiting acks at once "
+                   f"[OUTBOX_BATCHES_IN_FLIGHT; default {MAX_BATCHES_IN_FLIGHT}]")
+    p.add_argument("--lease", type=float, default=_env_float("OUTBOX_LEASE", LEASE),
+                   help=f"seconds before a stalled worker loses its batch [OUTBOX_LEASE; default {LEASE}]")
+    p.add_argument("--delivery-timeout", type=float,
+                   default=_env_float("OUTBOX_DELIVERY_TIMEOUT", DELIVERY_TIMEOUT),
+                   help="seconds the broker may take to ack "
+                   f"[OUTBOX_DELIVERY_TIMEOUT; default {DELIVERY_TIMEOUT}]")
+    p.add_argument("--poll-interval", type=float,
+                   default=_env_float("OUTBOX_POLL_INTERVAL", POLL_INTERVAL),
+                   help=f"seconds between polls when idle [OUTBOX_POLL_INTERVAL; default {POLL_INTERVAL}]")
+    p.add_argument("--notify", action=argparse.BooleanOptionalAction,
+                   default=_env_bool("OUTBOX_NOTIFY", True),
+                   help="wake on LISTEN/NOTIFY as well as polling [OUTBOX_NOTIFY; default on]")
+    p.add_argument("--archive", action=argparse.BooleanOptionalAction,
+                   default=_env_bool("OUTBOX_ARCHIVE", True),
+                   help="keep delivered events in the archive [OUTBOX_ARCHIVE; default on]")
+    p.add_argument("--grace", type=float, default=_env_float("OUTBOX_GRACE", GRACE),
+                   help=f"seconds to finish in-flight work on SIGTERM [OUTBOX_GRACE; default {GRACE}]")
+    p.add_argument("--retry-base", type=float, default=_env_float("OUTBOX_RETRY_BASE", 1.0),
+                   help="seconds before the first retry [OUTBOX_RETRY_BASE; default 1]")
+    p.add_argument("--retry-cap", type=float, default=_env_float("OUTBOX_RETRY_CAP", 300.0),
+                   help="longest wait between retries, seconds [OUTBOX_RETRY_CAP; default 300]")
+    p.add_argument("--max-attempts", type=int, default=_env_int("OUTBOX_MAX_ATTEMPTS", 10),
+                   help="attempts before dead-lettering [OUTBOX_MAX_ATTEMPTS; default 10]")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="outbox", description=__doc__.splitlines()[0] if __doc__ else None)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("migrate", help="create or upgrade the outbox tables")
+    _add_common(p)
+    p.add_argument("--print", action="store_true", help="print the SQL instead of applying it")
+
+    p = sub.add_parser("relay", help="publish committed events until SIGTERM/SIGINT")
+    _add_common(p)
+    _add_kafka(p)
+    _add_relay_options(p)
+
+    p = sub.add_parser("status", help="depth, age, errors and dead letters")
+    _add_common(p)
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+
+    p = sub.add_parser("notify", help="switch the NOTIFY trigger on or off")
+    _add_common(p)
+    p.add_argument("state", choices=["on", "off"])
+
+    p = sub.add_parser("demo", help="the whole pipeline on this machine, with live progress")
+    _add_common(p)
+    _add_kafka(p)
+    p.add_argument("--seconds", type=float, default=_env_float("OUTBOX_DEMO_SECONDS", 0.0),
+                   help="stop after this many seconds (0: until Ctrl-C) [OUTBOX_DEMO_SECONDS]")
+    p.add_argument("--rate", type=float, default=_env_float("OUTBOX_DEMO_RATE", 500.0),
+                   help="orders per second written by the sample app [OUTBOX_DEMO_RATE; default 500]")
+    return parser
+
+
+def _connect(dsn: str, secrets: list[str]) -> psycopg.Connection[Any]:
+    try:
+        return psycopg.connect(dsn, application_name="outbox-cli")
+    except psycopg.OperationalError as exc:
+        raise CliError(f"cannot connect to PostgreSQL ({redact(dsn)}): {scrub(str(exc), secrets)}") from None
+
+
+def cmd_migrate(args: argparse.Namespace) -> int:
+    validate_schema(args.schema, "--schema")
+    if args.print:
+        sys.stdout.write(migrations.render_all(args.schema))
+        return 0
+    with _connect(args.dsn, secrets_of(args.dsn)) as conn:
+        applied = migrations.migrate(conn, args.schema)
+    if applied:
+        for m in applied:
+            print(f"applied {m.version:04d}_{m.name} to schema {args.schema}")
+    else:
+        print(f"schema {args.schema} is up to date")
+    return 0
+
+
+def relay_config(args: argparse.Namespace) -> RelayConfig:
+    return RelayConfig(
+        dsn=args.dsn,
+        schema=validate_schema(args.schema, "--schema"),
+        batch_size=args.batch_size,
+        max_batches_in_flight=args.batches_in_flight,
+        lease=args.lease,
+        delivery_timeout=args.delivery_timeout,
+        poll_interval=args.poll_interval,
+        notify=args.notify,
+        archive=args.archive,
+        grace=args.grace,
+        retry=RetryPolicy(base=args.retry_base, cap=args.retry_cap, max_attempts=args.max_attempts),
+    )
+
+
+def run_until_signal(relay: Relay) -> None:
+    """Run ``relay`` in a thread; SIGTERM/SIGINT ask it to stop gracefully."""
+    thread = threading.Thread(target=relay.run, name="outbox-relay")
+
+    def on_signal(signum: int, _frame: Any) -> None:
+        log.info("received %s: stopping", signal.Signals(signum).name)
+        relay.stop()
+
+    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        thread.start()
+        while thread.is_alive():
+            thread.join(0.5)
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
+def cmd_relay(args: argparse.Namespace) -> int:
+    if not args.kafka_bootstrap:
+        raise CliError("--kafka-bootstrap (or OUTBOX_KAFKA_BOOTSTRAP) is required")
+    config = relay_config(args)
+    kafka_config = parse_kafka_config(args.kafka_config)
+    # Fail fast on a bad DSN or an unmigrated schema, before starting anything.
+    with _connect(args.dsn, secrets_of(args.dsn)) as conn:
+        if not migrations.applied_versions(conn, config.schema):
+            raise CliError(f"--schema: {config.schema!r} is not migrated; run `outbox migrate`")
+
+    def sink() -> KafkaSink:
+        return KafkaSink(args.kafka_bootstrap, kafka_config, delivery_timeout=config.delivery_timeout)
+
+    sink().close(0)  # validates the Kafka configuration now, with a clear error
+    run_until_signal(Relay(config, sink))
+    return 0
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    validate_schema(args.schema, "--schema")
+    with _connect(args.dsn, secrets_of(args.dsn)) as conn:
+        if not migrations.applied_versions(conn, args.schema):
+            raise CliError(f"--schema: {args.schema!r} is not migrated; run `outbox migrate`")
+        report = status_mod.collect(conn, args.schema)
+    if args.json:
+        print(json.dumps(report))
+    else:
+        print(status_mod.render(report))
+    return 0
+
+
+def cmd_notify(args: argparse.Namespace) -> int:
+    from psycopg import sql
+
+    validate_schema(args.schema, "--schema")
+    verb = sql.SQL("ENABLE" if args.state == "on" else "DISABLE")
+    with _connect(args.dsn, secrets_of(args.dsn)) as conn:
+        conn.execute(
+            sql.SQL("ALTER TABLE {}.events {} TRIGGER events_notify").format(
+                sql.Identifier(args.schema), verb
+            )
+        )
+    print(f"NOTIFY on insert is {args.state} for schema {args.schema}")
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from outbox.demo import run_demo
+
+    return run_demo(
+        dsn=args.dsn or None,
+        bootstrap=args.kafka_bootstrap,
+        schema=validate_schema(args.schema, "--schema"),
+        seconds=args.seconds,
+        rate=args.rate,
+        kafka_config=parse_kafka_config(args.kafka_config),
+    )
+
+
+COMMANDS = {
+    "migrate": cmd_migrate,
+    "relay": cmd_relay,
+    "status": cmd_status,
+    "notify": cmd_notify,
+    "demo": cmd_demo,
+}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        args = build_parser().parse_args(argv)
+        _setup_logging(args.log_format, args.log_level)
+        return COMMANDS[args.command](args)
+    except (CliError, ValueError, TypeError) as exc:
+        secrets = secrets_of(os.environ.get("OUTBOX_DSN", ""))
+        print(f"outbox: error: {scrub(str(exc), secrets)}", file=sys.stderr)
+        return 2
+    except psycopg.Error as exc:
+        secrets = secrets_of(os.environ.get("OUTBOX_DSN", ""))
+        print(f"outbox: database error: {scrub(str(exc), secrets)}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

