@@ -53,6 +53,10 @@ class Batch:
         self.outcomes: list[Outcome | None] = [None] * len(rows)
         self.waiting = len(rows)
         self.abandoned = False
+        # Keys with an event that failed in this batch: until this batch's retry
+        # is committed (and blocks them in the claim query), the relay holds
+        # their later events in every batch it sends.
+        self.failed_keys: set[bytes] = set()
         for i, row in enumerate(rows):
             try:
                 self.events.append(decode_row(row))
@@ -69,6 +73,10 @@ class Batch:
             return
         self.outcomes[index] = outcome
         self.waiting -= 1
+        if isinstance(outcome, Retry):
+            event = self.events[index]
+            if event is not None and event.key is not None:
+                self.failed_keys.add(event.key)
 
     def hold(self, index: int) -> None:
         """Leave event ``index`` untouched: an earlier event of its key failed in this batch."""

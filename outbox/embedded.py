@@ -52,10 +52,11 @@ class Broker:
         self.port = port or free_port()
         self.bootstrap = f"127.0.0.1:{self.port}"
         self._proc: subprocess.Popen[bytes] | None = None
-        self._log = tempfile.TemporaryFile()
+        self._log: Any = None
 
     def start(self) -> Broker:
         url = f"tcp://127.0.0.1:{self.port}"
+        self._log = tempfile.TemporaryFile()
         self._proc = subprocess.Popen(
             [
                 tansu_binary(), "broker",
@@ -71,7 +72,7 @@ class Broker:
         while not _port_open(self.port):
             if self._proc.poll() is not None or time.monotonic() > deadline:
                 self._log.seek(0)
-                out = self._log.read().decode(errors="replace")[-2000:]
+                out = self._log.read().decode(errors="replace")[-2000:]  # before stop() closes it
                 self.stop()
                 raise RuntimeError(f"broker did not start on {self.bootstrap}: {out}")
             time.sleep(0.05)
@@ -86,6 +87,9 @@ class Broker:
                 self._proc.kill()
                 self._proc.wait()
         self._proc = None
+        if self._log is not None:
+            self._log.close()
+            self._log = None
 
     @property
     def running(self) -> bool:

@@ -132,6 +132,9 @@ class Relay:
             self.running.set()
             while not self._stop.is_set():
                 self._step()
+        except Exception:
+            log.exception("relay loop failed; in-flight events stay pending for the next owner")
+            raise
         finally:
             self.running.clear()
             self._stop.set()
@@ -183,21 +186,19 @@ class Relay:
             return 0
         batch = Batch(conn, rows)
         self.stats.claimed += len(batch)
-        # Per-key order inside the batch: once an event of key K fails before it
-        # reaches the broker, K's later events are held (left pending, untouched);
-        # the failed one blocks them in the claim query until it is delivered.
-        failed_keys: set[bytes] = set()
+        # Per-key order: once an event of key K fails (in this batch or in one
+        # still in flight), K's later events are held: left pending, untouched.
+        # When the failure is committed, the claim query blocks them instead.
+        held_keys = set().union(*(b.failed_keys for b in self._in_flight))
         for i, event in enumerate(batch.events):
             if event is None:  # corrupt row, already settled as dead
                 continue
-            if event.key is not None and event.key in failed_keys:
+            if event.key is not None and (event.key in held_keys or event.key in batch.failed_keys):
                 batch.hold(i)
                 continue
             outcome = self._sink.produce(event, _reporter(batch, i))
             if outcome is not None:
                 batch.settle(i, outcome)
-                if isinstance(outcome, Retry) and event.key is not None:
-                    failed_keys.add(event.key)
         self._in_flight.append(batch)
         return len(batch)
 
@@ -259,7 +260,7 @@ class Relay:
         try:
             for attempt in Retrying(
                 retry=retry_if_exception_type(psycopg.OperationalError),
-                wait=wait_exponential_jitter(initial=0.1, max=5.0),
+                wait=wait_exponential_jitter(multiplier=0.1, max=5.0),
                 stop=stop_when_event_set(self._stop),
                 before_sleep=lambda rs: log.warning(
                     "cannot connect to PostgreSQL (attempt %d), retrying: %s",

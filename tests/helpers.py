@@ -1,0 +1,159 @@
+"""Helpers for integration tests: run a relay, read a topic, poll for a condition."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import psycopg
+from confluent_kafka import OFFSET_BEGINNING, Consumer, TopicPartition
+from confluent_kafka.admin import AdminClient
+from psycopg import sql
+
+from outbox.relay import Relay, RelayConfig
+from outbox.sinks.base import Sink
+from outbox.sinks.kafka import KafkaSink
+
+
+def wait_for(
+    condition: Callable[[], Any], timeout: float = 30.0, interval: float = 0.05, what: str = ""
+) -> Any:
+    """Poll ``condition`` until it returns a truthy value; fail after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what or condition}")
+        time.sleep(interval)
+
+
+def count(dsn: str, schema: str, table: str, where: str = "true") -> int:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        row = conn.execute(
+            sql.SQL("SELECT count(*) FROM {}.{} WHERE " + where).format(  # noqa: S608 - test-only
+                sql.Identifier(schema), sql.Identifier(table)
+            )
+        ).fetchone()
+        assert row is not None
+        return int(row[0])
+
+
+@dataclass
+class Message:
+    key: bytes | None
+    value: bytes
+    headers: dict[str, bytes]
+    partition: int
+    offset: int
+
+    @property
+    def event_id(self) -> str:
+        return self.headers["event-id"].decode()
+
+
+def read_topic(bootstrap: str, topic: str, expected: int, timeout: float = 30.0) -> list[Message]:
+    """Every message of ``topic`` from the beginning, once ``expected`` have arrived.
+
+    Uses assign() rather than a consumer group: no rebalance wait. Waits a
+    moment past ``expected`` so that extra (duplicate) messages are seen too.
+    """
+    admin = AdminClient({"bootstrap.servers": bootstrap})
+    deadline = time.monotonic() + timeout
+
+    def partitions() -> list[int]:
+        md = admin.list_topics(topic, timeout=5)
+        t = md.topics.get(topic)
+        if t is None or t.error is not None or not t.partitions:
+            return []
+        return sorted(t.partitions)
+
+    parts = wait_for(partitions, timeout=timeout, what=f"topic {topic}") if expected else partitions()
+    consumer = Consumer(
+        {
+            "bootstrap.servers": bootstrap,
+            "group.id": f"reader-{topic}",
+            "enable.auto.commit": False,
+            "auto.offset.reset": "earliest",
+        }
+    )
+    consumer.assign([TopicPartition(topic, p, OFFSET_BEGINNING) for p in parts])
+    out: list[Message] = []
+    quiet_until: float | None = None
+    try:
+        while time.monotonic() < deadline:
+            msg = consumer.poll(0.2)
+            if msg is None:
+                if len(out) >= expected:
+                    quiet_until = quiet_until or time.monotonic() + 0.5
+                    if time.monotonic() > quiet_until:
+                        break
+                continue
+            if msg.error():
+                continue
+            out.append(
+                Message(
+                    msg.key(),
+                    msg.value(),
+                    {k: v for k, v in (msg.headers() or [])},
+                    msg.partition(),
+                    msg.offset(),
+                )
+            )
+    finally:
+        consumer.close()
+    if len(out) < expected:
+        raise AssertionError(f"read {len(out)} messages from {topic}, expected {expected}")
+    return out
+
+
+@contextlib.contextmanager
+def running_relay(
+    config: RelayConfig, sink_factory: Callable[[], Sink] | None = None, bootstrap: str = ""
+) -> Iterator[Relay]:
+    """A relay running in a thread for the duration of the block, then stopped."""
+    factory = sink_factory or (
+        lambda: KafkaSink(bootstrap, delivery_timeout=config.delivery_timeout)
+    )
+    relay = Relay(config, factory)
+    errors: list[BaseException] = []
+
+    def target() -> None:
+        try:
+            relay.run()
+        except BaseException as exc:  # surfaced in the test below
+            errors.append(exc)
+
+    thread = threading.Thread(target=target, daemon=True)
+    thread.start()
+    try:
+        yield relay
+    finally:
+        relay.stop()
+        thread.join(config.grace + 10)
+        assert not thread.is_alive(), "relay did not stop"
+    if errors:
+        raise errors[0]
+
+
+def relay_process(dsn: str, schema: str, bootstrap: str, *extra: str) -> subprocess.Popen[bytes]:
+    """``outbox relay`` as a real process (for SIGKILL/SIGTERM tests)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OUTBOX_")}
+    return subprocess.Popen(
+        [
+            sys.executable, "-m", "outbox", "relay",
+            "--dsn", dsn, "--schema", schema, "--kafka-bootstrap", bootstrap, *extra,
+        ],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+    )
