@@ -1,3 +1,5 @@
-from outbox.cli import main
 import sys
+
+from outbox.cli import main
+
 sys.exit(main())

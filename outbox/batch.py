@@ -12,6 +12,7 @@ also checks the number of rows it really changed.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import dataclass, field
 from typing import Any
@@ -115,7 +116,9 @@ class Batch:
                 made = self.attempts[i] + 1
                 if policy.exhausted(made):
                     dead_ids.append(self.ids[i])
-                    dead_errors.append(cap_error(f"gave up after {made} attempts: {outcome.reason}"))
+                    dead_errors.append(
+                        cap_error(f"gave up after {made} attempts: {outcome.reason}")
+                    )
                 else:
                     retry_ids.append(self.ids[i])
                     retry_delays.append(policy.next_delay(made))
@@ -148,16 +151,14 @@ class Batch:
         done.delivered = len(ok_ids)
         done.retried = len(retry_ids)
         done.dead = len(dead_ids)
-        done.dead_events = list(zip(dead_ids, dead_errors))
+        done.dead_events = list(zip(dead_ids, dead_errors, strict=False))
         return done
 
     def release(self) -> None:
         """Give the batch up: roll back so its events can be claimed again at once."""
         self.abandoned = True
-        try:
+        with contextlib.suppress(psycopg.Error):  # if the connection is gone, so are the locks
             self.conn.rollback()
-        except psycopg.Error:
-            pass  # the connection is gone, and with it the locks
 
 
 def _check_rows(changed: int, expected: int, what: str) -> None:

@@ -14,7 +14,6 @@ import os
 import signal
 import sys
 import threading
-import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -160,39 +159,80 @@ def _add_kafka(p: argparse.ArgumentParser) -> None:
 
 
 def _add_relay_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--batch-size", type=int, default=_env_int("OUTBOX_BATCH_SIZE", BATCH_SIZE),
-                   help=f"events per claim [OUTBOX_BATCH_SIZE; default {BATCH_SIZE}]")
-    p.add_argument("--batches-in-flight", type=int,
-                   default=_env_int("OUTBOX_BATCHES_IN_FLIGHT", MAX_BATCHES_IN_FLIGHT),
-                   help="claimed batches awaiting acks at once "
-                   f"[OUTBOX_BATCHES_IN_FLIGHT; default {MAX_BATCHES_IN_FLIGHT}]")
-    p.add_argument("--lease", type=float, default=_env_float("OUTBOX_LEASE", LEASE),
-                   help=f"seconds before a stalled worker loses its batch [OUTBOX_LEASE; default {LEASE}]")
-    p.add_argument("--delivery-timeout", type=float,
-                   default=_env_float("OUTBOX_DELIVERY_TIMEOUT", DELIVERY_TIMEOUT),
-                   help="seconds the broker may take to ack "
-                   f"[OUTBOX_DELIVERY_TIMEOUT; default {DELIVERY_TIMEOUT}]")
-    p.add_argument("--poll-interval", type=float,
-                   default=_env_float("OUTBOX_POLL_INTERVAL", POLL_INTERVAL),
-                   help=f"seconds between polls when idle [OUTBOX_POLL_INTERVAL; default {POLL_INTERVAL}]")
-    p.add_argument("--notify", action=argparse.BooleanOptionalAction,
-                   default=_env_bool("OUTBOX_NOTIFY", True),
-                   help="wake on LISTEN/NOTIFY as well as polling [OUTBOX_NOTIFY; default on]")
-    p.add_argument("--archive", action=argparse.BooleanOptionalAction,
-                   default=_env_bool("OUTBOX_ARCHIVE", True),
-                   help="keep delivered events in the archive [OUTBOX_ARCHIVE; default on]")
-    p.add_argument("--grace", type=float, default=_env_float("OUTBOX_GRACE", GRACE),
-                   help=f"seconds to finish in-flight work on SIGTERM [OUTBOX_GRACE; default {GRACE}]")
-    p.add_argument("--retry-base", type=float, default=_env_float("OUTBOX_RETRY_BASE", 1.0),
-                   help="seconds before the first retry [OUTBOX_RETRY_BASE; default 1]")
-    p.add_argument("--retry-cap", type=float, default=_env_float("OUTBOX_RETRY_CAP", 300.0),
-                   help="longest wait between retries, seconds [OUTBOX_RETRY_CAP; default 300]")
-    p.add_argument("--max-attempts", type=int, default=_env_int("OUTBOX_MAX_ATTEMPTS", 10),
-                   help="attempts before dead-lettering [OUTBOX_MAX_ATTEMPTS; default 10]")
+    p.add_argument(
+        "--batch-size",
+        type=int,
+        default=_env_int("OUTBOX_BATCH_SIZE", BATCH_SIZE),
+        help=f"events per claim [OUTBOX_BATCH_SIZE; default {BATCH_SIZE}]",
+    )
+    p.add_argument(
+        "--batches-in-flight",
+        type=int,
+        default=_env_int("OUTBOX_BATCHES_IN_FLIGHT", MAX_BATCHES_IN_FLIGHT),
+        help="claimed batches awaiting acks at once "
+        f"[OUTBOX_BATCHES_IN_FLIGHT; default {MAX_BATCHES_IN_FLIGHT}]",
+    )
+    p.add_argument(
+        "--lease",
+        type=float,
+        default=_env_float("OUTBOX_LEASE", LEASE),
+        help=f"seconds before a stalled worker loses its batch [OUTBOX_LEASE; default {LEASE}]",
+    )
+    p.add_argument(
+        "--delivery-timeout",
+        type=float,
+        default=_env_float("OUTBOX_DELIVERY_TIMEOUT", DELIVERY_TIMEOUT),
+        help="seconds the broker may take to ack "
+        f"[OUTBOX_DELIVERY_TIMEOUT; default {DELIVERY_TIMEOUT}]",
+    )
+    p.add_argument(
+        "--poll-interval",
+        type=float,
+        default=_env_float("OUTBOX_POLL_INTERVAL", POLL_INTERVAL),
+        help=f"seconds between polls when idle [OUTBOX_POLL_INTERVAL; default {POLL_INTERVAL}]",
+    )
+    p.add_argument(
+        "--notify",
+        action=argparse.BooleanOptionalAction,
+        default=_env_bool("OUTBOX_NOTIFY", True),
+        help="wake on LISTEN/NOTIFY as well as polling [OUTBOX_NOTIFY; default on]",
+    )
+    p.add_argument(
+        "--archive",
+        action=argparse.BooleanOptionalAction,
+        default=_env_bool("OUTBOX_ARCHIVE", True),
+        help="keep delivered events in the archive [OUTBOX_ARCHIVE; default on]",
+    )
+    p.add_argument(
+        "--grace",
+        type=float,
+        default=_env_float("OUTBOX_GRACE", GRACE),
+        help=f"seconds to finish in-flight work on SIGTERM [OUTBOX_GRACE; default {GRACE}]",
+    )
+    p.add_argument(
+        "--retry-base",
+        type=float,
+        default=_env_float("OUTBOX_RETRY_BASE", 1.0),
+        help="seconds before the first retry [OUTBOX_RETRY_BASE; default 1]",
+    )
+    p.add_argument(
+        "--retry-cap",
+        type=float,
+        default=_env_float("OUTBOX_RETRY_CAP", 300.0),
+        help="longest wait between retries, seconds [OUTBOX_RETRY_CAP; default 300]",
+    )
+    p.add_argument(
+        "--max-attempts",
+        type=int,
+        default=_env_int("OUTBOX_MAX_ATTEMPTS", 10),
+        help="attempts before dead-lettering [OUTBOX_MAX_ATTEMPTS; default 10]",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="outbox", description=__doc__.splitlines()[0] if __doc__ else None)
+    parser = argparse.ArgumentParser(
+        prog="outbox", description=__doc__.splitlines()[0] if __doc__ else None
+    )
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("migrate", help="create or upgrade the outbox tables")
@@ -215,10 +255,18 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("demo", help="the whole pipeline on this machine, with live progress")
     _add_common(p)
     _add_kafka(p)
-    p.add_argument("--seconds", type=float, default=_env_float("OUTBOX_DEMO_SECONDS", 0.0),
-                   help="stop after this many seconds (0: until Ctrl-C) [OUTBOX_DEMO_SECONDS]")
-    p.add_argument("--rate", type=float, default=_env_float("OUTBOX_DEMO_RATE", 500.0),
-                   help="orders per second written by the sample app [OUTBOX_DEMO_RATE; default 500]")
+    p.add_argument(
+        "--seconds",
+        type=float,
+        default=_env_float("OUTBOX_DEMO_SECONDS", 0.0),
+        help="stop after this many seconds (0: until Ctrl-C) [OUTBOX_DEMO_SECONDS]",
+    )
+    p.add_argument(
+        "--rate",
+        type=float,
+        default=_env_float("OUTBOX_DEMO_RATE", 500.0),
+        help="orders per second written by the sample app [OUTBOX_DEMO_RATE; default 500]",
+    )
     return parser
 
 
@@ -226,7 +274,9 @@ def _connect(dsn: str, secrets: list[str]) -> psycopg.Connection[Any]:
     try:
         return psycopg.connect(dsn, application_name="outbox-cli")
     except psycopg.OperationalError as exc:
-        raise CliError(f"cannot connect to PostgreSQL ({redact(dsn)}): {scrub(str(exc), secrets)}") from None
+        raise CliError(
+            f"cannot connect to PostgreSQL ({redact(dsn)}): {scrub(str(exc), secrets)}"
+        ) from None
 
 
 def cmd_migrate(args: argparse.Namespace) -> int:
@@ -289,7 +339,9 @@ def cmd_relay(args: argparse.Namespace) -> int:
             raise CliError(f"--schema: {config.schema!r} is not migrated; run `outbox migrate`")
 
     def sink() -> KafkaSink:
-        return KafkaSink(args.kafka_bootstrap, kafka_config, delivery_timeout=config.delivery_timeout)
+        return KafkaSink(
+            args.kafka_bootstrap, kafka_config, delivery_timeout=config.delivery_timeout
+        )
 
     sink().close(0)  # validates the Kafka configuration now, with a clear error
     run_until_signal(Relay(config, sink))

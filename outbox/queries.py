@@ -24,7 +24,7 @@ def _raw_queries() -> dict[str, str]:
     parts = _BLOCK.split(text)
     # parts = [preamble, name1, body1, name2, body2, ...]
     queries: dict[str, str] = {}
-    for name, body in zip(parts[1::2], parts[2::2]):
+    for name, body in zip(parts[1::2], parts[2::2], strict=False):
         lines = [line for line in body.strip().splitlines() if not line.startswith("--")]
         queries[name] = "\n".join(lines).strip()
     return queries
@@ -43,7 +43,7 @@ def query(name: str, schema: str) -> sql.Composed:
         raw = _raw_queries()[name]
     except KeyError:
         raise KeyError(f"no query named {name!r} in outbox/sql/queries.sql") from None
-    return sql.SQL(raw).format(  # type: ignore[arg-type]  # text comes from our own file
+    return sql.SQL(raw).format(
         schema=sql.Identifier(schema),
         schema_name=sql.Literal(schema),
         channel=sql.Literal(channel_name(schema)),

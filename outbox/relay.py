@@ -16,6 +16,7 @@ previous one awaits its acks. Capacity bounds the claim: never more than
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import random
 import threading
@@ -38,7 +39,7 @@ from outbox.listener import Listener
 from outbox.queries import query
 from outbox.retry import RetryPolicy
 from outbox.schema import DEFAULT_SCHEMA, channel_name, validate_schema
-from outbox.sinks.base import Retry, Sink
+from outbox.sinks.base import Sink
 
 log = logging.getLogger("outbox.relay")
 
@@ -177,7 +178,9 @@ class Relay:
             rows = conn.execute(
                 query("claim_batch", self.config.schema), {"limit": self.config.batch_size}
             ).fetchall()
-        except psycopg.OperationalError as exc:
+        except psycopg.Error as exc:
+            # Connection gone, server restarting, session ended: nothing was
+            # claimed that will not be claimed again.
             self._lost(conn, f"claim failed: {self._clean(exc)}")
             return 0
         if not rows:
@@ -219,7 +222,9 @@ class Relay:
             log.error("%s; %d events left for their new owner", exc, len(batch))
             self._idle.append(batch.conn)
             return
-        except psycopg.OperationalError as exc:
+        except psycopg.Error as exc:
+            # Typically the lease ran out (idle_in_transaction_session_timeout
+            # ended the session) or the connection broke: the ack did not commit.
             self.stats.leases_lost += 1
             self._lost(
                 batch.conn,
@@ -277,10 +282,8 @@ class Relay:
 
     def _lost(self, conn: psycopg.Connection[Any], message: str) -> None:
         log.warning(message)
-        try:
+        with contextlib.suppress(psycopg.Error):
             conn.close()
-        except psycopg.Error:
-            pass
 
     def _replace_sink(self) -> None:
         if self._sink is not None:
@@ -349,10 +352,8 @@ class Relay:
             self._sink.close(max(0.0, min(1.0, deadline - time.monotonic())))
             self._sink = None
         for conn in self._idle:
-            try:
+            with contextlib.suppress(psycopg.Error):
                 conn.close()
-            except psycopg.Error:
-                pass
         self._idle = []
         if self._listener is not None:
             self._listener.join(timeout=2.0)

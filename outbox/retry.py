@@ -52,4 +52,5 @@ def cap_error(reason: str) -> str:
     """The error text as stored on the row: capped, so a huge message cannot bloat the table."""
     if len(reason) <= MAX_ERROR_CHARS:
         return reason
-    return reason[: MAX_ERROR_CHARS - 15] + "… (truncated)"
+    suffix = "… (truncated)"
+    return reason[: MAX_ERROR_CHARS - len(suffix)] + suffix

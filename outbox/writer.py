@@ -111,7 +111,11 @@ def enqueue(
     """
     _check_conn_type(conn, async_=False)
     ev = encode_event(
-        topic, payload, key=key, headers=headers, delay=delay,
+        topic,
+        payload,
+        key=key,
+        headers=headers,
+        delay=delay,
         trace_headers=current_trace_headers(),
     )
     name = _schema(schema)
@@ -174,7 +178,11 @@ async def enqueue_async(
     """``enqueue`` for a psycopg ``AsyncConnection`` (or ``AsyncCursor``)."""
     _check_conn_type(conn, async_=True)
     ev = encode_event(
-        topic, payload, key=key, headers=headers, delay=delay,
+        topic,
+        payload,
+        key=key,
+        headers=headers,
+        delay=delay,
         trace_headers=current_trace_headers(),
     )
     name = _schema(schema)
@@ -199,7 +207,7 @@ async def enqueue_many_async(
             await cur.executemany(query("insert_event", name), [_params(ev) for ev in encoded])
         else:
             async with cur.copy(query("copy_events", name)) as copy:
-                await copy.set_types(["uuid", "text", "bytea", "bytea", "jsonb"])
+                copy.set_types(["uuid", "text", "bytea", "bytea", "jsonb"])
                 for ev in encoded:
                     await copy.write_row(
                         (ev.event_id, ev.topic, ev.key, ev.payload, Jsonb(ev.headers))

@@ -23,7 +23,12 @@ from outbox.migrate import migrate
 # Variables that would change what the code under test connects to.
 for _name in list(os.environ):
     if (_name.startswith("OUTBOX_") and not _name.startswith("OUTBOX_TEST_")) or _name in {
-        "PGHOST", "PGPORT", "PGDATABASE", "PGUSER", "PGPASSWORD", "PGSERVICE",
+        "PGHOST",
+        "PGPORT",
+        "PGDATABASE",
+        "PGUSER",
+        "PGPASSWORD",
+        "PGSERVICE",
     }:
         del os.environ[_name]
 

@@ -6,6 +6,7 @@ import contextlib
 import os
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -39,7 +40,7 @@ def wait_for(
 def count(dsn: str, schema: str, table: str, where: str = "true") -> int:
     with psycopg.connect(dsn, autocommit=True) as conn:
         row = conn.execute(
-            sql.SQL("SELECT count(*) FROM {}.{} WHERE " + where).format(  # noqa: S608 - test-only
+            sql.SQL("SELECT count(*) FROM {}.{} WHERE " + where).format(
                 sql.Identifier(schema), sql.Identifier(table)
             )
         ).fetchone()
@@ -76,7 +77,9 @@ def read_topic(bootstrap: str, topic: str, expected: int, timeout: float = 30.0)
             return []
         return sorted(t.partitions)
 
-    parts = wait_for(partitions, timeout=timeout, what=f"topic {topic}") if expected else partitions()
+    parts = (
+        wait_for(partitions, timeout=timeout, what=f"topic {topic}") if expected else partitions()
+    )
     consumer = Consumer(
         {
             "bootstrap.servers": bootstrap,
@@ -144,16 +147,44 @@ def running_relay(
         raise errors[0]
 
 
-def relay_process(dsn: str, schema: str, bootstrap: str, *extra: str) -> subprocess.Popen[bytes]:
-    """``outbox relay`` as a real process (for SIGKILL/SIGTERM tests)."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("OUTBOX_")}
-    return subprocess.Popen(
-        [
-            sys.executable, "-m", "outbox", "relay",
-            "--dsn", dsn, "--schema", schema, "--kafka-bootstrap", bootstrap, *extra,
-        ],
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        stdin=subprocess.DEVNULL,
-    )
+class RelayProcess:
+    """``outbox relay`` as a real process (for SIGKILL/SIGTERM tests); output to a temp file."""
+
+    def __init__(self, dsn: str, schema: str, bootstrap: str, *extra: str) -> None:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("OUTBOX_")}
+        self._log = tempfile.TemporaryFile()
+        self.proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "outbox",
+                "relay",
+                "--dsn",
+                dsn,
+                "--schema",
+                schema,
+                "--kafka-bootstrap",
+                bootstrap,
+                *extra,
+            ],
+            env=env,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+        )
+
+    def output(self) -> str:
+        self._log.seek(0)
+        return self._log.read().decode(errors="replace")
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        self._log.close()
+
+    def __enter__(self) -> RelayProcess:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

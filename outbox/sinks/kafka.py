@@ -109,7 +109,14 @@ class KafkaSink:
         self.config = build_config(bootstrap, config, delivery_timeout)
         self._fatal: str | None = None
         self._last_error_log = 0.0
-        self._producer = Producer({**self.config, "error_cb": self._on_error})
+        # librdkafka's own log lines go through Python logging, not raw stderr.
+        self._producer = Producer(
+            {
+                **self.config,
+                "error_cb": self._on_error,
+                "logger": logging.getLogger("outbox.librdkafka"),
+            }
+        )
 
     def _on_error(self, err: KafkaError) -> None:
         if err.fatal():
@@ -140,7 +147,7 @@ class KafkaSink:
                     event.topic,
                     value=event.payload,
                     key=event.key,
-                    headers=event.headers,
+                    headers=list(event.headers),
                     on_delivery=on_delivery,
                 )
                 return None

@@ -24,18 +24,34 @@ def test_committed_events_arrive_byte_exact_and_rolled_back_never(
     with psycopg.connect(pg_dsn) as conn:
         with conn.transaction():
             eid = outbox.enqueue(
-                conn, topic, b"\x00\xffraw bytes", key=b"\x01k", schema=schema,
+                conn,
+                topic,
+                b"\x00\xffraw bytes",
+                key=b"\x01k",
+                schema=schema,
                 headers={"h-text": "v\u00e9", "h-bin": b"\xfe\x00\x01", "h-nul": "a\x00b"},
             )
-            sent[str(eid)] = {"key": b"\x01k", "value": b"\x00\xffraw bytes",
-                              "headers": {"h-text": "v\u00e9".encode(), "h-bin": b"\xfe\x00\x01",
-                                          "h-nul": b"a\x00b"}}
+            sent[str(eid)] = {
+                "key": b"\x01k",
+                "value": b"\x00\xffraw bytes",
+                "headers": {
+                    "h-text": "v\u00e9".encode(),
+                    "h-bin": b"\xfe\x00\x01",
+                    "h-nul": b"a\x00b",
+                },
+            }
             eid = outbox.enqueue(conn, topic, "text \u2603", key="k\u00e9", schema=schema)
-            sent[str(eid)] = {"key": "k\u00e9".encode(), "value": "text \u2603".encode(),
-                              "headers": {}}
+            sent[str(eid)] = {
+                "key": "k\u00e9".encode(),
+                "value": "text \u2603".encode(),
+                "headers": {},
+            }
             eid = outbox.enqueue(conn, topic, {"n": 1, "s": "\u00e9"}, schema=schema)
-            sent[str(eid)] = {"key": None, "value": '{"n":1,"s":"\u00e9"}'.encode(),
-                              "headers": {"content-type": b"application/json"}}
+            sent[str(eid)] = {
+                "key": None,
+                "value": '{"n":1,"s":"\u00e9"}'.encode(),
+                "headers": {"content-type": b"application/json"},
+            }
         rolled_back: list[uuid.UUID] = []
         try:
             with conn.transaction():
@@ -45,7 +61,8 @@ def test_committed_events_arrive_byte_exact_and_rolled_back_never(
             pass
         with conn.transaction():
             ids = outbox.enqueue_many(
-                conn, [{"topic": topic, "payload": f"m{i}", "key": "many"} for i in range(50)],
+                conn,
+                [{"topic": topic, "payload": f"m{i}", "key": "many"} for i in range(50)],
                 schema=schema,
             )
             for i, eid in enumerate(ids):
@@ -69,14 +86,17 @@ def test_committed_events_arrive_byte_exact_and_rolled_back_never(
 
 def test_archive_keeps_kafka_coordinates(pg_dsn: str, schema: str, kafka: str, topic: str) -> None:
     with psycopg.connect(pg_dsn) as conn:
-        outbox.enqueue_many(conn, [{"topic": topic, "payload": b"x", "key": str(i)} for i in range(20)],
-                            schema=schema)
+        outbox.enqueue_many(
+            conn,
+            [{"topic": topic, "payload": b"x", "key": str(i)} for i in range(20)],
+            schema=schema,
+        )
     with running_relay(RelayConfig(pg_dsn, schema=schema), bootstrap=kafka):
         wait_for(lambda: count(pg_dsn, schema, "delivered") == 20)
     by_id = {m.event_id: (m.partition, m.offset) for m in read_topic(kafka, topic, 20)}
     with psycopg.connect(pg_dsn) as conn:
         rows = conn.execute(
-            f'SELECT event_id, sink_partition, sink_offset, attempts FROM "{schema}".delivered'  # noqa: S608
+            f'SELECT event_id, sink_partition, sink_offset, attempts FROM "{schema}".delivered'
         ).fetchall()
     assert {str(e): (p, o) for e, p, o, _ in rows} == by_id
     assert {a for *_, a in rows} == {1}
@@ -119,8 +139,10 @@ def test_per_key_order_holds_through_retries(
             with conn.transaction():
                 outbox.enqueue_many(
                     conn,
-                    [{"topic": topic, "key": f"k{k}", "payload": {"k": k, "seq": seq}}
-                     for k in range(keys)],
+                    [
+                        {"topic": topic, "key": f"k{k}", "payload": {"k": k, "seq": seq}}
+                        for k in range(keys)
+                    ],
                     schema=schema,
                 )
     total = keys * per_key
@@ -130,8 +152,12 @@ def test_per_key_order_holds_through_retries(
         sinks.append(FlakySink(KafkaSink(kafka, delivery_timeout=10), 0.05, seed=7))
         return sinks[-1]
 
-    config = RelayConfig(pg_dsn, schema=schema, batch_size=200,
-                         retry=outbox.RetryPolicy(base=0.05, cap=0.2, max_attempts=50))
+    config = RelayConfig(
+        pg_dsn,
+        schema=schema,
+        batch_size=200,
+        retry=outbox.RetryPolicy(base=0.05, cap=0.2, max_attempts=50),
+    )
     with running_relay(config, factory):
         wait_for(lambda: count(pg_dsn, schema, "delivered") == total, timeout=60)
     assert sinks[0].failures > 0, "the test injected no failure"

@@ -1,0 +1,91 @@
+"""The CLI end to end: demo against the test servers, status JSON, errors without secrets."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import psycopg
+
+import outbox
+
+
+def _outbox(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "outbox", *args], capture_output=True, text=True, timeout=timeout
+    )
+
+
+def test_demo_runs_the_whole_pipeline(pg_dsn: str, schema: str, kafka: str) -> None:
+    out = _outbox(
+        "demo",
+        "--dsn",
+        pg_dsn,
+        "--kafka-bootstrap",
+        kafka,
+        "--schema",
+        schema,
+        "--seconds",
+        "3",
+        "--rate",
+        "200",
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    line = next(ln for ln in out.stdout.splitlines() if ln.startswith("demo summary: "))
+    summary = json.loads(line.removeprefix("demo summary: "))
+    assert summary["committed"] > 100 and summary["rolled_back"] > 0
+    assert summary["missing"] == 0 and summary["rolled_back_but_consumed"] == 0
+
+
+def test_status_json_has_the_documented_keys(pg_dsn: str, schema: str) -> None:
+    with psycopg.connect(pg_dsn) as conn:
+        outbox.enqueue_many(conn, [{"topic": "a", "payload": b"x"}] * 3, schema=schema)
+    out = _outbox("status", "--dsn", pg_dsn, "--schema", schema, "--json")
+    assert out.returncode == 0, out.stderr
+    report = json.loads(out.stdout)
+    assert report["pending"] == 3 and report["delivered"] == 0 and report["dead"] == 0
+    assert isinstance(report["oldest_pending_age_seconds"], float)
+    text = _outbox("status", "--dsn", pg_dsn, "--schema", schema)
+    assert "pending" in text.stdout and "a" in text.stdout
+
+
+def test_connection_errors_never_show_the_password() -> None:
+    dsn = "postgresql://app:Sup3rSecret@127.0.0.1:1/nowhere?connect_timeout=2"
+    for args in (("status",), ("migrate",), ("relay", "--kafka-bootstrap", "127.0.0.1:1")):
+        out = _outbox(*args, "--dsn", dsn)
+        assert out.returncode != 0
+        assert "Sup3rSecret" not in out.stdout + out.stderr
+        assert "cannot connect" in out.stderr
+
+
+def test_bad_options_are_named(pg_dsn: str, schema: str) -> None:
+    out = _outbox(
+        "relay",
+        "--dsn",
+        pg_dsn,
+        "--schema",
+        schema,
+        "--kafka-bootstrap",
+        "x:1",
+        "--kafka-config",
+        "acks=1",
+    )
+    assert out.returncode == 2 and "acks" in out.stderr
+    out = _outbox("relay", "--dsn", pg_dsn, "--schema", "not_migrated", "--kafka-bootstrap", "x:1")
+    assert out.returncode == 2 and "not migrated" in out.stderr
+    out = _outbox(
+        "relay",
+        "--dsn",
+        pg_dsn,
+        "--schema",
+        schema,
+        "--kafka-bootstrap",
+        "x:1",
+        "--lease",
+        "5",
+        "--delivery-timeout",
+        "10",
+    )
+    assert out.returncode == 2 and "delivery timeout" in out.stderr

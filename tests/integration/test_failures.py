@@ -1,0 +1,166 @@
+"""Failures: broker outage, refused events, expired leases. Nothing may be lost."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import psycopg
+
+import outbox
+from outbox.embedded import Broker
+from outbox.events import ClaimedEvent
+from outbox.relay import RelayConfig
+from outbox.sinks.base import Outcome, Report
+from outbox.sinks.kafka import KafkaSink
+from tests.helpers import count, read_topic, running_relay, wait_for
+
+
+def _max_attempts(dsn: str, schema: str) -> int:
+    with psycopg.connect(dsn) as conn:
+        row = conn.execute(f'SELECT coalesce(max(attempts), 0) FROM "{schema}".events').fetchone()
+        return int(row[0]) if row else 0
+
+
+def test_broker_outage_keeps_events_pending_then_delivers_all(
+    pg_dsn: str, schema: str, own_broker: Broker, topic: str
+) -> None:
+    n = 300
+    with psycopg.connect(pg_dsn) as conn:
+        outbox.enqueue_many(
+            conn,
+            [{"topic": topic, "payload": f"e{i}", "key": f"k{i % 7}"} for i in range(n)],
+            schema=schema,
+        )
+    own_broker.stop()
+    config = RelayConfig(
+        pg_dsn,
+        schema=schema,
+        delivery_timeout=1.0,
+        lease=5.0,
+        poll_interval=0.1,
+        retry=outbox.RetryPolicy(base=0.2, cap=0.5, max_attempts=1000),
+    )
+    with running_relay(config, bootstrap=own_broker.bootstrap):
+        wait_for(lambda: _max_attempts(pg_dsn, schema) >= 2, timeout=30, what="failed attempts")
+        assert count(pg_dsn, schema, "events") == n, (
+            "an event left the table while the broker was down"
+        )
+        assert count(pg_dsn, schema, "dead_letters") == 0
+        own_broker.start()
+        wait_for(lambda: count(pg_dsn, schema, "delivered") == n, timeout=60, what="drain")
+    messages = read_topic(own_broker.bootstrap, topic, n)
+    assert {m.event_id for m in messages} == _archived_ids(pg_dsn, schema)
+    assert count(pg_dsn, schema, "delivered", "attempts > 1") > 0
+
+
+def _archived_ids(dsn: str, schema: str) -> set[str]:
+    with psycopg.connect(dsn) as conn:
+        return {str(r[0]) for r in conn.execute(f'SELECT event_id FROM "{schema}".delivered')}
+
+
+def test_oversized_and_invalid_topic_are_dead_lettered_at_once_rest_delivered(
+    pg_dsn: str, schema: str, kafka: str, topic: str
+) -> None:
+    with psycopg.connect(pg_dsn) as conn:
+        outbox.enqueue_many(
+            conn, [{"topic": topic, "payload": f"before{i}"} for i in range(10)], schema=schema
+        )
+        big = outbox.enqueue(conn, topic, b"x" * 2_000_000, key="big", schema=schema)
+        bad = outbox.enqueue(conn, "no spaces allowed!", b"x", schema=schema)
+        outbox.enqueue_many(
+            conn, [{"topic": topic, "payload": f"after{i}"} for i in range(10)], schema=schema
+        )
+    with running_relay(RelayConfig(pg_dsn, schema=schema), bootstrap=kafka):
+        wait_for(lambda: count(pg_dsn, schema, "events") == 0)
+    with psycopg.connect(pg_dsn) as conn:
+        dead = dict(conn.execute(f'SELECT event_id, error FROM "{schema}".dead_letters').fetchall())
+        attempts = conn.execute(f'SELECT max(attempts) FROM "{schema}".dead_letters').fetchone()
+    assert set(dead) == {big, bad}
+    assert "MSG_SIZE_TOO_LARGE" in dead[big]
+    assert "TOPIC_EXCEPTION" in dead[bad]
+    assert attempts == (1,), "refused events must not be retried"
+    assert count(pg_dsn, schema, "delivered") == 20
+    assert len(read_topic(kafka, topic, 20)) == 20
+
+
+class SlowSink:
+    """The real Kafka sink whose delivery reports of the first batch come late.
+
+    Models a worker that stalls (GC pause, CPU starvation) past its lease after
+    it has produced: its messages reach the broker, its ack must not count.
+    """
+
+    def __init__(self, inner: KafkaSink, delay: float) -> None:
+        self.inner = inner
+        self.delay = delay
+        self.first_claim = threading.Event()
+        self._held: list[tuple[float, Report, Outcome]] = []
+
+    def produce(self, event: ClaimedEvent, report: Report) -> Outcome | None:
+        self.first_claim.set()
+        release_at = time.monotonic() + self.delay
+
+        def late(outcome: Outcome) -> None:
+            self._held.append((release_at, report, outcome))
+
+        return self.inner.produce(event, late)
+
+    def poll(self, timeout: float) -> None:
+        self.inner.poll(timeout)
+        now = time.monotonic()
+        due = [h for h in self._held if h[0] <= now]
+        self._held = [h for h in self._held if h[0] > now]
+        for _, report, outcome in due:
+            report(outcome)
+
+    def flush(self, timeout: float) -> int:
+        return self.inner.flush(timeout)
+
+    def healthy(self) -> bool:
+        return True
+
+    def close(self, timeout: float) -> None:
+        self.inner.close(timeout)
+
+
+def test_worker_slower_than_its_lease_cannot_ack(
+    pg_dsn: str, schema: str, kafka: str, topic: str
+) -> None:
+    n = 50
+    with psycopg.connect(pg_dsn) as conn:
+        outbox.enqueue_many(
+            conn,
+            [{"topic": topic, "payload": f"e{i}", "key": f"k{i}"} for i in range(n)],
+            schema=schema,
+        )
+    lease = 1.5
+    slow = SlowSink(KafkaSink(kafka, delivery_timeout=1.0), delay=lease * 2.5)
+    slow_config = RelayConfig(
+        pg_dsn,
+        schema=schema,
+        lease=lease,
+        delivery_timeout=1.0,
+        max_batches_in_flight=1,
+        poll_interval=60,
+    )
+    with running_relay(slow_config, lambda: slow) as stale:
+        assert slow.first_claim.wait(10)
+        # A second worker: it finds the events locked until the lease expires,
+        # then claims and delivers them.
+        with running_relay(
+            RelayConfig(pg_dsn, schema=schema, poll_interval=0.1), bootstrap=kafka
+        ) as fresh:
+            wait_for(lambda: count(pg_dsn, schema, "delivered") == n, timeout=30)
+            wait_for(lambda: stale.stats.leases_lost >= 1, timeout=30, what="stale ack refused")
+        assert fresh.stats.delivered == n
+        assert stale.stats.delivered == 0
+    with psycopg.connect(pg_dsn) as conn:
+        rows: list[Any] = conn.execute(
+            f'SELECT id, count(*) FROM "{schema}".delivered GROUP BY id'
+        ).fetchall()
+    assert len(rows) == n and all(c == 1 for _, c in rows), "an event was archived twice"
+    messages = read_topic(kafka, topic, 2 * n)
+    assert len(messages) == 2 * n  # the stale worker's copies reached the broker: duplicates
+    assert len({m.event_id for m in messages}) == n
