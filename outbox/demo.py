@@ -111,8 +111,11 @@ def _consumer(bootstrap: str, stop: threading.Event, c: _Counters) -> None:
             if msg is None or msg.error():
                 continue
             headers = dict(msg.headers() or [])
+            event_id = headers.get("event-id")
+            if not isinstance(event_id, bytes):
+                continue  # not one of ours
             with c.lock:
-                c.consumed.add(headers["event-id"].decode())
+                c.consumed.add(event_id.decode())
                 c.consumed_total += 1
     finally:
         consumer.close()
