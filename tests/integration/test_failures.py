@@ -164,3 +164,33 @@ def test_worker_slower_than_its_lease_cannot_ack(
     messages = read_topic(kafka, topic, 2 * n)
     assert len(messages) == 2 * n  # the stale worker's copies reached the broker: duplicates
     assert len({m.event_id for m in messages}) == n
+
+
+def test_relay_reconnects_after_its_connections_are_killed(
+    pg_dsn: str, schema: str, kafka: str, topic: str
+) -> None:
+    n = 30_000
+    with psycopg.connect(pg_dsn) as conn:
+        outbox.enqueue_many(
+            conn,
+            [{"topic": topic, "payload": b"p" * 100, "key": f"k{i % 50}"} for i in range(n)],
+            schema=schema,
+        )
+    config = RelayConfig(pg_dsn, schema=schema, batch_size=200, poll_interval=0.1)
+    killed = 0
+    with running_relay(config, bootstrap=kafka) as relay:
+        wait_for(lambda: relay.stats.delivered > 1000, timeout=30)
+        assert count(pg_dsn, schema, "events") > 0, "drained before the kill; proves nothing"
+        with psycopg.connect(pg_dsn, autocommit=True) as admin:
+            for _ in range(3):
+                rows = admin.execute(
+                    "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+                    "WHERE application_name IN ('outbox-relay', 'outbox-listener') "
+                    "AND pid <> pg_backend_pid()"
+                ).fetchall()
+                killed += len(rows)
+                time.sleep(0.3)
+        wait_for(lambda: count(pg_dsn, schema, "events") == 0, timeout=60, what="drain")
+    assert killed > 0
+    assert count(pg_dsn, schema, "delivered") == n
+    assert len({m.event_id for m in read_topic(kafka, topic, n, timeout=60)}) == n
