@@ -116,9 +116,7 @@ class Batch:
                 made = self.attempts[i] + 1
                 if policy.exhausted(made):
                     dead_ids.append(self.ids[i])
-                    dead_errors.append(
-                        cap_error(f"gave up after {made} attempts: {outcome.reason}")
-                    )
+                    dead_errors.append(cap_error(f"gave up after {made} attempts: {outcome.reason}"))
                 else:
                     retry_ids.append(self.ids[i])
                     retry_delays.append(policy.next_delay(made))
@@ -140,9 +138,7 @@ class Batch:
                 )
                 _check_rows(cur.rowcount, len(retry_ids), "retry")
             if dead_ids:
-                cur = conn.execute(
-                    query("dead_letter", schema), {"ids": dead_ids, "errors": dead_errors}
-                )
+                cur = conn.execute(query("dead_letter", schema), {"ids": dead_ids, "errors": dead_errors})
                 _check_rows(cur.rowcount, len(dead_ids), "dead-letter")
             conn.commit()
         except FencingError:
@@ -163,6 +159,4 @@ class Batch:
 
 def _check_rows(changed: int, expected: int, what: str) -> None:
     if changed != expected:
-        raise FencingError(
-            f"{what} changed {changed} rows, expected {expected}: the batch's lease was lost"
-        )
+        raise FencingError(f"{what} changed {changed} rows, expected {expected}: the batch's lease was lost")

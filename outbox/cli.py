@@ -182,8 +182,7 @@ def _add_relay_options(p: argparse.ArgumentParser) -> None:
         "--delivery-timeout",
         type=float,
         default=_env_float("OUTBOX_DELIVERY_TIMEOUT", DELIVERY_TIMEOUT),
-        help="seconds the broker may take to ack "
-        f"[OUTBOX_DELIVERY_TIMEOUT; default {DELIVERY_TIMEOUT}]",
+        help=f"seconds the broker may take to ack [OUTBOX_DELIVERY_TIMEOUT; default {DELIVERY_TIMEOUT}]",
     )
     p.add_argument(
         "--poll-interval",
@@ -230,9 +229,7 @@ def _add_relay_options(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="outbox", description=__doc__.splitlines()[0] if __doc__ else None
-    )
+    parser = argparse.ArgumentParser(prog="outbox", description=__doc__.splitlines()[0] if __doc__ else None)
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("migrate", help="create or upgrade the outbox tables")
@@ -267,6 +264,30 @@ def build_parser() -> argparse.ArgumentParser:
         default=_env_float("OUTBOX_DEMO_RATE", 500.0),
         help="orders per second written by the sample app [OUTBOX_DEMO_RATE; default 500]",
     )
+    p = sub.add_parser("bench", help="benchmark the relay against baselines; tables and plots")
+    p.add_argument(
+        "--dsn",
+        default=_env("OUTBOX_DSN"),
+        help="PostgreSQL to use [OUTBOX_DSN; default: an embedded one]",
+    )
+    _add_kafka(p)
+    p.add_argument(
+        "--scenarios",
+        default="drain,steady,writer,soak,scale",
+        help="comma-separated: drain, steady, writer, soak, scale",
+    )
+    p.add_argument("--out", default="bench-results", help="output directory [default bench-results]")
+    p.add_argument("--smoke", action="store_true", help="tiny sizes: checks that everything runs")
+    p.add_argument("--events", type=int, help="drain/scale: pending events [500000]")
+    p.add_argument("--repeat", type=int, help="drain: runs per contender [3]")
+    p.add_argument("--rates", help="steady: comma-separated events/s [1000,5000,20000]")
+    p.add_argument("--steady-seconds", type=float, help="steady: seconds per rate [30]")
+    p.add_argument("--soak-minutes", type=float, help="soak: minutes [10]")
+    p.add_argument("--soak-rate", type=int, help="soak: events/s [2000]")
+    p.add_argument("--snapshot-seconds", type=float, help="soak: snapshot held open [60]")
+    p.add_argument("--scale-processes", help="scale: comma-separated process counts [1,2,4]")
+    p.add_argument("--log-format", choices=["text", "json"], default="text")
+    p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
     return parser
 
 
@@ -274,9 +295,7 @@ def _connect(dsn: str, secrets: list[str]) -> psycopg.Connection[Any]:
     try:
         return psycopg.connect(dsn, application_name="outbox-cli")
     except psycopg.OperationalError as exc:
-        raise CliError(
-            f"cannot connect to PostgreSQL ({redact(dsn)}): {scrub(str(exc), secrets)}"
-        ) from None
+        raise CliError(f"cannot connect to PostgreSQL ({redact(dsn)}): {scrub(str(exc), secrets)}") from None
 
 
 def cmd_migrate(args: argparse.Namespace) -> int:
@@ -339,9 +358,7 @@ def cmd_relay(args: argparse.Namespace) -> int:
             raise CliError(f"--schema: {config.schema!r} is not migrated; run `outbox migrate`")
 
     def sink() -> KafkaSink:
-        return KafkaSink(
-            args.kafka_bootstrap, kafka_config, delivery_timeout=config.delivery_timeout
-        )
+        return KafkaSink(args.kafka_bootstrap, kafka_config, delivery_timeout=config.delivery_timeout)
 
     sink().close(0)  # validates the Kafka configuration now, with a clear error
     run_until_signal(Relay(config, sink))
@@ -389,12 +406,57 @@ def cmd_demo(args: argparse.Namespace) -> int:
     )
 
 
+def _int_list(text: str, field: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise CliError(f"{field}: expected comma-separated integers, got {text!r}") from None
+    if not values or any(v <= 0 for v in values):
+        raise CliError(f"{field}: expected positive integers, got {text!r}")
+    return values
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from outbox.bench import run_bench
+
+    overrides: dict[str, Any] = {}
+    for name in (
+        "events",
+        "repeat",
+        "steady_seconds",
+        "soak_minutes",
+        "soak_rate",
+        "snapshot_seconds",
+    ):
+        value = getattr(args, name)
+        if value is not None:
+            if value <= 0:
+                raise CliError(f"--{name.replace('_', '-')}: must be > 0, got {value}")
+            overrides[name] = value
+    if args.rates:
+        overrides["rates"] = _int_list(args.rates, "--rates")
+    if args.scale_processes:
+        overrides["scale_processes"] = _int_list(args.scale_processes, "--scale-processes")
+    run_bench(
+        dsn=args.dsn or None,
+        bootstrap=args.kafka_bootstrap,
+        chosen=[s.strip() for s in args.scenarios.split(",") if s.strip()],
+        out=Path(args.out),
+        smoke=args.smoke,
+        overrides=overrides,
+    )
+    return 0
+
+
 COMMANDS = {
     "migrate": cmd_migrate,
     "relay": cmd_relay,
     "status": cmd_status,
     "notify": cmd_notify,
     "demo": cmd_demo,
+    "bench": cmd_bench,
 }
 
 

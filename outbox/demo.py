@@ -191,9 +191,7 @@ def _run(
     threads = [
         threading.Thread(target=relay.run, name="relay"),
         threading.Thread(target=_app, args=(dsn, schema, rate, app_stop, counters), name="app"),
-        threading.Thread(
-            target=_consumer, args=(bootstrap, consumer_stop, counters), name="consumer"
-        ),
+        threading.Thread(target=_consumer, args=(bootstrap, consumer_stop, counters), name="consumer"),
     ]
     for t in threads:
         t.start()

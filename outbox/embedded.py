@@ -102,9 +102,7 @@ class Broker:
         return self._proc is not None and self._proc.poll() is None
 
     def version(self) -> str:
-        out = subprocess.run(
-            [tansu_binary(), "--version"], capture_output=True, text=True, check=False
-        )
+        out = subprocess.run([tansu_binary(), "--version"], capture_output=True, text=True, check=False)
         return (out.stdout or out.stderr).strip() or "tansu (unknown version)"
 
     def __enter__(self) -> Broker:

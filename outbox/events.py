@@ -130,17 +130,14 @@ def encode_headers(headers: object) -> dict[str, Any]:
     if headers is None:
         return {}
     if not isinstance(headers, Mapping):
-        raise TypeError(
-            f"headers: expected a mapping of str to str/bytes, got {type(headers).__name__}"
-        )
+        raise TypeError(f"headers: expected a mapping of str to str/bytes, got {type(headers).__name__}")
     out: dict[str, Any] = {}
     for name, value in headers.items():
         if not isinstance(name, str):
             raise TypeError(f"headers: header names must be str, got {type(name).__name__}")
         if not name or len(name) > MAX_HEADER_NAME_CHARS or "\x00" in name:
             raise ValueError(
-                f"headers: header name {name!r} must be 1-{MAX_HEADER_NAME_CHARS} "
-                "characters, without NUL"
+                f"headers: header name {name!r} must be 1-{MAX_HEADER_NAME_CHARS} characters, without NUL"
             )
         _text(name, f"headers[{name!r}]")
         if name == EVENT_ID_HEADER:
@@ -230,9 +227,7 @@ def decode_headers(raw: object) -> list[tuple[str, bytes]]:
             except ValueError:
                 raise CorruptEvent(f"headers[{name!r}]: invalid base64") from None
         else:
-            raise CorruptEvent(
-                f"headers[{name!r}]: expected a string, found {type(value).__name__}"
-            )
+            raise CorruptEvent(f"headers[{name!r}]: expected a string, found {type(value).__name__}")
     return out
 
 

@@ -24,9 +24,7 @@ NOTIFY_WAIT = 0.5  # seconds; how often the listener checks for stop
 class Listener(threading.Thread):
     """Sets ``wakeup`` whenever ``channel`` is notified, until ``stop`` is set."""
 
-    def __init__(
-        self, dsn: str, channel: str, wakeup: threading.Event, stop: threading.Event
-    ) -> None:
+    def __init__(self, dsn: str, channel: str, wakeup: threading.Event, stop: threading.Event) -> None:
         super().__init__(name="outbox-listener", daemon=True)
         self._dsn = dsn
         self._channel = channel
@@ -36,9 +34,7 @@ class Listener(threading.Thread):
     def run(self) -> None:
         while not self._stop_event.is_set():
             try:
-                with psycopg.connect(
-                    self._dsn, autocommit=True, application_name="outbox-listener"
-                ) as conn:
+                with psycopg.connect(self._dsn, autocommit=True, application_name="outbox-listener") as conn:
                     conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(self._channel)))
                     # Notifications sent while we were not listening are lost: look now.
                     self._wakeup.set()

@@ -102,9 +102,7 @@ def _lock_key(schema: str) -> int:
 
 def applied_versions(conn: psycopg.Connection[Any], schema: str) -> dict[int, str]:
     """Versions recorded in ``schema`` (empty when it was never migrated)."""
-    row = conn.execute(
-        "SELECT to_regclass(format('%%I.schema_migrations', %s::text))", (schema,)
-    ).fetchone()
+    row = conn.execute("SELECT to_regclass(format('%%I.schema_migrations', %s::text))", (schema,)).fetchone()
     if not row or row[0] is None:
         return {}
     rows = conn.execute(

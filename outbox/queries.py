@@ -20,13 +20,17 @@ _BLOCK = re.compile(r"^-- name: (\w+)\n", re.MULTILINE)
 
 @functools.cache
 def _raw_queries() -> dict[str, str]:
-    text = importlib.resources.files("outbox").joinpath("sql/queries.sql").read_text("utf-8")
-    parts = _BLOCK.split(text)
-    # parts = [preamble, name1, body1, name2, body2, ...]
     queries: dict[str, str] = {}
-    for name, body in zip(parts[1::2], parts[2::2], strict=False):
-        lines = [line for line in body.strip().splitlines() if not line.startswith("--")]
-        queries[name] = "\n".join(lines).strip()
+    for entry in sorted(importlib.resources.files("outbox").joinpath("sql").iterdir(), key=str):
+        if not entry.name.endswith(".sql"):
+            continue
+        parts = _BLOCK.split(entry.read_text("utf-8"))
+        # parts = [preamble, name1, body1, name2, body2, ...]
+        for name, body in zip(parts[1::2], parts[2::2], strict=True):
+            if name in queries:
+                raise RuntimeError(f"query {name!r} is defined twice in outbox/sql/")
+            lines = [line for line in body.strip().splitlines() if not line.startswith("--")]
+            queries[name] = "\n".join(lines).strip()
     return queries
 
 
@@ -35,16 +39,25 @@ def names() -> list[str]:
     return sorted(_raw_queries())
 
 
+def query(name: str, schema: str, **keywords: str) -> sql.Composed:
+    """The named query with ``{schema}`` bound to ``schema`` as an identifier.
+
+    ``keywords`` fill other placeholders with fixed SQL keywords chosen by our
+    own code (e.g. ``state="ENABLE"``), never with user input.
+    """
+    return _query(name, schema, tuple(sorted(keywords.items())))
+
+
 @functools.lru_cache(maxsize=256)
-def query(name: str, schema: str) -> sql.Composed:
-    """The named query with ``{schema}`` bound to ``schema`` as an identifier."""
+def _query(name: str, schema: str, keywords: tuple[tuple[str, str], ...]) -> sql.Composed:
     validate_schema(schema)
     try:
         raw = _raw_queries()[name]
     except KeyError:
-        raise KeyError(f"no query named {name!r} in outbox/sql/queries.sql") from None
+        raise KeyError(f"no query named {name!r} in outbox/sql/") from None
     return sql.SQL(raw).format(
         schema=sql.Identifier(schema),
         schema_name=sql.Literal(schema),
         channel=sql.Literal(channel_name(schema)),
+        **{k: sql.SQL(v) for k, v in keywords},
     )

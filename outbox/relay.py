@@ -228,8 +228,7 @@ class Relay:
             self.stats.leases_lost += 1
             self._lost(
                 batch.conn,
-                f"ack of {len(batch)} events refused, they will be delivered again: "
-                f"{self._clean(exc)}",
+                f"ack of {len(batch)} events refused, they will be delivered again: {self._clean(exc)}",
             )
             return
         self._idle.append(batch.conn)
@@ -251,8 +250,7 @@ class Relay:
             autocommit=False,
             application_name="outbox-relay",
             # The lease: a transaction idle longer than this is ended by the server.
-            options=f"-c idle_in_transaction_session_timeout={lease_ms}"
-            f" -c statement_timeout={lease_ms}",
+            options=f"-c idle_in_transaction_session_timeout={lease_ms} -c statement_timeout={lease_ms}",
         )
         return conn
 

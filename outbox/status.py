@@ -26,8 +26,7 @@ def collect(conn: psycopg.Connection[Any], schema: str) -> dict[str, Any]:
         "delivered_last_hour": int(last_hour[0]) if last_hour else 0,
         "oldest_pending_age_seconds": None if oldest is None else round(float(oldest), 3),
         "pending_by_topic": [
-            {"topic": t, "pending": int(n), "oldest_age_seconds": round(float(a), 3)}
-            for t, n, a in by_topic
+            {"topic": t, "pending": int(n), "oldest_age_seconds": round(float(a), 3)} for t, n, a in by_topic
         ],
         "top_errors": [{"error": e, "events": int(n)} for e, n in errors],
     }

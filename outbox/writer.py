@@ -52,9 +52,7 @@ def _params(ev: EncodedEvent) -> tuple[Any, ...]:
 
 
 def _unknown_schema(schema: str) -> ValueError:
-    return ValueError(
-        f"schema: {schema!r} holds no outbox tables; run `outbox migrate --schema {schema}`"
-    )
+    return ValueError(f"schema: {schema!r} holds no outbox tables; run `outbox migrate --schema {schema}`")
 
 
 def _connection(conn: Any) -> Any:
@@ -209,7 +207,5 @@ async def enqueue_many_async(
             async with cur.copy(query("copy_events", name)) as copy:
                 copy.set_types(["uuid", "text", "bytea", "bytea", "jsonb"])
                 for ev in encoded:
-                    await copy.write_row(
-                        (ev.event_id, ev.topic, ev.key, ev.payload, Jsonb(ev.headers))
-                    )
+                    await copy.write_row((ev.event_id, ev.topic, ev.key, ev.payload, Jsonb(ev.headers)))
     return [ev.event_id for ev in encoded]

@@ -77,9 +77,7 @@ def read_topic(bootstrap: str, topic: str, expected: int, timeout: float = 30.0)
             return []
         return sorted(t.partitions)
 
-    parts = (
-        wait_for(partitions, timeout=timeout, what=f"topic {topic}") if expected else partitions()
-    )
+    parts = wait_for(partitions, timeout=timeout, what=f"topic {topic}") if expected else partitions()
     consumer = Consumer(
         {
             "bootstrap.servers": bootstrap,
@@ -123,9 +121,7 @@ def running_relay(
     config: RelayConfig, sink_factory: Callable[[], Sink] | None = None, bootstrap: str = ""
 ) -> Iterator[Relay]:
     """A relay running in a thread for the duration of the block, then stopped."""
-    factory = sink_factory or (
-        lambda: KafkaSink(bootstrap, delivery_timeout=config.delivery_timeout)
-    )
+    factory = sink_factory or (lambda: KafkaSink(bootstrap, delivery_timeout=config.delivery_timeout))
     relay = Relay(config, factory)
     errors: list[BaseException] = []
 

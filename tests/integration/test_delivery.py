@@ -130,19 +130,14 @@ class FlakySink:
         self.inner.close(timeout)
 
 
-def test_per_key_order_holds_through_retries(
-    pg_dsn: str, schema: str, kafka: str, topic: str
-) -> None:
+def test_per_key_order_holds_through_retries(pg_dsn: str, schema: str, kafka: str, topic: str) -> None:
     keys, per_key = 20, 100
     with psycopg.connect(pg_dsn) as conn:
         for seq in range(per_key):  # one transaction per round: commit order == seq order
             with conn.transaction():
                 outbox.enqueue_many(
                     conn,
-                    [
-                        {"topic": topic, "key": f"k{k}", "payload": {"k": k, "seq": seq}}
-                        for k in range(keys)
-                    ],
+                    [{"topic": topic, "key": f"k{k}", "payload": {"k": k, "seq": seq}} for k in range(keys)],
                     schema=schema,
                 )
     total = keys * per_key

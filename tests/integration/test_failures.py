@@ -44,9 +44,7 @@ def test_broker_outage_keeps_events_pending_then_delivers_all(
     )
     with running_relay(config, bootstrap=own_broker.bootstrap):
         wait_for(lambda: _max_attempts(pg_dsn, schema) >= 2, timeout=30, what="failed attempts")
-        assert count(pg_dsn, schema, "events") == n, (
-            "an event left the table while the broker was down"
-        )
+        assert count(pg_dsn, schema, "events") == n, "an event left the table while the broker was down"
         assert count(pg_dsn, schema, "dead_letters") == 0
         own_broker.start()
         wait_for(lambda: count(pg_dsn, schema, "delivered") == n, timeout=60, what="drain")
@@ -125,9 +123,7 @@ class SlowSink:
         self.inner.close(timeout)
 
 
-def test_worker_slower_than_its_lease_cannot_ack(
-    pg_dsn: str, schema: str, kafka: str, topic: str
-) -> None:
+def test_worker_slower_than_its_lease_cannot_ack(pg_dsn: str, schema: str, kafka: str, topic: str) -> None:
     n = 50
     with psycopg.connect(pg_dsn) as conn:
         outbox.enqueue_many(
@@ -149,9 +145,7 @@ def test_worker_slower_than_its_lease_cannot_ack(
         assert slow.first_claim.wait(10)
         # A second worker: it finds the events locked until the lease expires,
         # then claims and delivers them.
-        with running_relay(
-            RelayConfig(pg_dsn, schema=schema, poll_interval=0.1), bootstrap=kafka
-        ) as fresh:
+        with running_relay(RelayConfig(pg_dsn, schema=schema, poll_interval=0.1), bootstrap=kafka) as fresh:
             wait_for(lambda: count(pg_dsn, schema, "delivered") == n, timeout=30)
             wait_for(lambda: stale.stats.leases_lost >= 1, timeout=30, what="stale ack refused")
         assert fresh.stats.delivered == n

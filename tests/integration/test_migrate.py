@@ -31,9 +31,9 @@ def _catalog(conn: psycopg.Connection[Any], schema: str) -> dict[str, list[tuple
     for name, text in q.items():
         if name == "versions":
             out[name] = conn.execute(
-                sql.SQL(
-                    "SELECT version, name, checksum FROM {}.schema_migrations ORDER BY 1"
-                ).format(sql.Identifier(schema))
+                sql.SQL("SELECT version, name, checksum FROM {}.schema_migrations ORDER BY 1").format(
+                    sql.Identifier(schema)
+                )
             ).fetchall()
         elif name in ("indexes", "functions"):
             out[name] = [
@@ -71,9 +71,7 @@ def test_printed_sql_matches_what_migrate_applies(pg_dsn: str, schema: str) -> N
             assert _catalog(conn, printed_schema) == _catalog(conn, schema)
             assert migrate(conn, printed_schema) == []  # recorded versions are honoured
         finally:
-            conn.execute(
-                sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(sql.Identifier(printed_schema))
-            )
+            conn.execute(sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(sql.Identifier(printed_schema)))
 
 
 def test_cli_migrate_applies_then_reports_up_to_date(pg_dsn: str) -> None:
@@ -94,9 +92,7 @@ def test_schema_names_are_identifiers_not_sql(pg_dsn: str) -> None:
     with psycopg.connect(pg_dsn, autocommit=True) as conn:
         try:
             migrate(conn, name)
-            row = conn.execute(
-                "SELECT count(*) FROM pg_namespace WHERE nspname = %s", (name,)
-            ).fetchone()
+            row = conn.execute("SELECT count(*) FROM pg_namespace WHERE nspname = %s", (name,)).fetchone()
             assert row == (1,)
         finally:
             conn.execute(sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(sql.Identifier(name)))

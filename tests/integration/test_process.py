@@ -84,8 +84,6 @@ def test_sigterm_exits_zero_within_grace_and_loses_nothing(
     assert archived + pending == n, "an event vanished at shutdown"
     # Everything archived really reached the broker.
     with psycopg.connect(pg_dsn) as conn:
-        archived_ids = {
-            str(r[0]) for r in conn.execute(f'SELECT event_id FROM "{schema}".delivered')
-        }
+        archived_ids = {str(r[0]) for r in conn.execute(f'SELECT event_id FROM "{schema}".delivered')}
     on_kafka = {m.event_id for m in read_topic(kafka, topic, archived, timeout=60)}
     assert archived_ids <= on_kafka

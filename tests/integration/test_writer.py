@@ -65,9 +65,7 @@ BAD_CALLS: list[tuple[str, dict[str, Any], type[Exception], str]] = [
 ]
 
 
-@pytest.mark.parametrize(
-    ("case", "kwargs", "error", "field"), BAD_CALLS, ids=[c[0] for c in BAD_CALLS]
-)
+@pytest.mark.parametrize(("case", "kwargs", "error", "field"), BAD_CALLS, ids=[c[0] for c in BAD_CALLS])
 def test_bad_input_names_the_field_and_writes_nothing(
     pg_dsn: str, schema: str, case: str, kwargs: dict[str, Any], error: type[Exception], field: str
 ) -> None:

@@ -1,0 +1,172 @@
+"""What the benchmark races: the relay and the two baselines, each in its own process.
+
+Each contender runs in a child process (spawned, not forked: librdkafka and
+psycopg hold threads and sockets) so that its CPU time and peak RSS are its
+own. It reports the number of events it has moved through a shared counter and
+stops when the parent sets ``stop``.
+
+- ``relay``: this project's relay, default settings (archive on, ordering on).
+- ``bare``: the ceiling. Lock 1,000 rows with SKIP LOCKED, produce, flush,
+  delete + archive in one statement, commit. No leases, retries, telemetry or
+  ordering.
+- ``seeds``: the loop most teams start with. One row per transaction: claim,
+  mark the lease, publish, flush, delete.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from dataclasses import dataclass, field
+from multiprocessing.sharedctypes import Synchronized
+from multiprocessing.synchronize import Event
+from pathlib import Path
+from typing import Any
+
+import psycopg
+from confluent_kafka import Producer
+
+from outbox.events import ClaimedEvent
+from outbox.queries import query
+from outbox.relay import Relay, RelayConfig
+from outbox.sinks.base import Delivered, Outcome, Report
+from outbox.sinks.kafka import KafkaSink
+
+BARE_BATCH = 1000  # rows per transaction of the bare loop
+IDLE_WAIT = 0.005  # seconds a baseline sleeps when it finds nothing to do
+PRODUCER_CONFIG = {"enable.idempotence": True, "acks": "all", "linger.ms": 5}
+
+
+@dataclass
+class ContenderSpec:
+    kind: str  # relay | bare | seeds
+    dsn: str
+    schema: str
+    bootstrap: str
+    relay_options: dict[str, Any] = field(default_factory=dict)
+    ack_log: str | None = None  # steady scenario: where the relay writes event-id -> ack time
+
+
+def _headers(event_id: Any, headers: Any) -> list[tuple[str, str | bytes | None]]:
+    out: list[tuple[str, str | bytes | None]] = [
+        (k, v.encode()) for k, v in (headers or {}).items() if isinstance(v, str)
+    ]
+    out.append(("event-id", str(event_id).encode()))
+    return out
+
+
+def run_contender(spec: ContenderSpec, counter: Synchronized[int], stop: Event) -> None:
+    """Child-process entry point."""
+    if spec.kind == "relay":
+        _relay(spec, counter, stop)
+    elif spec.kind == "bare":
+        _bare(spec, counter, stop)
+    elif spec.kind == "seeds":
+        _seeds(spec, counter, stop)
+    else:
+        raise ValueError(f"contender: unknown kind {spec.kind!r}")
+
+
+class AckTimingSink:
+    """The Kafka sink, recording when each event's ack arrived (steady scenario)."""
+
+    def __init__(self, inner: KafkaSink) -> None:
+        self.inner = inner
+        self.acks: list[tuple[str, float]] = []
+
+    def produce(self, event: ClaimedEvent, report: Report) -> Outcome | None:
+        event_id = str(event.event_id)
+
+        def timed(outcome: Outcome) -> None:
+            if isinstance(outcome, Delivered):
+                self.acks.append((event_id, time.time()))
+            report(outcome)
+
+        return self.inner.produce(event, timed)
+
+    def poll(self, timeout: float) -> None:
+        self.inner.poll(timeout)
+
+    def flush(self, timeout: float) -> int:
+        return self.inner.flush(timeout)
+
+    def healthy(self) -> bool:
+        return self.inner.healthy()
+
+    def close(self, timeout: float) -> None:
+        self.inner.close(timeout)
+
+
+def _relay(spec: ContenderSpec, counter: Synchronized[int], stop: Event) -> None:
+    config = RelayConfig(spec.dsn, schema=spec.schema, **spec.relay_options)
+    sinks: list[AckTimingSink] = []
+
+    def factory() -> KafkaSink | AckTimingSink:
+        sink = KafkaSink(spec.bootstrap, delivery_timeout=config.delivery_timeout)
+        if spec.ack_log is None:
+            return sink
+        sinks.append(AckTimingSink(sink))
+        return sinks[-1]
+
+    relay = Relay(config, factory)
+    thread = threading.Thread(target=relay.run, name="relay")
+    thread.start()
+    while not stop.wait(0.05) and thread.is_alive():
+        counter.value = relay.stats.delivered
+    relay.stop()
+    thread.join()
+    counter.value = relay.stats.delivered
+    if spec.ack_log is not None:
+        acks = [a for s in sinks for a in s.acks]
+        Path(spec.ack_log).write_text(json.dumps(acks))
+
+
+def _bare(spec: ContenderSpec, counter: Synchronized[int], stop: Event) -> None:
+    producer = Producer({"bootstrap.servers": spec.bootstrap, **PRODUCER_CONFIG})
+    claim = query("bare_claim", spec.schema)
+    archive = query("archive_delivered", spec.schema)
+    moved = 0
+    with psycopg.connect(spec.dsn) as conn:
+        while not stop.is_set():
+            rows = conn.execute(claim, {"limit": BARE_BATCH}).fetchall()
+            if not rows:
+                conn.rollback()
+                time.sleep(IDLE_WAIT)
+                continue
+            for _id, event_id, topic, key, payload, headers in rows:
+                while True:
+                    try:
+                        producer.produce(topic, value=payload, key=key, headers=_headers(event_id, headers))
+                        break
+                    except BufferError:
+                        producer.poll(0.05)
+            producer.flush()
+            ids = [r[0] for r in rows]
+            conn.execute(archive, {"ids": ids, "partitions": [None] * len(ids), "offsets": [None] * len(ids)})
+            conn.commit()
+            moved += len(rows)
+            counter.value = moved
+
+
+def _seeds(spec: ContenderSpec, counter: Synchronized[int], stop: Event) -> None:
+    producer = Producer({"bootstrap.servers": spec.bootstrap, **PRODUCER_CONFIG})
+    claim = query("seeds_claim", spec.schema)
+    lease = query("seeds_lease", spec.schema)
+    delete = query("seeds_delete", spec.schema)
+    moved = 0
+    with psycopg.connect(spec.dsn) as conn:
+        while not stop.is_set():
+            row = conn.execute(claim).fetchone()
+            if row is None:
+                conn.rollback()
+                time.sleep(IDLE_WAIT)
+                continue
+            id_, event_id, topic, key, payload, headers = row
+            conn.execute(lease, (id_,))
+            producer.produce(topic, value=payload, key=key, headers=_headers(event_id, headers))
+            producer.flush()
+            conn.execute(delete, (id_,))
+            conn.commit()
+            moved += 1
+            counter.value = moved

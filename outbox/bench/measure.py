@@ -1,0 +1,239 @@
+"""Measuring tools of the benchmark: progress bars, CPU/RSS accounting, races, statistics."""
+
+from __future__ import annotations
+
+import itertools
+import multiprocessing as mp
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import psutil
+import psycopg
+
+from outbox.bench.contenders import ContenderSpec, run_contender
+
+SAMPLE_EVERY = 0.2  # seconds between samples of counters, CPU and memory
+
+
+class Progress:
+    """One progress bar on stderr: redrawn in place on a terminal, a line every 5 s otherwise."""
+
+    WIDTH = 30
+
+    def __init__(self, label: str, total: float, unit: str = "") -> None:
+        self.label = label
+        self.total = max(total, 1e-9)
+        self.unit = unit
+        self.tty = sys.stderr.isatty()
+        self._last_line = 0.0
+        self._started = time.monotonic()
+
+    def update(self, done: float, extra: str = "") -> None:
+        now = time.monotonic()
+        if not self.tty and now - self._last_line < 5.0:
+            return
+        self._last_line = now
+        frac = min(1.0, done / self.total)
+        bar = "#" * int(frac * self.WIDTH)
+        line = (
+            f"{self.label:<28} [{bar:<{self.WIDTH}}] {frac * 100:5.1f}% "
+            f"{done:,.0f}/{self.total:,.0f}{self.unit} {now - self._started:6.1f}s {extra}"
+        )
+        sys.stderr.write(("\r" + line + "\x1b[K") if self.tty else line + "\n")
+        sys.stderr.flush()
+
+    def close(self, extra: str = "") -> None:
+        self._last_line = 0.0
+        self.update(self.total, extra)
+        if self.tty:
+            sys.stderr.write("\n")
+
+
+def machine(dsn: str, broker_version: str) -> dict[str, Any]:
+    cpu = platform.processor() or "unknown"
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    with psycopg.connect(dsn) as conn:
+        row = conn.execute("SHOW server_version").fetchone()
+    return {
+        "cpu_model": cpu,
+        "cores": os.cpu_count(),
+        "memory_gib": round(psutil.virtual_memory().total / 2**30, 1),
+        "os": f"{platform.system()} {platform.release()}",
+        "python": platform.python_version(),
+        "postgresql": row[0] if row else "unknown",
+        "broker": broker_version,
+    }
+
+
+def postgres_cpu() -> dict[int, float]:
+    """CPU seconds (user + system) of every PostgreSQL process, by pid."""
+    out: dict[int, float] = {}
+    for proc in psutil.process_iter(["name"]):
+        try:
+            if proc.info["name"] in ("postgres", "postmaster"):
+                t = proc.cpu_times()
+                out[proc.pid] = t.user + t.system
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    return out
+
+
+def cpu_delta(before: dict[int, float], after: dict[int, float]) -> float:
+    return sum(max(0.0, t - before.get(pid, 0.0)) for pid, t in after.items())
+
+
+def peak_rss_mb(pid: int) -> float:
+    """Peak resident set size of ``pid`` in MiB (VmHWM)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return float(psutil.Process(pid).memory_info().rss) / 2**20
+
+
+@dataclass
+class Race:
+    """What a set of contender processes did: a time series and their resources."""
+
+    series: list[tuple[float, int]] = field(default_factory=list)  # (seconds, events moved)
+    relay_cpu_s: float = 0.0
+    postgres_cpu_s: float = 0.0
+    peak_rss_mb: float = 0.0
+    moved: int = 0
+    elapsed_s: float = 0.0
+
+
+def race(
+    specs: Sequence[ContenderSpec],
+    *,
+    target: int | None,
+    max_seconds: float,
+    progress: Progress | None = None,
+    on_sample: Callable[[float, int], None] | None = None,
+) -> Race:
+    """Run ``specs`` as processes until they moved ``target`` events or ``max_seconds`` passed."""
+    ctx = mp.get_context("spawn")
+    counters = [ctx.Value("q", 0) for _ in specs]
+    stop = ctx.Event()
+    procs = [
+        ctx.Process(target=run_contender, args=(spec, c, stop), daemon=True)
+        for spec, c in zip(specs, counters, strict=True)
+    ]
+    for p in procs:
+        p.start()
+    result = Race()
+    pg_before = postgres_cpu()
+    started = time.monotonic()
+    cpu_last: dict[int, float] = {}
+    while True:
+        elapsed = time.monotonic() - started
+        moved = sum(int(c.value) for c in counters)
+        result.series.append((elapsed, moved))
+        for p in procs:
+            if p.pid is not None and p.is_alive():
+                try:
+                    t = psutil.Process(p.pid).cpu_times()
+                    cpu_last[p.pid] = t.user + t.system
+                    result.peak_rss_mb = max(result.peak_rss_mb, peak_rss_mb(p.pid))
+                except psutil.NoSuchProcess:
+                    pass
+        if progress is not None:
+            rate = _recent_rate(result.series)
+            progress.update(moved if target else elapsed, f"{rate:,.0f} ev/s")
+        if on_sample is not None:
+            on_sample(elapsed, moved)
+        if (target is not None and moved >= target) or elapsed >= max_seconds:
+            break
+        if not all(p.is_alive() for p in procs):
+            dead = [p.exitcode for p in procs if not p.is_alive()]
+            stop.set()
+            raise RuntimeError(f"a contender process died (exit codes {dead})")
+        time.sleep(SAMPLE_EVERY)
+    result.postgres_cpu_s = cpu_delta(pg_before, postgres_cpu())
+    result.relay_cpu_s = sum(cpu_last.values())
+    result.elapsed_s = time.monotonic() - started
+    stop.set()
+    for p in procs:
+        p.join(30)
+        if p.is_alive():
+            p.kill()
+    result.moved = sum(int(c.value) for c in counters)
+    if progress is not None:
+        progress.close(f"{middle_rate(result.series, result.moved):,.0f} ev/s")
+    return result
+
+
+def _recent_rate(series: list[tuple[float, int]], window: float = 2.0) -> float:
+    if len(series) < 2:
+        return 0.0
+    t1, n1 = series[-1]
+    for t0, n0 in reversed(series):
+        if t1 - t0 >= window:
+            return (n1 - n0) / (t1 - t0)
+    t0, n0 = series[0]
+    return (n1 - n0) / max(t1 - t0, 1e-9)
+
+
+def middle_rate(series: list[tuple[float, int]], total: int, lo: float = 0.1, hi: float = 0.9) -> float:
+    """Events/s between the moments ``lo`` and ``hi`` of ``total`` had been moved.
+
+    Leaves out start-up (process spawn, connections, producer metadata) and the
+    tail (the last partial batches), which say nothing about sustained speed.
+    """
+    if total <= 0 or len(series) < 2:
+        return 0.0
+    t_lo = _time_at(series, lo * total)
+    t_hi = _time_at(series, hi * total)
+    if t_lo is None or t_hi is None or t_hi <= t_lo:
+        t0, n0 = series[0]
+        t1, n1 = series[-1]
+        return (n1 - n0) / max(t1 - t0, 1e-9)
+    return (hi - lo) * total / (t_hi - t_lo)
+
+
+def _time_at(series: list[tuple[float, int]], count: float) -> float | None:
+    """Linear interpolation of when ``count`` events had been moved."""
+    for (t0, n0), (t1, n1) in itertools.pairwise(series):
+        if n0 <= count <= n1:
+            if n1 == n0:
+                return t0
+            return t0 + (t1 - t0) * (count - n0) / (n1 - n0)
+    return None
+
+
+def percentiles(values: Sequence[float]) -> dict[str, float | None]:
+    """p50/p95/p99/max of ``values`` (milliseconds in, milliseconds out)."""
+    if not values:
+        return {"p50": None, "p95": None, "p99": None, "max": None, "n": 0}
+    ordered = sorted(values)
+
+    def pct(p: float) -> float:
+        return ordered[min(len(ordered) - 1, round(p / 100 * (len(ordered) - 1)))]
+
+    return {
+        "p50": round(pct(50), 3),
+        "p95": round(pct(95), 3),
+        "p99": round(pct(99), 3),
+        "max": round(ordered[-1], 3),
+        "n": len(ordered),
+    }
+
+
+def median(values: Sequence[float]) -> float:
+    return float(statistics.median(values)) if values else 0.0

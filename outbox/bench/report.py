@@ -1,0 +1,247 @@
+"""The benchmark's outputs: results.json, a Markdown table, PNG plots."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+TARGETS = {
+    "relay_vs_bare": 0.8,  # relay drain >= 0.8 x the bare loop
+    "relay_vs_seeds": 35.0,  # relay drain >= 35 x the seeds' loop
+    "ack_p50_ms_at_1k": 10.0,
+    "ack_p99_ms_at_1k": 50.0,
+    "enqueue_overhead_p50_ms": 0.3,
+    "enqueue_many_1000_ms": 20.0,
+    "relay_rss_mb": 150.0,
+}
+
+
+def _ms(v: float | None) -> str:
+    return "–" if v is None else f"{v:.2f}"
+
+
+def _verdict(ok: bool) -> str:
+    return "met" if ok else "**missed**"
+
+
+def markdown(results: dict[str, Any]) -> str:
+    m = results["machine"]
+    lines = [
+        f"Run {results['started_at']} on {m['cpu_model']}, {m['cores']} cores, "
+        f"{m['memory_gib']} GiB; PostgreSQL {m['postgresql']}; broker {m['broker']}; "
+        f"Python {m['python']}. Command: `{results['command']}`",
+        "",
+    ]
+    s = results["scenarios"]
+    if "drain" in s:
+        d = s["drain"]
+        lines += [
+            f"**Drain** {d['events']:,} pending events (200 B, 1,000 keys), archive on; "
+            f"median of {d['repeat']} runs, events/s over the middle 80 % of each run.",
+            "",
+            "| contender | events/s (median) | runs | relay CPU s / 1k ev | PostgreSQL CPU s / 1k ev"
+            " | peak RSS MB |",
+            "| --- | ---: | --- | ---: | ---: | ---: |",
+        ]
+        for kind, name in (
+            ("relay", "outbox relay"),
+            ("bare", "bare loop (ceiling)"),
+            ("seeds", "seeds' loop"),
+        ):
+            r = d[kind]
+            runs = ", ".join(f"{x:,.0f}" for x in r["events_per_s_runs"])
+            lines.append(
+                f"| {name} | {r['events_per_s_median']:,.0f} | {runs} | "
+                f"{r['relay_cpu_s_per_1k']:.3f} | {r['postgres_cpu_s_per_1k']:.3f} | "
+                f"{r['peak_rss_mb']:.0f} |"
+            )
+        lines += [
+            "",
+            f"relay / bare = **{d['ratio_relay_to_bare']:.2f}** (target ≥ {TARGETS['relay_vs_bare']}: "
+            f"{_verdict(d['ratio_relay_to_bare'] >= TARGETS['relay_vs_bare'])}); "
+            f"relay / seeds = **{d['ratio_relay_to_seeds']:.1f}×** (target ≥ "
+            f"{TARGETS['relay_vs_seeds']:.0f}×: "
+            f"{_verdict(d['ratio_relay_to_seeds'] >= TARGETS['relay_vs_seeds'])}); "
+            f"relay peak RSS {d['relay']['peak_rss_mb']:.0f} MB (target ≤ {TARGETS['relay_rss_mb']:.0f}: "
+            f"{_verdict(d['relay']['peak_rss_mb'] <= TARGETS['relay_rss_mb'])}).",
+            "",
+        ]
+    if "steady" in s:
+        lines += [
+            f"**Steady** writers commit an order + its event per transaction for "
+            f"{s['steady']['seconds_per_rate']:.0f} s per rate; latency in ms.",
+            "",
+            "| target rate | NOTIFY | achieved | commit→ack p50 / p95 / p99 / max | "
+            "commit→consumer p50 / p99 | kept up |",
+            "| ---: | --- | ---: | --- | --- | --- |",
+        ]
+        for r in s["steady"]["runs"]:
+            a, c = r["commit_to_ack_ms"], r["commit_to_consumer_ms"]
+            lines.append(
+                f"| {r['target_rate']:,}/s | {'on' if r['notify'] else 'off (poll 50 ms)'} | "
+                f"{r['achieved_write_rate']:,.0f}/s | {_ms(a['p50'])} / {_ms(a['p95'])} / "
+                f"{_ms(a['p99'])} / {_ms(a['max'])} | {_ms(c['p50'])} / {_ms(c['p99'])} | "
+                f"{'yes' if r['kept_up'] else 'no'} |"
+            )
+        lines.append("")
+    if "writer" in s:
+        w = s["writer"]
+        lines += [
+            f"**Writer** business transaction (insert an order) with and without `enqueue`, "
+            f"{w['iterations']:,} interleaved pairs; ms.",
+            "",
+            "| NOTIFY | without p50 | with p50 | with p99 | overhead p50 |",
+            "| --- | ---: | ---: | ---: | ---: |",
+        ]
+        for key in ("notify_on", "notify_off"):
+            r = w[key]
+            lines.append(
+                f"| {key.split('_')[1]} | {_ms(r['business_tx_ms']['p50'])} | "
+                f"{_ms(r['business_tx_with_enqueue_ms']['p50'])} | "
+                f"{_ms(r['business_tx_with_enqueue_ms']['p99'])} | "
+                f"**{r['enqueue_overhead_p50_ms']:.3f}** |"
+            )
+        em = w["enqueue_many_1000"]
+        lines += [
+            "",
+            f"`enqueue_many` of 1,000 events: p50 {_ms(em['call_ms']['p50'])} ms "
+            f"(with commit {_ms(em['call_and_commit_ms']['p50'])} ms; target ≤ 20).",
+            "",
+        ]
+    if "soak" in s:
+        k = s["soak"]
+        lines += [
+            f"**Soak** {k['minutes']:g} min at {k['rate']:,}/s with a snapshot held "
+            f"{k['snapshot_seconds']:g} s: written {k['written']:,}, delivered {k['delivered']:,}; "
+            f"events table peak {k['peak_table_bytes'] / 2**20:.1f} MiB, final "
+            f"{k['final_table_bytes'] / 2**20:.2f} MiB — "
+            f"{'returned near zero' if k['returned_near_zero'] else '**did not return near zero**'}.",
+            "",
+        ]
+    if "scale" in s:
+        lines += [
+            "**Scale** relay processes draining one outbox.",
+            "",
+            "| processes | events/s | events per CPU-second (relay + PostgreSQL) |",
+            "| ---: | ---: | ---: |",
+        ]
+        for r in s["scale"]["runs"]:
+            lines.append(f"| {r['processes']} | {r['events_per_s']:,.0f} | {r['events_per_cpu_s']:,.0f} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def _rate_curve(
+    series: list[list[float]] | list[tuple[float, int]],
+) -> tuple[list[float], list[float]]:
+    ts, rates = [], []
+    window = 1.0
+    j = 0
+    for i in range(1, len(series)):
+        t1, n1 = series[i]
+        while j < i and t1 - series[j][0] > window:
+            j += 1
+        t0, n0 = series[max(0, j - 1)] if j else series[0]
+        if t1 > t0:
+            ts.append(t1)
+            rates.append((n1 - n0) / (t1 - t0))
+    return ts, rates
+
+
+def plots(results: dict[str, Any], out: Path) -> list[str]:
+    """Draw the PNGs; return their file names."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    made: list[str] = []
+    s = results["scenarios"]
+    if "drain" in s:
+        fig, ax = plt.subplots(figsize=(8, 4.5))
+        for kind, name in (
+            ("relay", "outbox relay"),
+            ("bare", "bare loop"),
+            ("seeds", "seeds' loop"),
+        ):
+            ts, rates = _rate_curve(s["drain"][kind]["series"])
+            ax.plot(ts, rates, label=name)
+        ax.set_xlabel("seconds")
+        ax.set_ylabel("events/s (1 s window)")
+        ax.set_title(f"Drain of {s['drain']['events']:,} events, archive on")
+        ax.legend()
+        ax.grid(alpha=0.3)
+        fig.tight_layout()
+        fig.savefig(out / "drain_throughput.png", dpi=110)
+        plt.close(fig)
+        made.append("drain_throughput.png")
+    if "steady" in s:
+        fig, ax = plt.subplots(figsize=(8, 4.5))
+        for r in s["steady"]["runs"]:
+            xs = r["latency_samples_ms"]
+            if not xs:
+                continue
+            ys = [(i + 1) / len(xs) for i in range(len(xs))]
+            label = f"{r['target_rate']:,}/s, NOTIFY {'on' if r['notify'] else 'off'}"
+            ax.plot(xs, ys, label=label)
+        ax.set_xscale("log")
+        ax.set_xlabel("commit → broker ack, ms (log)")
+        ax.set_ylabel("share of events")
+        ax.set_title("Latency distribution per write rate")
+        ax.axvline(10, color="grey", ls=":", lw=1)
+        ax.axvline(50, color="grey", ls="--", lw=1)
+        ax.legend()
+        ax.grid(alpha=0.3)
+        fig.tight_layout()
+        fig.savefig(out / "steady_latency.png", dpi=110)
+        plt.close(fig)
+        made.append("steady_latency.png")
+    if "soak" in s and s["soak"]["samples"]:
+        k = s["soak"]
+        t = [x["t"] for x in k["samples"]]
+        fig, (a1, a2) = plt.subplots(2, 1, figsize=(8, 6), sharex=True)
+        a1.plot(t, [x["table_bytes"] / 2**20 for x in k["samples"]], label="events table MiB")
+        a1b = a1.twinx()
+        a1b.plot(t, [x["dead_tuples"] for x in k["samples"]], color="tab:red", label="dead tuples")
+        a1.set_ylabel("MiB")
+        a1b.set_ylabel("dead tuples")
+        a1.set_title("Soak: hot table size and dead tuples")
+        ts, rates = _rate_curve(k["series_relay"])
+        a2.plot(ts, rates, label="delivered events/s")
+        a2.set_xlabel("seconds")
+        a2.set_ylabel("events/s")
+        lo, hi = k["snapshot_window_s"]
+        if lo is not None and hi is not None:
+            for ax in (a1, a2):
+                ax.axvspan(lo, hi, color="orange", alpha=0.2, label="snapshot held")
+        a1.legend(loc="upper left")
+        a1b.legend(loc="upper right")
+        a2.legend(loc="upper right")
+        fig.tight_layout()
+        fig.savefig(out / "soak.png", dpi=110)
+        plt.close(fig)
+        made.append("soak.png")
+    if "scale" in s:
+        runs = s["scale"]["runs"]
+        fig, (a1, a2) = plt.subplots(1, 2, figsize=(9, 4))
+        labels = [str(r["processes"]) for r in runs]
+        a1.bar(labels, [r["events_per_s"] for r in runs])
+        a1.set_title("events/s")
+        a2.bar(labels, [r["events_per_cpu_s"] for r in runs], color="tab:green")
+        a2.set_title("events per CPU-second")
+        for ax in (a1, a2):
+            ax.set_xlabel("relay processes")
+        fig.tight_layout()
+        fig.savefig(out / "scale.png", dpi=110)
+        plt.close(fig)
+        made.append("scale.png")
+    return made
+
+
+def write(results: dict[str, Any], out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    results["plots"] = plots(results, out)
+    (out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
+    table = markdown(results)
+    (out / "results.md").write_text(table + "\n" + "".join(f"\n![{p}]({p})\n" for p in results["plots"]))

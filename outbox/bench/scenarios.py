@@ -1,0 +1,523 @@
+"""The benchmark's scenarios: drain, steady, writer, soak, scale.
+
+Every scenario works in fresh schemas it creates and drops, on the PostgreSQL
+and broker it is given. Speed figures are medians over repeats, reported next
+to the baselines measured in the same run.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import random
+import tempfile
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from multiprocessing.sharedctypes import Synchronized
+from pathlib import Path
+from typing import Any
+
+import psycopg
+from confluent_kafka import OFFSET_BEGINNING, Consumer, TopicPartition
+from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-defined]
+from psycopg import sql
+
+from outbox.bench.contenders import ContenderSpec
+from outbox.bench.measure import Progress, median, middle_rate, percentiles, race
+from outbox.migrate import migrate
+from outbox.queries import query
+from outbox.writer import enqueue, enqueue_many
+
+PAYLOAD_BYTES = 200
+KEYS = 1000
+FILL_CHUNK = 10_000  # events per enqueue_many/commit while filling
+TOPIC_PARTITIONS = 4
+
+
+@dataclass
+class BenchConfig:
+    dsn: str
+    bootstrap: str
+    events: int = 500_000
+    repeat: int = 3
+    seeds_seconds: float = 30.0  # the seeds' loop is slow: it races for this long instead
+    rates: list[int] = field(default_factory=lambda: [1000, 5000, 20000])
+    steady_seconds: float = 30.0
+    writer_iterations: int = 2000
+    enqueue_many_repeats: int = 30
+    soak_minutes: float = 10.0
+    soak_rate: int = 2000
+    snapshot_seconds: float = 60.0
+    settle_seconds: float = 90.0  # after the soak: time allowed for autovacuum to shrink the table
+    scale_processes: list[int] = field(default_factory=lambda: [1, 2, 4])
+    max_race_seconds: float = 600.0
+
+
+# -- set-up -----------------------------------------------------------------------
+
+
+class Workspace:
+    """A fresh migrated schema and topic, dropped at the end."""
+
+    def __init__(self, dsn: str, bootstrap: str, label: str) -> None:
+        self.dsn = dsn
+        self.bootstrap = bootstrap
+        suffix = uuid.uuid4().hex[:8]
+        self.schema = f"bench_{label}_{suffix}"
+        self.topic = f"bench.{label}.{suffix}"
+
+    def __enter__(self) -> Workspace:
+        with psycopg.connect(self.dsn, autocommit=True) as conn:
+            migrate(conn, self.schema)
+            conn.execute(query("bench_orders_table", self.schema))
+        admin = AdminClient({"bootstrap.servers": self.bootstrap})
+        futures = admin.create_topics([NewTopic(self.topic, TOPIC_PARTITIONS, 1)])
+        for f in futures.values():
+            f.result(30)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        with psycopg.connect(self.dsn, autocommit=True) as conn:
+            conn.execute(sql.SQL("DROP SCHEMA {} CASCADE").format(sql.Identifier(self.schema)))
+
+    def fill(self, n: int, label: str) -> None:
+        progress = Progress(f"fill {label}", n, " ev")
+        payload = bytes(random.getrandbits(8) for _ in range(PAYLOAD_BYTES))
+        with psycopg.connect(self.dsn) as conn:
+            for start in range(0, n, FILL_CHUNK):
+                end = min(n, start + FILL_CHUNK)
+                enqueue_many(
+                    conn,
+                    [
+                        {"topic": self.topic, "payload": payload, "key": f"key-{i % KEYS}"}
+                        for i in range(start, end)
+                    ],
+                    schema=self.schema,
+                )
+                conn.commit()
+                progress.update(end)
+            conn.autocommit = True
+            conn.execute(sql.SQL("VACUUM ANALYZE {}.events").format(sql.Identifier(self.schema)))
+        progress.close()
+
+    def spec(self, kind: str, **relay_options: Any) -> ContenderSpec:
+        return ContenderSpec(kind, self.dsn, self.schema, self.bootstrap, dict(relay_options))
+
+
+# -- drain --------------------------------------------------------------------------
+
+
+def drain_once(cfg: BenchConfig, kind: str, run: int) -> dict[str, Any]:
+    n = cfg.events
+    with Workspace(cfg.dsn, cfg.bootstrap, f"drain_{kind}") as ws:
+        if kind == "seeds":
+            # About 1.7k/s: fill what it can move in its time budget, with margin.
+            n = min(cfg.events, int(cfg.seeds_seconds * 4000) + 1000)
+        ws.fill(n, f"{kind} #{run + 1}")
+        progress = Progress(
+            f"drain {kind} #{run + 1}",
+            cfg.seeds_seconds if kind == "seeds" else n,
+            "s" if kind == "seeds" else " ev",
+        )
+        limit = cfg.seeds_seconds if kind == "seeds" else cfg.max_race_seconds
+        result = race(
+            [ws.spec(kind)],
+            target=None if kind == "seeds" else n,
+            max_seconds=limit,
+            progress=progress,
+        )
+    moved = result.moved
+    rate = middle_rate(result.series, moved if kind == "seeds" else n)
+    return {
+        "contender": kind,
+        "events": moved,
+        "events_per_s": round(rate, 1),
+        "relay_cpu_s_per_1k": round(1000 * result.relay_cpu_s / max(moved, 1), 4),
+        "postgres_cpu_s_per_1k": round(1000 * result.postgres_cpu_s / max(moved, 1), 4),
+        "peak_rss_mb": round(result.peak_rss_mb, 1),
+        "series": [(round(t, 3), c) for t, c in result.series],
+    }
+
+
+def drain(cfg: BenchConfig) -> dict[str, Any]:
+    runs: dict[str, list[dict[str, Any]]] = {"relay": [], "bare": [], "seeds": []}
+    for run in range(cfg.repeat):
+        for kind in runs:  # interleaved, so drift hits every contender alike
+            runs[kind].append(drain_once(cfg, kind, run))
+    summary: dict[str, Any] = {}
+    for kind, results in runs.items():
+        rates = [r["events_per_s"] for r in results]
+        mid = sorted(results, key=lambda r: r["events_per_s"])[len(results) // 2]
+        summary[kind] = {
+            "events_per_s_median": round(median(rates), 1),
+            "events_per_s_runs": rates,
+            "relay_cpu_s_per_1k": mid["relay_cpu_s_per_1k"],
+            "postgres_cpu_s_per_1k": mid["postgres_cpu_s_per_1k"],
+            "peak_rss_mb": max(r["peak_rss_mb"] for r in results),
+            "series": mid["series"],
+        }
+    relay = summary["relay"]["events_per_s_median"]
+    summary["ratio_relay_to_bare"] = round(relay / max(summary["bare"]["events_per_s_median"], 1e-9), 3)
+    summary["ratio_relay_to_seeds"] = round(relay / max(summary["seeds"]["events_per_s_median"], 1e-9), 1)
+    summary["events"] = cfg.events
+    summary["repeat"] = cfg.repeat
+    return summary
+
+
+# -- writers (steady, soak) ------------------------------------------------------------
+
+
+def _writer_proc(
+    dsn: str,
+    schema: str,
+    topic: str,
+    rate: float,
+    seconds: float,
+    written: Synchronized[int],
+    out_path: str | None,
+) -> None:
+    """Commit business transactions (an order + its event) at ``rate`` per second."""
+    interval = 1.0 / rate
+    commits: list[tuple[str, float]] = []
+    insert = query("bench_insert_order", schema)
+    rng = random.Random()
+    with psycopg.connect(dsn) as conn:
+        start = time.monotonic()
+        next_at = start
+        while time.monotonic() - start < seconds:
+            customer = f"key-{rng.randrange(KEYS)}"
+            with conn.transaction():
+                conn.execute(insert, (customer, rng.randint(1, 500)))
+                event_id = enqueue(conn, topic, b"o" * PAYLOAD_BYTES, key=customer, schema=schema)
+            commits.append((str(event_id), time.time()))
+            with written.get_lock():
+                written.value += 1
+            next_at += interval
+            delay = next_at - time.monotonic()
+            if delay > 0:
+                time.sleep(delay)
+    if out_path is not None:
+        Path(out_path).write_text(json.dumps(commits))
+
+
+WRITER_RATE_PER_PROCESS = 1500  # business transactions/s one writer process sustains comfortably
+
+
+class Writers:
+    """Writer processes committing ``rate`` business transactions/s in all."""
+
+    def __init__(self, ws: Workspace, rate: float, seconds: float, record: bool) -> None:
+        ctx = mp.get_context("spawn")
+        self.n = max(1, -(-int(rate) // WRITER_RATE_PER_PROCESS))
+        self.written = ctx.Value("q", 0)
+        self.tmp = tempfile.TemporaryDirectory()
+        self.paths = [str(Path(self.tmp.name) / f"w{i}.json") if record else None for i in range(self.n)]
+        self.procs = [
+            ctx.Process(
+                target=_writer_proc,
+                daemon=True,
+                args=(ws.dsn, ws.schema, ws.topic, rate / self.n, seconds, self.written, path),
+            )
+            for path in self.paths
+        ]
+
+    def start(self) -> None:
+        for p in self.procs:
+            p.start()
+
+    def alive(self) -> bool:
+        return any(p.is_alive() for p in self.procs)
+
+    def join(self) -> dict[str, float]:
+        for p in self.procs:
+            p.join()
+        commits: dict[str, float] = {}
+        for path in self.paths:
+            if path is not None and Path(path).exists():
+                pairs: list[tuple[str, float]] = json.loads(Path(path).read_text())
+                commits.update(pairs)
+        self.tmp.cleanup()
+        return commits
+
+
+class Receipts(threading.Thread):
+    """A Kafka consumer recording when each event-id was received."""
+
+    def __init__(self, bootstrap: str, topic: str) -> None:
+        super().__init__(daemon=True)
+        self.bootstrap, self.topic = bootstrap, topic
+        self.received: dict[str, float] = {}
+        self.stop_event = threading.Event()
+        self.ready = threading.Event()
+
+    def run(self) -> None:
+        consumer = Consumer(
+            {
+                "bootstrap.servers": self.bootstrap,
+                "group.id": f"bench-{self.topic}",
+                "enable.auto.commit": False,
+                "fetch.wait.max.ms": 10,
+            }
+        )
+        consumer.assign([TopicPartition(self.topic, p, OFFSET_BEGINNING) for p in range(TOPIC_PARTITIONS)])
+        self.ready.set()
+        try:
+            while not self.stop_event.is_set():
+                msg = consumer.poll(0.05)
+                if msg is None or msg.error():
+                    continue
+                now = time.time()
+                event_id = dict(msg.headers() or []).get("event-id")
+                if isinstance(event_id, bytes):
+                    self.received.setdefault(event_id.decode(), now)
+        finally:
+            consumer.close()
+
+
+# -- steady -----------------------------------------------------------------------------
+
+
+def steady_once(cfg: BenchConfig, rate: int, notify: bool) -> dict[str, Any]:
+    label = f"steady {rate}/s notify={'on' if notify else 'off'}"
+    with Workspace(cfg.dsn, cfg.bootstrap, "steady") as ws, tempfile.TemporaryDirectory() as tmp:
+        ack_log = str(Path(tmp) / "acks.json")
+        options: dict[str, Any] = {"notify": notify}
+        if not notify:
+            options["poll_interval"] = 0.05  # without NOTIFY, polling is the only wake-up
+        if not notify:
+            with psycopg.connect(cfg.dsn, autocommit=True) as conn:
+                conn.execute(query("notify_trigger", ws.schema, state="DISABLE"))
+        spec = ws.spec("relay", **options)
+        spec.ack_log = ack_log
+        receipts = Receipts(cfg.bootstrap, ws.topic)
+        receipts.start()
+        receipts.ready.wait(10)
+        writers = Writers(ws, rate, cfg.steady_seconds, record=True)
+        progress = Progress(label, cfg.steady_seconds + 5, "s")
+        started: list[float] = []
+
+        def on_sample(elapsed: float, _moved: int) -> None:
+            if not started and elapsed >= 1.5:  # let the relay connect first
+                started.append(elapsed)
+                writers.start()
+
+        result = race(
+            [spec],
+            target=None,
+            max_seconds=cfg.steady_seconds + 5,
+            progress=progress,
+            on_sample=on_sample,
+        )
+        commits = writers.join()
+        deadline = time.monotonic() + 10
+        while len(receipts.received) < len(commits) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        receipts.stop_event.set()
+        receipts.join()
+        acks = dict(json.loads(Path(ack_log).read_text())) if Path(ack_log).exists() else {}
+    to_ack = [(acks[e] - t) * 1000 for e, t in commits.items() if e in acks]
+    to_consumer = [(receipts.received[e] - t) * 1000 for e, t in commits.items() if e in receipts.received]
+    achieved = len(commits) / cfg.steady_seconds
+    acked_share = len(to_ack) / max(len(commits), 1)
+    ack_p = percentiles(to_ack)
+    return {
+        "target_rate": rate,
+        "notify": notify,
+        "written": len(commits),
+        "achieved_write_rate": round(achieved, 1),
+        "writer_processes": writers.n,
+        "acked": len(to_ack),
+        "consumed": len(to_consumer),
+        "commit_to_ack_ms": ack_p,
+        "commit_to_consumer_ms": percentiles(to_consumer),
+        # Kept up: every committed event acked, and the tail stayed bounded.
+        "kept_up": acked_share >= 0.999 and (ack_p["p99"] or 0) < 1000,
+        "relay_moved": result.moved,
+        "latency_samples_ms": sorted(to_ack)[:: max(1, len(to_ack) // 2000)],
+    }
+
+
+def steady(cfg: BenchConfig) -> dict[str, Any]:
+    out = [steady_once(cfg, rate, notify=True) for rate in cfg.rates]
+    out.append(steady_once(cfg, cfg.rates[0], notify=False))
+    return {"runs": out, "seconds_per_rate": cfg.steady_seconds}
+
+
+# -- writer overhead --------------------------------------------------------------------
+
+
+def writer(cfg: BenchConfig) -> dict[str, Any]:
+    results: dict[str, Any] = {}
+    with Workspace(cfg.dsn, cfg.bootstrap, "writer") as ws, psycopg.connect(cfg.dsn) as conn:
+        insert = query("bench_insert_order", ws.schema)
+        payload = b"w" * PAYLOAD_BYTES
+        for notify in (True, False):
+            with psycopg.connect(cfg.dsn, autocommit=True) as admin:
+                admin.execute(query("notify_trigger", ws.schema, state="ENABLE" if notify else "DISABLE"))
+            plain: list[float] = []
+            with_event: list[float] = []
+            progress = Progress(f"writer notify={'on' if notify else 'off'}", cfg.writer_iterations, " tx")
+            for i in range(cfg.writer_iterations):
+                # Interleaved so that drift hits both alike.
+                t0 = time.perf_counter()
+                with conn.transaction():
+                    conn.execute(insert, ("c", i))
+                t1 = time.perf_counter()
+                with conn.transaction():
+                    conn.execute(insert, ("c", i))
+                    enqueue(conn, ws.topic, payload, key=f"key-{i % KEYS}", schema=ws.schema)
+                t2 = time.perf_counter()
+                plain.append((t1 - t0) * 1000)
+                with_event.append((t2 - t1) * 1000)
+                if i % 100 == 0:
+                    progress.update(i)
+            progress.close()
+            p_plain, p_event = percentiles(plain), percentiles(with_event)
+            results[f"notify_{'on' if notify else 'off'}"] = {
+                "business_tx_ms": p_plain,
+                "business_tx_with_enqueue_ms": p_event,
+                "enqueue_overhead_p50_ms": round((p_event["p50"] or 0) - (p_plain["p50"] or 0), 3),
+            }
+        call: list[float] = []
+        total: list[float] = []
+        progress = Progress("writer enqueue_many(1000)", cfg.enqueue_many_repeats, "")
+        for r in range(cfg.enqueue_many_repeats):
+            events = [{"topic": ws.topic, "payload": payload, "key": f"key-{i % KEYS}"} for i in range(1000)]
+            t0 = time.perf_counter()
+            enqueue_many(conn, events, schema=ws.schema)
+            t1 = time.perf_counter()
+            conn.commit()
+            t2 = time.perf_counter()
+            call.append((t1 - t0) * 1000)
+            total.append((t2 - t0) * 1000)
+            progress.update(r + 1)
+        progress.close()
+        results["enqueue_many_1000"] = {
+            "call_ms": percentiles(call),
+            "call_and_commit_ms": percentiles(total),
+        }
+        results["iterations"] = cfg.writer_iterations
+    return results
+
+
+# -- soak ---------------------------------------------------------------------------------
+
+
+def soak(cfg: BenchConfig) -> dict[str, Any]:
+    seconds = cfg.soak_minutes * 60
+    with Workspace(cfg.dsn, cfg.bootstrap, "soak") as ws:
+        writers = Writers(ws, cfg.soak_rate, seconds, record=False)
+        samples: list[dict[str, Any]] = []
+        # When the snapshot is taken (seconds into the load, then into the run) and released.
+        snapshot_at = max(0.0, seconds / 2 - cfg.snapshot_seconds / 2)
+        window: list[float] = []
+        holder_started = threading.Event()
+
+        def hold_snapshot() -> None:
+            # Another session keeps a snapshot open: vacuum cannot remove the rows
+            # deleted meanwhile. The table must recover once it is released.
+            with psycopg.connect(cfg.dsn) as conn:
+                conn.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
+                conn.execute(sql.SQL("SELECT count(*) FROM {}.events").format(sql.Identifier(ws.schema)))
+                holder_started.set()
+                time.sleep(cfg.snapshot_seconds)
+                conn.rollback()
+
+        holder = threading.Thread(target=hold_snapshot, daemon=True)
+        health = query("table_health", ws.schema)
+        last_sample = [-10.0]
+        sample_every = max(0.5, seconds / 300)
+        monitor = psycopg.connect(cfg.dsn, autocommit=True)
+        phase = ["load"]
+        started_at: list[float] = []
+
+        def sample(elapsed: float, moved: int) -> None:
+            if elapsed - last_sample[0] < sample_every:
+                return
+            last_sample[0] = elapsed
+            row = monitor.execute(health, {"schema": ws.schema}).fetchone()
+            size, live, dead = row if row else (0, 0, 0)
+            samples.append(
+                {
+                    "t": round(elapsed, 2),
+                    "phase": phase[0],
+                    "table_bytes": int(size),
+                    "live_tuples": int(live),
+                    "dead_tuples": int(dead),
+                    "written": int(writers.written.value),
+                    "delivered": moved,
+                }
+            )
+
+        def on_sample(elapsed: float, moved: int) -> None:
+            if not started_at and elapsed >= 1.5:
+                started_at.append(elapsed)
+                writers.start()
+            if started_at and not window and elapsed - started_at[0] >= snapshot_at:
+                holder.start()
+                holder_started.wait(10)
+                window.extend([elapsed, elapsed + cfg.snapshot_seconds])
+            if started_at and not writers.alive() and phase[0] == "load":
+                phase[0] = "drain"
+            sample(elapsed, moved)
+
+        total = seconds + cfg.settle_seconds + 2
+        progress = Progress("soak", total, "s")
+        result = race(
+            [ws.spec("relay")],
+            target=None,
+            max_seconds=total,
+            progress=progress,
+            on_sample=on_sample,
+        )
+        writers.join()
+        holder.join(5)
+        final = monitor.execute(health, {"schema": ws.schema}).fetchone()
+        monitor.close()
+    peak = max((s["table_bytes"] for s in samples), default=0)
+    final_bytes = int(final[0]) if final else 0
+    return {
+        "minutes": cfg.soak_minutes,
+        "rate": cfg.soak_rate,
+        "snapshot_seconds": cfg.snapshot_seconds,
+        "snapshot_window_s": window or [None, None],
+        "written": int(writers.written.value),
+        "delivered": result.moved,
+        "peak_table_bytes": peak,
+        "final_table_bytes": final_bytes,
+        # Near zero: back to at most a few pages, or a tenth of the peak.
+        "returned_near_zero": final_bytes <= max(1 << 20, peak // 10),
+        "series_relay": [(round(t, 2), c) for t, c in result.series],
+        "samples": samples,
+    }
+
+
+# -- scale ----------------------------------------------------------------------------------
+
+
+def scale(cfg: BenchConfig) -> dict[str, Any]:
+    out = []
+    for k in cfg.scale_processes:
+        with Workspace(cfg.dsn, cfg.bootstrap, f"scale{k}") as ws:
+            ws.fill(cfg.events, f"scale x{k}")
+            progress = Progress(f"scale {k} relay process(es)", cfg.events, " ev")
+            result = race(
+                [ws.spec("relay") for _ in range(k)],
+                target=cfg.events,
+                max_seconds=cfg.max_race_seconds,
+                progress=progress,
+            )
+        rate = middle_rate(result.series, cfg.events)
+        cpu = result.relay_cpu_s + result.postgres_cpu_s
+        out.append(
+            {
+                "processes": k,
+                "events_per_s": round(rate, 1),
+                "events_per_cpu_s": round(result.moved / max(cpu, 1e-9), 1),
+                "relay_cpu_s": round(result.relay_cpu_s, 2),
+                "postgres_cpu_s": round(result.postgres_cpu_s, 2),
+            }
+        )
+    return {"runs": out, "events": cfg.events}

@@ -1,0 +1,54 @@
+"""`outbox bench --smoke`: every scenario runs and writes its outputs. No timing is asserted."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+
+@pytest.mark.slow
+def test_bench_smoke_produces_every_output(pg_dsn: str, kafka: str, tmp_path: Path) -> None:
+    out = tmp_path / "bench"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "outbox",
+            "bench",
+            "--smoke",
+            "--dsn",
+            pg_dsn,
+            "--kafka-bootstrap",
+            kafka,
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    results = json.loads((out / "results.json").read_text())
+    assert set(results["scenarios"]) == {"drain", "steady", "writer", "soak", "scale"}
+    assert results["machine"]["cores"] and results["machine"]["postgresql"]
+    drain = results["scenarios"]["drain"]
+    for kind in ("relay", "bare", "seeds"):
+        assert drain[kind]["events_per_s_median"] > 0
+        assert drain[kind]["series"], "no time series recorded"
+    for run in results["scenarios"]["steady"]["runs"]:
+        assert run["acked"] == run["written"] > 0, "steady: an event was not acked"
+        assert run["consumed"] == run["written"], "steady: an event was not consumed"
+    soak = results["scenarios"]["soak"]
+    assert soak["delivered"] == soak["written"] > 0
+    assert soak["samples"]
+    assert [r["processes"] for r in results["scenarios"]["scale"]["runs"]] == [1, 2]
+    for png in ("drain_throughput.png", "steady_latency.png", "soak.png", "scale.png"):
+        assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", png
+    table = (out / "results.md").read_text()
+    assert "outbox relay" in table and "bare loop" in table and "seeds' loop" in table
+    assert "| relay" not in proc.stderr  # progress goes to stderr, the table to stdout
+    assert "events/s" in proc.stdout
