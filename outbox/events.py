@@ -32,6 +32,10 @@ JSON_CONTENT_TYPE = "application/json"
 _B64 = "b64"
 
 
+# Message headers as confluent-kafka takes them.
+MessageHeaders = list[tuple[str, str | bytes | None]]
+
+
 @dataclass(frozen=True, slots=True)
 class EncodedEvent:
     """An event ready to be written: every field in its database form."""
@@ -49,11 +53,11 @@ class ClaimedEvent:
     """An event as the relay hands it to a sink."""
 
     id: int
-    event_id: uuid.UUID
+    event_id: str
     topic: str
     key: bytes | None
     payload: bytes
-    headers: list[tuple[str, bytes]]
+    headers: MessageHeaders
     created_at: datetime
     attempts: int
 
@@ -213,11 +217,16 @@ def encode_event_mapping(
         raise type(exc)(f"events[{index}].{exc}") from None
 
 
-def decode_headers(raw: object) -> list[tuple[str, bytes]]:
-    """Turn the stored jsonb headers back into Kafka headers; CorruptEvent if malformed."""
+def decode_headers(raw: object) -> MessageHeaders:
+    """Turn the stored jsonb headers back into Kafka headers; CorruptEvent if malformed.
+
+    ``None`` stands for no headers (the claim query turns ``{}`` into NULL).
+    """
+    if raw is None:
+        return []
     if not isinstance(raw, dict):
         raise CorruptEvent(f"headers: expected a JSON object, found {type(raw).__name__}")
-    out: list[tuple[str, bytes]] = []
+    out: MessageHeaders = []
     for name, value in raw.items():
         if isinstance(value, str):
             out.append((name, value.encode("utf-8")))
@@ -232,23 +241,18 @@ def decode_headers(raw: object) -> list[tuple[str, bytes]]:
 
 
 def decode_row(row: tuple[Any, ...]) -> ClaimedEvent:
-    """A claimed row as a ClaimedEvent; CorruptEvent names what is wrong with it."""
+    """A claimed row (``claim_batch``'s columns) as a ClaimedEvent.
+
+    Raises CorruptEvent naming what is wrong. This runs once per event on the
+    relay's hot path: keep it free of needless conversions.
+    """
     id_, event_id, topic, key, payload, headers, created_at, attempts = row
-    if not isinstance(topic, str) or not topic:
+    if not topic or not isinstance(topic, str):
         raise CorruptEvent("topic: empty or NULL")
     if payload is None:
         raise CorruptEvent("payload: NULL")
     if event_id is None:
         raise CorruptEvent("event_id: NULL")
     kafka_headers = decode_headers(headers)
-    kafka_headers.append((EVENT_ID_HEADER, str(event_id).encode()))
-    return ClaimedEvent(
-        id=id_,
-        event_id=event_id,
-        topic=topic,
-        key=bytes(key) if key is not None else None,
-        payload=bytes(payload),
-        headers=kafka_headers,
-        created_at=created_at,
-        attempts=attempts,
-    )
+    kafka_headers.append((EVENT_ID_HEADER, event_id.encode()))
+    return ClaimedEvent(id_, event_id, topic, key, payload, kafka_headers, created_at, attempts)

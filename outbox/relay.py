@@ -23,6 +23,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import psycopg
@@ -199,7 +200,7 @@ class Relay:
             if event.key is not None and (event.key in held_keys or event.key in batch.failed_keys):
                 batch.hold(i)
                 continue
-            outcome = self._sink.produce(event, _reporter(batch, i))
+            outcome = self._sink.produce(event, partial(batch.settle, i))
             if outcome is not None:
                 batch.settle(i, outcome)
         self._in_flight.append(batch)
@@ -361,10 +362,3 @@ class Relay:
             self.stats.retried,
             self.stats.dead,
         )
-
-
-def _reporter(batch: Batch, index: int) -> Callable[[Any], None]:
-    def report(outcome: Any) -> None:
-        batch.settle(index, outcome)
-
-    return report

@@ -20,7 +20,9 @@ SELECT to_regclass(format('%%I.events', %s::text)) IS NOT NULL
 -- they last until this transaction ends, and idle_in_transaction_session_timeout
 -- ends a transaction whose worker stalls past the lease. An event is skipped while
 -- an earlier event of its key has failed and awaits its retry (per-key order).
-SELECT e.id, e.event_id, e.topic, e.key, e.payload, e.headers, e.created_at, e.attempts
+-- event_id comes as text and empty headers as NULL: no per-row parsing in Python.
+SELECT e.id, e.event_id::text, e.topic, e.key, e.payload, nullif(e.headers, '{{}}'::jsonb),
+       e.created_at, e.attempts
 FROM {schema}.events AS e
 WHERE e.available_at <= now()
   AND NOT EXISTS (
@@ -32,9 +34,10 @@ FOR UPDATE OF e SKIP LOCKED
 
 -- name: archive_delivered
 -- Move acked events to the archive with their sink coordinates, in one statement.
+-- Integer arrays arrive as text literals ('{{1,2,NULL}}'), parsed by PostgreSQL.
 WITH done AS (
     DELETE FROM {schema}.events AS e
-    USING unnest(%(ids)s::bigint[], %(partitions)s::integer[], %(offsets)s::bigint[])
+    USING unnest(%(ids)s::text::bigint[], %(partitions)s::text::integer[], %(offsets)s::text::bigint[])
           AS r(id, sink_partition, sink_offset)
     WHERE e.id = r.id
     RETURNING e.id, e.event_id, e.topic, e.key, e.payload, e.headers, e.created_at,
@@ -49,7 +52,7 @@ FROM done
 
 -- name: delete_delivered
 -- Forget acked events (archive switched off).
-DELETE FROM {schema}.events WHERE id = ANY(%(ids)s::bigint[])
+DELETE FROM {schema}.events WHERE id = ANY(%(ids)s::text::bigint[])
 
 -- name: schedule_retry
 -- Persist a failed attempt: count it, keep the error, and set the next attempt time.
@@ -58,14 +61,14 @@ SET attempts = e.attempts + 1,
     available_at = clock_timestamp() + r.delay * interval '1 second',
     last_error = r.error,
     first_failed_at = coalesce(e.first_failed_at, clock_timestamp())
-FROM unnest(%(ids)s::bigint[], %(delays)s::float8[], %(errors)s::text[]) AS r(id, delay, error)
+FROM unnest(%(ids)s::text::bigint[], %(delays)s::float8[], %(errors)s::text[]) AS r(id, delay, error)
 WHERE e.id = r.id
 
 -- name: dead_letter
 -- Move events that can never be delivered to dead_letters with their reason.
 WITH dead AS (
     DELETE FROM {schema}.events AS e
-    USING unnest(%(ids)s::bigint[], %(errors)s::text[]) AS r(id, error)
+    USING unnest(%(ids)s::text::bigint[], %(errors)s::text[]) AS r(id, error)
     WHERE e.id = r.id
     RETURNING e.id, e.event_id, e.topic, e.key, e.payload, e.headers, e.created_at,
               e.attempts + 1 AS attempts, r.error, e.first_failed_at

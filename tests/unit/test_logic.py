@@ -10,6 +10,7 @@ import pytest
 from confluent_kafka import KafkaError
 
 from outbox import queries
+from outbox.batch import int_array
 from outbox.dsn import redact, scrub, secrets_of
 from outbox.events import CorruptEvent, decode_row, encode_event, encode_headers
 from outbox.retry import MAX_ERROR_CHARS, RetryPolicy, cap_error
@@ -62,20 +63,25 @@ def test_explicit_traceparent_wins_over_the_active_context() -> None:
 
 def test_headers_round_trip_byte_exact() -> None:
     raw = {"text": "caf\u00e9", "bin": b"\xff\x00", "utf8-bytes": "\u00e9".encode(), "nul": "a\x00"}
-    row = (1, uuid.uuid4(), "t", None, b"p", encode_headers(raw), datetime.now(timezone.utc), 0)
+    row = (1, str(uuid.uuid4()), "t", None, b"p", encode_headers(raw), datetime.now(timezone.utc), 0)
     decoded = dict(decode_row(row).headers)
     assert decoded["text"] == "caf\u00e9".encode()
     assert decoded["bin"] == b"\xff\x00"
     assert decoded["utf8-bytes"] == "\u00e9".encode()
     assert decoded["nul"] == b"a\x00"
-    assert decoded["event-id"] == str(row[1]).encode()
+    assert decoded["event-id"] == row[1].encode()
 
 
-@pytest.mark.parametrize("headers", [None, [1, 2], {"h": 1}, {"h": {"b64": "!!"}}, {"h": {"x": "y"}}])
+@pytest.mark.parametrize("headers", [[1, 2], {"h": 1}, {"h": {"b64": "!!"}}, {"h": {"x": "y"}}])
 def test_corrupt_rows_are_named(headers: object) -> None:
-    row = (1, uuid.uuid4(), "t", None, b"p", headers, datetime.now(timezone.utc), 0)
+    row = (1, str(uuid.uuid4()), "t", None, b"p", headers, datetime.now(timezone.utc), 0)
     with pytest.raises(CorruptEvent, match="headers"):
         decode_row(row)
+
+
+def test_int_arrays_as_literals() -> None:
+    assert int_array([1, None, 3]) == "{1,NULL,3}"
+    assert int_array([]) == "{}"
 
 
 def test_kafka_errors_are_classified() -> None:
