@@ -43,7 +43,7 @@ PERMANENT_ERRORS = frozenset(
 REQUIRED_CONFIG = {"enable.idempotence": "true", "acks": "all"}
 
 DEFAULT_CONFIG: dict[str, Any] = {
-    "linger.ms": 5,  # milliseconds: small enough for latency, large enough to batch
+    "linger.ms": 1,  # milliseconds: small enough for latency, large enough to batch
     "batch.num.messages": 10000,
     "queue.buffering.max.messages": 500000,
     "queue.buffering.max.kbytes": 1048576,
