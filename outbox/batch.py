@@ -46,8 +46,12 @@ class Settled:
 class Batch:
     """Events claimed in one transaction on one connection, and their outcomes."""
 
-    def __init__(self, conn: psycopg.Connection[Any], rows: list[tuple[Any, ...]]) -> None:
+    def __init__(
+        self, conn: psycopg.Connection[Any], rows: list[tuple[Any, ...]], *, hold_dead: bool = True
+    ) -> None:
         self.conn = conn
+        # Does a dead event hold back its key (ordered mode, --on-dead park)?
+        self.hold_dead = hold_dead
         self.ids: list[int] = [row[0] for row in rows]
         self.attempts: list[int] = [row[7] for row in rows]
         self.events: list[ClaimedEvent | None] = []
@@ -74,8 +78,8 @@ class Batch:
             return
         self.outcomes[index] = outcome
         self.waiting -= 1
-        if isinstance(outcome, Retry):
-            event = self.events[index]
+        if isinstance(outcome, Retry) or (self.hold_dead and isinstance(outcome, Dead)):
+            event = self.events[index] if index < len(self.events) else None
             if event is not None and event.key is not None:
                 self.failed_keys.add(event.key)
 
@@ -87,7 +91,7 @@ class Batch:
     def complete(self) -> bool:
         return self.waiting == 0
 
-    def finish(self, schema: str, policy: RetryPolicy, *, archive: bool) -> Settled:
+    def finish(self, schema: str, policy: RetryPolicy, *, archive: bool, park: bool) -> Settled:
         """Write every outcome in one transaction (one statement per kind) and commit.
 
         Raises FencingError (after rolling back) if a statement changed other

@@ -34,6 +34,7 @@ from outbox.relay import (
 )
 from outbox.retry import RetryPolicy
 from outbox.schema import DEFAULT_SCHEMA, validate_schema
+from outbox.sinks.base import Sink
 from outbox.sinks.kafka import KafkaSink
 
 log = logging.getLogger("outbox")
@@ -245,6 +246,26 @@ def build_parser() -> argparse.ArgumentParser:
     _add_common(p)
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
+    p = sub.add_parser("dead", help="list, redrive or skip dead letters (parked keys)")
+    dead = p.add_subparsers(dest="dead_command", required=True)
+    d = dead.add_parser("list", help="dead letters with the events parked behind them")
+    _add_common(d)
+    d.add_argument("--topic")
+    d.add_argument("--key", help="the event key (UTF-8 text, or 0x... for bytes)")
+    d.add_argument("--limit", type=int, default=100)
+    d.add_argument("--json", action="store_true")
+    for verb, text in (
+        ("redrive", "put dead letters back at the head of their key; parked events follow in order"),
+        ("skip", "give dead letters up and release the events parked behind them"),
+    ):
+        d = dead.add_parser(verb, help=text)
+        _add_common(d)
+        d.add_argument("ids", nargs="*", type=int, metavar="ID")
+        d.add_argument("--key", help="every dead letter of this key")
+        if verb == "redrive":
+            d.add_argument("--all", action="store_true", help="every dead letter")
+        d.add_argument("--dry-run", action="store_true", help="say what would change, change nothing")
+
     p = sub.add_parser("notify", help="switch the NOTIFY trigger on or off")
     _add_common(p)
     p.add_argument("state", choices=["on", "off"])
@@ -326,7 +347,29 @@ def relay_config(args: argparse.Namespace) -> RelayConfig:
         archive=args.archive,
         grace=args.grace,
         retry=RetryPolicy(base=args.retry_base, cap=args.retry_cap, max_attempts=args.max_attempts),
+        ordering=args.ordering,
+        on_dead=args.on_dead,
+        ownership_lease=args.ownership_lease,
+        **({"name": args.name} if args.name else {}),
     )
+
+
+def load_sink_factory(spec: str) -> Any:
+    """``kafka`` or ``module:callable`` -> a factory(bootstrap, kafka_config, delivery_timeout)."""
+    if spec == "kafka":
+        return lambda bootstrap, config, timeout: KafkaSink(bootstrap, config, delivery_timeout=timeout)
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not module_name or not attr:
+        raise CliError(f"--sink: expected 'kafka' or MODULE:FACTORY, got {spec!r}")
+    import importlib
+
+    try:
+        factory = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as exc:
+        raise CliError(f"--sink: cannot load {spec!r}: {exc}") from None
+    if not callable(factory):
+        raise CliError(f"--sink: {spec!r} is not callable")
+    return factory
 
 
 def run_until_signal(relay: Relay) -> None:
@@ -357,10 +400,13 @@ def cmd_relay(args: argparse.Namespace) -> int:
         if not migrations.applied_versions(conn, config.schema):
             raise CliError(f"--schema: {config.schema!r} is not migrated; run `outbox migrate`")
 
-    def sink() -> KafkaSink:
-        return KafkaSink(args.kafka_bootstrap, kafka_config, delivery_timeout=config.delivery_timeout)
+    factory = load_sink_factory(args.sink)
 
-    sink().close(0)  # validates the Kafka configuration now, with a clear error
+    def sink() -> Sink:
+        built: Sink = factory(args.kafka_bootstrap, kafka_config, config.delivery_timeout)
+        return built
+
+    sink().close(0)  # validates the sink's configuration now, with a clear error
     run_until_signal(Relay(config, sink))
     return 0
 
@@ -450,11 +496,64 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _key_arg(key: str | None) -> bytes | None:
+    if key is None:
+        return None
+    if key.startswith("0x"):
+        try:
+            return bytes.fromhex(key[2:])
+        except ValueError:
+            raise CliError(f"--key: {key!r} is not valid hex after 0x") from None
+    return key.encode("utf-8")
+
+
+def cmd_dead(args: argparse.Namespace) -> int:
+    from outbox import dead as dead_mod
+
+    validate_schema(args.schema, "--schema")
+    with _connect(args.dsn, secrets_of(args.dsn)) as conn:
+        if args.dead_command == "list":
+            rows = dead_mod.list_dead(
+                conn, args.schema, topic=args.topic, key=_key_arg(args.key), limit=args.limit
+            )
+            if args.json:
+                print(json.dumps(rows))
+            else:
+                print(dead_mod.render(rows))
+            return 0
+        select_all = bool(getattr(args, "all", False))
+        if not args.ids and args.key is None and not select_all:
+            raise CliError(
+                f"dead {args.dead_command}: give dead letter IDs, --key K"
+                + (" or --all" if args.dead_command == "redrive" else "")
+            )
+        ids = dead_mod.select(conn, args.schema, ids=args.ids, key=_key_arg(args.key), all_=select_all)
+        if not ids:
+            print("no dead letter matches")
+            return 1
+        if args.dry_run:
+            print(
+                f"would {args.dead_command} {len(ids)} dead letters: {ids[:20]}"
+                + (" ..." if len(ids) > 20 else "")
+            )
+            conn.rollback()
+            return 0
+        if args.dead_command == "redrive":
+            n = dead_mod.redrive(conn, args.schema, ids)
+            print(f"redrove {n} dead letters; they are delivered first, then the events parked behind them")
+        else:
+            n = dead_mod.skip(conn, args.schema, ids)
+            print(f"skipped {n} dead letters; the events parked behind them are released")
+        conn.commit()
+    return 0
+
+
 COMMANDS = {
     "migrate": cmd_migrate,
     "relay": cmd_relay,
     "status": cmd_status,
     "notify": cmd_notify,
+    "dead": cmd_dead,
     "demo": cmd_demo,
     "bench": cmd_bench,
 }

@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import random
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -37,6 +39,7 @@ from tenacity import (
 from outbox.batch import Batch, FencingError
 from outbox.dsn import scrub, secrets_of
 from outbox.listener import Listener
+from outbox.ownership import OWNERSHIP_LEASE, Ownership
 from outbox.queries import query
 from outbox.retry import RetryPolicy
 from outbox.schema import DEFAULT_SCHEMA, channel_name, validate_schema
@@ -50,6 +53,8 @@ LEASE = 30.0  # seconds a stalled worker keeps its batch before PostgreSQL ends 
 DELIVERY_TIMEOUT = 15.0  # seconds the sink may take to ack; must be well under LEASE
 POLL_INTERVAL = 1.0  # seconds between polls when idle (jittered ±50%); NOTIFY wakes sooner
 GRACE = 20.0  # seconds to finish in-flight batches at shutdown
+ORDERINGS = ("key", "none")
+ON_DEAD = ("park", "continue")
 PARTITION_MAINTENANCE = 3600.0  # seconds between archive partition checks
 REPORT_WAIT = 0.005  # seconds to wait for delivery reports while a claim could start
 REPORT_WAIT_FULL = 0.05  # seconds to wait for delivery reports when all slots are busy
@@ -68,9 +73,21 @@ class RelayConfig:
     archive: bool = True
     grace: float = GRACE
     retry: RetryPolicy = field(default_factory=RetryPolicy)
+    # "key": per-key order via partition ownership; "none": plain SKIP LOCKED.
+    ordering: str = "key"
+    # "park": a dead letter holds back its key's later events; "continue": it does not.
+    on_dead: str = "park"
+    ownership_lease: float = OWNERSHIP_LEASE
+    name: str = field(default_factory=lambda: f"{socket.gethostname()}:{os.getpid()}")
 
     def __post_init__(self) -> None:
         validate_schema(self.schema)
+        if self.ordering not in ORDERINGS:
+            raise ValueError(f"ordering: must be one of {ORDERINGS}, got {self.ordering!r}")
+        if self.on_dead not in ON_DEAD:
+            raise ValueError(f"on-dead: must be one of {ON_DEAD}, got {self.on_dead!r}")
+        if not self.ownership_lease > 0:
+            raise ValueError(f"ownership lease: must be > 0 seconds, got {self.ownership_lease}")
         if self.batch_size < 1:
             raise ValueError(f"batch size: must be >= 1, got {self.batch_size}")
         if self.max_batches_in_flight < 1:
@@ -113,6 +130,15 @@ class Relay:
         self._next_poll = 0.0
         self._next_maintenance = 0.0
         self._listener: Listener | None = None
+        self.ordered = config.ordering == "key"
+        self.ownership = Ownership(
+            connect=self._connect,
+            schema=config.schema,
+            name=config.name,
+            lease=config.ownership_lease,
+            batch_lease=config.lease,
+            ordering=config.ordering,
+        )
         self.stats = RelayStats()
         self.running = threading.Event()  # set once connected and producing
 
@@ -148,6 +174,8 @@ class Relay:
         self._finish_complete_batches()
         if self._sink is None or not self._sink.healthy():
             self._replace_sink()
+        if self.ownership.due():
+            self._heartbeat()
         now = time.monotonic()
         if now >= self._next_maintenance:
             self._maintain_partitions()
@@ -176,9 +204,12 @@ class Relay:
         if conn is None:
             return 0
         try:
-            rows = conn.execute(
-                query("claim_batch", self.config.schema), {"limit": self.config.batch_size}
-            ).fetchall()
+            if self.ordered:
+                params: dict[str, Any] = {"limit": self.config.batch_size, "owner": self.ownership.id}
+                rows = conn.execute(query("claim_batch", self.config.schema), params).fetchall()
+            else:
+                params = {"limit": self.config.batch_size}
+                rows = conn.execute(query("claim_batch_unordered", self.config.schema), params).fetchall()
         except psycopg.Error as exc:
             # Connection gone, server restarting, session ended: nothing was
             # claimed that will not be claimed again.
@@ -188,16 +219,20 @@ class Relay:
             conn.rollback()
             self._idle.append(conn)
             return 0
-        batch = Batch(conn, rows)
+        batch = Batch(conn, rows, hold_dead=self.ordered and self.config.on_dead == "park")
         self.stats.claimed += len(batch)
         # Per-key order: once an event of key K fails (in this batch or in one
         # still in flight), K's later events are held: left pending, untouched.
         # When the failure is committed, the claim query blocks them instead.
-        held_keys = set().union(*(b.failed_keys for b in self._in_flight))
+        held_keys = set().union(*(b.failed_keys for b in self._in_flight)) if self.ordered else set()
         for i, event in enumerate(batch.events):
             if event is None:  # corrupt row, already settled as dead
                 continue
-            if event.key is not None and (event.key in held_keys or event.key in batch.failed_keys):
+            if (
+                self.ordered
+                and event.key is not None
+                and (event.key in held_keys or event.key in batch.failed_keys)
+            ):
                 batch.hold(i)
                 continue
             outcome = self._sink.produce(event, partial(batch.settle, i))
@@ -217,7 +252,12 @@ class Relay:
 
     def _finish(self, batch: Batch) -> None:
         try:
-            done = batch.finish(self.config.schema, self.config.retry, archive=self.config.archive)
+            done = batch.finish(
+                self.config.schema,
+                self.config.retry,
+                archive=self.config.archive,
+                park=self.ordered and self.config.on_dead == "park",
+            )
         except FencingError as exc:
             self.stats.leases_lost += 1
             log.error("%s; %d events left for their new owner", exc, len(batch))
@@ -261,6 +301,15 @@ class Relay:
             conn = self._idle.pop()
             if not conn.closed:
                 return conn
+        conn = self._reconnect()
+        if conn is not None and self.ordered:
+            # Register this session's pid before it can lock anything: a relay
+            # taking over our partitions fences them while our sessions live.
+            self._heartbeat(extra=conn)
+        return conn
+
+    def _reconnect(self) -> psycopg.Connection[Any] | None:
+        """A new connection, retried with backoff; None if stopping meanwhile."""
         try:
             for attempt in Retrying(
                 retry=retry_if_exception_type(psycopg.OperationalError),
@@ -294,6 +343,12 @@ class Relay:
             self._sink.close(0)
         self._sink = self._sink_factory()
 
+    def _heartbeat(self, extra: psycopg.Connection[Any] | None = None) -> None:
+        conns = [*self._idle, *(b.conn for b in self._in_flight), *([extra] if extra else [])]
+        pids = [c.info.backend_pid for c in conns if not c.closed]
+        if self.ownership.tick(pids, (id(b) for b in self._in_flight)):
+            self._wakeup.set()  # new partitions: there may be work right now
+
     def _maintain_partitions(self) -> None:
         self._next_maintenance = time.monotonic() + PARTITION_MAINTENANCE
         conn = self._connection()
@@ -318,14 +373,19 @@ class Relay:
 
     def _start(self) -> None:
         self._sink = self._sink_factory()
+        self._heartbeat()  # join and take a share of the partitions before the first claim
         if self.config.notify:
             self._listener = Listener(
                 self.config.dsn, channel_name(self.config.schema), self._wakeup, self._stop
             )
             self._listener.start()
         log.info(
-            "relay started: schema=%s batch=%d in-flight batches=%d lease=%ss notify=%s",
+            "relay %s started: schema=%s ordering=%s on-dead=%s batch=%d in-flight batches=%d "
+            "lease=%ss notify=%s",
+            self.ownership.id,
             self.config.schema,
+            self.config.ordering,
+            self.config.on_dead,
             self.config.batch_size,
             self.config.max_batches_in_flight,
             self.config.lease,
@@ -350,6 +410,8 @@ class Relay:
         if self._sink is not None:
             self._sink.close(max(0.0, min(1.0, deadline - time.monotonic())))
             self._sink = None
+        # No batch holds locks any more: hand the partitions over at once.
+        self.ownership.release_all()
         for conn in self._idle:
             with contextlib.suppress(psycopg.Error):
                 conn.close()

@@ -17,6 +17,9 @@ def collect(conn: psycopg.Connection[Any], schema: str) -> dict[str, Any]:
     by_topic = conn.execute(query("status_by_topic", schema)).fetchall()
     errors = conn.execute(query("status_errors", schema)).fetchall()
     last_hour = conn.execute(query("status_delivered_last_hour", schema)).fetchone()
+    parked = conn.execute(query("status_parked_keys", schema)).fetchall()
+    owners = conn.execute(query("status_owners", schema)).fetchall()
+    unowned = conn.execute(query("status_unowned", schema)).fetchone()
     return {
         "schema": schema,
         "pending": int(pending),
@@ -29,7 +32,44 @@ def collect(conn: psycopg.Connection[Any], schema: str) -> dict[str, Any]:
             {"topic": t, "pending": int(n), "oldest_age_seconds": round(float(a), 3)} for t, n, a in by_topic
         ],
         "top_errors": [{"error": e, "events": int(n)} for e, n in errors],
+        "parked_keys": [
+            {"key": _key_text(k), "topic": t, "dead_letter_id": int(i), "error": err, "waiting": int(w)}
+            for k, t, i, err, w in parked
+        ],
+        "relays": [
+            {
+                "id": rid,
+                "name": name,
+                "ordering": ordering,
+                "heartbeat_at": hb.isoformat(),
+                "partitions": list(parts),
+            }
+            for rid, name, ordering, hb, parts in owners
+        ],
+        "unowned_partitions": int(unowned[0]) if unowned else 0,
     }
+
+
+def _key_text(key: bytes | None) -> str | None:
+    if key is None:
+        return None
+    try:
+        return bytes(key).decode("utf-8")
+    except UnicodeDecodeError:
+        return "0x" + bytes(key).hex()
+
+
+def _ranges(parts: list[int]) -> str:
+    """[0, 1, 2, 5] -> "0-2,5"."""
+    out: list[str] = []
+    for p in sorted(parts):
+        if out and "-" not in out[-1] and int(out[-1]) == p - 1:
+            out[-1] = f"{out[-1]}-{p}"
+        elif out and "-" in out[-1] and int(out[-1].split("-")[1]) == p - 1:
+            out[-1] = f"{out[-1].split('-')[0]}-{p}"
+        else:
+            out.append(str(p))
+    return ",".join(out)
 
 
 def render(report: dict[str, Any]) -> str:
@@ -54,4 +94,21 @@ def render(report: dict[str, Any]) -> str:
         lines.append("  errors of events awaiting retry:")
         for e in report["top_errors"]:
             lines.append(f"  {e['events']:>8}  {e['error'][:100]}")
+    if report["parked_keys"]:
+        lines.append("")
+        lines.append("  parked keys (redrive or skip with `outbox dead`):")
+        for k in report["parked_keys"]:
+            lines.append(
+                f"  key {k['key']!s:<24} topic {k['topic']:<20} dead letter {k['dead_letter_id']}"
+                f"  {k['waiting']} events waiting"
+            )
+    lines.append("")
+    lines.append(
+        f"  relays ({len(report['relays'])} live, {report['unowned_partitions']} partitions unowned):"
+    )
+    for r in report["relays"]:
+        lines.append(
+            f"  {r['name']:<28} {r['ordering']:<5} {len(r['partitions']):>3} partitions "
+            f"{_ranges(r['partitions'])}"
+        )
     return "\n".join(lines)

@@ -146,8 +146,14 @@ def running_relay(
 class RelayProcess:
     """``outbox relay`` as a real process (for SIGKILL/SIGTERM tests); output to a temp file."""
 
-    def __init__(self, dsn: str, schema: str, bootstrap: str, *extra: str) -> None:
-        env = {k: v for k, v in os.environ.items() if not k.startswith("OUTBOX_")}
+    def __init__(
+        self, dsn: str, schema: str, bootstrap: str, *extra: str, env: dict[str, str] | None = None
+    ) -> None:
+        base = {k: v for k, v in os.environ.items() if not k.startswith("OUTBOX_")}
+        # tests.sinks must be importable for --sink tests.sinks:...
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        base["PYTHONPATH"] = os.pathsep.join(filter(None, [root, base.get("PYTHONPATH")]))
+        env = {**base, **(env or {})}
         self._log = tempfile.TemporaryFile()
         self.proc = subprocess.Popen(
             [
@@ -172,6 +178,11 @@ class RelayProcess:
     def output(self) -> str:
         self._log.seek(0)
         return self._log.read().decode(errors="replace")
+
+    def stop(self, timeout: float = 30) -> int:
+        """SIGTERM, then wait; returns the exit code."""
+        self.proc.terminate()
+        return self.proc.wait(timeout)
 
     def close(self) -> None:
         if self.proc.poll() is None:

@@ -64,7 +64,8 @@ def markdown(results: dict[str, Any]) -> str:
             f"{TARGETS['relay_vs_seeds']:.0f}×: "
             f"{_verdict(d['ratio_relay_to_seeds'] >= TARGETS['relay_vs_seeds'])}); "
             f"relay peak RSS {d['relay']['peak_rss_mb']:.0f} MB (target ≤ {TARGETS['relay_rss_mb']:.0f}: "
-            f"{_verdict(d['relay']['peak_rss_mb'] <= TARGETS['relay_rss_mb'])}).",
+            f"{_verdict(d['relay']['peak_rss_mb'] <= TARGETS['relay_rss_mb'])}). "
+            f"Cost of per-key ordering: ordered / unordered = {d['ratio_ordered_to_unordered']:.2f}.",
             "",
         ]
     if "steady" in s:
@@ -123,11 +124,14 @@ def markdown(results: dict[str, Any]) -> str:
         lines += [
             "**Scale** relay processes draining one outbox.",
             "",
-            "| processes | events/s | events per CPU-second (relay + PostgreSQL) |",
-            "| ---: | ---: | ---: |",
+            "| processes | ordering | events/s | events per CPU-second (relay + PostgreSQL) |",
+            "| ---: | --- | ---: | ---: |",
         ]
         for r in s["scale"]["runs"]:
-            lines.append(f"| {r['processes']} | {r['events_per_s']:,.0f} | {r['events_per_cpu_s']:,.0f} |")
+            lines.append(
+                f"| {r['processes']} | {r.get('ordering', 'key')} | {r['events_per_s']:,.0f} | "
+                f"{r['events_per_cpu_s']:,.0f} |"
+            )
         lines.append("")
     return "\n".join(lines)
 
@@ -225,10 +229,18 @@ def plots(results: dict[str, Any], out: Path) -> list[str]:
     if "scale" in s:
         runs = s["scale"]["runs"]
         fig, (a1, a2) = plt.subplots(1, 2, figsize=(9, 4))
-        labels = [str(r["processes"]) for r in runs]
-        a1.bar(labels, [r["events_per_s"] for r in runs])
+        modes = sorted({r.get("ordering", "key") for r in runs})
+        procs = sorted({r["processes"] for r in runs})
+        width = 0.8 / len(modes)
+        for i, mode in enumerate(modes):
+            xs = [procs.index(r["processes"]) + i * width for r in runs if r.get("ordering", "key") == mode]
+            sel = [r for r in runs if r.get("ordering", "key") == mode]
+            a1.bar(xs, [r["events_per_s"] for r in sel], width, label=f"ordering {mode}")
+            a2.bar(xs, [r["events_per_cpu_s"] for r in sel], width, label=f"ordering {mode}")
+        for ax in (a1, a2):
+            ax.set_xticks([p + 0.4 - width / 2 for p in range(len(procs))], [str(p) for p in procs])
+            ax.legend()
         a1.set_title("events/s")
-        a2.bar(labels, [r["events_per_cpu_s"] for r in runs], color="tab:green")
         a2.set_title("events per CPU-second")
         for ax in (a1, a2):
             ax.set_xlabel("relay processes")

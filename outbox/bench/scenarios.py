@@ -109,21 +109,31 @@ class Workspace:
 # -- drain --------------------------------------------------------------------------
 
 
-def drain_once(cfg: BenchConfig, kind: str, run: int) -> dict[str, Any]:
+# Contenders of the drain: the relay with and without per-key ordering, and the baselines.
+DRAIN_CONTENDERS = {
+    "relay": ("relay", {}),
+    "relay_unordered": ("relay", {"ordering": "none"}),
+    "bare": ("bare", {}),
+    "seeds": ("seeds", {}),
+}
+
+
+def drain_once(cfg: BenchConfig, name: str, run: int) -> dict[str, Any]:
+    kind, options = DRAIN_CONTENDERS[name]
     n = cfg.events
     with Workspace(cfg.dsn, cfg.bootstrap, f"drain_{kind}") as ws:
         if kind == "seeds":
             # About 1.7k/s: fill what it can move in its time budget, with margin.
             n = min(cfg.events, int(cfg.seeds_seconds * 4000) + 1000)
-        ws.fill(n, f"{kind} #{run + 1}")
+        ws.fill(n, f"{name} #{run + 1}")
         progress = Progress(
-            f"drain {kind} #{run + 1}",
+            f"drain {name} #{run + 1}",
             cfg.seeds_seconds if kind == "seeds" else n,
             "s" if kind == "seeds" else " ev",
         )
         limit = cfg.seeds_seconds if kind == "seeds" else cfg.max_race_seconds
         result = race(
-            [ws.spec(kind)],
+            [ws.spec(kind, **options)],
             target=None if kind == "seeds" else n,
             max_seconds=limit,
             progress=progress,
@@ -131,7 +141,7 @@ def drain_once(cfg: BenchConfig, kind: str, run: int) -> dict[str, Any]:
     moved = result.moved
     rate = middle_rate(result.series, moved if kind == "seeds" else n)
     return {
-        "contender": kind,
+        "contender": name,
         "events": moved,
         "events_per_s": round(rate, 1),
         "relay_cpu_s_per_1k": round(1000 * result.relay_cpu_s / max(moved, 1), 4),
@@ -142,10 +152,10 @@ def drain_once(cfg: BenchConfig, kind: str, run: int) -> dict[str, Any]:
 
 
 def drain(cfg: BenchConfig) -> dict[str, Any]:
-    runs: dict[str, list[dict[str, Any]]] = {"relay": [], "bare": [], "seeds": []}
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in DRAIN_CONTENDERS}
     for run in range(cfg.repeat):
-        for kind in runs:  # interleaved, so drift hits every contender alike
-            runs[kind].append(drain_once(cfg, kind, run))
+        for name in runs:  # interleaved, so drift hits every contender alike
+            runs[name].append(drain_once(cfg, name, run))
     summary: dict[str, Any] = {}
     for kind, results in runs.items():
         rates = [r["events_per_s"] for r in results]
@@ -161,6 +171,9 @@ def drain(cfg: BenchConfig) -> dict[str, Any]:
     relay = summary["relay"]["events_per_s_median"]
     summary["ratio_relay_to_bare"] = round(relay / max(summary["bare"]["events_per_s_median"], 1e-9), 3)
     summary["ratio_relay_to_seeds"] = round(relay / max(summary["seeds"]["events_per_s_median"], 1e-9), 1)
+    summary["ratio_ordered_to_unordered"] = round(
+        relay / max(summary["relay_unordered"]["events_per_s_median"], 1e-9), 3
+    )
     summary["events"] = cfg.events
     summary["repeat"] = cfg.repeat
     return summary
@@ -499,25 +512,23 @@ def soak(cfg: BenchConfig) -> dict[str, Any]:
 
 def scale(cfg: BenchConfig) -> dict[str, Any]:
     out = []
-    for k in cfg.scale_processes:
-        with Workspace(cfg.dsn, cfg.bootstrap, f"scale{k}") as ws:
-            ws.fill(cfg.events, f"scale x{k}")
-            progress = Progress(f"scale {k} relay process(es)", cfg.events, " ev")
-            result = race(
-                [ws.spec("relay") for _ in range(k)],
-                target=cfg.events,
-                max_seconds=cfg.max_race_seconds,
-                progress=progress,
+    for ordering in ("key", "none"):
+        for k in cfg.scale_processes:
+            with Workspace(cfg.dsn, cfg.bootstrap, f"scale{k}") as ws:
+                ws.fill(cfg.events, f"scale x{k} {ordering}")
+                progress = Progress(f"scale {k} relay(s) ordering={ordering}", cfg.events, " ev")
+                specs = [ws.spec("relay", ordering=ordering) for _ in range(k)]
+                result = race(specs, target=cfg.events, max_seconds=cfg.max_race_seconds, progress=progress)
+            rate = middle_rate(result.series, cfg.events)
+            cpu = result.relay_cpu_s + result.postgres_cpu_s
+            out.append(
+                {
+                    "processes": k,
+                    "ordering": ordering,
+                    "events_per_s": round(rate, 1),
+                    "events_per_cpu_s": round(result.moved / max(cpu, 1e-9), 1),
+                    "relay_cpu_s": round(result.relay_cpu_s, 2),
+                    "postgres_cpu_s": round(result.postgres_cpu_s, 2),
+                }
             )
-        rate = middle_rate(result.series, cfg.events)
-        cpu = result.relay_cpu_s + result.postgres_cpu_s
-        out.append(
-            {
-                "processes": k,
-                "events_per_s": round(rate, 1),
-                "events_per_cpu_s": round(result.moved / max(cpu, 1e-9), 1),
-                "relay_cpu_s": round(result.relay_cpu_s, 2),
-                "postgres_cpu_s": round(result.postgres_cpu_s, 2),
-            }
-        )
     return {"runs": out, "events": cfg.events}

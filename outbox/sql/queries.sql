@@ -16,18 +16,37 @@ COPY {schema}.events (event_id, topic, key, payload, headers) FROM STDIN (FORMAT
 SELECT to_regclass(format('%%I.events', %s::text)) IS NOT NULL
 
 -- name: claim_batch
--- Lock up to %(limit)s available events in id order. The row locks are the lease:
--- they last until this transaction ends, and idle_in_transaction_session_timeout
--- ends a transaction whose worker stalls past the lease. An event is skipped while
--- an earlier event of its key has failed and awaits its retry (per-key order).
+-- Ordered mode. Lock up to %(limit)s available events in id order, only from
+-- partitions this relay owns (lease valid, not being released, not fenced).
+-- The row locks are the batch's lease: they last until this transaction ends,
+-- and idle_in_transaction_session_timeout ends a transaction whose worker
+-- stalls. An event is skipped while an earlier event of its key awaits a retry
+-- or is parked as a dead letter.
 -- event_id comes as text and empty headers as NULL: no per-row parsing in Python.
 SELECT e.id, e.event_id::text, e.topic, e.key, e.payload, nullif(e.headers, '{{}}'::jsonb),
        e.created_at, e.attempts
 FROM {schema}.events AS e
 WHERE e.available_at <= now()
+  AND e.partition = ANY(ARRAY(
+        SELECT p.partition FROM {schema}.partitions AS p
+        WHERE p.owner = %(owner)s AND p.expires_at > now() AND NOT p.releasing
+          AND (p.fenced_until IS NULL OR p.fenced_until <= now())))
   AND NOT EXISTS (
         SELECT 1 FROM {schema}.events AS b
         WHERE b.attempts > 0 AND b.key = e.key AND b.id < e.id)
+  AND NOT EXISTS (
+        SELECT 1 FROM {schema}.dead_letters AS d
+        WHERE d.parked AND d.key = e.key AND d.id < e.id)
+ORDER BY e.id
+LIMIT %(limit)s
+FOR UPDATE OF e SKIP LOCKED
+
+-- name: claim_batch_unordered
+-- Unordered mode: any available event, plain SKIP LOCKED, maximum parallelism.
+SELECT e.id, e.event_id::text, e.topic, e.key, e.payload, nullif(e.headers, '{{}}'::jsonb),
+       e.created_at, e.attempts
+FROM {schema}.events AS e
+WHERE e.available_at <= now()
 ORDER BY e.id
 LIMIT %(limit)s
 FOR UPDATE OF e SKIP LOCKED
@@ -65,7 +84,8 @@ FROM unnest(%(ids)s::text::bigint[], %(delays)s::float8[], %(errors)s::text[]) A
 WHERE e.id = r.id
 
 -- name: dead_letter
--- Move events that can never be delivered to dead_letters with their reason.
+-- Move events that can never be delivered to dead_letters with their reason;
+-- with %(park)s, a keyed dead letter parks the later events of its key.
 WITH dead AS (
     DELETE FROM {schema}.events AS e
     USING unnest(%(ids)s::text::bigint[], %(errors)s::text[]) AS r(id, error)
@@ -75,9 +95,10 @@ WITH dead AS (
 )
 INSERT INTO {schema}.dead_letters
     (id, event_id, topic, key, payload, headers, created_at, attempts, error,
-     first_failed_at, failed_at)
+     first_failed_at, failed_at, parked)
 SELECT id, event_id, topic, key, payload, headers, created_at, attempts, error,
-       coalesce(first_failed_at, clock_timestamp()), clock_timestamp()
+       coalesce(first_failed_at, clock_timestamp()), clock_timestamp(),
+       %(park)s AND key IS NOT NULL
 FROM dead
 
 -- name: ensure_partitions
@@ -114,3 +135,140 @@ LIMIT 10
 -- name: status_delivered_last_hour
 -- Events archived in the last hour.
 SELECT count(*) FROM {schema}.delivered WHERE delivered_at > now() - interval '1 hour'
+
+-- name: status_parked_keys
+-- Keys held back by a parked dead letter, with how many events wait behind it.
+SELECT d.key, d.topic, d.id, d.error,
+       (SELECT count(*) FROM {schema}.events AS e WHERE e.key = d.key AND e.id > d.id) AS waiting
+FROM {schema}.dead_letters AS d
+WHERE d.parked
+ORDER BY d.id
+LIMIT 50
+
+-- name: status_owners
+-- Which relay owns which partitions now.
+SELECT r.id::text, r.name, r.ordering, r.heartbeat_at,
+       coalesce(array_agg(p.partition ORDER BY p.partition)
+                FILTER (WHERE p.partition IS NOT NULL), '{{}}') AS partitions
+FROM {schema}.relays AS r
+LEFT JOIN {schema}.partitions AS p ON p.owner = r.id AND p.expires_at > now()
+WHERE r.expires_at > now()
+GROUP BY r.id, r.name, r.ordering, r.heartbeat_at
+ORDER BY r.started_at, r.id
+
+-- name: status_unowned
+-- Partitions no live relay owns.
+SELECT count(*) FROM {schema}.partitions
+WHERE owner IS NULL OR expires_at IS NULL OR expires_at <= now()
+
+-- name: dead_list
+-- Dead letters, optionally of one topic and/or key, with the events parked behind each.
+SELECT d.id, d.event_id::text, d.topic, d.key, d.attempts, d.error, d.failed_at, d.parked,
+       (SELECT count(*) FROM {schema}.events AS e WHERE e.key = d.key AND e.id > d.id) AS waiting
+FROM {schema}.dead_letters AS d
+WHERE (%(topic)s::text IS NULL OR d.topic = %(topic)s)
+  AND (%(key)s::bytea IS NULL OR d.key = %(key)s)
+ORDER BY d.id
+LIMIT %(limit)s
+
+-- name: dead_select
+-- Ids of dead letters chosen by id list, key, or all.
+SELECT id FROM {schema}.dead_letters
+WHERE (%(all)s OR id = ANY(%(ids)s::text::bigint[]) OR (%(key)s::bytea IS NOT NULL AND key = %(key)s))
+
+-- name: dead_redrive
+-- Put dead letters back into events under their original id (the head of their key).
+WITH moved AS (
+    DELETE FROM {schema}.dead_letters AS d
+    WHERE d.id = ANY(%(ids)s::text::bigint[])
+    RETURNING d.id, d.event_id, d.topic, d.key, d.payload, d.headers, d.created_at
+)
+INSERT INTO {schema}.events (id, event_id, topic, key, payload, headers, created_at, available_at, attempts)
+OVERRIDING SYSTEM VALUE
+SELECT id, event_id, topic, key, coalesce(payload, ''::bytea), coalesce(headers, '{{}}'::jsonb),
+       created_at, now(), 0
+FROM moved
+
+-- name: dead_skip
+-- Give dead letters up: keep them, release the events parked behind them.
+UPDATE {schema}.dead_letters SET parked = false
+WHERE id = ANY(%(ids)s::text::bigint[]) AND parked
+
+-- name: relay_heartbeat
+-- Register or refresh this relay; returns the live relays in a stable order.
+INSERT INTO {schema}.relays (id, name, expires_at, lease_seconds, backend_pids, ordering)
+VALUES (%(me)s, %(name)s, now() + %(ttl)s * interval '1 second', %(lease)s,
+        %(pids)s::text::integer[], %(ordering)s)
+ON CONFLICT (id) DO UPDATE
+SET heartbeat_at = now(), expires_at = excluded.expires_at, backend_pids = excluded.backend_pids
+
+-- name: live_relays
+-- Ids of relays whose membership has not expired, in join order.
+SELECT id FROM {schema}.relays WHERE expires_at > now() AND ordering = 'key'
+ORDER BY started_at, id
+
+-- name: renew_partitions
+-- Extend this relay's leases; returns the partitions it still owns.
+UPDATE {schema}.partitions SET expires_at = now() + %(ttl)s * interval '1 second'
+WHERE owner = %(me)s AND expires_at > now()
+RETURNING partition, releasing
+
+-- name: acquire_partitions
+-- Take up to %(count)s partitions that are free or whose owner's lease expired.
+-- From an expired owner, a partition stays fenced for that owner's batch lease
+-- (its stalled batch may still hold row locks) unless its sessions are gone.
+WITH free AS (
+    SELECT p.partition, p.owner AS previous
+    FROM {schema}.partitions AS p
+    WHERE p.owner IS NULL OR p.expires_at <= now()
+    ORDER BY p.partition
+    LIMIT %(count)s
+    FOR UPDATE SKIP LOCKED
+)
+UPDATE {schema}.partitions AS p
+SET owner = %(me)s,
+    expires_at = now() + %(ttl)s * interval '1 second',
+    releasing = false,
+    acquired_at = now(),
+    previous_owner = f.previous,
+    fenced_until = CASE
+        WHEN f.previous IS NULL THEN NULL
+        WHEN NOT EXISTS (
+            SELECT 1 FROM {schema}.relays AS r JOIN pg_stat_activity AS a ON a.pid = ANY(r.backend_pids)
+            WHERE r.id = f.previous) THEN NULL
+        ELSE now() + coalesce((SELECT r.lease_seconds FROM {schema}.relays AS r WHERE r.id = f.previous),
+                              %(max_lease)s) * interval '1 second'
+    END
+FROM free AS f
+WHERE p.partition = f.partition
+RETURNING p.partition
+
+-- name: unfence_partitions
+-- Lift the fence early once the previous owner's sessions are all gone.
+UPDATE {schema}.partitions AS p SET fenced_until = NULL
+WHERE p.owner = %(me)s AND p.fenced_until > now()
+  AND NOT EXISTS (
+        SELECT 1 FROM {schema}.relays AS r JOIN pg_stat_activity AS a ON a.pid = ANY(r.backend_pids)
+        WHERE r.id = p.previous_owner)
+
+-- name: mark_releasing
+-- Stop claiming from some partitions (handed over once in-flight batches finish).
+UPDATE {schema}.partitions SET releasing = true
+WHERE owner = %(me)s AND partition = ANY(%(parts)s::text::smallint[])
+
+-- name: release_partitions
+-- Hand partitions over: their rows are no longer locked by this relay.
+UPDATE {schema}.partitions
+SET owner = NULL, expires_at = NULL, releasing = false, fenced_until = NULL
+WHERE owner = %(me)s AND partition = ANY(%(parts)s::text::smallint[])
+
+-- name: release_all
+-- Clean shutdown: hand every partition over and leave the membership.
+WITH gone AS (DELETE FROM {schema}.relays WHERE id = %(me)s)
+UPDATE {schema}.partitions
+SET owner = NULL, expires_at = NULL, releasing = false, fenced_until = NULL
+WHERE owner = %(me)s
+
+-- name: forget_relays
+-- Drop membership rows of relays that have been gone for a while.
+DELETE FROM {schema}.relays WHERE expires_at < now() - interval '10 minutes'

@@ -36,7 +36,7 @@ def test_bench_smoke_produces_every_output(pg_dsn: str, kafka: str, tmp_path: Pa
     assert set(results["scenarios"]) == {"drain", "steady", "writer", "soak", "scale"}
     assert results["machine"]["cores"] and results["machine"]["postgresql"]
     drain = results["scenarios"]["drain"]
-    for kind in ("relay", "bare", "seeds"):
+    for kind in ("relay", "relay_unordered", "bare", "seeds"):
         assert drain[kind]["events_per_s_median"] > 0
         assert drain[kind]["series"], "no time series recorded"
     for run in results["scenarios"]["steady"]["runs"]:
@@ -45,7 +45,13 @@ def test_bench_smoke_produces_every_output(pg_dsn: str, kafka: str, tmp_path: Pa
     soak = results["scenarios"]["soak"]
     assert soak["delivered"] == soak["written"] > 0
     assert soak["samples"]
-    assert [r["processes"] for r in results["scenarios"]["scale"]["runs"]] == [1, 2]
+    runs = results["scenarios"]["scale"]["runs"]
+    assert [(r["processes"], r["ordering"]) for r in runs] == [
+        (1, "key"),
+        (2, "key"),
+        (1, "none"),
+        (2, "none"),
+    ]
     for png in ("drain_throughput.png", "steady_latency.png", "soak.png", "scale.png"):
         assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", png
     table = (out / "results.md").read_text()

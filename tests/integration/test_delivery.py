@@ -3,18 +3,16 @@
 from __future__ import annotations
 
 import json
-import random
 import uuid
 from typing import Any
 
 import psycopg
 
 import outbox
-from outbox.events import ClaimedEvent
 from outbox.relay import RelayConfig
-from outbox.sinks.base import Outcome, Report, Retry
 from outbox.sinks.kafka import KafkaSink
 from tests.helpers import count, read_topic, running_relay, wait_for
+from tests.sinks import FlakySink
 
 
 def test_committed_events_arrive_byte_exact_and_rolled_back_never(
@@ -100,34 +98,6 @@ def test_archive_keeps_kafka_coordinates(pg_dsn: str, schema: str, kafka: str, t
         ).fetchall()
     assert {str(e): (p, o) for e, p, o, _ in rows} == by_id
     assert {a for *_, a in rows} == {1}
-
-
-class FlakySink:
-    """The real Kafka sink, but a share of produce() calls fail as if the client refused them."""
-
-    def __init__(self, inner: KafkaSink, failure_rate: float, seed: int) -> None:
-        self.inner = inner
-        self.rng = random.Random(seed)
-        self.failure_rate = failure_rate
-        self.failures = 0
-
-    def produce(self, event: ClaimedEvent, report: Report) -> Outcome | None:
-        if self.rng.random() < self.failure_rate:
-            self.failures += 1
-            return Retry("injected transient failure")
-        return self.inner.produce(event, report)
-
-    def poll(self, timeout: float) -> None:
-        self.inner.poll(timeout)
-
-    def flush(self, timeout: float) -> int:
-        return self.inner.flush(timeout)
-
-    def healthy(self) -> bool:
-        return self.inner.healthy()
-
-    def close(self, timeout: float) -> None:
-        self.inner.close(timeout)
 
 
 def test_per_key_order_holds_through_retries(pg_dsn: str, schema: str, kafka: str, topic: str) -> None:

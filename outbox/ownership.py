@@ -1,0 +1,176 @@
+"""Partition ownership: who may deliver which keys, shared among live relays.
+
+Every event belongs to one of 64 logical partitions (a hash of its key, stored
+on the row). In ordered mode a relay claims only events of partitions it owns,
+so a key is delivered by one process at a time, in id order.
+
+Each relay heartbeats every ``lease / 5`` seconds on its own autocommit
+connection. A heartbeat refreshes its membership, renews its partition leases,
+and moves it toward its fair share of partitions (computed from the live
+relays in join order):
+
+- too few: take free partitions, or those whose owner's lease expired;
+- too many: mark the extras ``releasing`` (the claim query stops taking them)
+  and hand them over once every batch that was in flight at that moment has
+  finished, so the next owner can never find one of their rows still locked.
+
+Fencing after a crash or a stall: a partition taken from an owner whose lease
+expired is ``fenced_until`` that owner's sessions are gone (immediately after
+a SIGKILL: the connections close) or at most its batch lease has passed (a
+stalled process: PostgreSQL ends its idle transaction). Until then no one
+claims from it, so a stale row lock can never make the new owner skip ahead of
+an undelivered event. The claim query checks the lease itself, so a relay
+whose lease expired claims nothing even before it notices.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import psycopg
+
+from outbox.batch import int_array
+from outbox.queries import query
+
+log = logging.getLogger("outbox.ownership")
+
+PARTITIONS = 64  # logical partitions, fixed by migration 0002
+OWNERSHIP_LEASE = 10.0  # seconds; a dead relay's partitions are taken over within this + a heartbeat
+HEARTBEAT_FRACTION = 5  # heartbeats per lease
+
+
+class Ownership:
+    """One relay's view of its partitions; ``tick()`` from the relay loop."""
+
+    def __init__(
+        self,
+        *,
+        connect: Callable[[], psycopg.Connection[Any]],
+        schema: str,
+        name: str,
+        lease: float,
+        batch_lease: float,
+        ordering: str,
+    ) -> None:
+        self.id = uuid.uuid4()
+        self.name = name
+        self.schema = schema
+        self.lease = lease
+        self.batch_lease = batch_lease
+        self.ordering = ordering
+        self._connect = connect
+        self._conn: psycopg.Connection[Any] | None = None
+        self._next = 0.0
+        self.owned: set[int] = set()
+        # partition -> the in-flight batches (by id) that may hold its rows
+        self._releasing: dict[int, set[int]] = {}
+
+    @property
+    def interval(self) -> float:
+        return self.lease / HEARTBEAT_FRACTION
+
+    def due(self) -> bool:
+        return time.monotonic() >= self._next
+
+    def tick(self, backend_pids: Iterable[int], in_flight: Iterable[int]) -> bool:
+        """Heartbeat: membership, renewals, hand-overs, acquisitions. Never raises.
+
+        Returns True when partitions were acquired (there may be work at once).
+        """
+        self._next = time.monotonic() + self.interval
+        try:
+            return self._tick(list(backend_pids), set(in_flight))
+        except psycopg.Error as exc:
+            log.warning("ownership heartbeat failed (leases lapse if this persists): %s", exc)
+            if self._conn is not None:
+                self._conn.close()
+            self._conn = None
+            return False
+
+    def _tick(self, pids: list[int], in_flight: set[int]) -> bool:
+        if self._conn is None or self._conn.closed:
+            self._conn = self._connect()
+            self._conn.autocommit = True
+        conn = self._conn
+        s = self.schema
+        ttl = self.lease
+        conn.execute(
+            query("relay_heartbeat", s),
+            {
+                "me": self.id,
+                "name": self.name,
+                "ttl": ttl,
+                "lease": self.batch_lease,
+                "pids": int_array(pids),
+                "ordering": self.ordering,
+            },
+        )
+        if self.ordering != "key":
+            return False
+        renewed = conn.execute(query("renew_partitions", s), {"me": self.id, "ttl": ttl}).fetchall()
+        lost = self.owned - {p for p, _ in renewed}
+        if lost:
+            log.warning("lost ownership of partitions %s (lease expired)", sorted(lost))
+        self.owned = {p for p, _ in renewed}
+        releasing = {p for p, r in renewed if r}
+        # Hand over the partitions whose in-flight batches have all finished.
+        ready = [p for p in releasing if not (self._releasing.get(p, set()) & in_flight)]
+        if ready:
+            conn.execute(query("release_partitions", s), {"me": self.id, "parts": int_array(ready)})
+            self.owned -= set(ready)
+            for p in ready:
+                self._releasing.pop(p, None)
+            log.info("handed over partitions %s", sorted(ready))
+        conn.execute(query("unfence_partitions", s), {"me": self.id})
+        live = [r[0] for r in conn.execute(query("live_relays", s)).fetchall()]
+        share = fair_share(PARTITIONS, live, self.id)
+        keeping = self.owned - releasing
+        if len(keeping) > share:
+            extra = sorted(keeping)[share:]
+            conn.execute(query("mark_releasing", s), {"me": self.id, "parts": int_array(extra)})
+            for p in extra:
+                self._releasing[p] = set(in_flight)
+            log.info("releasing partitions %s to rebalance", extra)
+        elif len(self.owned) < share:
+            got = conn.execute(
+                query("acquire_partitions", s),
+                {"me": self.id, "ttl": ttl, "count": share - len(self.owned), "max_lease": self.batch_lease},
+            ).fetchall()
+            if got:
+                self.owned |= {r[0] for r in got}
+                log.info("acquired partitions %s", sorted(r[0] for r in got))
+                conn.execute(query("forget_relays", s))
+                return True
+        conn.execute(query("forget_relays", s))
+        return False
+
+    def release_all(self) -> None:
+        """Clean shutdown: hand everything over now (no batch is in flight any more)."""
+        try:
+            if self._conn is None or self._conn.closed:
+                self._conn = self._connect()
+                self._conn.autocommit = True
+            self._conn.execute(query("release_all", self.schema), {"me": self.id})
+            self.owned = set()
+        except psycopg.Error as exc:
+            log.warning("could not release partitions, they lapse with the lease: %s", exc)
+        finally:
+            if self._conn is not None:
+                self._conn.close()
+                self._conn = None
+
+
+def fair_share(partitions: int, live: list[uuid.UUID], me: uuid.UUID) -> int:
+    """How many partitions ``me`` should own among ``live`` relays (join order).
+
+    Shares differ by at most one; the earliest relays take the remainder. A
+    relay not (yet) in the list counts itself in last.
+    """
+    members = list(live) if me in live else [*live, me]
+    n = len(members)
+    base, extra = divmod(partitions, n)
+    return base + (1 if members.index(me) < extra else 0)
