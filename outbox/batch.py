@@ -146,7 +146,10 @@ class Batch:
                 )
                 _check_rows(cur.rowcount, len(retry_ids), "retry")
             if dead_ids:
-                cur = conn.execute(query("dead_letter", schema), {"ids": dead_ids, "errors": dead_errors})
+                cur = conn.execute(
+                    query("dead_letter", schema),
+                    {"ids": int_array(dead_ids), "errors": dead_errors, "park": park},
+                )
                 _check_rows(cur.rowcount, len(dead_ids), "dead-letter")
             conn.commit()
         except FencingError:

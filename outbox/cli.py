@@ -22,6 +22,8 @@ import psycopg
 from outbox import migrate as migrations
 from outbox import status as status_mod
 from outbox.dsn import redact, scrub, secrets_of
+from outbox.hygiene import DEAD_TUPLES_THRESHOLD
+from outbox.ownership import OWNERSHIP_LEASE
 from outbox.relay import (
     BATCH_SIZE,
     DELIVERY_TIMEOUT,
@@ -227,6 +229,50 @@ def _add_relay_options(p: argparse.ArgumentParser) -> None:
         default=_env_int("OUTBOX_MAX_ATTEMPTS", 10),
         help="attempts before dead-lettering [OUTBOX_MAX_ATTEMPTS; default 10]",
     )
+    p.add_argument(
+        "--ordering",
+        choices=["key", "none"],
+        default=_env("OUTBOX_ORDERING", "key"),
+        help="key: per-key order across relays; none: maximum parallelism [OUTBOX_ORDERING; default key]",
+    )
+    p.add_argument(
+        "--on-dead",
+        choices=["park", "continue"],
+        default=_env("OUTBOX_ON_DEAD", "park"),
+        help="park: a dead letter holds back its key's later events; continue: it does not "
+        "[OUTBOX_ON_DEAD; default park]",
+    )
+    p.add_argument(
+        "--ownership-lease",
+        type=float,
+        default=_env_float("OUTBOX_OWNERSHIP_LEASE", OWNERSHIP_LEASE),
+        help="seconds before a silent relay's partitions are taken over "
+        f"[OUTBOX_OWNERSHIP_LEASE; default {OWNERSHIP_LEASE:g}]",
+    )
+    p.add_argument(
+        "--name",
+        default=_env("OUTBOX_RELAY_NAME"),
+        help="this relay's name in `outbox status` [OUTBOX_RELAY_NAME; default host:pid]",
+    )
+    p.add_argument(
+        "--vacuum",
+        action=argparse.BooleanOptionalAction,
+        default=_env_bool("OUTBOX_VACUUM", True),
+        help="vacuum the hot table from the relay when dead tuples pile up, even with autovacuum "
+        "off [OUTBOX_VACUUM; default on]",
+    )
+    p.add_argument(
+        "--vacuum-threshold",
+        type=int,
+        default=_env_int("OUTBOX_VACUUM_THRESHOLD", DEAD_TUPLES_THRESHOLD),
+        help=f"dead tuples that trigger it [OUTBOX_VACUUM_THRESHOLD; default {DEAD_TUPLES_THRESHOLD}]",
+    )
+    p.add_argument(
+        "--sink",
+        default=_env("OUTBOX_SINK", "kafka"),
+        help="kafka, or MODULE:FACTORY for a custom sink, called as "
+        "factory(bootstrap, kafka_config, delivery_timeout) [OUTBOX_SINK; default kafka]",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -350,6 +396,8 @@ def relay_config(args: argparse.Namespace) -> RelayConfig:
         ordering=args.ordering,
         on_dead=args.on_dead,
         ownership_lease=args.ownership_lease,
+        vacuum=args.vacuum,
+        vacuum_threshold=args.vacuum_threshold,
         **({"name": args.name} if args.name else {}),
     )
 

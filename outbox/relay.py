@@ -38,6 +38,7 @@ from tenacity import (
 
 from outbox.batch import Batch, FencingError
 from outbox.dsn import scrub, secrets_of
+from outbox.hygiene import DEAD_TUPLES_THRESHOLD, Hygiene
 from outbox.listener import Listener
 from outbox.ownership import OWNERSHIP_LEASE, Ownership
 from outbox.queries import query
@@ -79,6 +80,9 @@ class RelayConfig:
     on_dead: str = "park"
     ownership_lease: float = OWNERSHIP_LEASE
     name: str = field(default_factory=lambda: f"{socket.gethostname()}:{os.getpid()}")
+    # Vacuum the hot table from the relay when dead tuples pile up (see hygiene.py).
+    vacuum: bool = True
+    vacuum_threshold: int = DEAD_TUPLES_THRESHOLD
 
     def __post_init__(self) -> None:
         validate_schema(self.schema)
@@ -130,6 +134,7 @@ class Relay:
         self._next_poll = 0.0
         self._next_maintenance = 0.0
         self._listener: Listener | None = None
+        self._hygiene: Hygiene | None = None
         self.ordered = config.ordering == "key"
         self.ownership = Ownership(
             connect=self._connect,
@@ -264,13 +269,18 @@ class Relay:
             self._idle.append(batch.conn)
             return
         except psycopg.Error as exc:
-            # Typically the lease ran out (idle_in_transaction_session_timeout
-            # ended the session) or the connection broke: the ack did not commit.
-            self.stats.leases_lost += 1
-            self._lost(
-                batch.conn,
-                f"ack of {len(batch)} events refused, they will be delivered again: {self._clean(exc)}",
-            )
+            if batch.conn.closed or batch.conn.broken:
+                self.stats.leases_lost += 1
+                # The lease ran out (idle_in_transaction_session_timeout ended the
+                # session) or the connection broke: the ack did not commit.
+                self._lost(
+                    batch.conn,
+                    f"ack of {len(batch)} events refused, they will be delivered again: {self._clean(exc)}",
+                )
+            else:  # the statement failed on a live connection: a bug or a schema change
+                log.error("ack of %d events failed, they stay pending: %s", len(batch), self._clean(exc))
+                batch.release()
+                self._idle.append(batch.conn)
             return
         self._idle.append(batch.conn)
         self.stats.batches += 1
@@ -298,9 +308,9 @@ class Relay:
     def _connection(self) -> psycopg.Connection[Any] | None:
         """A free connection, reconnecting with backoff; None if stopping meanwhile."""
         while self._idle:
-            conn = self._idle.pop()
-            if not conn.closed:
-                return conn
+            idle = self._idle.pop()
+            if not idle.closed:
+                return idle
         conn = self._reconnect()
         if conn is not None and self.ordered:
             # Register this session's pid before it can lock anything: a relay
@@ -374,6 +384,11 @@ class Relay:
     def _start(self) -> None:
         self._sink = self._sink_factory()
         self._heartbeat()  # join and take a share of the partitions before the first claim
+        if self.config.vacuum:
+            self._hygiene = Hygiene(
+                self.config.dsn, self.config.schema, self._stop, threshold=self.config.vacuum_threshold
+            )
+            self._hygiene.start()
         if self.config.notify:
             self._listener = Listener(
                 self.config.dsn, channel_name(self.config.schema), self._wakeup, self._stop
@@ -418,6 +433,8 @@ class Relay:
         self._idle = []
         if self._listener is not None:
             self._listener.join(timeout=2.0)
+        if self._hygiene is not None:
+            self._hygiene.join(timeout=2.0)
         log.info(
             "relay stopped: delivered=%d retried=%d dead=%d",
             self.stats.delivered,

@@ -46,9 +46,12 @@ def markdown(results: dict[str, Any]) -> str:
         ]
         for kind, name in (
             ("relay", "outbox relay"),
+            ("relay_unordered", "outbox relay, --ordering none"),
             ("bare", "bare loop (ceiling)"),
             ("seeds", "seeds' loop"),
         ):
+            if kind not in d:
+                continue
             r = d[kind]
             runs = ", ".join(f"{x:,.0f}" for x in r["events_per_s_runs"])
             lines.append(
@@ -65,7 +68,11 @@ def markdown(results: dict[str, Any]) -> str:
             f"{_verdict(d['ratio_relay_to_seeds'] >= TARGETS['relay_vs_seeds'])}); "
             f"relay peak RSS {d['relay']['peak_rss_mb']:.0f} MB (target ≤ {TARGETS['relay_rss_mb']:.0f}: "
             f"{_verdict(d['relay']['peak_rss_mb'] <= TARGETS['relay_rss_mb'])}). "
-            f"Cost of per-key ordering: ordered / unordered = {d['ratio_ordered_to_unordered']:.2f}.",
+            + (
+                f"Cost of per-key ordering: ordered / unordered = {d['ratio_ordered_to_unordered']:.2f}."
+                if "ratio_ordered_to_unordered" in d
+                else ""
+            ),
             "",
         ]
     if "steady" in s:
@@ -166,9 +173,12 @@ def plots(results: dict[str, Any], out: Path) -> list[str]:
         fig, ax = plt.subplots(figsize=(8, 4.5))
         for kind, name in (
             ("relay", "outbox relay"),
+            ("relay_unordered", "relay, ordering none"),
             ("bare", "bare loop"),
             ("seeds", "seeds' loop"),
         ):
+            if kind not in s["drain"]:
+                continue
             ts, rates = _rate_curve(s["drain"][kind]["series"])
             ax.plot(ts, rates, label=name)
         ax.set_xlabel("seconds")

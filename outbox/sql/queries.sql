@@ -272,3 +272,20 @@ WHERE owner = %(me)s
 -- name: forget_relays
 -- Drop membership rows of relays that have been gone for a while.
 DELETE FROM {schema}.relays WHERE expires_at < now() - interval '10 minutes'
+
+-- name: hot_table_stats
+-- Dead and live tuples (statistics) and size of the hot events table.
+SELECT coalesce(s.n_dead_tup, 0), coalesce(s.n_live_tup, 0),
+       pg_total_relation_size(format('%%I.events', %(schema)s::text)::regclass)
+FROM (SELECT 1) AS one
+LEFT JOIN pg_stat_user_tables AS s ON s.schemaname = %(schema)s AND s.relname = 'events'
+
+-- name: vacuum_events
+-- Reclaim dead tuples of the hot table, refresh its statistics, truncate it when drained.
+VACUUM (ANALYZE) {schema}.events
+
+-- name: oldest_xmin_age
+-- Seconds since the oldest transaction that holds back vacuum started (NULL if none).
+SELECT extract(epoch FROM now() - min(xact_start))::float8
+FROM pg_stat_activity
+WHERE backend_xmin IS NOT NULL AND pid <> pg_backend_pid() AND datname = current_database()

@@ -140,12 +140,15 @@ def test_worker_slower_than_its_lease_cannot_ack(pg_dsn: str, schema: str, kafka
         delivery_timeout=1.0,
         max_batches_in_flight=1,
         poll_interval=60,
+        ordering="none",  # batch-level fencing, apart from partition ownership (test_ordering)
     )
     with running_relay(slow_config, lambda: slow) as stale:
         assert slow.first_claim.wait(10)
         # A second worker: it finds the events locked until the lease expires,
         # then claims and delivers them.
-        with running_relay(RelayConfig(pg_dsn, schema=schema, poll_interval=0.1), bootstrap=kafka) as fresh:
+        with running_relay(
+            RelayConfig(pg_dsn, schema=schema, poll_interval=0.1, ordering="none"), bootstrap=kafka
+        ) as fresh:
             wait_for(lambda: count(pg_dsn, schema, "delivered") == n, timeout=30)
             wait_for(lambda: stale.stats.leases_lost >= 1, timeout=30, what="stale ack refused")
         assert fresh.stats.delivered == n

@@ -1,0 +1,72 @@
+"""The relay keeps its hot table small, even with autovacuum off or lagging."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import psycopg
+
+import outbox
+from outbox.hygiene import Hygiene
+from outbox.queries import query
+from outbox.relay import RelayConfig
+from tests.helpers import count, running_relay, wait_for
+
+
+def _stats(dsn: str, schema: str) -> tuple[int, int, int]:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        row = conn.execute(query("hot_table_stats", schema), {"schema": schema}).fetchone()
+        assert row is not None
+        return int(row[0]), int(row[1]), int(row[2])
+
+
+def _fill_and_drain(dsn: str, schema: str, kafka: str, topic: str, n: int, **relay: Any) -> None:
+    with psycopg.connect(dsn) as conn:
+        for start in range(0, n, 10_000):
+            outbox.enqueue_many(
+                conn,
+                [{"topic": topic, "payload": b"x" * 200} for _ in range(min(10_000, n - start))],
+                schema=schema,
+            )
+            conn.commit()
+    with running_relay(RelayConfig(dsn, schema=schema, **relay), bootstrap=kafka):
+        wait_for(lambda: count(dsn, schema, "events") == 0, timeout=60)
+
+
+def test_hygiene_vacuums_a_drained_table_back_to_near_zero(
+    pg_dsn: str, schema: str, kafka: str, topic: str
+) -> None:
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:  # as if autovacuum were off
+        conn.execute(f'ALTER TABLE "{schema}".events SET (autovacuum_enabled = false)')
+    _fill_and_drain(pg_dsn, schema, kafka, topic, 30_000, vacuum=False)
+    # Statistics reach pg_stat_user_tables within a second or so of the relay's commits.
+    wait_for(lambda: _stats(pg_dsn, schema)[0] >= 20_000, timeout=30, what="dead tuples in stats")
+    dead, _, size = _stats(pg_dsn, schema)
+    assert size > 4 << 20, f"table only {size} bytes: the test proves nothing"
+
+    hygiene = Hygiene(pg_dsn, schema, threading.Event(), threshold=20_000)
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        hygiene.check(conn)
+    assert hygiene.vacuums == 1
+    dead_after, _, size_after = _stats(pg_dsn, schema)
+    assert dead_after < dead // 10
+    assert size_after <= 1 << 20, f"{size_after} bytes after vacuum (was {size})"
+
+
+def test_relay_keeps_the_table_small_by_itself(pg_dsn: str, schema: str, kafka: str, topic: str) -> None:
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        conn.execute(f'ALTER TABLE "{schema}".events SET (autovacuum_enabled = false)')
+    config = RelayConfig(pg_dsn, schema=schema, vacuum=True, vacuum_threshold=5_000)
+    with psycopg.connect(pg_dsn) as conn:
+        outbox.enqueue_many(
+            conn, [{"topic": topic, "payload": b"x" * 200} for _ in range(30_000)], schema=schema
+        )
+    with running_relay(config, bootstrap=kafka):
+        wait_for(lambda: count(pg_dsn, schema, "events") == 0, timeout=60)
+        wait_for(
+            lambda: _stats(pg_dsn, schema)[2] <= 1 << 20,
+            timeout=30,
+            interval=0.5,
+            what="the relay's vacuum to shrink the drained table",
+        )
