@@ -229,6 +229,7 @@ class Relay:
             # claimed that will not be claimed again.
             self._lost(conn, f"claim failed: {self._clean(exc)}")
             return 0
+        self._db_ok = True  # the claim went through, empty or not
         if not rows:
             conn.rollback()
             self._idle.append(conn)
@@ -236,7 +237,6 @@ class Relay:
         batch = Batch(conn, rows, hold_dead=self.ordered and self.config.on_dead == "park")
         batch.spans = tracing.start_batch(batch.events, claim_start, time.time_ns())
         self.stats.claimed += len(batch)
-        self._db_ok = True
         if self._health is not None:
             self.metrics.batch_size.observe(len(batch))
         # Per-key order: once an event of key K fails (in this batch or in one

@@ -190,3 +190,72 @@ def test_send_span_records_error_type(
     send = [s for s in spans.get_finished_spans() if s.name == f"send {topic}"]
     assert send and send[0].attributes is not None
     assert send[0].attributes["error.type"] == "MSG_SIZE_TOO_LARGE"
+
+
+def test_secrets_never_reach_logs_errors_status_or_metrics(pg_dsn: str, schema: str, kafka: str) -> None:
+    """A DSN password and a SASL password, with errors provoked on both sides."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from psycopg.conninfo import conninfo_to_dict, make_conninfo
+
+    from tests.helpers import RelayProcess
+
+    pw, sasl = "PgSecret-7f3a", "SaslSecret-91bc"
+    dsn = make_conninfo(**{**conninfo_to_dict(pg_dsn), "password": pw})  # trust auth ignores it
+    relay = RelayProcess(
+        dsn,
+        schema,
+        "127.0.0.1:1",  # no broker there: connection errors are logged
+        "--kafka-config",
+        "security.protocol=SASL_PLAINTEXT",
+        "--kafka-config",
+        "sasl.mechanism=PLAIN",
+        "--kafka-config",
+        "sasl.username=u",
+        "--kafka-config",
+        f"sasl.password={sasl}",
+        "--metrics-port",
+        "0",
+        "--log-level",
+        "debug",
+    )
+    try:
+        with psycopg.connect(pg_dsn) as conn:
+            outbox.enqueue(conn, "t", b"x", schema=schema)
+        time.sleep(4)
+        relay.proc.send_signal(signal.SIGTERM)
+        relay.proc.wait(30)
+        logs = relay.output()
+    finally:
+        relay.close()
+    assert "delivery" in logs.lower() or "kafka" in logs.lower(), logs[-1000:]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OUTBOX_")}
+    status = subprocess.run(
+        [sys.executable, "-m", "outbox", "status", "--dsn", dsn, "--schema", schema],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+    )
+    bad = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "outbox",
+            "status",
+            "--schema",
+            schema,
+            "--dsn",
+            dsn.replace("dbname=", "dbname=nope_"),
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+    )
+    assert bad.returncode != 0
+    for text in (logs, status.stdout, status.stderr, bad.stdout, bad.stderr):
+        assert pw not in text and sasl not in text
