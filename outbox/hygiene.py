@@ -8,8 +8,8 @@ scans ever more dead index entries and throughput sags (seen in the soak).
 
 So the relay looks after its own table: a side thread reads the table's
 statistics every few seconds and runs ``VACUUM (ANALYZE)`` when dead tuples
-pile up, or when the table is drained but still large (so VACUUM can truncate
-it back to near zero). One relay at a time does it (advisory lock). When a
+pile up and outnumber the live ones, or when the table is drained but still
+large (so VACUUM can truncate it back to near zero). One relay at a time does it (advisory lock). When a
 vacuum cannot remove the dead tuples, the usual cause is a snapshot held open
 elsewhere; the relay says so, with the age of the oldest one, and backs off.
 """
@@ -68,7 +68,14 @@ class Hygiene(threading.Thread):
                 wait = self._interval
 
     def needs_vacuum(self, dead: int, live: int, size: int) -> bool:
-        return dead >= self._threshold or (live == 0 and dead > 0 and size > DRAINED_BYTES)
+        """Vacuum when dead tuples dominate the table, or a drained table is still large.
+
+        Not while a large backlog is being drained (dead < live): VACUUM would scan the
+        whole table to reclaim a minority of it, taking CPU from the drain itself.
+        """
+        if dead >= self._threshold and dead >= live:
+            return True
+        return live == 0 and dead > 0 and size > DRAINED_BYTES
 
     def check(self, conn: psycopg.Connection[tuple[int, int, int]]) -> float:
         """Vacuum if needed; return the seconds to wait before the next check."""
