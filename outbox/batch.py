@@ -81,6 +81,8 @@ class Batch:
             return
         self.outcomes[index] = outcome
         self.waiting -= 1
+        if type(outcome) is Delivered:  # the common case, checked first: hot path
+            return
         if isinstance(outcome, Retry) or (self.hold_dead and isinstance(outcome, Dead)):
             event = self.events[index] if index < len(self.events) else None
             if event is not None and event.key is not None:

@@ -19,13 +19,17 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 from outbox.events import ClaimedEvent
 
 
-@dataclass(frozen=True, slots=True)
-class Delivered:
+class Delivered(NamedTuple):
+    """Acknowledged by the sink; ``partition``/``offset`` where the sink has them.
+
+    A NamedTuple: one is built per delivered event on the relay's hot path.
+    """
+
     partition: int | None = None
     offset: int | None = None
 
