@@ -63,3 +63,29 @@ class Sink(Protocol):
 
     def close(self, timeout: float) -> None:
         """Flush within ``timeout`` and release resources; pending reports are dropped."""
+
+
+class SinkWrapper:
+    """A sink that delegates to ``inner``; override ``produce`` to observe or alter sends.
+
+    The base for sink middleware (timing, fault injection, filtering) without
+    repeating the delegation of ``poll``/``flush``/``healthy``/``close``.
+    """
+
+    def __init__(self, inner: Sink) -> None:
+        self.inner = inner
+
+    def produce(self, event: ClaimedEvent, report: Report) -> Outcome | None:
+        return self.inner.produce(event, report)
+
+    def poll(self, timeout: float) -> None:
+        self.inner.poll(timeout)
+
+    def flush(self, timeout: float) -> int:
+        return self.inner.flush(timeout)
+
+    def healthy(self) -> bool:
+        return self.inner.healthy()
+
+    def close(self, timeout: float) -> None:
+        self.inner.close(timeout)

@@ -20,7 +20,7 @@ from opentelemetry.trace import SpanKind
 import outbox
 from outbox.events import ClaimedEvent
 from outbox.relay import Relay, RelayConfig
-from outbox.sinks.base import Outcome, Report
+from outbox.sinks.base import Outcome, Report, SinkWrapper
 from outbox.sinks.kafka import KafkaSink
 from tests.helpers import count, read_topic, running_relay, wait_for
 
@@ -73,12 +73,12 @@ def test_metrics_after_a_drain_match_what_was_delivered(
     assert _sample(text, "outbox_owned_partitions") == 64
 
 
-class SlowStartSlowAckSink:
+class SlowStartSlowAckSink(SinkWrapper):
     """Kafka sink that starts slowly and holds its first reports, to watch /readyz change."""
 
     def __init__(self, bootstrap: str) -> None:
         time.sleep(1.0)
-        self.inner = KafkaSink(bootstrap, delivery_timeout=10)
+        super().__init__(KafkaSink(bootstrap, delivery_timeout=10))
         self.held: list[tuple[float, Report, Outcome]] = []
 
     def produce(self, event: ClaimedEvent, report: Report) -> Outcome | None:
@@ -91,15 +91,6 @@ class SlowStartSlowAckSink:
         due, self.held = [h for h in self.held if h[0] <= now], [h for h in self.held if h[0] > now]
         for _, report, outcome in due:
             report(outcome)
-
-    def flush(self, timeout: float) -> int:
-        return self.inner.flush(timeout)
-
-    def healthy(self) -> bool:
-        return True
-
-    def close(self, timeout: float) -> None:
-        self.inner.close(timeout)
 
 
 def test_readyz_goes_503_200_503_and_livez_stays_up(pg_dsn: str, schema: str, kafka: str, topic: str) -> None:
