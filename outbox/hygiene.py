@@ -31,6 +31,7 @@ log = logging.getLogger("outbox.hygiene")
 CHECK_INTERVAL = 5.0  # seconds between looks at the table's statistics
 DEAD_TUPLES_THRESHOLD = 20_000  # vacuum once this many dead tuples have piled up
 DRAINED_BYTES = 1 << 20  # bytes; a drained table larger than this is vacuumed to truncate it
+DRAINED_LIVE = 1000  # live tuples (estimated) under which the table counts as drained
 MAX_BACKOFF = 300.0  # seconds; longest pause after vacuums that could not clean up
 
 
@@ -75,7 +76,9 @@ class Hygiene(threading.Thread):
         """
         if dead >= self._threshold and dead >= live:
             return True
-        return live == 0 and dead > 0 and size > DRAINED_BYTES
+        # Drained (or nearly: n_live_tup is an estimate that drifts) but still large:
+        # a vacuum now frees every page and truncates the file.
+        return dead > 0 and live < DRAINED_LIVE and size > DRAINED_BYTES
 
     def check(self, conn: psycopg.Connection[tuple[int, int, int]]) -> float:
         """Vacuum if needed; return the seconds to wait before the next check."""

@@ -137,3 +137,4 @@ def test_hygiene_vacuums_when_dead_tuples_dominate_not_mid_drain() -> None:
     assert not h.needs_vacuum(dead=5_000, live=10, size=2 << 20)  # below the threshold
     assert h.needs_vacuum(dead=5_000, live=0, size=2 << 20)  # drained but large: truncate
     assert not h.needs_vacuum(dead=5_000, live=0, size=100_000)  # drained and small
+    assert h.needs_vacuum(dead=19_000, live=12, size=4 << 20)  # drained, stats drifted a little
