@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -62,6 +63,8 @@ class Batch:
         # is committed (and blocks them in the claim query), the relay holds
         # their later events in every batch it sends.
         self.failed_keys: set[bytes] = set()
+        # OpenTelemetry "send <topic>" spans of this batch (empty when tracing is off).
+        self.spans: dict[str, Any] = {}
         for i, row in enumerate(rows):
             try:
                 self.events.append(decode_row(row))
@@ -78,6 +81,8 @@ class Batch:
             return
         self.outcomes[index] = outcome
         self.waiting -= 1
+        if type(outcome) is Delivered:  # the common case, checked first: hot path
+            return
         if isinstance(outcome, Retry) or (self.hold_dead and isinstance(outcome, Dead)):
             event = self.events[index] if index < len(self.events) else None
             if event is not None and event.key is not None:
@@ -164,6 +169,12 @@ class Batch:
     def release(self) -> None:
         """Give the batch up: roll back so its events can be claimed again at once."""
         self.abandoned = True
+        if self.spans:
+            from outbox import tracing
+
+            now = time.time_ns()
+            tracing.end_batch(self.spans, {}, now, now, "released")
+            self.spans = {}
         with contextlib.suppress(psycopg.Error):  # if the connection is gone, so are the locks
             self.conn.rollback()
 

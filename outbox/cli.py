@@ -255,6 +255,17 @@ def _add_relay_options(p: argparse.ArgumentParser) -> None:
         help="this relay's name in `outbox status` [OUTBOX_RELAY_NAME; default host:pid]",
     )
     p.add_argument(
+        "--metrics-port",
+        type=int,
+        default=_env_int("OUTBOX_METRICS_PORT", 0) or None,
+        help="serve /metrics, /livez, /readyz on this port [OUTBOX_METRICS_PORT; default: off]",
+    )
+    p.add_argument(
+        "--metrics-host",
+        default=_env("OUTBOX_METRICS_HOST", "127.0.0.1"),
+        help="address to bind the metrics/health port [OUTBOX_METRICS_HOST; default 127.0.0.1]",
+    )
+    p.add_argument(
         "--vacuum",
         action=argparse.BooleanOptionalAction,
         default=_env_bool("OUTBOX_VACUUM", True),
@@ -311,6 +322,31 @@ def build_parser() -> argparse.ArgumentParser:
         if verb == "redrive":
             d.add_argument("--all", action="store_true", help="every dead letter")
         d.add_argument("--dry-run", action="store_true", help="say what would change, change nothing")
+
+    p = sub.add_parser("retry", help="put dead letters back into the outbox (all, or filtered)")
+    _add_common(p)
+    p.add_argument("--topic", help="only dead letters of this topic")
+    p.add_argument(
+        "--error-like", help="only those whose error matches this SQL LIKE pattern, e.g. '%%timed out%%'"
+    )
+    p.add_argument("--ids", nargs="+", type=int, metavar="ID", help="only these dead letters")
+    p.add_argument("--dry-run", action="store_true", help="say what would change, change nothing")
+    p.add_argument("--yes", action="store_true", help="do not ask for confirmation")
+
+    p = sub.add_parser("replay", help="re-send archived events delivered in a time window")
+    _add_common(p)
+    p.add_argument("--since", required=True, help="ISO time (UTC if no zone) or a duration ago, e.g. 2h")
+    p.add_argument("--until", default=None, help="ISO time or a duration ago [default: now]")
+    p.add_argument("--topic")
+    p.add_argument("--key", help="the event key (UTF-8 text, or 0x... for bytes)")
+    p.add_argument("--dry-run", action="store_true", help="count what would be re-sent, send nothing")
+    p.add_argument("--yes", action="store_true", help="do not ask for confirmation")
+
+    p = sub.add_parser("purge", help="drop archive partitions older than a duration")
+    _add_common(p)
+    p.add_argument("--older-than", required=True, help="a duration, e.g. 30d, 12h")
+    p.add_argument("--dry-run", action="store_true", help="list what would be dropped, drop nothing")
+    p.add_argument("--yes", action="store_true", help="do not ask for confirmation")
 
     p = sub.add_parser("notify", help="switch the NOTIFY trigger on or off")
     _add_common(p)
@@ -397,6 +433,8 @@ def relay_config(args: argparse.Namespace) -> RelayConfig:
         on_dead=args.on_dead,
         ownership_lease=args.ownership_lease,
         vacuum=args.vacuum,
+        metrics_port=args.metrics_port,
+        metrics_host=args.metrics_host,
         vacuum_threshold=args.vacuum_threshold,
         **({"name": args.name} if args.name else {}),
     )
@@ -442,6 +480,10 @@ def cmd_relay(args: argparse.Namespace) -> int:
     if not args.kafka_bootstrap:
         raise CliError("--kafka-bootstrap (or OUTBOX_KAFKA_BOOTSTRAP) is required")
     config = relay_config(args)
+    from outbox.tracing import configure_from_env
+
+    if configure_from_env():
+        log.info("tracing on (OTEL_* environment)")
     kafka_config = parse_kafka_config(args.kafka_config)
     # Fail fast on a bad DSN or an unmigrated schema, before starting anything.
     with _connect(args.dsn, secrets_of(args.dsn)) as conn:
@@ -596,12 +638,98 @@ def cmd_dead(args: argparse.Namespace) -> int:
     return 0
 
 
+def _confirm(args: argparse.Namespace, question: str) -> None:
+    """Ask before a destructive change, unless --yes; refuse when there is nobody to ask."""
+    if args.yes:
+        return
+    if not sys.stdin.isatty():
+        raise CliError(f"{question}: pass --yes to confirm (there is no terminal to ask)")
+    answer = input(f"{question} [y/N] ").strip().lower()
+    if answer not in ("y", "yes"):
+        raise CliError("cancelled")
+
+
+def cmd_retry(args: argparse.Namespace) -> int:
+    from outbox import admin, dead
+
+    validate_schema(args.schema, "--schema")
+    with _connect(args.dsn, secrets_of(args.dsn)) as conn:
+        ids = admin.retry_select(
+            conn, args.schema, topic=args.topic, error_like=args.error_like, ids=args.ids
+        )
+        if not ids:
+            print("no dead letter matches")
+            return 1
+        if args.dry_run:
+            print(f"would retry {len(ids)} dead letters: {ids[:20]}" + (" ..." if len(ids) > 20 else ""))
+            return 0
+        _confirm(args, f"retry {len(ids)} dead letters")
+        n = dead.redrive(conn, args.schema, ids)
+        conn.commit()
+    print(f"retrying {n} dead letters (back at the head of their keys, attempts reset)")
+    return 0
+
+
+def cmd_replay(args: argparse.Namespace) -> int:
+    import datetime as dt
+
+    from outbox import admin
+    from outbox.progress import Progress
+
+    validate_schema(args.schema, "--schema")
+    now = dt.datetime.now(dt.timezone.utc)
+    since = admin.parse_time(args.since, "--since", now)
+    until = admin.parse_time(args.until, "--until", now) if args.until else now
+    if until <= since:
+        raise CliError(f"--until: must be after --since ({since.isoformat()})")
+    key = _key_arg(args.key)
+    with _connect(args.dsn, secrets_of(args.dsn)) as conn:
+        n = admin.replay_count(conn, args.schema, since=since, until=until, topic=args.topic, key=key)
+        window = f"{since.isoformat(timespec='seconds')} .. {until.isoformat(timespec='seconds')}"
+        if args.dry_run or not n:
+            print(f"would replay {n} archived events delivered {window}")
+            return 0
+        _confirm(args, f"replay {n} archived events delivered {window}")
+        progress = Progress("replay", n, " ev")
+        done = admin.replay(
+            conn, args.schema, since=since, until=until, topic=args.topic, key=key, progress=progress.update
+        )
+        progress.close()
+    print(f"queued {done} events again, with new event-ids and header outbox-replay-of")
+    return 0
+
+
+def cmd_purge(args: argparse.Namespace) -> int:
+    import datetime as dt
+
+    from outbox import admin
+    from outbox.progress import Progress
+
+    validate_schema(args.schema, "--schema")
+    cutoff = dt.datetime.now(dt.timezone.utc) - admin.parse_duration(args.older_than, "--older-than")
+    with _connect(args.dsn, secrets_of(args.dsn)) as conn:
+        parts = admin.purge_plan(conn, args.schema, cutoff)
+        what = f"{len(parts)} archive partitions before {cutoff.date().isoformat()}"
+        if args.dry_run:
+            print(f"would drop {what}: {', '.join(parts) or '-'} (and older rows of delivered_default)")
+            return 0
+        _confirm(args, f"drop {what}")
+        progress = Progress("purge", max(len(parts), 1), " partitions")
+        deleted = admin.purge(conn, args.schema, cutoff, parts, progress=progress.update)
+        progress.close()
+    print(f"dropped {len(parts)} partitions; deleted {deleted} older rows from delivered_default")
+    return 0
+
+
 COMMANDS = {
     "migrate": cmd_migrate,
     "relay": cmd_relay,
     "status": cmd_status,
     "notify": cmd_notify,
     "dead": cmd_dead,
+    "retry": cmd_retry,
+    "replay": cmd_replay,
+    "purge": cmd_purge,
     "demo": cmd_demo,
     "bench": cmd_bench,
 }

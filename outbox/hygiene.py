@@ -8,8 +8,8 @@ scans ever more dead index entries and throughput sags (seen in the soak).
 
 So the relay looks after its own table: a side thread reads the table's
 statistics every few seconds and runs ``VACUUM (ANALYZE)`` when dead tuples
-pile up, or when the table is drained but still large (so VACUUM can truncate
-it back to near zero). One relay at a time does it (advisory lock). When a
+pile up and outnumber the live ones, or when the table is drained but still
+large (so VACUUM can truncate it back to near zero). One relay at a time does it (advisory lock). When a
 vacuum cannot remove the dead tuples, the usual cause is a snapshot held open
 elsewhere; the relay says so, with the age of the oldest one, and backs off.
 """
@@ -31,6 +31,7 @@ log = logging.getLogger("outbox.hygiene")
 CHECK_INTERVAL = 5.0  # seconds between looks at the table's statistics
 DEAD_TUPLES_THRESHOLD = 20_000  # vacuum once this many dead tuples have piled up
 DRAINED_BYTES = 1 << 20  # bytes; a drained table larger than this is vacuumed to truncate it
+DRAINED_LIVE = 1000  # live tuples (estimated) under which the table counts as drained
 MAX_BACKOFF = 300.0  # seconds; longest pause after vacuums that could not clean up
 
 
@@ -68,7 +69,16 @@ class Hygiene(threading.Thread):
                 wait = self._interval
 
     def needs_vacuum(self, dead: int, live: int, size: int) -> bool:
-        return dead >= self._threshold or (live == 0 and dead > 0 and size > DRAINED_BYTES)
+        """Vacuum when dead tuples dominate the table, or a drained table is still large.
+
+        Not while a large backlog is being drained (dead < live): VACUUM would scan the
+        whole table to reclaim a minority of it, taking CPU from the drain itself.
+        """
+        if dead >= self._threshold and dead >= live:
+            return True
+        # Drained (or nearly: n_live_tup is an estimate that drifts) but still large:
+        # a vacuum now frees every page and truncates the file.
+        return dead > 0 and live < DRAINED_LIVE and size > DRAINED_BYTES
 
     def check(self, conn: psycopg.Connection[tuple[int, int, int]]) -> float:
         """Vacuum if needed; return the seconds to wait before the next check."""

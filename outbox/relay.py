@@ -36,15 +36,17 @@ from tenacity import (
     wait_exponential_jitter,
 )
 
+from outbox import tracing
 from outbox.batch import Batch, FencingError
 from outbox.dsn import scrub, secrets_of
 from outbox.hygiene import DEAD_TUPLES_THRESHOLD, Hygiene
 from outbox.listener import Listener
+from outbox.metrics import DatabaseGauges, HealthServer, RelayMetrics, error_type
 from outbox.ownership import OWNERSHIP_LEASE, Ownership
 from outbox.queries import query
 from outbox.retry import RetryPolicy
 from outbox.schema import DEFAULT_SCHEMA, channel_name, validate_schema
-from outbox.sinks.base import Sink
+from outbox.sinks.base import Dead, Delivered, Sink
 
 log = logging.getLogger("outbox.relay")
 
@@ -83,6 +85,9 @@ class RelayConfig:
     # Vacuum the hot table from the relay when dead tuples pile up (see hygiene.py).
     vacuum: bool = True
     vacuum_threshold: int = DEAD_TUPLES_THRESHOLD
+    # /metrics, /livez, /readyz; None: no HTTP server.
+    metrics_port: int | None = None
+    metrics_host: str = "127.0.0.1"
 
     def __post_init__(self) -> None:
         validate_schema(self.schema)
@@ -146,6 +151,9 @@ class Relay:
         )
         self.stats = RelayStats()
         self.running = threading.Event()  # set once connected and producing
+        self.metrics = RelayMetrics()
+        self._health: HealthServer | None = None
+        self._db_ok = False
 
     # -- public -----------------------------------------------------------------
 
@@ -208,6 +216,7 @@ class Relay:
         conn = self._connection()
         if conn is None:
             return 0
+        claim_start = time.time_ns()
         try:
             if self.ordered:
                 params: dict[str, Any] = {"limit": self.config.batch_size, "owner": self.ownership.id}
@@ -220,12 +229,16 @@ class Relay:
             # claimed that will not be claimed again.
             self._lost(conn, f"claim failed: {self._clean(exc)}")
             return 0
+        self._db_ok = True  # the claim went through, empty or not
         if not rows:
             conn.rollback()
             self._idle.append(conn)
             return 0
         batch = Batch(conn, rows, hold_dead=self.ordered and self.config.on_dead == "park")
+        batch.spans = tracing.start_batch(batch.events, claim_start, time.time_ns())
         self.stats.claimed += len(batch)
+        if self._health is not None:
+            self.metrics.batch_size.observe(len(batch))
         # Per-key order: once an event of key K fails (in this batch or in one
         # still in flight), K's later events are held: left pending, untouched.
         # When the failure is committed, the claim query blocks them instead.
@@ -256,6 +269,7 @@ class Relay:
         self._in_flight = still
 
     def _finish(self, batch: Batch) -> None:
+        ack_start = time.time_ns()
         try:
             done = batch.finish(
                 self.config.schema,
@@ -264,13 +278,17 @@ class Relay:
                 park=self.ordered and self.config.on_dead == "park",
             )
         except FencingError as exc:
+            tracing.end_batch(batch.spans, {}, ack_start, time.time_ns(), "lease_lost")
             self.stats.leases_lost += 1
+            self.metrics.leases_lost.inc()
             log.error("%s; %d events left for their new owner", exc, len(batch))
             self._idle.append(batch.conn)
             return
         except psycopg.Error as exc:
+            tracing.end_batch(batch.spans, {}, ack_start, time.time_ns(), type(exc).__name__)
             if batch.conn.closed or batch.conn.broken:
                 self.stats.leases_lost += 1
+                self.metrics.leases_lost.inc()
                 # The lease ran out (idle_in_transaction_session_timeout ended the
                 # session) or the connection broke: the ack did not commit.
                 self._lost(
@@ -283,6 +301,10 @@ class Relay:
                 self._idle.append(batch.conn)
             return
         self._idle.append(batch.conn)
+        if batch.spans:
+            tracing.end_batch(batch.spans, _topic_errors(batch), ack_start, time.time_ns())
+        if self._health is not None:
+            self._record(batch, done.dead_events)
         self.stats.batches += 1
         self.stats.delivered += done.delivered
         self.stats.retried += done.retried
@@ -339,6 +361,7 @@ class Relay:
         return None
 
     def _lost(self, conn: psycopg.Connection[Any], message: str) -> None:
+        self._db_ok = False
         log.warning(message)
         with contextlib.suppress(psycopg.Error):
             conn.close()
@@ -353,11 +376,44 @@ class Relay:
             self._sink.close(0)
         self._sink = self._sink_factory()
 
+    def _record(self, batch: Batch, dead_events: list[tuple[int, str]]) -> None:
+        """Count what a committed batch did (only when metrics are served)."""
+        m = self.metrics
+        now = time.time()
+        dead_ids = {i for i, _ in dead_events}
+        latencies: list[float] = []
+        for i, (event, outcome) in enumerate(zip(batch.events, batch.outcomes, strict=True)):
+            if outcome is None:
+                continue
+            topic = event.topic if event is not None else "(corrupt)"
+            if isinstance(outcome, Delivered):
+                m.delivered.inc((topic,))
+                if event is not None:
+                    latencies.append(now - event.created_at.timestamp())
+                continue
+            m.errors.inc((topic, error_type(outcome.reason)))
+            if isinstance(outcome, Dead) or batch.ids[i] in dead_ids:
+                m.dead.inc((topic,))
+        m.latency.observe_many(latencies)
+
+    def ready(self) -> tuple[bool, str]:
+        """For /readyz: database reachable, sink healthy, not shutting down."""
+        if self._stop.is_set():
+            return False, "draining: shutting down"
+        if not self.running.is_set():
+            return False, "starting"
+        if self._sink is None or not self._sink.healthy():
+            return False, "sink unhealthy"
+        if not self._db_ok:
+            return False, "database unreachable"
+        return True, "ready"
+
     def _heartbeat(self, extra: psycopg.Connection[Any] | None = None) -> None:
         conns = [*self._idle, *(b.conn for b in self._in_flight), *([extra] if extra else [])]
         pids = [c.info.backend_pid for c in conns if not c.closed]
         if self.ownership.tick(pids, (id(b) for b in self._in_flight)):
             self._wakeup.set()  # new partitions: there may be work right now
+        self.metrics.owned_partitions.set(len(self.ownership.owned))
 
     def _maintain_partitions(self) -> None:
         self._next_maintenance = time.monotonic() + PARTITION_MAINTENANCE
@@ -382,6 +438,14 @@ class Relay:
     # -- start and stop ---------------------------------------------------------
 
     def _start(self) -> None:
+        if self.config.metrics_port is not None:
+            gauges = DatabaseGauges(self.config.dsn, self.config.schema, self.metrics)
+            self._health = HealthServer(
+                self.config.metrics_host, self.config.metrics_port, self.metrics, gauges, self.ready
+            ).start()
+            log.info(
+                "serving /metrics, /livez, /readyz on %s:%d", self.config.metrics_host, self._health.port
+            )
         self._sink = self._sink_factory()
         self._heartbeat()  # join and take a share of the partitions before the first claim
         if self.config.vacuum:
@@ -435,9 +499,21 @@ class Relay:
             self._listener.join(timeout=2.0)
         if self._hygiene is not None:
             self._hygiene.join(timeout=2.0)
+        if self._health is not None:
+            self._health.stop()
+            self._health = None
         log.info(
             "relay stopped: delivered=%d retried=%d dead=%d",
             self.stats.delivered,
             self.stats.retried,
             self.stats.dead,
         )
+
+
+def _topic_errors(batch: Batch) -> dict[str, str]:
+    """The first failure's error type per topic of a finished batch (for its spans)."""
+    errors: dict[str, str] = {}
+    for event, outcome in zip(batch.events, batch.outcomes, strict=True):
+        if event is not None and outcome is not None and not isinstance(outcome, Delivered):
+            errors.setdefault(event.topic, error_type(outcome.reason))
+    return errors

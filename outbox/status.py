@@ -20,6 +20,8 @@ def collect(conn: psycopg.Connection[Any], schema: str) -> dict[str, Any]:
     parked = conn.execute(query("status_parked_keys", schema)).fetchall()
     owners = conn.execute(query("status_owners", schema)).fetchall()
     unowned = conn.execute(query("status_unowned", schema)).fetchone()
+    health = conn.execute(query("hot_table_stats", schema), {"schema": schema}).fetchone()
+    xmin = conn.execute(query("oldest_xmin_age", schema)).fetchone()
     return {
         "schema": schema,
         "pending": int(pending),
@@ -47,6 +49,12 @@ def collect(conn: psycopg.Connection[Any], schema: str) -> dict[str, Any]:
             for rid, name, ordering, hb, parts in owners
         ],
         "unowned_partitions": int(unowned[0]) if unowned else 0,
+        "table": {
+            "dead_tuples": int(health[0]) if health else 0,
+            "live_tuples": int(health[1]) if health else 0,
+            "bytes": int(health[2]) if health else 0,
+            "oldest_xmin_age_seconds": (round(float(xmin[0]), 1) if xmin and xmin[0] is not None else None),
+        },
     }
 
 
@@ -83,6 +91,14 @@ def render(report: dict[str, Any]) -> str:
         f"  dead letters         {report['dead']}",
         f"  delivered (archive)  {report['delivered']}",
         f"  delivered last hour  {report['delivered_last_hour']}",
+        f"  hot table            {report['table']['bytes'] / 2**20:.1f} MiB, "
+        f"{report['table']['dead_tuples']} dead tuples",
+        "  oldest snapshot      "
+        + (
+            "-"
+            if report["table"]["oldest_xmin_age_seconds"] is None
+            else f"{report['table']['oldest_xmin_age_seconds']:.0f} s (it holds back vacuum)"
+        ),
     ]
     if report["pending_by_topic"]:
         lines.append("")

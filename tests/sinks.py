@@ -7,15 +7,15 @@ import random
 from typing import Any
 
 from outbox.events import ClaimedEvent
-from outbox.sinks.base import Outcome, Report, Retry
+from outbox.sinks.base import Outcome, Report, Retry, SinkWrapper
 from outbox.sinks.kafka import KafkaSink
 
 
-class FlakySink:
+class FlakySink(SinkWrapper):
     """The real Kafka sink; a share of produce() calls fail as if the client refused them."""
 
     def __init__(self, inner: KafkaSink, failure_rate: float, seed: int | None = None) -> None:
-        self.inner = inner
+        super().__init__(inner)
         self.rng = random.Random(seed)
         self.failure_rate = failure_rate
         self.failures = 0
@@ -25,18 +25,6 @@ class FlakySink:
             self.failures += 1
             return Retry("injected transient failure")
         return self.inner.produce(event, report)
-
-    def poll(self, timeout: float) -> None:
-        self.inner.poll(timeout)
-
-    def flush(self, timeout: float) -> int:
-        return self.inner.flush(timeout)
-
-    def healthy(self) -> bool:
-        return self.inner.healthy()
-
-    def close(self, timeout: float) -> None:
-        self.inner.close(timeout)
 
 
 def flaky(bootstrap: str, config: dict[str, Any], delivery_timeout: float) -> FlakySink:

@@ -30,7 +30,7 @@ from confluent_kafka import Producer
 from outbox.events import ClaimedEvent
 from outbox.queries import query
 from outbox.relay import Relay, RelayConfig
-from outbox.sinks.base import Delivered, Outcome, Report
+from outbox.sinks.base import Delivered, Outcome, Report, SinkWrapper
 from outbox.sinks.kafka import KafkaSink
 
 BARE_BATCH = 1000  # rows per transaction of the bare loop
@@ -68,11 +68,11 @@ def run_contender(spec: ContenderSpec, counter: Synchronized[int], stop: Event) 
         raise ValueError(f"contender: unknown kind {spec.kind!r}")
 
 
-class AckTimingSink:
+class AckTimingSink(SinkWrapper):
     """The Kafka sink, recording when each event's ack arrived (steady scenario)."""
 
     def __init__(self, inner: KafkaSink) -> None:
-        self.inner = inner
+        super().__init__(inner)
         self.acks: list[tuple[str, float]] = []
 
     def produce(self, event: ClaimedEvent, report: Report) -> Outcome | None:
@@ -84,18 +84,6 @@ class AckTimingSink:
             report(outcome)
 
         return self.inner.produce(event, timed)
-
-    def poll(self, timeout: float) -> None:
-        self.inner.poll(timeout)
-
-    def flush(self, timeout: float) -> int:
-        return self.inner.flush(timeout)
-
-    def healthy(self) -> bool:
-        return self.inner.healthy()
-
-    def close(self, timeout: float) -> None:
-        self.inner.close(timeout)
 
 
 def _relay(spec: ContenderSpec, counter: Synchronized[int], stop: Event) -> None:

@@ -25,8 +25,9 @@ from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-def
 from psycopg import sql
 
 from outbox.bench.contenders import ContenderSpec
-from outbox.bench.measure import Progress, median, middle_rate, percentiles, race
+from outbox.bench.measure import median, middle_rate, percentiles, race
 from outbox.migrate import migrate
+from outbox.progress import Progress
 from outbox.queries import query
 from outbox.writer import enqueue, enqueue_many
 

@@ -19,13 +19,17 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 from outbox.events import ClaimedEvent
 
 
-@dataclass(frozen=True, slots=True)
-class Delivered:
+class Delivered(NamedTuple):
+    """Acknowledged by the sink; ``partition``/``offset`` where the sink has them.
+
+    A NamedTuple: one is built per delivered event on the relay's hot path.
+    """
+
     partition: int | None = None
     offset: int | None = None
 
@@ -59,3 +63,29 @@ class Sink(Protocol):
 
     def close(self, timeout: float) -> None:
         """Flush within ``timeout`` and release resources; pending reports are dropped."""
+
+
+class SinkWrapper:
+    """A sink that delegates to ``inner``; override ``produce`` to observe or alter sends.
+
+    The base for sink middleware (timing, fault injection, filtering) without
+    repeating the delegation of ``poll``/``flush``/``healthy``/``close``.
+    """
+
+    def __init__(self, inner: Sink) -> None:
+        self.inner = inner
+
+    def produce(self, event: ClaimedEvent, report: Report) -> Outcome | None:
+        return self.inner.produce(event, report)
+
+    def poll(self, timeout: float) -> None:
+        self.inner.poll(timeout)
+
+    def flush(self, timeout: float) -> int:
+        return self.inner.flush(timeout)
+
+    def healthy(self) -> bool:
+        return self.inner.healthy()
+
+    def close(self, timeout: float) -> None:
+        self.inner.close(timeout)

@@ -16,7 +16,12 @@ from collections.abc import Mapping
 from functools import partial
 from typing import Any
 
-from confluent_kafka import KafkaError, KafkaException, Producer
+from confluent_kafka import KafkaError, KafkaException
+
+# The C producer itself, not confluent_kafka.Producer: an OpenTelemetry
+# auto-instrumentation replaces that name with a wrapper that injects its own
+# traceparent header, which would overwrite the one the event was written with.
+from confluent_kafka.cimpl import Producer
 
 from outbox.events import ClaimedEvent
 from outbox.sinks.base import Dead, Delivered, Outcome, Report, Retry

@@ -12,7 +12,7 @@ import outbox
 from outbox.embedded import Broker
 from outbox.events import ClaimedEvent
 from outbox.relay import RelayConfig
-from outbox.sinks.base import Outcome, Report
+from outbox.sinks.base import Outcome, Report, SinkWrapper
 from outbox.sinks.kafka import KafkaSink
 from tests.helpers import count, read_topic, running_relay, wait_for
 
@@ -83,7 +83,7 @@ def test_oversized_and_invalid_topic_are_dead_lettered_at_once_rest_delivered(
     assert len(read_topic(kafka, topic, 20)) == 20
 
 
-class SlowSink:
+class SlowSink(SinkWrapper):
     """The real Kafka sink whose delivery reports of the first batch come late.
 
     Models a worker that stalls (GC pause, CPU starvation) past its lease after
@@ -91,7 +91,7 @@ class SlowSink:
     """
 
     def __init__(self, inner: KafkaSink, delay: float) -> None:
-        self.inner = inner
+        super().__init__(inner)
         self.delay = delay
         self.first_claim = threading.Event()
         self._held: list[tuple[float, Report, Outcome]] = []
@@ -112,15 +112,6 @@ class SlowSink:
         self._held = [h for h in self._held if h[0] > now]
         for _, report, outcome in due:
             report(outcome)
-
-    def flush(self, timeout: float) -> int:
-        return self.inner.flush(timeout)
-
-    def healthy(self) -> bool:
-        return True
-
-    def close(self, timeout: float) -> None:
-        self.inner.close(timeout)
 
 
 def test_worker_slower_than_its_lease_cannot_ack(pg_dsn: str, schema: str, kafka: str, topic: str) -> None:

@@ -17,7 +17,7 @@ import pytest
 import outbox
 from outbox.events import ClaimedEvent
 from outbox.relay import RelayConfig
-from outbox.sinks.base import Dead, Outcome, Report
+from outbox.sinks.base import Dead, Outcome, Report, SinkWrapper
 from outbox.sinks.kafka import KafkaSink
 from tests.helpers import Message, RelayProcess, count, read_topic, running_relay, wait_for
 
@@ -133,30 +133,18 @@ def test_many_processes_kill_restart_join_keep_per_key_order(
     assert_per_key_order(messages)
 
 
-class PoisonSink:
+class PoisonSink(SinkWrapper):
     """The real Kafka sink, but events whose payload contains b"poison" are refused for good
     while ``refusing`` is set (a bad record the owner can fix, then redrive)."""
 
     def __init__(self, bootstrap: str) -> None:
-        self.inner = KafkaSink(bootstrap, delivery_timeout=5)
+        super().__init__(KafkaSink(bootstrap, delivery_timeout=5))
         self.refusing = True
 
     def produce(self, event: ClaimedEvent, report: Report) -> Outcome | None:
         if self.refusing and b"poison" in event.payload:
             return Dead("refused: poison")
         return self.inner.produce(event, report)
-
-    def poll(self, timeout: float) -> None:
-        self.inner.poll(timeout)
-
-    def flush(self, timeout: float) -> int:
-        return self.inner.flush(timeout)
-
-    def healthy(self) -> bool:
-        return True
-
-    def close(self, timeout: float) -> None:
-        self.inner.close(timeout)
 
 
 def _enqueue_keyed(dsn: str, schema: str, topic: str, key: str, payloads: list[str]) -> None:

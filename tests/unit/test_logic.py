@@ -124,3 +124,17 @@ def test_every_named_query_binds_the_schema() -> None:
         assert "{schema}" not in text
     with pytest.raises(KeyError):
         queries.query("nope", "outbox")
+
+
+def test_hygiene_vacuums_when_dead_tuples_dominate_not_mid_drain() -> None:
+    import threading
+
+    from outbox.hygiene import Hygiene
+
+    h = Hygiene("", "outbox", threading.Event(), threshold=20_000)
+    assert h.needs_vacuum(dead=25_000, live=300, size=10 << 20)  # steady state: bloat
+    assert not h.needs_vacuum(dead=25_000, live=400_000, size=100 << 20)  # big backlog draining
+    assert not h.needs_vacuum(dead=5_000, live=10, size=2 << 20)  # below the threshold
+    assert h.needs_vacuum(dead=5_000, live=0, size=2 << 20)  # drained but large: truncate
+    assert not h.needs_vacuum(dead=5_000, live=0, size=100_000)  # drained and small
+    assert h.needs_vacuum(dead=19_000, live=12, size=4 << 20)  # drained, stats drifted a little

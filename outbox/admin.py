@@ -1,0 +1,148 @@
+"""Operator commands on the outbox: retry dead letters, replay the archive, purge it.
+
+Every destructive command supports a dry run and asks for confirmation unless
+told ``--yes``; long ones report progress.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import re
+from collections.abc import Callable
+from typing import Any
+
+import psycopg
+from psycopg import sql
+
+from outbox.batch import int_array
+from outbox.queries import query
+
+REPLAY_CHUNK = 5000  # archived events re-queued per transaction
+PURGE_CHUNK = 10_000  # rows deleted per statement from the default partition
+_PARTITION = re.compile(r"^delivered_p(\d{8})$")
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(s|m|h|d|w)\s*$")
+_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
+EPOCH = dt.datetime(1970, 1, 1, tzinfo=dt.timezone.utc)
+
+
+def parse_duration(text: str, field: str) -> dt.timedelta:
+    """``30d``, ``12h``, ``15m``, ``90s``, ``2w`` as a timedelta; ValueError naming ``field``."""
+    m = _DURATION.match(text)
+    if not m:
+        raise ValueError(f"{field}: expected a duration like 30d, 12h, 15m, got {text!r}")
+    return dt.timedelta(seconds=float(m.group(1)) * _UNITS[m.group(2)])
+
+
+def parse_time(text: str, field: str, now: dt.datetime) -> dt.datetime:
+    """An ISO 8601 time (UTC if no zone), or a duration meaning that long ago."""
+    if _DURATION.match(text):
+        return now - parse_duration(text, field)
+    try:
+        value = dt.datetime.fromisoformat(text)
+    except ValueError:
+        raise ValueError(f"{field}: expected an ISO time or a duration like 2h, got {text!r}") from None
+    return value if value.tzinfo else value.replace(tzinfo=dt.timezone.utc)
+
+
+def retry_select(
+    conn: psycopg.Connection[Any],
+    schema: str,
+    *,
+    topic: str | None,
+    error_like: str | None,
+    ids: list[int] | None,
+) -> list[int]:
+    rows = conn.execute(
+        query("retry_select", schema),
+        {"topic": topic, "error_like": error_like, "ids": int_array(ids) if ids else None},
+    ).fetchall()
+    return [int(r[0]) for r in rows]
+
+
+def replay_count(
+    conn: psycopg.Connection[Any],
+    schema: str,
+    *,
+    since: dt.datetime,
+    until: dt.datetime,
+    topic: str | None,
+    key: bytes | None,
+) -> int:
+    row = conn.execute(
+        query("replay_count", schema), {"since": since, "until": until, "topic": topic, "key": key}
+    ).fetchone()
+    return int(row[0]) if row else 0
+
+
+def replay(
+    conn: psycopg.Connection[Any],
+    schema: str,
+    *,
+    since: dt.datetime,
+    until: dt.datetime,
+    topic: str | None,
+    key: bytes | None,
+    progress: Callable[[int], None] | None = None,
+) -> int:
+    """Queue archived events again, chunk by chunk (each chunk committed); returns how many."""
+    after_at, after_id, total = EPOCH, -1, 0
+    while True:
+        row = conn.execute(
+            query("replay_chunk", schema),
+            {
+                "since": since,
+                "until": until,
+                "topic": topic,
+                "key": key,
+                "after_at": after_at,
+                "after_id": after_id,
+                "limit": REPLAY_CHUNK,
+            },
+        ).fetchone()
+        conn.commit()
+        n = int(row[0]) if row else 0
+        if not n or row is None:
+            return total
+        total += n
+        after_at, after_id = row[1], int(row[2])
+        if progress is not None:
+            progress(total)
+
+
+def purge_plan(conn: psycopg.Connection[Any], schema: str, cutoff: dt.datetime) -> list[str]:
+    """Archive day partitions that hold only rows delivered before ``cutoff``."""
+    names = [r[0] for r in conn.execute(query("archive_partitions", schema), {"schema": schema})]
+    out = []
+    for name in names:
+        m = _PARTITION.match(name)
+        if not m:
+            continue
+        day = dt.datetime.strptime(m.group(1), "%Y%m%d").replace(tzinfo=dt.timezone.utc)
+        if day + dt.timedelta(days=1) <= cutoff:
+            out.append(name)
+    return out
+
+
+def purge(
+    conn: psycopg.Connection[Any],
+    schema: str,
+    cutoff: dt.datetime,
+    partitions: list[str],
+    progress: Callable[[int], None] | None = None,
+) -> int:
+    """Drop ``partitions`` and delete older rows from the default partition; returns rows deleted
+    from the default partition."""
+    for i, name in enumerate(partitions):
+        conn.execute(sql.SQL("DROP TABLE {}").format(sql.Identifier(schema, name)))
+        conn.commit()
+        if progress is not None:
+            progress(i + 1)
+    deleted = 0
+    while True:
+        n = conn.execute(
+            query("purge_default_chunk", schema), {"cutoff": cutoff, "limit": PURGE_CHUNK}
+        ).rowcount
+        conn.commit()
+        deleted += max(n, 0)
+        if n < PURGE_CHUNK:
+            return deleted

@@ -1,0 +1,309 @@
+"""Prometheus metrics and health endpoints of the relay.
+
+``/metrics`` serves the Prometheus text format; ``/livez`` says the process is
+alive; ``/readyz`` says the relay can do its job (database reachable, sink
+healthy, not draining for shutdown). Counters and histograms are updated by the
+relay as batches finish. Queue and table gauges (pending, oldest age, dead
+tuples, table size, oldest snapshot) are read from PostgreSQL at scrape time,
+at most once per ``DB_GAUGE_TTL``, so that they are true whichever relay
+processes are running.
+
+A small dependency-free registry: the relay needs a handful of metric kinds,
+and a sidecar should not pull in a web framework.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import math
+import threading
+import time
+from collections.abc import Callable, Iterable, Sequence
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+import psycopg
+
+from outbox.dsn import scrub, secrets_of
+from outbox.queries import query
+
+log = logging.getLogger("outbox.metrics")
+
+DB_GAUGE_TTL = 2.0  # seconds a scrape may reuse the previous database reading
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300)  # seconds
+BATCH_BUCKETS = (1, 10, 50, 100, 250, 500, 1000, 2500, 5000)  # events
+
+Labels = tuple[str, ...]
+
+
+def _escape(value: str) -> str:
+    return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+
+
+def _fmt_labels(names: Sequence[str], values: Sequence[str], extra: str = "") -> str:
+    parts = [f'{n}="{_escape(v)}"' for n, v in zip(names, values, strict=True)]
+    if extra:
+        parts.append(extra)
+    return "{" + ",".join(parts) + "}" if parts else ""
+
+
+def _num(v: float) -> str:
+    if math.isinf(v):
+        return "+Inf" if v > 0 else "-Inf"
+    return repr(float(v)) if not float(v).is_integer() else str(int(v))
+
+
+class _Metric:
+    kind = ""
+
+    def __init__(self, name: str, help_text: str, labels: Sequence[str] = ()) -> None:
+        self.name = name
+        self.help = help_text
+        self.labels = tuple(labels)
+        self._lock = threading.Lock()
+
+    def header(self) -> list[str]:
+        return [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} {self.kind}"]
+
+    def render(self) -> list[str]:
+        raise NotImplementedError
+
+
+class Counter(_Metric):
+    kind = "counter"
+
+    def __init__(self, name: str, help_text: str, labels: Sequence[str] = ()) -> None:
+        super().__init__(name, help_text, labels)
+        self._values: dict[Labels, float] = {}
+
+    def inc(self, labels: Labels = (), amount: float = 1.0) -> None:
+        with self._lock:
+            self._values[labels] = self._values.get(labels, 0.0) + amount
+
+    def value(self, labels: Labels = ()) -> float:
+        return self._values.get(labels, 0.0)
+
+    def render(self) -> list[str]:
+        with self._lock:
+            items = sorted(self._values.items())
+        return self.header() + [f"{self.name}{_fmt_labels(self.labels, k)} {_num(v)}" for k, v in items]
+
+
+class Gauge(_Metric):
+    kind = "gauge"
+
+    def __init__(self, name: str, help_text: str, labels: Sequence[str] = ()) -> None:
+        super().__init__(name, help_text, labels)
+        self._values: dict[Labels, float] = {}
+
+    def set(self, value: float, labels: Labels = ()) -> None:
+        with self._lock:
+            self._values[labels] = value
+
+    def replace(self, values: dict[Labels, float]) -> None:
+        """Set every series at once (series absent from ``values`` disappear)."""
+        with self._lock:
+            self._values = dict(values)
+
+    def render(self) -> list[str]:
+        with self._lock:
+            items = sorted(self._values.items())
+        return self.header() + [f"{self.name}{_fmt_labels(self.labels, k)} {_num(v)}" for k, v in items]
+
+
+class Histogram(_Metric):
+    kind = "histogram"
+
+    def __init__(self, name: str, help_text: str, buckets: Sequence[float]) -> None:
+        super().__init__(name, help_text)
+        self.buckets = tuple(sorted(buckets))
+        self._counts = [0] * (len(self.buckets) + 1)
+        self._sum = 0.0
+        self._count = 0
+
+    def observe_many(self, values: Iterable[float]) -> None:
+        with self._lock:
+            for v in values:
+                self._counts[bisect.bisect_left(self.buckets, v)] += 1
+                self._sum += v
+                self._count += 1
+
+    def observe(self, value: float) -> None:
+        self.observe_many((value,))
+
+    @property
+    def count(self) -> int:
+        return self._count
+
+    def render(self) -> list[str]:
+        with self._lock:
+            counts, total, n = list(self._counts), self._sum, self._count
+        lines = self.header()
+        cumulative = 0
+        for bound, c in zip(self.buckets, counts, strict=False):
+            cumulative += c
+            lines.append(f'{self.name}_bucket{{le="{_num(bound)}"}} {cumulative}')
+        lines.append(f'{self.name}_bucket{{le="+Inf"}} {n}')
+        lines.append(f"{self.name}_sum {_num(total)}")
+        lines.append(f"{self.name}_count {n}")
+        return lines
+
+
+class RelayMetrics:
+    """Every metric the relay exports."""
+
+    def __init__(self) -> None:
+        self.delivered = Counter(
+            "outbox_events_delivered_total", "Events acknowledged by the sink and archived.", ["topic"]
+        )
+        self.errors = Counter(
+            "outbox_delivery_errors_total",
+            "Failed delivery attempts, by the sink's error type.",
+            ["topic", "error_type"],
+        )
+        self.dead = Counter("outbox_events_dead_total", "Events moved to dead letters.", ["topic"])
+        self.latency = Histogram(
+            "outbox_delivery_latency_seconds",
+            "Event creation to broker acknowledgement.",
+            LATENCY_BUCKETS,
+        )
+        self.batch_size = Histogram("outbox_batch_size", "Events per claimed batch.", BATCH_BUCKETS)
+        self.leases_lost = Counter(
+            "outbox_leases_lost_total", "Batches whose ack was refused because the lease ended."
+        )
+        self.pending = Gauge("outbox_pending_events", "Events waiting in the outbox.", ["topic"])
+        self.oldest_age = Gauge(
+            "outbox_oldest_pending_age_seconds", "Age of the oldest event waiting in the outbox."
+        )
+        self.dead_tuples = Gauge(
+            "outbox_table_dead_tuples", "Dead tuples in the hot events table (vacuum backlog)."
+        )
+        self.table_bytes = Gauge("outbox_table_bytes", "Size of the hot events table with its indexes.")
+        self.oldest_xmin = Gauge(
+            "outbox_oldest_xmin_age_seconds",
+            "Age of the oldest open snapshot in the database: it stops vacuum from cleaning the table.",
+        )
+        self.owned_partitions = Gauge(
+            "outbox_owned_partitions", "Key partitions this relay owns (ordered mode)."
+        )
+        self.up = Gauge("outbox_database_up", "1 if the last database reading succeeded.")
+        self._all: list[_Metric] = [
+            self.delivered, self.errors, self.dead, self.latency, self.batch_size, self.leases_lost,
+            self.pending, self.oldest_age, self.dead_tuples, self.table_bytes, self.oldest_xmin,
+            self.owned_partitions, self.up,
+        ]  # fmt: skip
+
+    def render(self) -> str:
+        lines: list[str] = []
+        for m in self._all:
+            lines.extend(m.render())
+        return "\n".join(lines) + "\n"
+
+
+def error_type(reason: str) -> str:
+    """The error class of a sink reason ("MSG_TIMED_OUT: Local: ..." -> "MSG_TIMED_OUT")."""
+    head = reason.split(":", 1)[0].strip()
+    if head.startswith("gave up after"):
+        head = reason.split(":", 2)[1].strip() if reason.count(":") >= 2 else "max_attempts"
+    return head if head and len(head) <= 64 and " " not in head else "other"
+
+
+class DatabaseGauges:
+    """Reads the queue and table gauges from PostgreSQL, at most once per TTL."""
+
+    def __init__(self, dsn: str, schema: str, metrics: RelayMetrics) -> None:
+        self._dsn = dsn
+        self._schema = schema
+        self._metrics = metrics
+        self._lock = threading.Lock()
+        self._read_at = 0.0
+        self.ok = False
+
+    def refresh(self) -> bool:
+        with self._lock:
+            if time.monotonic() - self._read_at < DB_GAUGE_TTL:
+                return self.ok
+            self._read_at = time.monotonic()
+            m, s = self._metrics, self._schema
+            try:
+                with psycopg.connect(
+                    self._dsn,
+                    autocommit=True,
+                    connect_timeout=3,
+                    application_name="outbox-metrics",
+                    options="-c statement_timeout=3000",
+                ) as conn:
+                    rows = conn.execute(query("status_by_topic", s)).fetchall()
+                    m.pending.replace({(t,): float(n) for t, n, _ in rows})
+                    m.oldest_age.set(max((float(a) for _, _, a in rows), default=0.0))
+                    dead, _live, size = conn.execute(
+                        query("hot_table_stats", s), {"schema": s}
+                    ).fetchone() or (
+                        0,
+                        0,
+                        0,
+                    )
+                    m.dead_tuples.set(float(dead))
+                    m.table_bytes.set(float(size))
+                    xmin = conn.execute(query("oldest_xmin_age", s)).fetchone()
+                    m.oldest_xmin.set(float(xmin[0]) if xmin and xmin[0] is not None else 0.0)
+                self.ok = True
+            except psycopg.Error as exc:
+                log.warning("metrics: cannot read the database: %s", scrub(str(exc), secrets_of(self._dsn)))
+                self.ok = False
+            m.up.set(1.0 if self.ok else 0.0)
+            return self.ok
+
+
+class HealthServer:
+    """``/metrics``, ``/livez``, ``/readyz`` on ``host:port`` in a daemon thread."""
+
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        metrics: RelayMetrics,
+        gauges: DatabaseGauges,
+        ready: Callable[[], tuple[bool, str]],
+    ) -> None:
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                path = self.path.split("?", 1)[0]
+                if path == "/metrics":
+                    gauges.refresh()
+                    self._send(200, metrics.render(), "text/plain; version=0.0.4; charset=utf-8")
+                elif path == "/livez":
+                    self._send(200, "ok\n")
+                elif path == "/readyz":
+                    ok, why = outer._ready()
+                    self._send(200 if ok else 503, why + "\n")
+                else:
+                    self._send(404, "not found\n")
+
+            def _send(self, code: int, body: str, ctype: str = "text/plain; charset=utf-8") -> None:
+                data = body.encode()
+                self.send_response(code)
+                self.send_header("Content-Type", ctype)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def log_message(self, format: str, *args: Any) -> None:
+                return  # scrapes every few seconds are not news
+
+        self._ready = ready
+        self.server = ThreadingHTTPServer((host, port), Handler)
+        self.server.daemon_threads = True
+        self.port = int(self.server.server_address[1])
+        self._thread = threading.Thread(target=self.server.serve_forever, name="outbox-http", daemon=True)
+
+    def start(self) -> HealthServer:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
