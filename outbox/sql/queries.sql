@@ -31,12 +31,16 @@ WHERE e.available_at <= now()
         SELECT p.partition FROM {schema}.partitions AS p
         WHERE p.owner = %(owner)s AND p.expires_at > now() AND NOT p.releasing
           AND (p.fenced_until IS NULL OR p.fenced_until <= now())))
-  AND NOT EXISTS (
-        SELECT 1 FROM {schema}.events AS b
-        WHERE b.attempts > 0 AND b.key = e.key AND b.id < e.id)
-  AND NOT EXISTS (
-        SELECT 1 FROM {schema}.dead_letters AS d
-        WHERE d.parked AND d.key = e.key AND d.id < e.id)
+  -- Each per-key check is guarded by a one-time EXISTS (an init plan): when no
+  -- event is retrying / no key is parked, the common case, no row pays a probe.
+  AND (NOT EXISTS (SELECT 1 FROM {schema}.events WHERE attempts > 0)
+       OR NOT EXISTS (
+            SELECT 1 FROM {schema}.events AS b
+            WHERE b.attempts > 0 AND b.key = e.key AND b.id < e.id))
+  AND (NOT EXISTS (SELECT 1 FROM {schema}.dead_letters WHERE parked)
+       OR NOT EXISTS (
+            SELECT 1 FROM {schema}.dead_letters AS d
+            WHERE d.parked AND d.key = e.key AND d.id < e.id))
 ORDER BY e.id
 LIMIT %(limit)s
 FOR UPDATE OF e SKIP LOCKED
