@@ -459,8 +459,19 @@ def load_sink_factory(spec: str) -> Any:
 
 
 def run_until_signal(relay: Relay) -> None:
-    """Run ``relay`` in a thread; SIGTERM/SIGINT ask it to stop gracefully."""
-    thread = threading.Thread(target=relay.run, name="outbox-relay")
+    """Run ``relay`` in a thread; SIGTERM/SIGINT ask it to stop gracefully.
+
+    Raises CliError if the relay stopped because it failed (not because it was asked).
+    """
+    failure: list[BaseException] = []
+
+    def target() -> None:
+        try:
+            relay.run()
+        except Exception as exc:  # logged by the relay; turned into a non-zero exit below
+            failure.append(exc)
+
+    thread = threading.Thread(target=target, name="outbox-relay")
 
     def on_signal(signum: int, _frame: Any) -> None:
         log.info("received %s: stopping", signal.Signals(signum).name)
@@ -474,6 +485,8 @@ def run_until_signal(relay: Relay) -> None:
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
+    if failure:
+        raise CliError(f"the relay failed: {failure[0]}")
 
 
 def cmd_relay(args: argparse.Namespace) -> int:

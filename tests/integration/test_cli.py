@@ -89,3 +89,25 @@ def test_bad_options_are_named(pg_dsn: str, schema: str) -> None:
         "10",
     )
     assert out.returncode == 2 and "delivery timeout" in out.stderr
+
+
+def test_relay_exits_non_zero_when_it_fails_to_start(pg_dsn: str, schema: str, kafka: str) -> None:
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        out = _outbox(
+            "relay",
+            "--dsn",
+            pg_dsn,
+            "--schema",
+            schema,
+            "--kafka-bootstrap",
+            kafka,
+            "--metrics-port",
+            str(port),
+        )
+    assert out.returncode != 0
+    assert "the relay failed" in out.stderr
