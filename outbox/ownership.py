@@ -76,6 +76,9 @@ class Ownership:
     def due(self) -> bool:
         return time.monotonic() >= self._next
 
+    def seconds_until_due(self) -> float:
+        return max(0.0, self._next - time.monotonic())
+
     def tick(self, backend_pids: Iterable[int], in_flight: Iterable[int]) -> bool:
         """Heartbeat: membership, renewals, hand-overs, acquisitions. Never raises.
 

@@ -205,7 +205,9 @@ class Relay:
             assert self._sink is not None
             self._sink.poll(REPORT_WAIT if slot_free else REPORT_WAIT_FULL)
         else:
-            self._wakeup.wait(max(0.0, self._next_poll - now))
+            # Idle: sleep until the next poll, NOTIFY, or the next heartbeat (a long
+            # poll interval must not let the ownership leases lapse).
+            self._wakeup.wait(min(max(0.0, self._next_poll - now), self.ownership.seconds_until_due()))
 
     def _jittered_poll(self) -> float:
         # Jitter keeps many relays from polling in step.

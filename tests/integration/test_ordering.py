@@ -324,3 +324,37 @@ def test_ordering_none_four_processes_no_loss_no_duplicates(
     assert len(messages) == n, "duplicates without a crash"
     assert len({m.event_id for m in messages}) == n
     assert count(pg_dsn, schema, "delivered") == n
+
+
+def test_idle_relay_keeps_heartbeating_with_a_long_poll_interval(
+    pg_dsn: str, schema: str, kafka: str
+) -> None:
+    """An idle relay polling every 60 s must still renew its 2 s ownership leases."""
+    import time
+
+    import psycopg
+
+    from outbox.relay import RelayConfig
+    from tests.helpers import running_relay, wait_for
+
+    config = RelayConfig(
+        pg_dsn,
+        schema=schema,
+        poll_interval=60,
+        ownership_lease=2.0,
+        lease=3.0,
+        delivery_timeout=1.0,
+        notify=False,
+    )
+
+    def owned() -> int:
+        with psycopg.connect(pg_dsn) as conn:
+            row = conn.execute(
+                f'SELECT count(*) FROM "{schema}".partitions WHERE expires_at > now()'
+            ).fetchone()
+            return int(row[0]) if row else 0
+
+    with running_relay(config, bootstrap=kafka):
+        wait_for(lambda: owned() == 64, timeout=10)
+        time.sleep(5)  # more than two leases of idling
+        assert owned() == 64, "the idle relay let its leases lapse"
