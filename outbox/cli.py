@@ -489,6 +489,19 @@ def run_until_signal(relay: Relay) -> None:
         raise CliError(f"the relay failed: {failure[0]}")
 
 
+def _require_migrated(conn: psycopg.Connection[Any], schema: str) -> None:
+    """Refuse to run against a schema that lacks any migration this version ships."""
+    applied = migrations.applied_versions(conn, schema)
+    if not applied:
+        raise CliError(f"--schema: {schema!r} is not migrated; run `outbox migrate`")
+    missing = [f"{m.version:04d}_{m.name}" for m in migrations.migrations() if m.version not in applied]
+    if missing:
+        raise CliError(
+            f"--schema: {schema!r} lacks migrations {', '.join(missing)}; run `outbox migrate` "
+            "before starting this version"
+        )
+
+
 def cmd_relay(args: argparse.Namespace) -> int:
     if not args.kafka_bootstrap:
         raise CliError("--kafka-bootstrap (or OUTBOX_KAFKA_BOOTSTRAP) is required")
@@ -500,8 +513,7 @@ def cmd_relay(args: argparse.Namespace) -> int:
     kafka_config = parse_kafka_config(args.kafka_config)
     # Fail fast on a bad DSN or an unmigrated schema, before starting anything.
     with _connect(args.dsn, secrets_of(args.dsn)) as conn:
-        if not migrations.applied_versions(conn, config.schema):
-            raise CliError(f"--schema: {config.schema!r} is not migrated; run `outbox migrate`")
+        _require_migrated(conn, config.schema)
 
     factory = load_sink_factory(args.sink)
 
@@ -517,8 +529,7 @@ def cmd_relay(args: argparse.Namespace) -> int:
 def cmd_status(args: argparse.Namespace) -> int:
     validate_schema(args.schema, "--schema")
     with _connect(args.dsn, secrets_of(args.dsn)) as conn:
-        if not migrations.applied_versions(conn, args.schema):
-            raise CliError(f"--schema: {args.schema!r} is not migrated; run `outbox migrate`")
+        _require_migrated(conn, args.schema)
         report = status_mod.collect(conn, args.schema)
     if args.json:
         print(json.dumps(report))

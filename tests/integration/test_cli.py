@@ -111,3 +111,10 @@ def test_relay_exits_non_zero_when_it_fails_to_start(pg_dsn: str, schema: str, k
         )
     assert out.returncode != 0
     assert "the relay failed" in out.stderr
+
+
+def test_relay_refuses_a_schema_missing_a_newer_migration(pg_dsn: str, schema: str) -> None:
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        conn.execute(f'DELETE FROM "{schema}".schema_migrations WHERE version = 2')
+    out = _outbox("relay", "--dsn", pg_dsn, "--schema", schema, "--kafka-bootstrap", "x:1")
+    assert out.returncode == 2 and "0002_ordering" in out.stderr and "outbox migrate" in out.stderr
