@@ -287,7 +287,11 @@ def _add_relay_options(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="outbox", description=__doc__.splitlines()[0] if __doc__ else None)
+    parser = argparse.ArgumentParser(
+        prog="outbox",
+        description="Transactional outbox relay: PostgreSQL outbox table -> Kafka. "
+        "Every option can also be set with the OUTBOX_* variable named in its help.",
+    )
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("migrate", help="create or upgrade the outbox tables")
