@@ -20,6 +20,7 @@ from typing import Any
 
 import psycopg
 
+from outbox import tracing
 from outbox.events import ClaimedEvent, CorruptEvent, decode_row
 from outbox.queries import query
 from outbox.retry import RetryPolicy, cap_error
@@ -170,8 +171,6 @@ class Batch:
         """Give the batch up: roll back so its events can be claimed again at once."""
         self.abandoned = True
         if self.spans:
-            from outbox import tracing
-
             now = time.time_ns()
             tracing.end_batch(self.spans, {}, now, now, "released")
             self.spans = {}

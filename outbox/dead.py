@@ -14,7 +14,7 @@ import psycopg
 
 from outbox.batch import int_array
 from outbox.queries import query
-from outbox.status import _key_text
+from outbox.status import key_text
 
 
 def list_dead(
@@ -26,7 +26,7 @@ def list_dead(
             "id": int(i),
             "event_id": e,
             "topic": t,
-            "key": _key_text(k),
+            "key": key_text(k),
             "attempts": int(a),
             "error": err,
             "failed_at": f.isoformat(),

@@ -132,6 +132,7 @@ class Ownership:
         live = [r[0] for r in conn.execute(query("live_relays", s)).fetchall()]
         share = fair_share(PARTITIONS, live, self.id)
         keeping = self.owned - releasing
+        got: list[Any] = []
         if len(keeping) > share:
             extra = sorted(keeping)[share:]
             conn.execute(query("mark_releasing", s), {"me": self.id, "parts": int_array(extra)})
@@ -146,10 +147,8 @@ class Ownership:
             if got:
                 self.owned |= {r[0] for r in got}
                 log.info("acquired partitions %s", sorted(r[0] for r in got))
-                conn.execute(query("forget_relays", s))
-                return True
         conn.execute(query("forget_relays", s))
-        return False
+        return bool(got)
 
     def release_all(self) -> None:
         """Clean shutdown: hand everything over now (no batch is in flight any more)."""

@@ -35,7 +35,7 @@ def collect(conn: psycopg.Connection[Any], schema: str) -> dict[str, Any]:
         ],
         "top_errors": [{"error": e, "events": int(n)} for e, n in errors],
         "parked_keys": [
-            {"key": _key_text(k), "topic": t, "dead_letter_id": int(i), "error": err, "waiting": int(w)}
+            {"key": key_text(k), "topic": t, "dead_letter_id": int(i), "error": err, "waiting": int(w)}
             for k, t, i, err, w in parked
         ],
         "relays": [
@@ -58,7 +58,7 @@ def collect(conn: psycopg.Connection[Any], schema: str) -> dict[str, Any]:
     }
 
 
-def _key_text(key: bytes | None) -> str | None:
+def key_text(key: bytes | None) -> str | None:
     if key is None:
         return None
     try:
@@ -69,15 +69,13 @@ def _key_text(key: bytes | None) -> str | None:
 
 def _ranges(parts: list[int]) -> str:
     """[0, 1, 2, 5] -> "0-2,5"."""
-    out: list[str] = []
+    runs: list[list[int]] = []  # [first, last] of each run of consecutive partitions
     for p in sorted(parts):
-        if out and "-" not in out[-1] and int(out[-1]) == p - 1:
-            out[-1] = f"{out[-1]}-{p}"
-        elif out and "-" in out[-1] and int(out[-1].split("-")[1]) == p - 1:
-            out[-1] = f"{out[-1].split('-')[0]}-{p}"
+        if runs and runs[-1][1] == p - 1:
+            runs[-1][1] = p
         else:
-            out.append(str(p))
-    return ",".join(out)
+            runs.append([p, p])
+    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
 
 
 def render(report: dict[str, Any]) -> str:

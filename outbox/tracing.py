@@ -41,10 +41,17 @@ def _link(event: ClaimedEvent) -> Link | None:
     return Link(ctx) if ctx.is_valid else None
 
 
+def tracing_on() -> bool:
+    """False until a real tracer provider is installed (the API default records nothing)."""
+    return not isinstance(trace.get_tracer_provider(), (trace.ProxyTracerProvider, trace.NoOpTracerProvider))
+
+
 def start_batch(
     events: Sequence[ClaimedEvent | None], claim_start_ns: int, claim_end_ns: int
 ) -> dict[str, Span]:
     """``send <topic>`` spans for a claimed batch (empty when tracing is off)."""
+    if not tracing_on():
+        return {}  # before any per-event work: this runs for every batch
     by_topic: dict[str, list[ClaimedEvent]] = {}
     for event in events:
         if event is not None:
