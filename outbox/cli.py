@@ -297,6 +297,30 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("migrate", help="create or upgrade the outbox tables")
     _add_common(p)
     p.add_argument("--print", action="store_true", help="print the SQL instead of applying it")
+    p.add_argument(
+        "--roles",
+        action="store_true",
+        default=_env_bool("OUTBOX_ROLES", False),
+        help="also create (if missing) and grant a writer role that can only insert events and a relay "
+        "role with exactly what the relay needs [OUTBOX_ROLES; default off]",
+    )
+    p.add_argument(
+        "--writer-role",
+        default=_env("OUTBOX_WRITER_ROLE", None),
+        help="name of the writer role; implies --roles "
+        f"[OUTBOX_WRITER_ROLE; default {migrations.DEFAULT_WRITER_ROLE}]",
+    )
+    p.add_argument(
+        "--relay-role",
+        default=_env("OUTBOX_RELAY_ROLE", None),
+        help="name of the relay role; implies --roles "
+        f"[OUTBOX_RELAY_ROLE; default {migrations.DEFAULT_RELAY_ROLE}]",
+    )
+    p.add_argument(
+        "--no-create-roles",
+        action="store_true",
+        help="grant to roles that already exist (for example your login roles) instead of creating them",
+    )
 
     p = sub.add_parser("relay", help="publish committed events until SIGTERM/SIGINT")
     _add_common(p)
@@ -405,13 +429,33 @@ def _connect(dsn: str, secrets: list[str]) -> psycopg.Connection[Any]:
         raise CliError(f"cannot connect to PostgreSQL ({redact(dsn)}): {scrub(str(exc), secrets)}") from None
 
 
+def _roles(args: argparse.Namespace) -> migrations.Roles | None:
+    if not (args.roles or args.writer_role or args.relay_role or args.no_create_roles):
+        return None
+    try:
+        return migrations.Roles(
+            writer=migrations.DEFAULT_WRITER_ROLE if args.writer_role is None else args.writer_role,
+            relay=migrations.DEFAULT_RELAY_ROLE if args.relay_role is None else args.relay_role,
+            create=not args.no_create_roles,
+        )
+    except ValueError as exc:
+        raise CliError("--" + str(exc).replace(" role: ", "-role: ", 1)) from None
+
+
 def cmd_migrate(args: argparse.Namespace) -> int:
     validate_schema(args.schema, "--schema")
+    roles = _roles(args)
     if args.print:
-        sys.stdout.write(migrations.render_all(args.schema))
+        sys.stdout.write(migrations.render_all(args.schema, roles))
         return 0
     with _connect(args.dsn, secrets_of(args.dsn)) as conn:
         applied = migrations.migrate(conn, args.schema)
+        if roles is not None:
+            try:
+                migrations.grant_roles(conn, args.schema, roles)
+            except ValueError as exc:
+                raise CliError("--" + str(exc).replace(" role: ", "-role: ", 1)) from None
+            print(f"granted schema {args.schema} to writer role {roles.writer} and relay role {roles.relay}")
     if applied:
         for m in applied:
             print(f"applied {m.version:04d}_{m.name} to schema {args.schema}")

@@ -57,6 +57,7 @@ class Hygiene(threading.Thread):
             hashlib.sha256(f"outbox-hygiene:{schema}".encode()).digest()[:8], "big", signed=True
         )
         self.vacuums = 0
+        self.allowed: bool | None = None  # may this role VACUUM the table? Learnt on the first check.
 
     def run(self) -> None:
         wait = self._interval
@@ -80,6 +81,18 @@ class Hygiene(threading.Thread):
         # a vacuum now frees every page and truncates the file.
         return dead > 0 and live < DRAINED_LIVE and size > DRAINED_BYTES
 
+    def _may_vacuum(self, conn: psycopg.Connection[tuple[int, int, int]]) -> bool:
+        name = "can_vacuum_maintain" if conn.info.server_version >= 170000 else "can_vacuum_owner"
+        row = conn.execute(query(name, self._schema), {"schema": self._schema}).fetchone()
+        if row and row[0]:
+            return True
+        log.warning(
+            "this role may not VACUUM %s.events (it needs to own it, or MAINTAIN on PostgreSQL 17+); "
+            "the relay leaves the table to autovacuum",
+            self._schema,
+        )
+        return False
+
     def check(self, conn: psycopg.Connection[tuple[int, int, int]]) -> float:
         """Vacuum if needed; return the seconds to wait before the next check."""
         stats = query("hot_table_stats", self._schema)
@@ -89,6 +102,10 @@ class Hygiene(threading.Thread):
         dead, live, size = (int(v) for v in row)
         if not self.needs_vacuum(dead, live, size):
             return self._interval
+        if self.allowed is None:
+            self.allowed = self._may_vacuum(conn)
+        if not self.allowed:
+            return MAX_BACKOFF
         locked = conn.execute("SELECT pg_try_advisory_lock(%s)", (self._lock_key,)).fetchone()
         if not locked or not locked[0]:
             return self._interval  # another relay is on it

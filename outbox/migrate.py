@@ -79,8 +79,8 @@ def _record(schema: str, m: Migration) -> sql.Composed:
     )
 
 
-def render_all(schema: str = DEFAULT_SCHEMA) -> str:
-    """All migrations as one SQL script, exactly what ``migrate`` applies."""
+def render_all(schema: str = DEFAULT_SCHEMA, roles: Roles | None = None) -> str:
+    """All migrations as one SQL script, exactly what ``migrate`` applies (with ``roles``: and grants)."""
     validate_schema(schema)
     parts = [
         "-- outbox migrations for schema " + sql.Identifier(schema).as_string(),
@@ -91,6 +91,14 @@ def render_all(schema: str = DEFAULT_SCHEMA) -> str:
         parts.append(f"\n-- migration {m.version:04d}_{m.name}")
         parts.append(m.render(schema).as_string().rstrip())
         parts.append(_record(schema, m).as_string() + ";")
+    if roles is not None:
+        parts.append(
+            "\n-- roles: writer "
+            + sql.Identifier(roles.writer).as_string()
+            + ", relay "
+            + sql.Identifier(roles.relay).as_string()
+        )
+        parts.extend(statement.as_string() + ";" for statement in render_roles(schema, roles))
     parts.append("COMMIT;")
     return "\n".join(parts) + "\n"
 
@@ -133,3 +141,100 @@ def migrate(conn: psycopg.Connection[Any], schema: str = DEFAULT_SCHEMA) -> list
             conn.execute(_record(schema, m))
             applied.append(m)
     return applied
+
+
+# Least-privilege roles (``migrate --roles``): see migrations/roles.sql.
+DEFAULT_WRITER_ROLE = "outbox_writer"
+DEFAULT_RELAY_ROLE = "outbox_relay"
+MAX_ROLE_BYTES = 63
+
+
+def validate_role(role: object, field: str) -> str:
+    """Return ``role`` if PostgreSQL accepts it as a role name as given, else raise naming ``field``."""
+    if not isinstance(role, str):
+        raise TypeError(f"{field}: expected str, got {type(role).__name__}")
+    if not role:
+        raise ValueError(f"{field}: must not be empty")
+    if "\x00" in role:
+        raise ValueError(f"{field}: must not contain NUL characters")
+    try:
+        size = len(role.encode("utf-8"))
+    except UnicodeEncodeError:
+        raise ValueError(f"{field}: is not valid Unicode text (lone surrogate)") from None
+    if size > MAX_ROLE_BYTES:
+        raise ValueError(f"{field}: {size} bytes long, at most {MAX_ROLE_BYTES} allowed")
+    if role.lower().startswith("pg_") or role in ("public", "none", "current_user", "session_user"):
+        raise ValueError(f"{field}: {role!r} is reserved by PostgreSQL")
+    return role
+
+
+@dataclass(frozen=True)
+class Roles:
+    """The writer and relay roles, and whether ``migrate`` creates them when missing."""
+
+    writer: str = DEFAULT_WRITER_ROLE
+    relay: str = DEFAULT_RELAY_ROLE
+    create: bool = True
+
+    def __post_init__(self) -> None:
+        validate_role(self.writer, "writer role")
+        validate_role(self.relay, "relay role")
+        if self.writer == self.relay:
+            raise ValueError("relay role: must differ from the writer role (the writer must not read events)")
+
+
+def _roles_text() -> str:
+    return importlib.resources.files("outbox.migrations").joinpath("roles.sql").read_text("utf-8")
+
+
+def _create_role(role: str) -> sql.Composed:
+    # The role name reaches the DO body as a quoted identifier, and the body as a
+    # string literal, so no name can end the body early.
+    body = f"BEGIN CREATE ROLE {sql.Identifier(role).as_string()} NOLOGIN; " + (
+        "EXCEPTION WHEN duplicate_object THEN NULL; END"
+    )
+    return sql.SQL("DO {}").format(sql.Literal(body))
+
+
+def render_roles(schema: str, roles: Roles) -> list[sql.Composed]:
+    """The statements that create (optionally) and grant the two roles, in order."""
+    validate_schema(schema)
+    out = [_create_role(r) for r in (roles.writer, roles.relay)] if roles.create else []
+    for statement in _strip_comments(_roles_text()).split(";"):
+        if statement.strip():
+            out.append(
+                sql.SQL(statement.strip()).format(
+                    schema=sql.Identifier(schema),
+                    writer=sql.Identifier(roles.writer),
+                    relay=sql.Identifier(roles.relay),
+                    sequence=sql.Identifier(schema, "events_id_seq"),
+                )
+            )
+    # PostgreSQL 17+: MAINTAIN lets the relay VACUUM its hot table without owning it.
+    maintain = sql.SQL("GRANT MAINTAIN ON {}.events TO {}").format(
+        sql.Identifier(schema), sql.Identifier(roles.relay)
+    )
+    body = (
+        "BEGIN IF current_setting('server_version_num')::int >= 170000 THEN EXECUTE "
+        + sql.Literal(maintain.as_string()).as_string()
+        + "; END IF; END"
+    )
+    out.append(sql.SQL("DO {}").format(sql.Literal(body)))
+    return out
+
+
+def _strip_comments(text: str) -> str:
+    return "\n".join(line for line in text.splitlines() if not line.lstrip().startswith("--"))
+
+
+def grant_roles(conn: psycopg.Connection[Any], schema: str, roles: Roles) -> None:
+    """Create (unless ``roles.create`` is false) and grant the writer and relay roles."""
+    validate_schema(schema)
+    if not roles.create:
+        for field, role in (("writer role", roles.writer), ("relay role", roles.relay)):
+            if conn.execute("SELECT 1 FROM pg_roles WHERE rolname = %s", (role,)).fetchone() is None:
+                raise ValueError(f"{field}: {role!r} does not exist (create it, or drop --no-create-roles)")
+    with conn.transaction():
+        conn.execute("SELECT pg_advisory_xact_lock(%s)", (_lock_key(schema),))
+        for statement in render_roles(schema, roles):
+            conn.execute(statement)

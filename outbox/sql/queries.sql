@@ -284,6 +284,16 @@ SELECT coalesce(s.n_dead_tup, 0), coalesce(s.n_live_tup, 0),
 FROM (SELECT 1) AS one
 LEFT JOIN pg_stat_user_tables AS s ON s.schemaname = %(schema)s AND s.relname = 'events'
 
+-- name: can_vacuum_owner
+-- Whether this session may VACUUM the hot table: it owns it (directly or by membership).
+SELECT pg_has_role(current_user, c.relowner, 'USAGE')
+FROM pg_class AS c WHERE c.oid = format('%%I.events', %(schema)s::text)::regclass
+
+-- name: can_vacuum_maintain
+-- PostgreSQL 17+: ... or holds MAINTAIN on it (granted to the relay role by `migrate --roles`).
+SELECT pg_has_role(current_user, c.relowner, 'USAGE') OR has_table_privilege(c.oid, 'MAINTAIN')
+FROM pg_class AS c WHERE c.oid = format('%%I.events', %(schema)s::text)::regclass
+
 -- name: vacuum_events
 -- Reclaim dead tuples of the hot table, refresh its statistics, truncate it when drained.
 VACUUM (ANALYZE) {schema}.events

@@ -1,0 +1,28 @@
+-- outbox roles: least privilege for the two kinds of client.
+--
+-- Applied by `outbox migrate --roles` after the numbered migrations (again on
+-- every run, so a new table's grants follow an upgrade). Placeholders: {schema},
+-- {writer} and {relay} are identifiers, {sequence} the events id sequence.
+-- The roles themselves are created (NOLOGIN) by `migrate` when they do not
+-- exist, unless --no-create-roles; grant them to the login roles that apps and
+-- relays connect as: GRANT outbox_writer TO orders_app;
+
+-- The writer (the application): append events, nothing else. It cannot read,
+-- change or delete any event, the archive or the dead letters.
+GRANT USAGE ON SCHEMA {schema} TO {writer};
+GRANT INSERT ON {schema}.events TO {writer};
+GRANT USAGE ON SEQUENCE {sequence} TO {writer};
+
+-- The relay: claim (SELECT ... FOR UPDATE needs UPDATE), retry (UPDATE), ack and
+-- dead-letter (DELETE from events, INSERT into the archive and dead letters),
+-- ownership leases and membership, and the archive's day partitions through the
+-- SECURITY DEFINER function. No INSERT into events, no DDL, no TRUNCATE.
+-- Reading everything also lets this role run `outbox status`.
+GRANT USAGE ON SCHEMA {schema} TO {relay};
+GRANT SELECT ON {schema}.schema_migrations TO {relay};
+GRANT SELECT, UPDATE, DELETE ON {schema}.events TO {relay};
+GRANT SELECT, INSERT ON {schema}.delivered TO {relay};
+GRANT SELECT, INSERT ON {schema}.dead_letters TO {relay};
+GRANT SELECT, INSERT, UPDATE, DELETE ON {schema}.relays TO {relay};
+GRANT SELECT, UPDATE ON {schema}.partitions TO {relay};
+GRANT EXECUTE ON FUNCTION {schema}.ensure_delivered_partitions(integer) TO {relay};

@@ -1,0 +1,187 @@
+"""Least privilege: the writer role can only append events; the relay runs on its own role."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import uuid
+from collections.abc import Iterator
+from datetime import datetime, timedelta, timezone
+from typing import Any, NamedTuple
+
+import psycopg
+import pytest
+from psycopg import errors, sql
+from psycopg.conninfo import make_conninfo
+
+from outbox import enqueue, enqueue_many
+from outbox.migrate import Roles, grant_roles, render_all
+
+from ..helpers import RelayProcess, count, read_topic, wait_for
+
+
+class Logins(NamedTuple):
+    roles: Roles
+    writer_dsn: str
+    relay_dsn: str
+
+
+def _drop_role(conn: psycopg.Connection[Any], role: str) -> None:
+    if conn.execute("SELECT 1 FROM pg_roles WHERE rolname = %s", (role,)).fetchone() is None:
+        return
+    conn.execute(sql.SQL("DROP OWNED BY {} CASCADE").format(sql.Identifier(role)))
+    conn.execute(sql.SQL("DROP ROLE IF EXISTS {}").format(sql.Identifier(role)))
+
+
+@pytest.fixture
+def logins(pg_dsn: str, schema: str) -> Iterator[Logins]:
+    """The two group roles granted on ``schema``, and a login role in each (roles are cluster-wide)."""
+    tag = uuid.uuid4().hex[:8]
+    roles = Roles(writer=f"w_{tag}", relay=f"r_{tag}")
+    names = [roles.writer, roles.relay, f"app_{tag}", f"relayer_{tag}"]
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        grant_roles(conn, schema, roles)
+        grant_roles(conn, schema, roles)  # idempotent: a second run changes nothing and fails nothing
+        for login, group in ((names[2], roles.writer), (names[3], roles.relay)):
+            conn.execute(
+                sql.SQL("CREATE ROLE {} LOGIN IN ROLE {}").format(
+                    sql.Identifier(login), sql.Identifier(group)
+                )
+            )
+    try:
+        yield Logins(roles, make_conninfo(pg_dsn, user=names[2]), make_conninfo(pg_dsn, user=names[3]))
+    finally:
+        with psycopg.connect(pg_dsn, autocommit=True) as conn:
+            for role in names:
+                _drop_role(conn, role)
+
+
+DENIED_TO_WRITER = [
+    "SELECT * FROM {s}.events",
+    "SELECT event_id FROM {s}.events",
+    "UPDATE {s}.events SET attempts = 1",
+    "DELETE FROM {s}.events",
+    "TRUNCATE {s}.events",
+    "SELECT * FROM {s}.delivered",
+    "SELECT * FROM {s}.dead_letters",
+    "INSERT INTO {s}.dead_letters (id, event_id, topic, created_at, attempts, error, first_failed_at, failed_at) "
+    "VALUES (1, gen_random_uuid(), 't', now(), 1, 'x', now(), now())",
+    "UPDATE {s}.partitions SET owner = NULL",
+    "SELECT {s}.ensure_delivered_partitions(3)",
+]
+
+
+@pytest.mark.parametrize("statement", DENIED_TO_WRITER)
+def test_writer_role_can_only_insert_events(logins: Logins, schema: str, statement: str) -> None:
+    with psycopg.connect(logins.writer_dsn) as conn, pytest.raises(errors.InsufficientPrivilege):
+        conn.execute(sql.SQL(statement).format(s=sql.Identifier(schema)))
+
+
+def test_writer_role_enqueues_every_way(pg_dsn: str, logins: Logins, schema: str) -> None:
+    with psycopg.connect(logins.writer_dsn) as conn:
+        enqueue(conn, "orders", {"n": 1}, key="k", headers={"h": "v"}, schema=schema)
+        enqueue(conn, "orders", b"later", key="k", delay=60, schema=schema)
+        enqueue_many(
+            conn, [{"topic": "orders", "payload": {"n": i}, "key": "m"} for i in range(50)], schema=schema
+        )
+        enqueue_many(conn, [{"topic": "orders", "payload": "d", "delay": 5}], schema=schema)  # pipelined path
+    assert count(pg_dsn, schema, "events") == 53
+
+
+def test_relay_runs_under_the_relay_role(
+    pg_dsn: str, logins: Logins, schema: str, kafka: str, topic: str
+) -> None:
+    """Delivery, archive partitions, a retry and a dead letter, all as the relay role."""
+    with psycopg.connect(logins.writer_dsn) as conn:
+        enqueue_many(
+            conn,
+            [{"topic": topic, "payload": {"n": i}, "key": f"k{i % 7}"} for i in range(300)],
+            schema=schema,
+        )
+        enqueue(conn, "not a topic!", b"x", key="poison", schema=schema)
+    tomorrow = "delivered_p" + (datetime.now(timezone.utc) + timedelta(days=1)).strftime("%Y%m%d")
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:  # the relay role must recreate it
+        conn.execute(sql.SQL("DROP TABLE {}").format(sql.Identifier(schema, tomorrow)))
+        migrator = conn.execute("SELECT current_user").fetchone()
+    env = {"OUTBOX_TEST_FAILURE_RATE": "0.05"}
+    with RelayProcess(
+        logins.relay_dsn,
+        schema,
+        kafka,
+        "--sink",
+        "tests.sinks:flaky",
+        "--retry-base",
+        "0.05",
+        "--retry-cap",
+        "0.2",
+        "--log-level",
+        "info",
+        env=env,
+    ) as relay:
+        wait_for(lambda: count(pg_dsn, schema, "events") == 0, timeout=60, what="the outbox to drain")
+        assert relay.stop() == 0
+        out = relay.output()
+    assert "permission denied" not in out.lower(), out
+    assert count(pg_dsn, schema, "delivered") == 300
+    assert count(pg_dsn, schema, "dead_letters", "topic = 'not a topic!'") == 1
+    assert count(pg_dsn, schema, "delivered", "attempts > 0") > 0, "no retry was exercised"
+    seen = {m.event_id for m in read_topic(kafka, topic, 300)}
+    assert len(seen) == 300
+    with psycopg.connect(pg_dsn) as conn:
+        row = conn.execute(
+            "SELECT tableowner FROM pg_tables WHERE schemaname = %s AND tablename = %s", (schema, tomorrow)
+        ).fetchone()
+    assert row is not None, "the relay role did not recreate the archive partition"
+    assert row == migrator  # created through the SECURITY DEFINER function, owned by the migrating role
+
+
+DENIED_TO_RELAY = [
+    "INSERT INTO {s}.events (event_id, topic, payload) VALUES (gen_random_uuid(), 't', 'x')",
+    "TRUNCATE {s}.events",
+    "DROP TABLE {s}.events",
+    "UPDATE {s}.delivered SET attempts = 0",
+    "DELETE FROM {s}.delivered",
+    "DELETE FROM {s}.dead_letters",
+    "CREATE TABLE {s}.mine (x int)",
+    "ALTER TABLE {s}.events ADD COLUMN x int",
+]
+
+
+@pytest.mark.parametrize("statement", DENIED_TO_RELAY)
+def test_relay_role_has_no_more_than_it_needs(logins: Logins, schema: str, statement: str) -> None:
+    with psycopg.connect(logins.relay_dsn) as conn, pytest.raises(errors.InsufficientPrivilege):
+        conn.execute(sql.SQL(statement).format(s=sql.Identifier(schema)))
+
+
+def test_roles_cli_print_grant_and_refuse(pg_dsn: str, schema: str) -> None:
+    def cli(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "outbox", "migrate", "--dsn", pg_dsn, "--schema", schema, *args],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+
+    tag = uuid.uuid4().hex[:8]
+    printed = cli("--print", "--writer-role", f"w_{tag}", "--relay-role", f"r_{tag}").stdout
+    assert printed == render_all(schema, Roles(f"w_{tag}", f"r_{tag}"))
+    assert f'GRANT INSERT ON "{schema}".events TO "w_{tag}"' in printed
+    missing = cli("--writer-role", f"w_{tag}", "--relay-role", f"r_{tag}", "--no-create-roles")
+    assert missing.returncode != 0
+    assert f"--writer-role: 'w_{tag}' does not exist" in missing.stderr
+    same = cli("--writer-role", "same", "--relay-role", "same")
+    assert same.returncode != 0 and "--relay-role: must differ" in same.stderr
+    reserved = cli("--relay-role", "pg_monitor")
+    assert reserved.returncode != 0 and "--relay-role: 'pg_monitor' is reserved" in reserved.stderr
+    # A hostile name is only ever a quoted identifier: it creates that odd role and nothing else.
+    hostile = f'x_{tag}"; DROP SCHEMA {schema} CASCADE; --'
+    done = cli("--writer-role", hostile, "--relay-role", f"r_{tag}")
+    try:
+        assert done.returncode == 0, done.stderr
+        with psycopg.connect(pg_dsn) as conn:
+            assert conn.execute("SELECT 1 FROM pg_roles WHERE rolname = %s", (hostile,)).fetchone()
+            assert conn.execute("SELECT to_regclass(%s)", (f'"{schema}".events',)).fetchone() != (None,)
+    finally:
+        with psycopg.connect(pg_dsn, autocommit=True) as conn:
+            for role in (hostile, f"r_{tag}"):
+                _drop_role(conn, role)
