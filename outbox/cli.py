@@ -395,7 +395,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=_env_float("OUTBOX_DEMO_RATE", 500.0),
         help="orders per second written by the sample app [OUTBOX_DEMO_RATE; default 500]",
     )
-    p = sub.add_parser("bench", help="benchmark the relay against baselines; tables and plots")
+    p = sub.add_parser(
+        "bench",
+        help="benchmark the relay against baselines (tables and plots), or run the fault suite",
+        description="outbox bench [perf]: speed against the baselines. outbox bench faults: kill, restart, "
+        "stall and poison things under load, then count what was lost (exit 1 unless every scenario passes).",
+    )
+    p.add_argument("suite", nargs="?", choices=["perf", "faults"], default="perf", help="[default perf]")
     p.add_argument(
         "--dsn",
         default=_env("OUTBOX_DSN"),
@@ -404,11 +410,31 @@ def build_parser() -> argparse.ArgumentParser:
     _add_kafka(p)
     p.add_argument(
         "--scenarios",
-        default="drain,steady,writer,soak,scale",
-        help="comma-separated: drain, steady, writer, soak, scale",
+        default=None,
+        help="comma-separated. perf: drain, steady, writer, soak, scale [all]. faults: kill, pg-restart, "
+        "terminate, broker, slow-sink, snapshot, poison, sigstop, soak [all]",
     )
-    p.add_argument("--out", default="bench-results", help="output directory [default bench-results]")
-    p.add_argument("--smoke", action="store_true", help="tiny sizes: checks that everything runs")
+    p.add_argument("--out", default=None, help="output directory [default bench-results or fault-results]")
+    p.add_argument(
+        "--smoke",
+        "--short",
+        dest="smoke",
+        action="store_true",
+        help="seconds per scenario instead of minutes: checks that everything runs "
+        "(faults: and loses nothing)",
+    )
+    p.add_argument("--rate", type=int, help="faults: business transactions per second [1000; --short 300]")
+    p.add_argument(
+        "--pg-restart-command",
+        default=_env("OUTBOX_PG_RESTART_COMMAND"),
+        help="faults with --dsn: command that restarts that PostgreSQL [OUTBOX_PG_RESTART_COMMAND]",
+    )
+    p.add_argument(
+        "--broker-stop-command", help="faults with --kafka-bootstrap: command that stops the broker"
+    )
+    p.add_argument(
+        "--broker-start-command", help="faults with --kafka-bootstrap: command that starts it again"
+    )
     p.add_argument("--events", type=int, help="drain/scale: pending events [500000]")
     p.add_argument("--repeat", type=int, help="drain: runs per contender [3]")
     p.add_argument("--rates", help="steady: comma-separated events/s [1000,5000,20000]")
@@ -624,10 +650,43 @@ def _int_list(text: str, field: str) -> list[int]:
     return values
 
 
+def cmd_faults(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from outbox.bench.faults import SCENARIOS, run_faults
+
+    if args.rate is not None and args.rate <= 0:
+        raise CliError(f"--rate: must be > 0, got {args.rate}")
+    chosen = [s.strip() for s in (args.scenarios or ",".join(SCENARIOS)).split(",") if s.strip()]
+    try:
+        results = run_faults(
+            dsn=args.dsn or None,
+            bootstrap=args.kafka_bootstrap,
+            chosen=chosen,
+            out=Path(args.out or "fault-results"),
+            short=args.smoke,
+            rate=args.rate,
+            pg_restart_command=args.pg_restart_command,
+            broker_stop_command=args.broker_stop_command,
+            broker_start_command=args.broker_start_command,
+        )
+    except ValueError as exc:
+        raise CliError(str(exc)) from None
+    failed = [name for name, r in results["scenarios"].items() if not r["passed"]]
+    if failed:
+        raise CliError(
+            f"fault scenarios failed: {', '.join(failed)} (details in results.json and the relay logs)"
+        )
+    return 0
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from outbox.bench import run_bench
+
+    if args.suite == "faults":
+        return cmd_faults(args)
 
     overrides: dict[str, Any] = {}
     for name in (
@@ -650,8 +709,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
     run_bench(
         dsn=args.dsn or None,
         bootstrap=args.kafka_bootstrap,
-        chosen=[s.strip() for s in args.scenarios.split(",") if s.strip()],
-        out=Path(args.out),
+        chosen=[
+            s.strip() for s in (args.scenarios or "drain,steady,writer,soak,scale").split(",") if s.strip()
+        ],
+        out=Path(args.out or "bench-results"),
         smoke=args.smoke,
         overrides=overrides,
     )

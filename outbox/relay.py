@@ -172,7 +172,18 @@ class Relay:
             self._start()
             self.running.set()
             while not self._stop.is_set():
-                self._step()
+                try:
+                    self._step()
+                except psycopg.OperationalError:
+                    # Every database call on the loop handles a lost connection
+                    # itself; this is the net under a path that does not. A relay
+                    # runs for months: it must not exit on a dropped connection.
+                    log.exception(
+                        "database connection lost on an unguarded path; releasing in-flight batches"
+                    )
+                    self._release_in_flight()
+                    self._db_ok = False
+                    self._stop.wait(1.0)
         except Exception:
             log.exception("relay loop failed; in-flight events stay pending for the next owner")
             raise
@@ -233,7 +244,11 @@ class Relay:
             return 0
         self._db_ok = True  # the claim went through, empty or not
         if not rows:
-            conn.rollback()
+            try:
+                conn.rollback()
+            except psycopg.Error as exc:  # the session ended between the claim and here
+                self._lost(conn, f"claim failed: {self._clean(exc)}")
+                return 0
             self._idle.append(conn)
             return 0
         batch = Batch(conn, rows, hold_dead=self.ordered and self.config.on_dead == "park")
@@ -371,13 +386,16 @@ class Relay:
         with contextlib.suppress(psycopg.Error):
             conn.close()
 
+    def _release_in_flight(self) -> None:
+        for batch in self._in_flight:
+            batch.release()
+            self._idle.append(batch.conn)
+        self._in_flight = []
+
     def _replace_sink(self) -> None:
         if self._sink is not None:
             log.error("sink unhealthy: releasing %d in-flight batches", len(self._in_flight))
-            for batch in self._in_flight:
-                batch.release()
-                self._idle.append(batch.conn)
-            self._in_flight = []
+            self._release_in_flight()
             self._sink.close(0)
         self._sink = self._sink_factory()
 
@@ -433,9 +451,13 @@ class Relay:
             self._lost(conn, f"archive partition maintenance failed: {self._clean(exc)}")
             self._next_maintenance = time.monotonic() + 10.0
         except psycopg.Error as exc:
-            conn.rollback()
-            self._idle.append(conn)
             log.error("archive partition maintenance failed: %s", self._clean(exc))
+            try:
+                conn.rollback()
+            except psycopg.Error:
+                self._lost(conn, "archive partition maintenance: connection lost")
+                return
+            self._idle.append(conn)
 
     def _clean(self, exc: BaseException | None) -> str:
         return scrub(str(exc), self._secrets)

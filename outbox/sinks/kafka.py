@@ -11,6 +11,7 @@ anything else -> :class:`Retry`.
 from __future__ import annotations
 
 import logging
+import re
 import time
 from collections.abc import Mapping
 from functools import partial
@@ -102,6 +103,11 @@ def redacted(config: Mapping[str, Any]) -> dict[str, Any]:
     return {k: ("***" if k in SECRET_KEYS or "password" in k else v) for k, v in config.items()}
 
 
+LEGAL_TOPIC = re.compile(r"[a-zA-Z0-9._-]{1,249}")  # Kafka's own rule for topic names
+STUCK_FACTOR = 3.0  # delivery timeouts without one success before the producer is recreated
+STUCK_MIN = 5.0  # seconds, at least
+
+
 class KafkaSink:
     """Publishes events with one idempotent producer."""
 
@@ -114,6 +120,14 @@ class KafkaSink:
     ) -> None:
         self.config = build_config(bootstrap, config, delivery_timeout)
         self._fatal: str | None = None
+        # A producer can be stuck without a fatal error: a broker that lost its
+        # state (restarted empty, or expired our producer id) answers
+        # UNKNOWN_PRODUCER_ID to every epoch librdkafka bumps locally, and every
+        # message times out for ever. No delivery for this long -> a new producer.
+        self._stuck_after = max(STUCK_MIN, STUCK_FACTOR * delivery_timeout)
+        self._topics_ok: set[str] = set()
+        self._failing_since = 0.0  # monotonic time of the first failure since the last success
+        self._last_failure = ""
         self._last_error_log = 0.0
         # librdkafka's own log lines go through Python logging, not raw stderr.
         self._producer = Producer(
@@ -137,6 +151,12 @@ class KafkaSink:
     def produce(self, event: ClaimedEvent, report: Report) -> Outcome | None:
         if self._fatal is not None:
             return Retry(f"producer failed: {self._fatal}")
+        if event.topic not in self._topics_ok:
+            # A name Kafka can never accept is refused here, at the first attempt,
+            # not after a metadata round trip that may time out under load.
+            if not LEGAL_TOPIC.fullmatch(event.topic) or event.topic in (".", ".."):
+                return Dead(f"invalid topic name {event.topic!r}: Kafka allows 1-249 of [a-zA-Z0-9._-]")
+            self._topics_ok.add(event.topic)
         # partial (C) rather than a closure per message: this is the hot path.
         on_delivery = partial(self._on_delivery, report)
         while True:
@@ -153,26 +173,55 @@ class KafkaSink:
                 # The client's queue is full: serve delivery reports, then try again.
                 self._producer.poll(BUFFER_FULL_WAIT)
             except KafkaException as exc:
+                if exc.args[0].fatal():
+                    self._raised(exc)
+                    return Retry(f"producer failed: {self._fatal}")
                 return classify(exc.args[0])
             except (TypeError, ValueError) as exc:
                 return Dead(f"rejected by the Kafka client: {exc}")
 
     def _on_delivery(self, report: Report, err: KafkaError | None, msg: Any) -> None:
         if err is None:
+            self._failing_since = 0.0
             report(Delivered(msg.partition(), msg.offset()))
         elif err.fatal():
             self._fatal = f"{err.name()}: {err.str()}"
             report(Retry(self._fatal))
         else:
-            report(classify(err))
+            outcome = classify(err)
+            if isinstance(outcome, Retry):
+                if not self._failing_since:
+                    self._failing_since = time.monotonic()
+                self._last_failure = outcome.reason
+            report(outcome)
 
     def poll(self, timeout: float) -> None:
-        self._producer.poll(timeout)
+        try:
+            self._producer.poll(timeout)
+        except KafkaException as exc:  # a fatal error surfaces here too (e.g. UNKNOWN_PRODUCER_ID)
+            self._raised(exc)
 
     def flush(self, timeout: float) -> int:
-        return int(self._producer.flush(timeout))
+        try:
+            return int(self._producer.flush(timeout))
+        except KafkaException as exc:
+            self._raised(exc)
+            return len(self._producer)
+
+    def _raised(self, exc: KafkaException) -> None:
+        err = exc.args[0] if exc.args and isinstance(exc.args[0], KafkaError) else None
+        if err is not None and not err.fatal():
+            log.warning("kafka client error: %s: %s", err.name(), err.str())
+            return
+        self._fatal = f"{err.name()}: {err.str()}" if err is not None else str(exc)
+        log.error("kafka producer fatal error, it will be recreated: %s", self._fatal)
 
     def healthy(self) -> bool:
+        if self._fatal is None and self._failing_since:
+            failing = time.monotonic() - self._failing_since
+            if failing > self._stuck_after:
+                self._fatal = f"no delivery succeeded for {failing:.0f} s (last: {self._last_failure})"
+                log.warning("kafka producer looks stuck, it will be recreated: %s", self._fatal)
         return self._fatal is None
 
     def close(self, timeout: float) -> None:
@@ -180,4 +229,4 @@ class KafkaSink:
         if remaining:
             log.warning("closing kafka producer with %d messages unacknowledged", remaining)
             self._producer.purge()
-            self._producer.poll(0)
+            self.poll(0)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+from datetime import datetime, timezone
 from typing import Any
 
 import psycopg
@@ -77,7 +78,7 @@ def test_oversized_and_invalid_topic_are_dead_lettered_at_once_rest_delivered(
         attempts = conn.execute(f'SELECT max(attempts) FROM "{schema}".dead_letters').fetchone()
     assert set(dead) == {big, bad}
     assert "MSG_SIZE_TOO_LARGE" in dead[big]
-    assert "TOPIC_EXCEPTION" in dead[bad]
+    assert "invalid topic name" in dead[bad]
     assert attempts == (1,), "refused events must not be retried"
     assert count(pg_dsn, schema, "delivered") == 20
     assert len(read_topic(kafka, topic, 20)) == 20
@@ -182,3 +183,62 @@ def test_relay_reconnects_after_its_connections_are_killed(
     assert killed > 0
     assert count(pg_dsn, schema, "delivered") == n
     assert len({m.event_id for m in read_topic(kafka, topic, n, timeout=60)}) == n
+
+
+def test_broker_restarted_empty_gets_a_new_producer(
+    pg_dsn: str, schema: str, own_broker: Broker, topic: str
+) -> None:
+    """A broker that lost its state answers UNKNOWN_PRODUCER_ID to the old producer for ever
+    (librdkafka bumps the epoch locally and every message times out); the sink notices that
+    nothing is delivered any more and the relay gets a new producer."""
+    config = RelayConfig(
+        pg_dsn,
+        schema=schema,
+        delivery_timeout=1.0,
+        lease=5.0,
+        poll_interval=0.1,
+        retry=outbox.RetryPolicy(base=0.2, cap=0.5, max_attempts=1000),
+    )
+
+    def write(n: int, start: int) -> None:
+        with psycopg.connect(pg_dsn) as conn:
+            outbox.enqueue_many(
+                conn,
+                [{"topic": topic, "payload": f"e{i}", "key": f"k{i % 7}"} for i in range(start, start + n)],
+                schema=schema,
+            )
+
+    with running_relay(config, bootstrap=own_broker.bootstrap) as relay:
+        write(100, 0)
+        wait_for(lambda: count(pg_dsn, schema, "delivered") == 100, timeout=30, what="first delivery")
+        own_broker.stop()
+        own_broker.start()  # in-memory: the topic and the producer's id are gone
+        write(100, 100)
+        wait_for(lambda: count(pg_dsn, schema, "delivered") == 200, timeout=60, what="delivery after restart")
+        assert relay.stats.delivered == 200
+    after = read_topic(own_broker.bootstrap, topic, 100)
+    assert {m.value for m in after} == {f"e{i}".encode() for i in range(100, 200)}
+
+
+def test_a_producer_that_delivers_nothing_for_long_is_replaced() -> None:
+    """No fatal error, only timeouts (what a broker that forgot our producer id looks like
+    when messages time out before its answer): after 3 delivery timeouts (at least 5 s)
+    without one success the sink reports itself unhealthy, and the relay recreates it."""
+    from outbox.embedded import free_port
+    from outbox.sinks.base import Retry
+
+    sink = KafkaSink(f"127.0.0.1:{free_port()}", delivery_timeout=1.0)  # nothing listens there
+    outcomes: list[Outcome] = []
+    event = ClaimedEvent(
+        1, "00000000-0000-0000-0000-000000000001", "t", b"k", b"v", [], datetime.now(timezone.utc), 0
+    )
+    assert sink.produce(event, outcomes.append) is None
+    wait_for(lambda: sink.poll(0.1) or outcomes, timeout=10, what="the delivery report")
+    assert isinstance(outcomes[0], Retry) and "_MSG_TIMED_OUT" in outcomes[0].reason
+    assert sink.healthy(), "one timeout is an outage, not a stuck producer"
+    deadline = time.monotonic() + 10
+    while sink.healthy() and time.monotonic() < deadline:
+        sink.produce(event, outcomes.append)
+        sink.poll(0.5)
+    assert not sink.healthy()
+    sink.close(0)
