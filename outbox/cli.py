@@ -15,13 +15,13 @@ import signal
 import sys
 import threading
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 import psycopg
 
 from outbox import migrate as migrations
 from outbox import status as status_mod
-from outbox.dsn import redact, scrub, secrets_of
+from outbox.dsn import redact, scrub, secrets_in_argv, secrets_of
 from outbox.hygiene import DEAD_TUPLES_THRESHOLD
 from outbox.ownership import OWNERSHIP_LEASE
 from outbox.relay import (
@@ -286,8 +286,19 @@ def _add_relay_options(p: argparse.ArgumentParser) -> None:
     )
 
 
+_parsing: list[str] = []  # the arguments main() is parsing (they may not be sys.argv)
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse echoes arguments in its errors ("unrecognized arguments: ..."):
+    scrub any password in them first. Sub-parsers inherit this class."""
+
+    def error(self, message: str) -> NoReturn:
+        super().error(scrub(message, secrets_in_argv([*sys.argv[1:], *_parsing])))
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="outbox",
         description="Transactional outbox relay: PostgreSQL outbox table -> Kafka. "
         "Every option can also be set with the OUTBOX_* variable named in its help.",
@@ -870,6 +881,7 @@ COMMANDS = {
 
 def main(argv: Sequence[str] | None = None) -> int:
     try:
+        _parsing[:] = list(argv) if argv is not None else []
         args = build_parser().parse_args(argv)
         _setup_logging(args.log_format, args.log_level)
         return COMMANDS[args.command](args)

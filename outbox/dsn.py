@@ -36,3 +36,16 @@ def secrets_of(dsn: str) -> list[str]:
     except Exception:
         return []
     return [str(password)] if password else []
+
+
+def secrets_in_argv(argv: list[str]) -> list[str]:
+    """Secret values among command-line arguments: DSN passwords, and the values of
+    ``KEY=VALUE`` settings whose key names a secret (``sasl.password=...``)."""
+    found: list[str] = []
+    for arg in argv:
+        if "=" in arg or "://" in arg:
+            found.extend(secrets_of(arg))
+        key, sep, value = arg.partition("=")
+        if sep and value and any(word in key.lower() for word in ("password", "secret", "pem", "token")):
+            found.append(value)
+    return found
