@@ -33,7 +33,9 @@ class Migration:
         return hashlib.sha256(self.text.encode()).hexdigest()
 
     def render(self, schema: str) -> sql.Composed:
-        return sql.SQL(self.text).format(
+        # Comment lines go first: a name is a quoted identifier in SQL, but in a
+        # comment a line break inside it would end the comment and run the rest.
+        return sql.SQL(_strip_comments(self.text)).format(
             schema=sql.Identifier(schema),
             schema_name=sql.Literal(schema),
             channel=sql.Literal(channel_name(schema)),

@@ -28,6 +28,15 @@ def validate_schema(schema: object, field: str = "schema") -> str:
         raise ValueError(f"{field}: is not valid Unicode text (lone surrogate)") from None
     if size > MAX_SCHEMA_BYTES:
         raise ValueError(f"{field}: {size} bytes long, at most {MAX_SCHEMA_BYTES} allowed")
+    if "%" in schema:
+        # psycopg reads % in a query that has parameters as a placeholder, inside
+        # quoted identifiers too.
+        raise ValueError(f"{field}: must not contain %, got {schema!r}")
+    if "$$" in schema:
+        # It would end the dollar-quoted function bodies the migrations create.
+        raise ValueError(f"{field}: must not contain $$, got {schema!r}")
+    if schema.lower().startswith("pg_"):
+        raise ValueError(f"{field}: names starting with pg_ are reserved by PostgreSQL, got {schema!r}")
     return schema
 
 

@@ -9,6 +9,7 @@ from datetime import timedelta
 from typing import Any
 
 import psycopg
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -154,3 +155,76 @@ def test_corrupted_rows_are_dead_lettered_with_a_reason(
     assert sum("headers" in e for e in errors) == 4 and "topic" in errors[-1]
     # No key: the two valid events may sit in different Kafka partitions, in any order.
     assert sorted(m.value for m in read_topic(kafka, topic, 2)) == [b"after", b"before"]
+
+
+hostile_names = st.sampled_from(
+    [
+        'x"; DROP SCHEMA public CASCADE; --',
+        "x'); DROP TABLE t; --",
+        "$$; SELECT pg_sleep(10); $$",
+        "\nCREATE TABLE public.injected (x int); --",
+        "\r; DROP TABLE IF EXISTS public.injected; --",
+        "50%",
+        'a"b',
+        "Mixed Case",
+        "with space",
+        "ünïcödé-名前",
+        "semi;colon",
+        "back\\slash",
+        "%(schema)s",
+        "{schema}",
+        "pg_mine",
+        "",
+        "a" * 57,
+        "x\x00y",
+    ]
+)
+schema_names = hostile_names | any_text(20, min_size=1)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(name=schema_names)
+def test_any_schema_name_is_an_identifier_or_a_clear_error(pg_dsn: str, name: str) -> None:
+    """Schema names reach SQL only as quoted identifiers: a hostile name makes a schema with
+    exactly that name and nothing else happens; a name PostgreSQL cannot take is refused
+    before any SQL runs, with an error that names the field."""
+    from psycopg import sql
+
+    from outbox.dead import list_dead
+    from outbox.migrate import migrate
+    from outbox.schema import validate_schema
+    from outbox.status import collect
+
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        existing = {r[0] for r in conn.execute("SELECT nspname FROM pg_namespace").fetchall()}
+        if name in existing:
+            return
+        try:
+            validate_schema(name)
+        except (TypeError, ValueError) as exc:
+            assert str(exc).startswith("schema: "), exc
+            try:
+                migrate(conn, name)
+            except (TypeError, ValueError) as again:
+                assert str(again) == str(exc)
+            else:
+                raise AssertionError(f"migrate accepted {name!r}")
+            with pytest.raises((TypeError, ValueError), match=r"^schema: "):
+                outbox.enqueue(conn, "t", b"x", schema=name)
+            assert {r[0] for r in conn.execute("SELECT nspname FROM pg_namespace").fetchall()} == existing
+            return
+        tables = conn.execute("SELECT count(*) FROM pg_tables").fetchone()
+        try:
+            migrate(conn, name)
+            with conn.transaction():
+                outbox.enqueue(conn, "t", b"x", key="k", schema=name)
+            assert collect(conn, name)["pending"] == 1
+            assert list_dead(conn, name, topic=None, key=None, limit=10) == []
+            now = {r[0] for r in conn.execute("SELECT nspname FROM pg_namespace").fetchall()}
+            assert now - existing == {name} and existing <= now
+            assert (
+                conn.execute("SELECT count(*) FROM pg_tables WHERE schemaname <> %s", (name,)).fetchone()
+                == tables
+            ), "a table outside the schema changed"
+        finally:
+            conn.execute(sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(sql.Identifier(name)))
