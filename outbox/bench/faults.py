@@ -922,10 +922,14 @@ def run_scenario(cfg: FaultConfig, name: str) -> dict[str, Any]:
         }
     run = Run(cfg, name, extra, env)
     p = Progress(name, _planned_seconds(cfg, name), "s")
-    with run.load():
-        BODIES[name](run, p)
-    p.close(run.status() + " — draining")
-    drained = run.drain()
+    try:
+        with run.load():
+            BODIES[name](run, p)
+        p.close(run.status() + " — draining")
+        drained = run.drain()
+    except BaseException:
+        run.relays.stop_all()  # no relay outlives the harness
+        raise
     result = run.account(drained)
     result["rate"] = cfg.rate
     result["schema"] = run.schema
@@ -1027,6 +1031,8 @@ def run_faults(
         raise ValueError(
             "--broker-stop-command and --broker-start-command: needed with --kafka-bootstrap for 'broker'"
         )
+    # SIGTERM unwinds like Ctrl-C: relays stopped, embedded servers removed.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     out.mkdir(parents=True, exist_ok=True)
     logs = out / "logs"
     logs.mkdir(exist_ok=True)
