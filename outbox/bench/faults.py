@@ -575,13 +575,13 @@ class Run:
         with psycopg.connect(self.cfg.dsn, autocommit=True) as conn:
             conn.execute(sql.SQL("DROP SCHEMA {} CASCADE").format(sql.Identifier(self.schema)))
 
-    def sleep(self, seconds: float, progress: Progress | None = None, total: float = 0.0) -> None:
+    def sleep(self, seconds: float, progress: Progress | None = None) -> None:
+        """Let the load run for ``seconds``, redrawing the progress line."""
         end = time.monotonic() + seconds
         while (left := end - time.monotonic()) > 0:
             time.sleep(min(0.5, left))
             if progress is not None:
                 progress.update(time.time() - self.started, self.status())
-        _ = total
 
     def status(self) -> str:
         with self.tap.lock:
@@ -750,21 +750,23 @@ def _terminate(run: Run, p: Progress) -> None:
     for i in range(cfg.relays):
         run.relays.start(i)
     run.sleep(cfg.warmup, p)
-    total = 0
+    total = mid = 0
     for _ in range(3):
         with psycopg.connect(cfg.dsn, autocommit=True) as conn:
             rows = conn.execute(
                 "SELECT pg_terminate_backend(pid), state FROM pg_stat_activity "
-                "WHERE application_name LIKE 'outbox-%%' AND pid <> pg_backend_pid()"
+                "WHERE application_name LIKE 'outbox-%' AND pid <> pg_backend_pid()"
             ).fetchall()
         in_tx = sum(
             1 for _, state in rows if (state or "").startswith("idle in transaction") or state == "active"
         )
         total += len(rows)
+        mid += in_tx
         run.mark(f"terminated {len(rows)} relay sessions ({in_tx} mid-transaction)")
         run.sleep(max(1.0, cfg.kill_every), p)
     run.fault_end = time.time()
     run.notes["terminated"] = total
+    run.notes["terminated_mid_transaction"] = mid
     run.sleep(cfg.tail, p)
 
 
@@ -950,7 +952,10 @@ def _note(name: str, r: dict[str, Any]) -> str:
     if "kills" in r:
         parts.append(f"{r['kills']} SIGKILLs")
     if "terminated" in r:
-        parts.append(f"{r['terminated']} sessions terminated")
+        parts.append(
+            f"{r['terminated']} sessions terminated "
+            f"({r.get('terminated_mid_transaction', 0)} mid-transaction)"
+        )
     if name == "snapshot":
         parts.append(
             f"{r['rate_before']:.0f}/{r['rate_during']:.0f}/{r['rate_after']:.0f} ev/s before/during/after; "
