@@ -222,6 +222,9 @@ class Seen:
     key: str
     seq: int
     at: float
+    # Where it sits in the broker's log: (broker life, partition, offset). Order is
+    # judged in log order, which is what a consumer reading the topic sees.
+    log: tuple[int, int, int] = (0, 0, 0)
 
 
 class Tap(threading.Thread):
@@ -236,6 +239,7 @@ class Tap(threading.Thread):
         self._reset = threading.Event()
         self.positions: dict[int, int] = {}
         self.gaps = 0  # offsets the live consumer never received (a broker/fetch fault, not the relay's)
+        self.generation = 0  # broker lives: bumped when the broker came back empty
         self.lock = threading.Lock()
 
     def reset(self) -> None:
@@ -273,6 +277,7 @@ class Tap(threading.Thread):
         while consumer is not None and not self.stop_event.is_set():
             if self._reset.is_set():
                 self._reset.clear()
+                self.generation += 1
                 consumer.close()
                 consumer = self._consumer()
                 continue
@@ -286,7 +291,8 @@ class Tap(threading.Thread):
                 now = time.time()
                 partition, offset = msg.partition() or 0, msg.offset() or 0
                 with self.lock:
-                    self.seen.append(Seen(event_id, str(body.get("k")), int(body.get("s", 0)), now))
+                    log = (self.generation, partition, offset)
+                    self.seen.append(Seen(event_id, str(body.get("k")), int(body.get("s", 0)), now, log))
                     self.first_seen.setdefault(event_id, now)
                     if offset > self.positions.get(partition, 0):  # the fetch skipped offsets
                         self.gaps += offset - self.positions.get(partition, 0)
@@ -321,7 +327,9 @@ class Tap(threading.Thread):
                         if event_id not in self.first_seen:
                             body = json.loads(msg.value() or b"{}")
                             now = time.time()
-                            self.seen.append(Seen(event_id, str(body.get("k")), int(body.get("s", 0)), now))
+                            log = (self.generation, msg.partition() or 0, msg.offset() or 0)
+                            key, seq = str(body.get("k")), int(body.get("s", 0))
+                            self.seen.append(Seen(event_id, key, seq, now, log))
                             self.first_seen[event_id] = now
                             added += 1
         except KafkaException:
@@ -491,11 +499,13 @@ def tally(
     double_archived = sum(1 for n in archived.values() if n > 1)
     unarchived = [e for e in by_id if e not in archived and e not in dead]
 
-    # Per-key order after keeping first occurrences: each key's sequence must rise.
+    # Per-key order, in the broker's log order, after keeping first occurrences: each
+    # key's sequence must rise. (Log order, not arrival order: a record the live read
+    # skipped and a re-read found arrives late but sits where the relay put it.)
     last: dict[str, int] = {}
     firsts: set[str] = set()
     violations = 0
-    for m in seen:
+    for m in sorted(seen, key=lambda m: m.log):  # stable: equal positions keep arrival order
         if m.event_id in firsts or m.event_id not in by_id:
             continue
         firsts.add(m.event_id)

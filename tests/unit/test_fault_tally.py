@@ -90,3 +90,29 @@ def test_time_to_recover_is_the_last_arrival_of_what_was_committed_before_the_fa
     assert r["recover_seconds"] == 3.0
     r = _run([early, late], [Seen("e2", "a", 2, 21.0)], fault_end=10.0)
     assert r["recover_seconds"] is None  # never recovered
+
+
+def test_order_is_judged_in_log_order_not_arrival_order() -> None:
+    a1, a2, a3 = _w(1), _w(2), _w(3)
+    # The live read skipped offset 1; a re-read found it later: it arrives last, but
+    # sits between 0 and 2 in the log, where the relay put it.
+    late = [
+        Seen("e1", "a", 1, 1.0, (0, 0, 0)),
+        Seen("e3", "a", 3, 1.1, (0, 0, 2)),
+        Seen("e2", "a", 2, 9.0, (0, 0, 1)),
+    ]
+    assert _run([a1, a2, a3], late)["order_violations"] == 0
+    # Really out of order in the log: a violation, whenever it was read.
+    wrong = [
+        Seen("e1", "a", 1, 1.0, (0, 0, 0)),
+        Seen("e3", "a", 3, 1.1, (0, 0, 1)),
+        Seen("e2", "a", 2, 1.2, (0, 0, 2)),
+    ]
+    assert _run([a1, a2, a3], wrong)["order_violations"] == 1
+    # A broker that came back empty starts a new log: its records follow the old life's.
+    lives = [
+        Seen("e2", "a", 2, 1.0, (1, 0, 0)),
+        Seen("e1", "a", 1, 2.0, (0, 0, 7)),
+        Seen("e3", "a", 3, 3.0, (1, 0, 1)),
+    ]
+    assert _run([a1, a2, a3], lives)["order_violations"] == 0
