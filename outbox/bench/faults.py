@@ -699,7 +699,7 @@ class Run:
 
     def _from_logs(self) -> dict[str, int]:
         """What the relays said they did: refused (fenced) acks, recreated producers, reconnects."""
-        counts = {"stale_acks_refused": 0, "producers_recreated": 0, "reconnects": 0}
+        counts = {"stale_acks_refused": 0, "producers_recreated": 0, "reconnects": 0, "ownership_lost": 0}
         for path in self.relays.logs:
             with contextlib.suppress(OSError):
                 for line in path.read_text(errors="replace").splitlines():
@@ -709,6 +709,8 @@ class Run:
                         counts["producers_recreated"] += 1
                     elif "cannot connect to PostgreSQL" in line:
                         counts["reconnects"] += 1
+                    elif "lost ownership of partitions" in line:
+                        counts["ownership_lost"] += 1
         return counts
 
     def throughput(self, start: float, end: float) -> float:

@@ -27,7 +27,7 @@ PROVOKED = {
     "slow-sink": lambda r: r["stale_acks_refused"] >= 1,
     "snapshot": lambda r: r["table_held_peak_mib"] > 0,
     "poison": lambda r: r["poison"] >= 2 and r["dead_lettered"] == r["poison"],
-    "sigstop": lambda r: r["stale_acks_refused"] >= 1 or "SIGCONT relay 0" in str(r["timeline"]),
+    "sigstop": lambda r: r["ownership_lost"] >= 1,  # the resumed relay found its partitions taken
     "soak": lambda r: r["relay_starts"] >= 4 and "PostgreSQL restarted" in str(r["timeline"]),
 }
 
