@@ -240,6 +240,7 @@ class Tap(threading.Thread):
         self.positions: dict[int, int] = {}
         self.gaps = 0  # offsets the live consumer never received (a broker/fetch fault, not the relay's)
         self.generation = 0  # broker lives: bumped when the broker came back empty
+        self.found_by_reread = 0  # records only a re-read of the topic delivered to us
         self.lock = threading.Lock()
 
     def reset(self) -> None:
@@ -336,6 +337,7 @@ class Tap(threading.Thread):
             pass
         finally:
             c.close()
+        self.found_by_reread += added
         return added
 
     def caught_up(self, timeout: float) -> bool:
@@ -651,7 +653,8 @@ class Run:
         self.monitor.join(10)
         # The live read can miss a record the broker had (Tansu's memory engine has
         # shown one such fetch gap in 40k): read the topic once more before counting.
-        self.notes["found_by_sweep"] = self.tap.sweep()
+        self.tap.sweep()
+        self.notes["found_by_sweep"] = self.tap.found_by_reread
         self.notes["consumer_gaps"] = self.tap.gaps
         s = sql.Identifier(self.schema)
         with psycopg.connect(self.cfg.dsn) as conn:
@@ -985,7 +988,8 @@ def _note(name: str, r: dict[str, Any]) -> str:
         parts.append(f"{r['producers_recreated']} producers recreated")
     if r.get("found_by_sweep"):
         parts.append(
-            f"{r['found_by_sweep']} on the broker but skipped by the live consumer, found by a re-read"
+            f"{r['found_by_sweep']} on the broker but skipped by the live consumer, found by a re-read "
+            "(recover includes the wait for it)"
         )
     if r.get("unsure_commits"):
         parts.append(f"{r['unsure_commits']} commits cut off ({r['unsure_committed']} had committed)")
