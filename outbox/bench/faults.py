@@ -986,10 +986,10 @@ def _note(name: str, r: dict[str, Any]) -> str:
         parts.append(f"{r['stale_acks_refused']} stale acks refused")
     if r.get("producers_recreated"):
         parts.append(f"{r['producers_recreated']} producers recreated")
-    if r.get("found_by_sweep"):
+    if r.get("consumer_gaps"):
         parts.append(
-            f"{r['found_by_sweep']} on the broker but skipped by the live consumer, found by a re-read "
-            "(recover includes the wait for it)"
+            f"the live consumer's fetch skipped {r['consumer_gaps']} offsets; a re-read of the topic "
+            f"found {r.get('found_by_sweep', 0)} missing events there (recover includes the wait)"
         )
     if r.get("unsure_commits"):
         parts.append(f"{r['unsure_commits']} commits cut off ({r['unsure_committed']} had committed)")
