@@ -988,8 +988,8 @@ def _note(name: str, r: dict[str, Any]) -> str:
         parts.append(f"{r['producers_recreated']} producers recreated")
     if r.get("consumer_gaps"):
         parts.append(
-            f"the live consumer's fetch skipped {r['consumer_gaps']} offsets; a re-read of the topic "
-            f"found {r.get('found_by_sweep', 0)} missing events there (recover includes the wait)"
+            f"the live consumer's fetch skipped {r['consumer_gaps']} offsets, read again from the broker "
+            "by a re-read of the topic (recover includes the wait for it)"
         )
     if r.get("unsure_commits"):
         parts.append(f"{r['unsure_commits']} commits cut off ({r['unsure_committed']} had committed)")
