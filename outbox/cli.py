@@ -466,6 +466,11 @@ def _connect(dsn: str, secrets: list[str]) -> psycopg.Connection[Any]:
         raise CliError(f"cannot connect to PostgreSQL ({redact(dsn)}): {scrub(str(exc), secrets)}") from None
 
 
+def _role_error(exc: ValueError) -> CliError:
+    """'writer role: …' from the library as the option it came from: '--writer-role: …'."""
+    return CliError("--" + str(exc).replace(" role: ", "-role: ", 1))
+
+
 def _roles(args: argparse.Namespace) -> migrations.Roles | None:
     if not (args.roles or args.writer_role or args.relay_role or args.no_create_roles):
         return None
@@ -476,7 +481,7 @@ def _roles(args: argparse.Namespace) -> migrations.Roles | None:
             create=not args.no_create_roles,
         )
     except ValueError as exc:
-        raise CliError("--" + str(exc).replace(" role: ", "-role: ", 1)) from None
+        raise _role_error(exc) from None
 
 
 def cmd_migrate(args: argparse.Namespace) -> int:
@@ -491,7 +496,7 @@ def cmd_migrate(args: argparse.Namespace) -> int:
             try:
                 migrations.grant_roles(conn, args.schema, roles)
             except ValueError as exc:
-                raise CliError("--" + str(exc).replace(" role: ", "-role: ", 1)) from None
+                raise _role_error(exc) from None
             print(f"granted schema {args.schema} to writer role {roles.writer} and relay role {roles.relay}")
     if applied:
         for m in applied:

@@ -17,7 +17,7 @@ from typing import Any
 import psycopg
 from psycopg import sql
 
-from outbox.schema import DEFAULT_SCHEMA, channel_name, validate_schema
+from outbox.schema import DEFAULT_SCHEMA, channel_name, validate_name, validate_schema
 
 _FILE = re.compile(r"^(\d{4})_(\w+)\.sql$")
 
@@ -153,18 +153,7 @@ MAX_ROLE_BYTES = 63
 
 def validate_role(role: object, field: str) -> str:
     """Return ``role`` if PostgreSQL accepts it as a role name as given, else raise naming ``field``."""
-    if not isinstance(role, str):
-        raise TypeError(f"{field}: expected str, got {type(role).__name__}")
-    if not role:
-        raise ValueError(f"{field}: must not be empty")
-    if "\x00" in role:
-        raise ValueError(f"{field}: must not contain NUL characters")
-    try:
-        size = len(role.encode("utf-8"))
-    except UnicodeEncodeError:
-        raise ValueError(f"{field}: is not valid Unicode text (lone surrogate)") from None
-    if size > MAX_ROLE_BYTES:
-        raise ValueError(f"{field}: {size} bytes long, at most {MAX_ROLE_BYTES} allowed")
+    role = validate_name(role, field, MAX_ROLE_BYTES)
     if role.lower().startswith("pg_") or role in ("public", "none", "current_user", "session_user"):
         raise ValueError(f"{field}: {role!r} is reserved by PostgreSQL")
     return role

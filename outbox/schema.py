@@ -14,20 +14,26 @@ DEFAULT_SCHEMA = "outbox"
 MAX_SCHEMA_BYTES = 56
 
 
-def validate_schema(schema: object, field: str = "schema") -> str:
-    """Return ``schema`` if it is a usable schema name, else raise naming ``field``."""
-    if not isinstance(schema, str):
-        raise TypeError(f"{field}: expected str, got {type(schema).__name__}")
-    if not schema:
+def validate_name(name: object, field: str, max_bytes: int) -> str:
+    """Return ``name`` if PostgreSQL keeps it as given as an identifier, else raise naming ``field``."""
+    if not isinstance(name, str):
+        raise TypeError(f"{field}: expected str, got {type(name).__name__}")
+    if not name:
         raise ValueError(f"{field}: must not be empty")
-    if "\x00" in schema:
+    if "\x00" in name:
         raise ValueError(f"{field}: must not contain NUL characters")
     try:
-        size = len(schema.encode("utf-8"))
+        size = len(name.encode("utf-8"))
     except UnicodeEncodeError:
         raise ValueError(f"{field}: is not valid Unicode text (lone surrogate)") from None
-    if size > MAX_SCHEMA_BYTES:
-        raise ValueError(f"{field}: {size} bytes long, at most {MAX_SCHEMA_BYTES} allowed")
+    if size > max_bytes:
+        raise ValueError(f"{field}: {size} bytes long, at most {max_bytes} allowed")
+    return name
+
+
+def validate_schema(schema: object, field: str = "schema") -> str:
+    """Return ``schema`` if it is a usable schema name, else raise naming ``field``."""
+    schema = validate_name(schema, field, MAX_SCHEMA_BYTES)
     if "%" in schema:
         # psycopg reads % in a query that has parameters as a placeholder, inside
         # quoted identifiers too.

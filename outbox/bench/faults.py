@@ -227,6 +227,14 @@ class Seen:
     log: tuple[int, int, int] = (0, 0, 0)
 
 
+def _decode(msg: Any) -> tuple[str, str, int]:
+    """A consumed message's event id (header), and the writer's key and sequence (payload)."""
+    raw = dict(msg.headers() or []).get("event-id")
+    event_id = raw.decode() if isinstance(raw, bytes) else str(raw)
+    body = json.loads(msg.value() or b"{}")
+    return event_id, str(body.get("k")), int(body.get("s", 0))
+
+
 class Tap(threading.Thread):
     """Reads the topic from the beginning; ``reset()`` after the broker came back empty."""
 
@@ -285,15 +293,12 @@ class Tap(threading.Thread):
             for msg in consumer.consume(500, 0.2):
                 if msg.error() is not None:
                     continue
-                headers = dict(msg.headers() or [])
-                raw = headers.get("event-id")
-                event_id = raw.decode() if isinstance(raw, bytes) else str(raw)
-                body = json.loads(msg.value() or b"{}")
+                event_id, key, seq = _decode(msg)
                 now = time.time()
                 partition, offset = msg.partition() or 0, msg.offset() or 0
                 with self.lock:
                     log = (self.generation, partition, offset)
-                    self.seen.append(Seen(event_id, str(body.get("k")), int(body.get("s", 0)), now, log))
+                    self.seen.append(Seen(event_id, key, seq, now, log))
                     self.first_seen.setdefault(event_id, now)
                     if offset > self.positions.get(partition, 0):  # the fetch skipped offsets
                         self.gaps += offset - self.positions.get(partition, 0)
@@ -322,14 +327,11 @@ class Tap(threading.Thread):
                     if msg.error() is not None:
                         continue
                     done[msg.partition() or 0] = (msg.offset() or 0) + 1
-                    raw = dict(msg.headers() or []).get("event-id")
-                    event_id = raw.decode() if isinstance(raw, bytes) else str(raw)
+                    event_id, key, seq = _decode(msg)
                     with self.lock:
                         if event_id not in self.first_seen:
-                            body = json.loads(msg.value() or b"{}")
                             now = time.time()
                             log = (self.generation, msg.partition() or 0, msg.offset() or 0)
-                            key, seq = str(body.get("k")), int(body.get("s", 0))
                             self.seen.append(Seen(event_id, key, seq, now, log))
                             self.first_seen[event_id] = now
                             added += 1
@@ -729,8 +731,6 @@ class Run:
 def _kill(run: Run, p: Progress) -> None:
     """Relays SIGKILLed in turn every few seconds and restarted at once."""
     cfg = run.cfg
-    for i in range(cfg.relays):
-        run.relays.start(i)
     run.sleep(cfg.warmup, p)
     end = time.monotonic() + cfg.kill_window
     kills = 0
@@ -749,8 +749,6 @@ def _pg_restart(run: Run, p: Progress) -> None:
     """PostgreSQL restarted (fast: every session ended) while relays and writers run."""
     cfg = run.cfg
     assert cfg.restart_pg is not None
-    for i in range(cfg.relays):
-        run.relays.start(i)
     run.sleep(cfg.warmup, p)
     t = time.time()
     cfg.restart_pg()
@@ -762,8 +760,6 @@ def _pg_restart(run: Run, p: Progress) -> None:
 def _terminate(run: Run, p: Progress) -> None:
     """The relays' sessions killed with pg_terminate_backend, mid-batch, three times."""
     cfg = run.cfg
-    for i in range(cfg.relays):
-        run.relays.start(i)
     run.sleep(cfg.warmup, p)
     total = mid = 0
     for _ in range(3):
@@ -789,8 +785,6 @@ def _broker(run: Run, p: Progress) -> None:
     """The broker stopped for a while, then started again empty."""
     cfg = run.cfg
     assert cfg.stop_broker is not None and cfg.start_broker is not None
-    for i in range(cfg.relays):
-        run.relays.start(i)
     run.sleep(cfg.warmup, p)
     for pid in run.relays.pids():  # freeze producers so the consumer can read all that was acked
         os.kill(pid, signal.SIGSTOP)
@@ -811,8 +805,6 @@ def _broker(run: Run, p: Progress) -> None:
 def _slow_sink(run: Run, p: Progress) -> None:
     """Each relay's acks come later than its lease for a window: the other relay takes over."""
     cfg = run.cfg
-    for i in range(cfg.relays):
-        run.relays.start(i)
     run.sleep(cfg.warmup + cfg.lease * 3 + cfg.tail, p)
     run.fault_end = run.started + cfg.warmup + cfg.lease * 2
     run.mark("late-ack windows over")
@@ -822,8 +814,6 @@ def _slow_sink(run: Run, p: Progress) -> None:
 def _snapshot(run: Run, p: Progress) -> None:
     """Another session holds a snapshot open: vacuum can remove nothing meanwhile."""
     cfg = run.cfg
-    for i in range(cfg.relays):
-        run.relays.start(i)
     run.sleep(cfg.warmup, p)
     before = run.throughput(time.time() - cfg.warmup + 1, time.time())
     size_before = run.monitor.samples[-1][3] if run.monitor.samples else 0
@@ -852,8 +842,6 @@ def _snapshot(run: Run, p: Progress) -> None:
 def _poison(run: Run, p: Progress) -> None:
     """Events no broker accepts, among good ones: dead-lettered at the first attempt."""
     cfg = run.cfg
-    for i in range(cfg.relays):
-        run.relays.start(i)
     run.sleep(cfg.warmup, p)
     end = time.monotonic() + cfg.poison_window
     while time.monotonic() < end:
@@ -867,8 +855,6 @@ def _poison(run: Run, p: Progress) -> None:
 def _sigstop(run: Run, p: Progress) -> None:
     """One relay frozen past its batch and ownership leases, then resumed."""
     cfg = run.cfg
-    for i in range(cfg.relays):
-        run.relays.start(i)
     run.sleep(cfg.warmup, p)
     frozen = max(cfg.lease, cfg.ownership_lease) + 3
     run.relays.signal(0, signal.SIGSTOP)
@@ -884,8 +870,6 @@ def _soak(run: Run, p: Progress) -> None:
     """A long steady run: relay restarted twice (SIGTERM, SIGKILL) and PostgreSQL once."""
     cfg = run.cfg
     assert cfg.restart_pg is not None
-    for i in range(cfg.relays):
-        run.relays.start(i)
     quarter = cfg.soak_seconds / 4
     run.sleep(quarter, p)
     run.relays.restart(0, graceful=True)
@@ -941,6 +925,8 @@ def run_scenario(cfg: FaultConfig, name: str) -> dict[str, Any]:
     p = Progress(name, _planned_seconds(cfg, name), "s")
     try:
         with run.load():
+            for i in range(cfg.relays):
+                run.relays.start(i)
             BODIES[name](run, p)
         p.close(run.status() + " — draining")
         drained = run.drain()
