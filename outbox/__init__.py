@@ -9,6 +9,8 @@ Write side::
 Relay side: ``outbox relay --dsn ... --kafka-bootstrap ...``.
 """
 
+from importlib import metadata as _metadata
+
 from outbox.events import EVENT_ID_HEADER
 from outbox.retry import RetryPolicy
 from outbox.writer import enqueue, enqueue_async, enqueue_many, enqueue_many_async
@@ -21,4 +23,7 @@ __all__ = [
     "enqueue_many",
     "enqueue_many_async",
 ]
-__version__ = "0.1.0"
+try:
+    __version__ = _metadata.version("outbox")
+except _metadata.PackageNotFoundError:  # a source tree that was never installed
+    __version__ = "unknown"

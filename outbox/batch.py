@@ -8,62 +8,85 @@ worker that stalls past its lease has its session ended by PostgreSQL itself,
 its locks released, and its later ack refused (the connection is gone) — it
 cannot archive, retry or dead-letter anything after that. Every state change
 also checks the number of rows it really changed.
+
+``finish`` writes every outcome and returns a :class:`BatchResult`: what the
+batch did, per topic, from which the relay records its spans and metrics once.
 """
 
 from __future__ import annotations
 
 import contextlib
-import logging
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 import psycopg
 
-from outbox import tracing
-from outbox.events import ClaimedEvent, CorruptEvent, decode_row
-from outbox.queries import query
+from outbox.errors import CorruptEvent, FencingError
+from outbox.events import ClaimedEvent, decode_row
+from outbox.ordering import KeyHolds
+from outbox.queries import int_array, query
 from outbox.retry import RetryPolicy, cap_error
-from outbox.sinks.base import Dead, Delivered, Outcome, Retry
+from outbox.sinks.base import CORRUPT_EVENT, Dead, Delivered, Outcome, Retry
 
-log = logging.getLogger("outbox.relay")
-
-
-class FencingError(RuntimeError):
-    """A state change touched other rows than the batch owns: the lease was lost."""
+CORRUPT_TOPIC = "(corrupt)"  # the topic results of rows that could not be decoded are counted under
 
 
-@dataclass
-class Settled:
-    """What finishing a batch did, for stats and logs."""
+@dataclass(slots=True)
+class TopicResult:
+    """What a finished batch did with its events of one topic."""
 
-    delivered: int = 0
     retried: int = 0
     dead: int = 0
-    held: int = 0
-    latencies: list[float] = field(default_factory=list)
-    dead_events: list[tuple[int, str]] = field(default_factory=list)
+    errors: dict[str, int] = field(default_factory=dict)  # error kind -> failed attempts
+    latencies: list[float] = field(default_factory=list)  # seconds from creation to ack, per delivery
+
+    @property
+    def delivered(self) -> int:
+        return len(self.latencies)
+
+
+@dataclass(slots=True)
+class BatchResult:
+    """What finishing a batch did: per topic, and the dead letters it made (for the log)."""
+
+    topics: dict[str, TopicResult] = field(default_factory=dict)
+    dead_events: list[tuple[int, str]] = field(default_factory=list)  # (id, reason)
+
+    @property
+    def delivered(self) -> int:
+        return sum(t.delivered for t in self.topics.values())
+
+    @property
+    def retried(self) -> int:
+        return sum(t.retried for t in self.topics.values())
+
+    @property
+    def dead(self) -> int:
+        return sum(t.dead for t in self.topics.values())
 
 
 class Batch:
     """Events claimed in one transaction on one connection, and their outcomes."""
 
     def __init__(
-        self, conn: psycopg.Connection[Any], rows: list[tuple[Any, ...]], *, hold_dead: bool = True
+        self,
+        conn: psycopg.Connection[Any],
+        rows: list[tuple[Any, ...]],
+        *,
+        holds: KeyHolds | None = None,
+        parks: bool = False,
     ) -> None:
         self.conn = conn
-        # Does a dead event hold back its key (ordered mode, --on-dead park)?
-        self.hold_dead = hold_dead
+        # Ordered mode: a failure of key K holds K's later events until this batch ends.
+        self._holds = holds
+        self._parks = parks  # ... and so does a dead letter (--on-dead park)
         self.ids: list[int] = [row[0] for row in rows]
         self.attempts: list[int] = [row[7] for row in rows]
         self.events: list[ClaimedEvent | None] = []
         self.outcomes: list[Outcome | None] = [None] * len(rows)
         self.waiting = len(rows)
         self.abandoned = False
-        # Keys with an event that failed in this batch: until this batch's retry
-        # is committed (and blocks them in the claim query), the relay holds
-        # their later events in every batch it sends.
-        self.failed_keys: set[bytes] = set()
         # OpenTelemetry "send <topic>" spans of this batch (empty when tracing is off).
         self.spans: dict[str, Any] = {}
         for i, row in enumerate(rows):
@@ -71,7 +94,7 @@ class Batch:
                 self.events.append(decode_row(row))
             except CorruptEvent as exc:
                 self.events.append(None)
-                self.settle(i, Dead(f"corrupt event row: {exc}"))
+                self.settle(i, Dead(CORRUPT_EVENT, f"corrupt event row: {exc}"))
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -82,28 +105,30 @@ class Batch:
             return
         self.outcomes[index] = outcome
         self.waiting -= 1
-        if type(outcome) is Delivered:  # the common case, checked first: hot path
+        if type(outcome) is Delivered or self._holds is None:  # the common case first: hot path
             return
-        if isinstance(outcome, Retry) or (self.hold_dead and isinstance(outcome, Dead)):
+        if isinstance(outcome, Retry) or self._parks:
             event = self.events[index] if index < len(self.events) else None
             if event is not None and event.key is not None:
-                self.failed_keys.add(event.key)
+                self._holds.add(id(self), event.key)
 
     def hold(self, index: int) -> None:
-        """Leave event ``index`` untouched: an earlier event of its key failed in this batch."""
+        """Leave event ``index`` untouched: an earlier event of its key failed and is not committed."""
         self.waiting -= 1
 
     @property
     def complete(self) -> bool:
         return self.waiting == 0
 
-    def finish(self, schema: str, policy: RetryPolicy, *, archive: bool, park: bool) -> Settled:
+    def finish(self, schema: str, policy: RetryPolicy, *, archive: bool) -> BatchResult:
         """Write every outcome in one transaction (one statement per kind) and commit.
 
         Raises FencingError (after rolling back) if a statement changed other
         rows than expected, and psycopg.OperationalError if the lease was lost.
         """
-        done = Settled()
+        result = BatchResult()
+        topics = result.topics
+        now = time.time()
         ok_ids: list[int] = []
         ok_parts: list[int | None] = []
         ok_offsets: list[int | None] = []
@@ -113,24 +138,36 @@ class Batch:
         dead_ids: list[int] = []
         dead_errors: list[str] = []
         for i, outcome in enumerate(self.outcomes):
-            if outcome is None:
-                done.held += 1
-            elif isinstance(outcome, Delivered):
+            if outcome is None:  # held: left pending, untouched
+                continue
+            event = self.events[i]
+            topic = CORRUPT_TOPIC if event is None else event.topic
+            tr = topics.get(topic)
+            if tr is None:
+                tr = topics[topic] = TopicResult()
+            if type(outcome) is Delivered:
                 ok_ids.append(self.ids[i])
                 ok_parts.append(outcome.partition)
                 ok_offsets.append(outcome.offset)
-            elif isinstance(outcome, Dead):
-                dead_ids.append(self.ids[i])
-                dead_errors.append(cap_error(outcome.reason))
-            elif isinstance(outcome, Retry):
+                tr.latencies.append(now - event.created_at)  # type: ignore[union-attr]
+                continue
+            assert isinstance(outcome, (Retry, Dead))
+            tr.errors[outcome.kind] = tr.errors.get(outcome.kind, 0) + 1
+            if isinstance(outcome, Retry):
                 made = self.attempts[i] + 1
-                if policy.exhausted(made):
-                    dead_ids.append(self.ids[i])
-                    dead_errors.append(cap_error(f"gave up after {made} attempts: {outcome.reason}"))
-                else:
+                if not policy.exhausted(made):
                     retry_ids.append(self.ids[i])
                     retry_delays.append(policy.next_delay(made))
                     retry_errors.append(cap_error(outcome.reason))
+                    tr.retried += 1
+                    continue
+                reason = cap_error(f"gave up after {made} attempts: {outcome.reason}")
+            else:
+                reason = cap_error(outcome.reason)
+            dead_ids.append(self.ids[i])
+            dead_errors.append(reason)
+            tr.dead += 1
+            result.dead_events.append((self.ids[i], reason))
 
         conn = self.conn
         try:
@@ -154,37 +191,20 @@ class Batch:
             if dead_ids:
                 cur = conn.execute(
                     query("dead_letter", schema),
-                    {"ids": int_array(dead_ids), "errors": dead_errors, "park": park},
+                    {"ids": int_array(dead_ids), "errors": dead_errors, "park": self._parks},
                 )
                 _check_rows(cur.rowcount, len(dead_ids), "dead-letter")
             conn.commit()
         except FencingError:
             conn.rollback()
             raise
-        done.delivered = len(ok_ids)
-        done.retried = len(retry_ids)
-        done.dead = len(dead_ids)
-        done.dead_events = list(zip(dead_ids, dead_errors, strict=False))
-        return done
+        return result
 
     def release(self) -> None:
         """Give the batch up: roll back so its events can be claimed again at once."""
         self.abandoned = True
-        if self.spans:
-            now = time.time_ns()
-            tracing.end_batch(self.spans, {}, now, now, "released")
-            self.spans = {}
         with contextlib.suppress(psycopg.Error):  # if the connection is gone, so are the locks
             self.conn.rollback()
-
-
-def int_array(values: list[int] | list[int | None]) -> str:
-    """A PostgreSQL array literal of integers.
-
-    Sent as one text parameter and cast in SQL: psycopg would otherwise dump a
-    list element by element in Python, a measurable cost per acked event.
-    """
-    return "{" + ",".join("NULL" if v is None else str(v) for v in values) + "}"
 
 
 def _check_rows(changed: int, expected: int, what: str) -> None:

@@ -1,26 +1,60 @@
-"""Dead letters and parked keys: list, redrive, skip.
+"""Dead letters and parked keys: choose them, list them, redrive or skip them.
 
 A dead letter in ordered mode with ``--on-dead park`` holds back the later
 events of its key (they are "parked"). Redrive puts it back into the outbox
 under its original id, so it is delivered first and the parked events follow
 in order; skip keeps it as a dead letter and releases the parked events.
+
+Every operation works on the dead letters one :class:`Selector` chooses: by
+ids, key, topic and/or an error pattern, each filter narrowing the choice.
+``outbox dead list|redrive|skip`` and ``outbox retry`` all go through it.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import psycopg
 
-from outbox.batch import int_array
-from outbox.queries import query
-from outbox.status import key_text
+from outbox.errors import ConfigError
+from outbox.events import key_text
+from outbox.queries import int_array, query
 
 
-def list_dead(
-    conn: psycopg.Connection[Any], schema: str, *, topic: str | None, key: bytes | None, limit: int
-) -> list[dict[str, Any]]:
-    rows = conn.execute(query("dead_list", schema), {"topic": topic, "key": key, "limit": limit}).fetchall()
+@dataclass(frozen=True)
+class Selector:
+    """Which dead letters: every filter given narrows the choice; ``everything`` means no filter."""
+
+    ids: tuple[int, ...] = ()
+    key: bytes | None = None
+    topic: str | None = None
+    error_like: str | None = None  # an SQL LIKE pattern on the error text
+    everything: bool = False
+
+    @property
+    def filtered(self) -> bool:
+        return bool(self.ids) or any(v is not None for v in (self.key, self.topic, self.error_like))
+
+    def __post_init__(self) -> None:
+        if not self.filtered and not self.everything:
+            raise ConfigError("selector: give dead letter IDs, --key, --topic, --error-like or --all")
+
+
+def select(conn: psycopg.Connection[Any], schema: str, selector: Selector) -> list[int]:
+    """Ids of the chosen dead letters, in id order."""
+    params = {
+        "ids": int_array(selector.ids) if selector.ids else None,
+        "key": selector.key,
+        "topic": selector.topic,
+        "error_like": selector.error_like,
+    }
+    return [int(r[0]) for r in conn.execute(query("dead_select", schema), params).fetchall()]
+
+
+def details(conn: psycopg.Connection[Any], schema: str, ids: list[int]) -> list[dict[str, Any]]:
+    """The dead letters ``ids`` in detail, with the number of events parked behind each."""
+    rows = conn.execute(query("dead_list", schema), {"ids": int_array(ids)}).fetchall()
     return [
         {
             "id": int(i),
@@ -49,17 +83,8 @@ def render(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def select(
-    conn: psycopg.Connection[Any], schema: str, *, ids: list[int], key: bytes | None, all_: bool
-) -> list[int]:
-    rows = conn.execute(
-        query("dead_select", schema), {"ids": int_array(ids), "key": key, "all": all_}
-    ).fetchall()
-    return sorted(int(r[0]) for r in rows)
-
-
 def redrive(conn: psycopg.Connection[Any], schema: str, ids: list[int]) -> int:
-    """Move dead letters back into the outbox; returns how many moved."""
+    """Move dead letters back into the outbox (attempts reset); returns how many moved."""
     return conn.execute(query("dead_redrive", schema), {"ids": int_array(ids)}).rowcount
 
 

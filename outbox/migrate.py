@@ -17,6 +17,8 @@ from typing import Any
 import psycopg
 from psycopg import sql
 
+from outbox.errors import ConfigError, NotMigrated
+from outbox.queries import query
 from outbox.schema import DEFAULT_SCHEMA, channel_name, validate_name, validate_schema
 
 _FILE = re.compile(r"^(\d{4})_(\w+)\.sql$")
@@ -56,28 +58,13 @@ def migrations() -> list[Migration]:
     return found
 
 
-_PREAMBLE = """\
-CREATE SCHEMA IF NOT EXISTS {schema};
-CREATE TABLE IF NOT EXISTS {schema}.schema_migrations (
-    version    integer PRIMARY KEY,
-    name       text NOT NULL,
-    checksum   text NOT NULL,
-    applied_at timestamptz NOT NULL DEFAULT now()
-)"""
-
-_RECORD = "INSERT INTO {schema}.schema_migrations (version, name, checksum) VALUES ({v}, {n}, {c})"
-
-
 def _preamble(schema: str) -> sql.Composed:
-    return sql.SQL(_PREAMBLE).format(schema=sql.Identifier(schema))
+    return query("migrate_preamble", schema)
 
 
 def _record(schema: str, m: Migration) -> sql.Composed:
-    return sql.SQL(_RECORD).format(
-        schema=sql.Identifier(schema),
-        v=sql.Literal(m.version),
-        n=sql.Literal(m.name),
-        c=sql.Literal(m.checksum),
+    return query(
+        "migrate_record", schema, literals={"version": m.version, "name": m.name, "checksum": m.checksum}
     )
 
 
@@ -112,13 +99,24 @@ def _lock_key(schema: str) -> int:
 
 def applied_versions(conn: psycopg.Connection[Any], schema: str) -> dict[int, str]:
     """Versions recorded in ``schema`` (empty when it was never migrated)."""
-    row = conn.execute("SELECT to_regclass(format('%%I.schema_migrations', %s::text))", (schema,)).fetchone()
+    row = conn.execute(query("migrations_table", schema), (schema,)).fetchone()
     if not row or row[0] is None:
         return {}
-    rows = conn.execute(
-        sql.SQL("SELECT version, checksum FROM {}.schema_migrations").format(sql.Identifier(schema))
-    ).fetchall()
+    rows = conn.execute(query("migrations_applied", schema)).fetchall()
     return {int(v): str(c) for v, c in rows}
+
+
+def require_migrated(conn: psycopg.Connection[Any], schema: str, field: str = "--schema") -> None:
+    """Refuse a schema that lacks any migration this version ships, naming the missing ones."""
+    applied = applied_versions(conn, schema)
+    if not applied:
+        raise NotMigrated(f"{field}: {schema!r} is not migrated; run `outbox migrate`")
+    missing = [f"{m.version:04d}_{m.name}" for m in migrations() if m.version not in applied]
+    if missing:
+        raise NotMigrated(
+            f"{field}: {schema!r} lacks migrations {', '.join(missing)}; run `outbox migrate` "
+            "before starting this version"
+        )
 
 
 def migrate(conn: psycopg.Connection[Any], schema: str = DEFAULT_SCHEMA) -> list[Migration]:
@@ -126,15 +124,15 @@ def migrate(conn: psycopg.Connection[Any], schema: str = DEFAULT_SCHEMA) -> list
     validate_schema(schema)
     applied: list[Migration] = []
     with conn.transaction():
-        conn.execute("SELECT pg_advisory_xact_lock(%s)", (_lock_key(schema),))
+        conn.execute(query("migrate_lock", schema), (_lock_key(schema),))
         conn.execute(_preamble(schema))
     for m in migrations():
         with conn.transaction():
-            conn.execute("SELECT pg_advisory_xact_lock(%s)", (_lock_key(schema),))
+            conn.execute(query("migrate_lock", schema), (_lock_key(schema),))
             done = applied_versions(conn, schema)
             if m.version in done:
                 if done[m.version] != m.checksum:
-                    raise RuntimeError(
+                    raise ConfigError(
                         f"migration {m.version:04d}_{m.name} was applied to schema {schema!r} "
                         "with different content; migrations must never be edited once released"
                     )
@@ -154,8 +152,8 @@ MAX_ROLE_BYTES = 63
 def validate_role(role: object, field: str) -> str:
     """Return ``role`` if PostgreSQL accepts it as a role name as given, else raise naming ``field``."""
     role = validate_name(role, field, MAX_ROLE_BYTES)
-    if role.lower().startswith("pg_") or role in ("public", "none", "current_user", "session_user"):
-        raise ValueError(f"{field}: {role!r} is reserved by PostgreSQL")
+    if role in ("public", "none", "current_user", "session_user"):
+        raise ConfigError(f"{field}: {role!r} is reserved by PostgreSQL")
     return role
 
 
@@ -171,26 +169,26 @@ class Roles:
         validate_role(self.writer, "writer role")
         validate_role(self.relay, "relay role")
         if self.writer == self.relay:
-            raise ValueError("relay role: must differ from the writer role (the writer must not read events)")
+            raise ConfigError(
+                "relay role: must differ from the writer role (the writer must not read events)"
+            )
 
 
 def _roles_text() -> str:
     return importlib.resources.files("outbox.migrations").joinpath("roles.sql").read_text("utf-8")
 
 
-def _create_role(role: str) -> sql.Composed:
-    # The role name reaches the DO body as a quoted identifier, and the body as a
-    # string literal, so no name can end the body early.
-    body = f"BEGIN CREATE ROLE {sql.Identifier(role).as_string()} NOLOGIN; " + (
-        "EXCEPTION WHEN duplicate_object THEN NULL; END"
-    )
-    return sql.SQL("DO {}").format(sql.Literal(body))
+def _create_role(schema: str, role: str) -> sql.Composed:
+    # The role name reaches the DO body as a quoted identifier, and the body reaches
+    # the DO statement as a string literal, so no name can end the body early.
+    body = query("create_role_body", schema, identifiers={"role": role}).as_string()
+    return query("do_block", schema, literals={"body": body})
 
 
 def render_roles(schema: str, roles: Roles) -> list[sql.Composed]:
     """The statements that create (optionally) and grant the two roles, in order."""
     validate_schema(schema)
-    out = [_create_role(r) for r in (roles.writer, roles.relay)] if roles.create else []
+    out = [_create_role(schema, r) for r in (roles.writer, roles.relay)] if roles.create else []
     for statement in _strip_comments(_roles_text()).split(";"):
         if statement.strip():
             out.append(
@@ -202,15 +200,9 @@ def render_roles(schema: str, roles: Roles) -> list[sql.Composed]:
                 )
             )
     # PostgreSQL 17+: MAINTAIN lets the relay VACUUM its hot table without owning it.
-    maintain = sql.SQL("GRANT MAINTAIN ON {}.events TO {}").format(
-        sql.Identifier(schema), sql.Identifier(roles.relay)
-    )
-    body = (
-        "BEGIN IF current_setting('server_version_num')::int >= 170000 THEN EXECUTE "
-        + sql.Literal(maintain.as_string()).as_string()
-        + "; END IF; END"
-    )
-    out.append(sql.SQL("DO {}").format(sql.Literal(body)))
+    maintain = query("grant_maintain", schema, identifiers={"relay": roles.relay}).as_string()
+    body = query("if_server_17_body", schema, literals={"statement": maintain}).as_string()
+    out.append(query("do_block", schema, literals={"body": body}))
     return out
 
 
@@ -223,9 +215,9 @@ def grant_roles(conn: psycopg.Connection[Any], schema: str, roles: Roles) -> Non
     validate_schema(schema)
     if not roles.create:
         for field, role in (("writer role", roles.writer), ("relay role", roles.relay)):
-            if conn.execute("SELECT 1 FROM pg_roles WHERE rolname = %s", (role,)).fetchone() is None:
-                raise ValueError(f"{field}: {role!r} does not exist (create it, or drop --no-create-roles)")
+            if conn.execute(query("role_exists", schema), (role,)).fetchone() is None:
+                raise ConfigError(f"{field}: {role!r} does not exist (create it, or drop --no-create-roles)")
     with conn.transaction():
-        conn.execute("SELECT pg_advisory_xact_lock(%s)", (_lock_key(schema),))
+        conn.execute(query("migrate_lock", schema), (_lock_key(schema),))
         for statement in render_roles(schema, roles):
             conn.execute(statement)

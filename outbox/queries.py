@@ -1,8 +1,13 @@
-"""Named SQL, loaded once from ``outbox/sql/queries.sql``.
+"""Named SQL, loaded once from the ``.sql`` files in ``outbox/sql/``.
 
-Runtime code never assembles SQL by hand: it asks for a query by name and gets
-a :class:`psycopg.sql.Composed` with the schema bound as an identifier. Values
-are always passed as parameters.
+Runtime code never assembles SQL by hand: it asks for a statement by name and
+gets a :class:`psycopg.sql.Composed` with the schema bound as an identifier.
+Values are parameters; the few statements that cannot take parameters (DDL,
+``migrate --print`` output) get identifiers and literals bound through
+``psycopg.sql``, never through string formatting.
+
+One file per concept (``relay.sql``, ``ordering.sql``, ``dead.sql`` …); a name
+is unique across all of them, and the loader refuses a duplicate.
 """
 
 from __future__ import annotations
@@ -10,6 +15,7 @@ from __future__ import annotations
 import functools
 import importlib.resources
 import re
+from collections.abc import Hashable, Iterable, Mapping
 
 from psycopg import sql
 
@@ -35,29 +41,70 @@ def _raw_queries() -> dict[str, str]:
 
 
 def names() -> list[str]:
-    """Every query name in the file (used by tests)."""
+    """Every query name (used by tests)."""
     return sorted(_raw_queries())
 
 
-def query(name: str, schema: str, **keywords: str) -> sql.Composed:
-    """The named query with ``{schema}`` bound to ``schema`` as an identifier.
-
-    ``keywords`` fill other placeholders with fixed SQL keywords chosen by our
-    own code (e.g. ``state="ENABLE"``), never with user input.
-    """
-    return _query(name, schema, tuple(sorted(keywords.items())))
-
-
-@functools.lru_cache(maxsize=256)
-def _query(name: str, schema: str, keywords: tuple[tuple[str, str], ...]) -> sql.Composed:
-    validate_schema(schema)
+def raw(name: str) -> str:
+    """The text of a named statement, placeholders unbound."""
     try:
-        raw = _raw_queries()[name]
+        return _raw_queries()[name]
     except KeyError:
         raise KeyError(f"no query named {name!r} in outbox/sql/") from None
-    return sql.SQL(raw).format(
-        schema=sql.Identifier(schema),
-        schema_name=sql.Literal(schema),
-        channel=sql.Literal(channel_name(schema)),
-        **{k: sql.SQL(v) for k, v in keywords},
+
+
+def query(
+    name: str,
+    schema: str,
+    *,
+    keywords: Mapping[str, str] | None = None,
+    identifiers: Mapping[str, str] | None = None,
+    literals: Mapping[str, Hashable] | None = None,
+) -> sql.Composed:
+    """The named statement with ``{schema}`` bound to ``schema`` as an identifier.
+
+    ``keywords`` fill placeholders with fixed SQL words chosen by our own code
+    (``state="ENABLE"``), never with user input; ``identifiers`` with names
+    quoted as identifiers (inside ``schema``); ``literals`` with quoted values.
+    """
+    return _query(
+        name,
+        schema,
+        _items(keywords),
+        _items(identifiers),
+        _items(literals),
     )
+
+
+def _items(mapping: Mapping[str, Hashable] | None) -> tuple[tuple[str, Hashable], ...]:
+    return tuple(sorted(mapping.items())) if mapping else ()
+
+
+@functools.lru_cache(maxsize=512)
+def _query(
+    name: str,
+    schema: str,
+    keywords: tuple[tuple[str, Hashable], ...],
+    identifiers: tuple[tuple[str, Hashable], ...],
+    literals: tuple[tuple[str, Hashable], ...],
+) -> sql.Composed:
+    validate_schema(schema)
+    parts: dict[str, sql.Composable] = {
+        "schema": sql.Identifier(schema),
+        "schema_name": sql.Literal(schema),
+        "channel": sql.Literal(channel_name(schema)),
+    }
+    parts.update((k, sql.SQL(str(v))) for k, v in keywords)
+    parts.update((k, sql.Identifier(str(v))) for k, v in identifiers)
+    parts.update((k, sql.Literal(v)) for k, v in literals)
+    return sql.SQL(raw(name)).format(**parts)
+
+
+def int_array(values: Iterable[int | None]) -> str:
+    """A PostgreSQL array literal of integers, e.g. ``{1,2,NULL}``.
+
+    Sent as one text parameter and cast in SQL (``%(ids)s::text::bigint[]``):
+    psycopg would otherwise dump a list element by element in Python, a
+    measurable cost per acknowledged event.
+    """
+    return "{" + ",".join("NULL" if v is None else str(v) for v in values) + "}"

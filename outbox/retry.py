@@ -11,6 +11,9 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
+from outbox.errors import ConfigError
+from outbox.settings import setting
+
 MAX_ERROR_CHARS = 2000  # characters of last_error kept on the row
 
 
@@ -18,17 +21,19 @@ MAX_ERROR_CHARS = 2000  # characters of last_error kept on the row
 class RetryPolicy:
     """Exponential backoff with jitter, capped; ``max_attempts`` failures -> dead letter."""
 
-    base: float = 1.0  # seconds before the second attempt
-    cap: float = 300.0  # seconds, the longest wait between attempts
-    max_attempts: int = 10  # attempts in all, the first included
+    base: float = setting(1.0, "seconds before the first retry", flag="--retry-base", env="OUTBOX_RETRY_BASE")
+    cap: float = setting(
+        300.0, "longest wait between retries, seconds", flag="--retry-cap", env="OUTBOX_RETRY_CAP"
+    )
+    max_attempts: int = setting(10, "attempts in all (the first included) before dead-lettering")
 
     def __post_init__(self) -> None:
         if not self.base > 0:
-            raise ValueError(f"retry base: must be > 0 seconds, got {self.base}")
+            raise ConfigError(f"retry base: must be > 0 seconds, got {self.base}")
         if not self.cap >= self.base:
-            raise ValueError(f"retry cap: must be >= base ({self.base}), got {self.cap}")
+            raise ConfigError(f"retry cap: must be >= base ({self.base}), got {self.cap}")
         if self.max_attempts < 1:
-            raise ValueError(f"max attempts: must be >= 1, got {self.max_attempts}")
+            raise ConfigError(f"max attempts: must be >= 1, got {self.max_attempts}")
 
     def exhausted(self, attempts_made: int) -> bool:
         """True when ``attempts_made`` failed attempts leave none to try."""

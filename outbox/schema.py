@@ -8,6 +8,8 @@ silently truncate.
 
 from __future__ import annotations
 
+from outbox.errors import ConfigError, InvalidType
+
 DEFAULT_SCHEMA = "outbox"
 
 # PostgreSQL truncates identifiers at 63 bytes; the NOTIFY channel adds "_events".
@@ -17,33 +19,32 @@ MAX_SCHEMA_BYTES = 56
 def validate_name(name: object, field: str, max_bytes: int) -> str:
     """Return ``name`` if PostgreSQL keeps it as given as an identifier, else raise naming ``field``."""
     if not isinstance(name, str):
-        raise TypeError(f"{field}: expected str, got {type(name).__name__}")
+        raise InvalidType(f"{field}: expected str, got {type(name).__name__}")
     if not name:
-        raise ValueError(f"{field}: must not be empty")
+        raise ConfigError(f"{field}: must not be empty")
     if "\x00" in name:
-        raise ValueError(f"{field}: must not contain NUL characters")
+        raise ConfigError(f"{field}: must not contain NUL characters")
     try:
         size = len(name.encode("utf-8"))
     except UnicodeEncodeError:
-        raise ValueError(f"{field}: is not valid Unicode text (lone surrogate)") from None
+        raise ConfigError(f"{field}: is not valid Unicode text (lone surrogate)") from None
     if size > max_bytes:
-        raise ValueError(f"{field}: {size} bytes long, at most {max_bytes} allowed")
+        raise ConfigError(f"{field}: {size} bytes long, at most {max_bytes} allowed")
+    if "%" in name:
+        # psycopg reads % in a query that has parameters as a placeholder, inside
+        # quoted identifiers too.
+        raise ConfigError(f"{field}: must not contain %, got {name!r}")
+    if "$$" in name:
+        # It would end the dollar-quoted bodies (functions, DO blocks) it appears in.
+        raise ConfigError(f"{field}: must not contain $$, got {name!r}")
+    if name.lower().startswith("pg_"):
+        raise ConfigError(f"{field}: {name!r} is reserved by PostgreSQL (names starting with pg_ are)")
     return name
 
 
 def validate_schema(schema: object, field: str = "schema") -> str:
     """Return ``schema`` if it is a usable schema name, else raise naming ``field``."""
-    schema = validate_name(schema, field, MAX_SCHEMA_BYTES)
-    if "%" in schema:
-        # psycopg reads % in a query that has parameters as a placeholder, inside
-        # quoted identifiers too.
-        raise ValueError(f"{field}: must not contain %, got {schema!r}")
-    if "$$" in schema:
-        # It would end the dollar-quoted function bodies the migrations create.
-        raise ValueError(f"{field}: must not contain $$, got {schema!r}")
-    if schema.lower().startswith("pg_"):
-        raise ValueError(f"{field}: names starting with pg_ are reserved by PostgreSQL, got {schema!r}")
-    return schema
+    return validate_name(schema, field, MAX_SCHEMA_BYTES)
 
 
 def channel_name(schema: str) -> str:

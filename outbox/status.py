@@ -6,6 +6,7 @@ from typing import Any
 
 import psycopg
 
+from outbox.events import key_text
 from outbox.queries import query
 
 
@@ -56,15 +57,6 @@ def collect(conn: psycopg.Connection[Any], schema: str) -> dict[str, Any]:
             "oldest_xmin_age_seconds": (round(float(xmin[0]), 1) if xmin and xmin[0] is not None else None),
         },
     }
-
-
-def key_text(key: bytes | None) -> str | None:
-    if key is None:
-        return None
-    try:
-        return bytes(key).decode("utf-8")
-    except UnicodeDecodeError:
-        return "0x" + bytes(key).hex()
 
 
 def _ranges(parts: list[int]) -> str:

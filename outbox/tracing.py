@@ -23,6 +23,7 @@ from opentelemetry import trace
 from opentelemetry.trace import Link, Span, SpanKind, StatusCode
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
+from outbox.errors import ConfigError, MissingExtra
 from outbox.events import ClaimedEvent
 
 _tracer = trace.get_tracer("outbox")
@@ -130,12 +131,10 @@ def configure_from_env() -> bool:
         try:
             from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
         except ImportError:
-            raise ValueError(
-                "OTEL_TRACES_EXPORTER: otlp needs the exporter: pip install 'outbox[otlp]'"
-            ) from None
+            raise MissingExtra("OTEL_TRACES_EXPORTER=otlp", "otlp") from None
         exporter = OTLPSpanExporter()
     else:
-        raise ValueError(f"OTEL_TRACES_EXPORTER: {exporter_name!r} is not supported (otlp, console, none)")
+        raise ConfigError(f"OTEL_TRACES_EXPORTER: {exporter_name!r} is not supported (otlp, console, none)")
     resource = Resource.create({"service.name": os.environ.get("OTEL_SERVICE_NAME", "outbox-relay")})
     provider = TracerProvider(resource=resource)
     provider.add_span_processor(BatchSpanProcessor(exporter))

@@ -19,6 +19,7 @@ from opentelemetry import trace
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 from psycopg.types.json import Jsonb
 
+from outbox.errors import InvalidEventType, NotMigrated, UnsupportedConnection
 from outbox.events import EncodedEvent, encode_event, encode_event_mapping
 from outbox.queries import query
 from outbox.schema import DEFAULT_SCHEMA, validate_schema
@@ -51,8 +52,8 @@ def _params(ev: EncodedEvent) -> tuple[Any, ...]:
     return (ev.event_id, ev.topic, ev.key, ev.payload, Jsonb(ev.headers), ev.delay)
 
 
-def _unknown_schema(schema: str) -> ValueError:
-    return ValueError(f"schema: {schema!r} holds no outbox tables; run `outbox migrate --schema {schema}`")
+def _unknown_schema(schema: str) -> NotMigrated:
+    return NotMigrated(f"schema: {schema!r} holds no outbox tables; run `outbox migrate --schema {schema}`")
 
 
 def _connection(conn: Any) -> Any:
@@ -67,12 +68,12 @@ def _check_conn_type(conn: object, *, async_: bool) -> None:
         ok = isinstance(conn, (psycopg.Connection, psycopg.Cursor))
         want = "a psycopg Connection or Cursor (use enqueue_async for async)"
     if not ok:
-        raise TypeError(f"conn: expected {want}, got {type(conn).__name__}")
+        raise UnsupportedConnection(f"conn: expected {want}, got {type(conn).__name__}")
 
 
 def _encode_many(events: Iterable[Mapping[str, Any]]) -> list[EncodedEvent]:
     if isinstance(events, (str, bytes, Mapping)):
-        raise TypeError("events: expected an iterable of mappings, not a single value")
+        raise InvalidEventType("events: expected an iterable of mappings, not a single value")
     trace_headers = current_trace_headers()
     return [encode_event_mapping(i, ev, trace_headers) for i, ev in enumerate(events)]
 

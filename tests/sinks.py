@@ -23,7 +23,7 @@ class FlakySink(SinkWrapper):
     def produce(self, event: ClaimedEvent, report: Report) -> Outcome | None:
         if self.rng.random() < self.failure_rate:
             self.failures += 1
-            return Retry("injected transient failure")
+            return Retry("injected", "injected transient failure")
         return self.inner.produce(event, report)
 
 

@@ -1,82 +1,11 @@
-"""``outbox bench``: measure the relay against the baselines, in the same run.
+"""``outbox bench``: measure the relay against the baselines, in the same run; and the fault suite.
 
 Scenarios (``--scenarios``): drain, steady, writer, soak, scale. Without
 ``--dsn`` / ``--kafka-bootstrap`` it starts an embedded PostgreSQL and the
 embedded broker. ``--smoke`` shrinks every scenario to seconds (CI checks that
 each runs and produces its outputs; it never asserts a timing).
+
+The package imports nothing heavy: ``outbox.bench.cli`` registers the commands,
+and the runners (``runner``, ``faults.suite``) import psutil and matplotlib
+(the ``outbox[bench]`` extra) only when a command runs.
 """
-
-from __future__ import annotations
-
-import contextlib
-import datetime
-import shlex
-import sys
-from dataclasses import replace
-from pathlib import Path
-from typing import Any
-
-from outbox.bench import report, scenarios
-from outbox.bench.measure import machine
-from outbox.bench.scenarios import BenchConfig
-from outbox.embedded import Broker, embedded_postgres
-
-ALL = ["drain", "steady", "writer", "soak", "scale"]
-
-SMOKE = {
-    "events": 3000,
-    "repeat": 1,
-    "seeds_seconds": 2.0,
-    "rates": [200],
-    "steady_seconds": 3.0,
-    "writer_iterations": 100,
-    "enqueue_many_repeats": 3,
-    "soak_minutes": 0.1,
-    "soak_rate": 200,
-    "snapshot_seconds": 2.0,
-    "settle_seconds": 3.0,
-    "scale_processes": [1, 2],
-}
-
-
-def run_bench(
-    *,
-    dsn: str | None,
-    bootstrap: str | None,
-    chosen: list[str],
-    out: Path,
-    smoke: bool,
-    overrides: dict[str, Any],
-) -> dict[str, Any]:
-    unknown = [s for s in chosen if s not in ALL]
-    if unknown:
-        raise ValueError(f"--scenarios: unknown {unknown}; choose from {ALL}")
-    with contextlib.ExitStack() as stack:
-        broker_version = "external"
-        if dsn is None:
-            print("starting embedded PostgreSQL ...", file=sys.stderr)
-            dsn = stack.enter_context(embedded_postgres())
-        if bootstrap is None:
-            print("starting embedded broker ...", file=sys.stderr)
-            broker = stack.enter_context(Broker())
-            bootstrap = broker.bootstrap
-            broker_version = broker.version()
-        cfg = BenchConfig(dsn=dsn, bootstrap=bootstrap)
-        if smoke:
-            cfg = replace(cfg, **SMOKE)  # type: ignore[arg-type]
-        cfg = replace(cfg, **overrides)
-        results: dict[str, Any] = {
-            "started_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "command": "outbox bench " + shlex.join(sys.argv[2:]) if len(sys.argv) > 1 else "",
-            "smoke": smoke,
-            "machine": machine(dsn, broker_version),
-            "config": {k: v for k, v in vars(cfg).items() if k not in ("dsn", "bootstrap")},
-            "scenarios": {},
-        }
-        for name in chosen:
-            print(f"== {name}", file=sys.stderr)
-            results["scenarios"][name] = getattr(scenarios, name)(cfg)
-            report.write(results, out)  # keep what is done if a later scenario fails
-    print(report.markdown(results))
-    print(f"\nresults written to {out}/ (results.json, results.md, PNG plots)", file=sys.stderr)
-    return results

@@ -17,6 +17,8 @@ import psycopg
 
 from outbox.bench.contenders import ContenderSpec, run_contender
 from outbox.progress import Progress
+from outbox.queries import query
+from outbox.schema import DEFAULT_SCHEMA
 
 SAMPLE_EVERY = 0.2  # seconds between samples of counters, CPU and memory
 
@@ -32,7 +34,7 @@ def machine(dsn: str, broker_version: str) -> dict[str, Any]:
     except OSError:
         pass
     with psycopg.connect(dsn) as conn:
-        row = conn.execute("SHOW server_version").fetchone()
+        row = conn.execute(query("harness_server_version", DEFAULT_SCHEMA)).fetchone()
     return {
         "cpu_model": cpu,
         "cores": os.cpu_count(),

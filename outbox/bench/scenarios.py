@@ -14,21 +14,22 @@ import tempfile
 import threading
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from multiprocessing.sharedctypes import Synchronized
 from pathlib import Path
 from typing import Any
 
 import psycopg
-from confluent_kafka import OFFSET_BEGINNING, Consumer, TopicPartition
 from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-defined]
-from psycopg import sql
 
 from outbox.bench.contenders import ContenderSpec
 from outbox.bench.measure import median, middle_rate, percentiles, race
+from outbox.harness.load import Load, prepare
+from outbox.harness.tap import Tap
 from outbox.migrate import migrate
 from outbox.progress import Progress
 from outbox.queries import query
+from outbox.settings import setting
 from outbox.writer import enqueue, enqueue_many
 
 PAYLOAD_BYTES = 200
@@ -39,21 +40,21 @@ TOPIC_PARTITIONS = 4
 
 @dataclass
 class BenchConfig:
-    dsn: str
-    bootstrap: str
-    events: int = 500_000
-    repeat: int = 3
-    seeds_seconds: float = 30.0  # the seeds' loop is slow: it races for this long instead
-    rates: list[int] = field(default_factory=lambda: [1000, 5000, 20000])
-    steady_seconds: float = 30.0
-    writer_iterations: int = 2000
-    enqueue_many_repeats: int = 30
-    soak_minutes: float = 10.0
-    soak_rate: int = 2000
-    snapshot_seconds: float = 60.0
-    settle_seconds: float = 90.0  # after the soak: time allowed for autovacuum to shrink the table
-    scale_processes: list[int] = field(default_factory=lambda: [1, 2, 4])
-    max_race_seconds: float = 600.0
+    dsn: str = setting(help="PostgreSQL", cli=False)
+    bootstrap: str = setting(help="the broker", cli=False)
+    events: int = setting(500_000, "drain/scale: pending events")
+    repeat: int = setting(3, "drain: runs per contender")
+    seeds_seconds: float = setting(30.0, "drain: seconds the seeds' loop races (it is slow)")
+    rates: list[int] = setting(default_factory=lambda: [1000, 5000, 20000], help="steady: events/s")
+    steady_seconds: float = setting(30.0, "steady: seconds per rate")
+    writer_iterations: int = setting(2000, "writer: business transactions with and without enqueue")
+    enqueue_many_repeats: int = setting(30, "writer: enqueue_many(1000) calls")
+    soak_minutes: float = setting(10.0, "soak: minutes")
+    soak_rate: int = setting(2000, "soak: events/s")
+    snapshot_seconds: float = setting(60.0, "soak: seconds a snapshot is held open")
+    settle_seconds: float = setting(90.0, "soak: seconds allowed afterwards for the table to shrink")
+    scale_processes: list[int] = setting(default_factory=lambda: [1, 2, 4], help="scale: relay processes")
+    max_race_seconds: float = setting(600.0, "longest a race may run", cli=False)
 
 
 # -- set-up -----------------------------------------------------------------------
@@ -72,7 +73,7 @@ class Workspace:
     def __enter__(self) -> Workspace:
         with psycopg.connect(self.dsn, autocommit=True) as conn:
             migrate(conn, self.schema)
-            conn.execute(query("bench_orders_table", self.schema))
+        prepare(self.dsn, self.schema)
         admin = AdminClient({"bootstrap.servers": self.bootstrap})
         futures = admin.create_topics([NewTopic(self.topic, TOPIC_PARTITIONS, 1)])
         for f in futures.values():
@@ -81,7 +82,7 @@ class Workspace:
 
     def __exit__(self, *exc: object) -> None:
         with psycopg.connect(self.dsn, autocommit=True) as conn:
-            conn.execute(sql.SQL("DROP SCHEMA {} CASCADE").format(sql.Identifier(self.schema)))
+            conn.execute(query("harness_drop_schema", self.schema))
 
     def fill(self, n: int, label: str) -> None:
         progress = Progress(f"fill {label}", n, " ev")
@@ -100,7 +101,7 @@ class Workspace:
                 conn.commit()
                 progress.update(end)
             conn.autocommit = True
-            conn.execute(sql.SQL("VACUUM ANALYZE {}.events").format(sql.Identifier(self.schema)))
+            conn.execute(query("harness_vacuum_analyze", self.schema))
         progress.close()
 
     def spec(self, kind: str, **relay_options: Any) -> ContenderSpec:
@@ -192,50 +193,40 @@ def _writer_proc(
     written: Synchronized[int],
     out_path: str | None,
 ) -> None:
-    """Commit business transactions (an order + its event) at ``rate`` per second."""
-    interval = 1.0 / rate
-    commits: list[tuple[str, float]] = []
-    insert = query("bench_insert_order", schema)
-    rng = random.Random()
-    with psycopg.connect(dsn) as conn:
-        start = time.monotonic()
-        next_at = start
-        while time.monotonic() - start < seconds:
-            customer = f"key-{rng.randrange(KEYS)}"
-            with conn.transaction():
-                conn.execute(insert, (customer, rng.randint(1, 500)))
-                event_id = enqueue(conn, topic, b"o" * PAYLOAD_BYTES, key=customer, schema=schema)
-            commits.append((str(event_id), time.time()))
-            with written.get_lock():
-                written.value += 1
-            next_at += interval
-            delay = next_at - time.monotonic()
-            if delay > 0:
-                time.sleep(delay)
+    """A writer process: the harness's sample app at ``rate`` business transactions per second."""
+    load = Load(dsn, schema, topic, rate=rate, writers=1, keys=KEYS, seconds=seconds).start()
+    while load.alive():
+        written.value = load.count
+        time.sleep(0.1)
+    written.value = load.count
     if out_path is not None:
-        Path(out_path).write_text(json.dumps(commits))
+        Path(out_path).write_text(json.dumps([(w.event_id, w.at) for w in load.committed]))
 
 
 WRITER_RATE_PER_PROCESS = 1500  # business transactions/s one writer process sustains comfortably
 
 
 class Writers:
-    """Writer processes committing ``rate`` business transactions/s in all."""
+    """Writer processes committing ``rate`` business transactions/s in all (the GIL stays theirs)."""
 
     def __init__(self, ws: Workspace, rate: float, seconds: float, record: bool) -> None:
         ctx = mp.get_context("spawn")
         self.n = max(1, -(-int(rate) // WRITER_RATE_PER_PROCESS))
-        self.written = ctx.Value("q", 0)
+        self.counts = [ctx.Value("q", 0) for _ in range(self.n)]
         self.tmp = tempfile.TemporaryDirectory()
         self.paths = [str(Path(self.tmp.name) / f"w{i}.json") if record else None for i in range(self.n)]
         self.procs = [
             ctx.Process(
                 target=_writer_proc,
                 daemon=True,
-                args=(ws.dsn, ws.schema, ws.topic, rate / self.n, seconds, self.written, path),
+                args=(ws.dsn, ws.schema, ws.topic, rate / self.n, seconds, count, path),
             )
-            for path in self.paths
+            for path, count in zip(self.paths, self.counts, strict=True)
         ]
+
+    @property
+    def written(self) -> int:
+        return sum(int(c.value) for c in self.counts)
 
     def start(self) -> None:
         for p in self.procs:
@@ -256,40 +247,6 @@ class Writers:
         return commits
 
 
-class Receipts(threading.Thread):
-    """A Kafka consumer recording when each event-id was received."""
-
-    def __init__(self, bootstrap: str, topic: str) -> None:
-        super().__init__(daemon=True)
-        self.bootstrap, self.topic = bootstrap, topic
-        self.received: dict[str, float] = {}
-        self.stop_event = threading.Event()
-        self.ready = threading.Event()
-
-    def run(self) -> None:
-        consumer = Consumer(
-            {
-                "bootstrap.servers": self.bootstrap,
-                "group.id": f"bench-{self.topic}",
-                "enable.auto.commit": False,
-                "fetch.wait.max.ms": 10,
-            }
-        )
-        consumer.assign([TopicPartition(self.topic, p, OFFSET_BEGINNING) for p in range(TOPIC_PARTITIONS)])
-        self.ready.set()
-        try:
-            while not self.stop_event.is_set():
-                msg = consumer.poll(0.05)
-                if msg is None or msg.error():
-                    continue
-                now = time.time()
-                event_id = dict(msg.headers() or []).get("event-id")
-                if isinstance(event_id, bytes):
-                    self.received.setdefault(event_id.decode(), now)
-        finally:
-            consumer.close()
-
-
 # -- steady -----------------------------------------------------------------------------
 
 
@@ -302,10 +259,10 @@ def steady_once(cfg: BenchConfig, rate: int, notify: bool) -> dict[str, Any]:
             options["poll_interval"] = 0.05  # without NOTIFY, polling is the only wake-up
         if not notify:
             with psycopg.connect(cfg.dsn, autocommit=True) as conn:
-                conn.execute(query("notify_trigger", ws.schema, state="DISABLE"))
+                conn.execute(query("notify_trigger", ws.schema, keywords={"state": "DISABLE"}))
         spec = ws.spec("relay", **options)
         spec.ack_log = ack_log
-        receipts = Receipts(cfg.bootstrap, ws.topic)
+        receipts = Tap(cfg.bootstrap, ws.topic, fetch_wait_ms=10)
         receipts.start()
         receipts.ready.wait(10)
         writers = Writers(ws, rate, cfg.steady_seconds, record=True)
@@ -326,13 +283,14 @@ def steady_once(cfg: BenchConfig, rate: int, notify: bool) -> dict[str, Any]:
         )
         commits = writers.join()
         deadline = time.monotonic() + 10
-        while len(receipts.received) < len(commits) and time.monotonic() < deadline:
+        while receipts.count() < len(commits) and time.monotonic() < deadline:
             time.sleep(0.1)
         receipts.stop_event.set()
         receipts.join()
+        received = dict(receipts.first_seen)
         acks = dict(json.loads(Path(ack_log).read_text())) if Path(ack_log).exists() else {}
     to_ack = [(acks[e] - t) * 1000 for e, t in commits.items() if e in acks]
-    to_consumer = [(receipts.received[e] - t) * 1000 for e, t in commits.items() if e in receipts.received]
+    to_consumer = [(received[e] - t) * 1000 for e, t in commits.items() if e in received]
     achieved = len(commits) / cfg.steady_seconds
     acked_share = len(to_ack) / max(len(commits), 1)
     ack_p = percentiles(to_ack)
@@ -365,11 +323,13 @@ def steady(cfg: BenchConfig) -> dict[str, Any]:
 def writer(cfg: BenchConfig) -> dict[str, Any]:
     results: dict[str, Any] = {}
     with Workspace(cfg.dsn, cfg.bootstrap, "writer") as ws, psycopg.connect(cfg.dsn) as conn:
-        insert = query("bench_insert_order", ws.schema)
+        insert = query("harness_insert_order", ws.schema)
         payload = b"w" * PAYLOAD_BYTES
         for notify in (True, False):
             with psycopg.connect(cfg.dsn, autocommit=True) as admin:
-                admin.execute(query("notify_trigger", ws.schema, state="ENABLE" if notify else "DISABLE"))
+                admin.execute(
+                    query("notify_trigger", ws.schema, keywords={"state": "ENABLE" if notify else "DISABLE"})
+                )
             plain: list[float] = []
             with_event: list[float] = []
             progress = Progress(f"writer notify={'on' if notify else 'off'}", cfg.writer_iterations, " tx")
@@ -377,10 +337,10 @@ def writer(cfg: BenchConfig) -> dict[str, Any]:
                 # Interleaved so that drift hits both alike.
                 t0 = time.perf_counter()
                 with conn.transaction():
-                    conn.execute(insert, ("c", i))
+                    conn.execute(insert, ("c", i, 100))
                 t1 = time.perf_counter()
                 with conn.transaction():
-                    conn.execute(insert, ("c", i))
+                    conn.execute(insert, ("c", i, 100))
                     enqueue(conn, ws.topic, payload, key=f"key-{i % KEYS}", schema=ws.schema)
                 t2 = time.perf_counter()
                 plain.append((t1 - t0) * 1000)
@@ -433,14 +393,14 @@ def soak(cfg: BenchConfig) -> dict[str, Any]:
             # Another session keeps a snapshot open: vacuum cannot remove the rows
             # deleted meanwhile. The table must recover once it is released.
             with psycopg.connect(cfg.dsn) as conn:
-                conn.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
-                conn.execute(sql.SQL("SELECT count(*) FROM {}.events").format(sql.Identifier(ws.schema)))
+                conn.isolation_level = psycopg.IsolationLevel.REPEATABLE_READ
+                conn.execute(query("harness_count_orders", ws.schema))
                 holder_started.set()
                 time.sleep(cfg.snapshot_seconds)
                 conn.rollback()
 
         holder = threading.Thread(target=hold_snapshot, daemon=True)
-        health = query("table_health", ws.schema)
+        health = query("hot_table_stats", ws.schema)
         last_sample = [-10.0]
         sample_every = max(0.5, seconds / 300)
         monitor = psycopg.connect(cfg.dsn, autocommit=True)
@@ -452,7 +412,7 @@ def soak(cfg: BenchConfig) -> dict[str, Any]:
                 return
             last_sample[0] = elapsed
             row = monitor.execute(health, {"schema": ws.schema}).fetchone()
-            size, live, dead = row if row else (0, 0, 0)
+            dead, live, size = row if row else (0, 0, 0)
             samples.append(
                 {
                     "t": round(elapsed, 2),
@@ -460,7 +420,7 @@ def soak(cfg: BenchConfig) -> dict[str, Any]:
                     "table_bytes": int(size),
                     "live_tuples": int(live),
                     "dead_tuples": int(dead),
-                    "written": int(writers.written.value),
+                    "written": writers.written,
                     "delivered": moved,
                 }
             )
@@ -491,13 +451,13 @@ def soak(cfg: BenchConfig) -> dict[str, Any]:
         final = monitor.execute(health, {"schema": ws.schema}).fetchone()
         monitor.close()
     peak = max((s["table_bytes"] for s in samples), default=0)
-    final_bytes = int(final[0]) if final else 0
+    final_bytes = int(final[2]) if final else 0
     return {
         "minutes": cfg.soak_minutes,
         "rate": cfg.soak_rate,
         "snapshot_seconds": cfg.snapshot_seconds,
         "snapshot_window_s": window or [None, None],
-        "written": int(writers.written.value),
+        "written": writers.written,
         "delivered": result.moved,
         "peak_table_bytes": peak,
         "final_table_bytes": final_bytes,

@@ -9,6 +9,11 @@ A sink answers each event with exactly one :data:`Outcome`:
 - :class:`Dead` — it can never succeed (too large, invalid destination, not
   authorised); the relay dead-letters it at once with the reason.
 
+A failure carries a ``kind`` and a ``reason``. The kind is short, stable and
+of low cardinality (``MSG_SIZE_TOO_LARGE``, ``no_route``, ``http_503``): it is
+set once, where the sink classifies the failure, and is what metrics and
+spans report as ``error.type``. The reason is the full text kept on the row.
+
 ``produce`` returns an outcome immediately when it already knows it (for
 example a message the client rejects synchronously) and otherwise ``None``,
 calling ``report`` from inside a later ``poll``/``flush``. The relay owns
@@ -36,16 +41,26 @@ class Delivered(NamedTuple):
 
 @dataclass(frozen=True, slots=True)
 class Retry:
+    """Not delivered this time; it may succeed later."""
+
+    kind: str
     reason: str
 
 
 @dataclass(frozen=True, slots=True)
 class Dead:
+    """Never deliverable as it is."""
+
+    kind: str
     reason: str
 
 
 Outcome = Delivered | Retry | Dead
+Failure = Retry | Dead
 Report = Callable[[Outcome], None]
+
+# Kinds the relay itself assigns (sinks add their own).
+CORRUPT_EVENT = "corrupt_event"
 
 
 class Sink(Protocol):

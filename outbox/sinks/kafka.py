@@ -5,7 +5,12 @@ error. Per-partition order on the broker is kept by the idempotent producer
 (its retries never reorder), so the relay may keep many messages in flight.
 Errors are classified once, here: refused for good -> :class:`Dead`, a fatal
 producer error -> the sink reports itself unhealthy and the relay recreates it,
-anything else -> :class:`Retry`.
+anything else -> :class:`Retry`. The error kind is librdkafka's error name.
+
+A broker outage is one :class:`~outbox.conditions.Condition`: librdkafka's
+connection failures (its log lines and error callbacks, several per second
+per broker while it is down) become one line when it starts, a summary a
+minute, and one line when a delivery succeeds again.
 """
 
 from __future__ import annotations
@@ -24,6 +29,8 @@ from confluent_kafka import KafkaError, KafkaException
 # traceparent header, which would overwrite the one the event was written with.
 from confluent_kafka.cimpl import Producer
 
+from outbox.conditions import Condition
+from outbox.errors import ConfigError
 from outbox.events import ClaimedEvent
 from outbox.sinks.base import Dead, Delivered, Outcome, Report, Retry
 
@@ -70,12 +77,13 @@ SECRET_KEYS = frozenset(
 )
 
 
-def classify(err: KafkaError) -> Outcome:
-    """The outcome a failed produce or delivery report stands for."""
-    reason = f"{err.name()}: {err.str()}"
+def classify(err: KafkaError) -> Retry | Dead:
+    """The outcome a failed produce or delivery report stands for; its kind is the error's name."""
+    kind = err.name()
+    reason = f"{kind}: {err.str()}"
     if err.code() in PERMANENT_ERRORS:
-        return Dead(reason)
-    return Retry(reason)
+        return Dead(kind, reason)
+    return Retry(kind, reason)
 
 
 def build_config(
@@ -89,7 +97,7 @@ def build_config(
     for key, required in REQUIRED_CONFIG.items():
         value = str(config.get(key, required)).lower()
         if value != required:
-            raise ValueError(
+            raise ConfigError(
                 f"kafka config {key}: must be {required!r} for at-least-once, "
                 f"ordered delivery; got {config[key]!r}"
             )
@@ -101,6 +109,31 @@ def build_config(
 def redacted(config: Mapping[str, Any]) -> dict[str, Any]:
     """``config`` with secret values masked, for logs."""
     return {k: ("***" if k in SECRET_KEYS or "password" in k else v) for k, v in config.items()}
+
+
+# librdkafka log facilities that report a broker connection failing.
+CONNECTION_FACILITIES = frozenset({"FAIL", "ERROR", "BROKERFAIL", "CONNECT"})
+# Error callback codes that mean "cannot reach the brokers" (not a fatal error).
+CONNECTION_ERRORS = frozenset({KafkaError._TRANSPORT, KafkaError._ALL_BROKERS_DOWN, KafkaError._RESOLVE})
+
+
+class _ClientLog(logging.Logger):
+    """librdkafka's log lines: connection failures feed the broker condition, the rest pass through.
+
+    confluent-kafka calls ``log(level, "%s [%s] %s", facility, client, message)``
+    from ``poll()``, on the relay's thread.
+    """
+
+    def __init__(self, broker: Condition) -> None:
+        super().__init__("outbox.librdkafka")
+        self._broker = broker
+        self._out = logging.getLogger("outbox.librdkafka")
+
+    def log(self, level: int, msg: object, *args: object, **kwargs: Any) -> None:
+        if len(args) == 3 and args[0] in CONNECTION_FACILITIES and level >= logging.WARNING:
+            self._broker.fail(str(args[2]))
+            return
+        self._out.log(level, msg, *args, **kwargs)
 
 
 LEGAL_TOPIC = re.compile(r"[a-zA-Z0-9._-]{1,249}")  # Kafka's own rule for topic names
@@ -128,34 +161,32 @@ class KafkaSink:
         self._topics_ok: set[str] = set()
         self._failing_since = 0.0  # monotonic time of the first failure since the last success
         self._last_failure = ""
-        self._last_error_log = 0.0
+        self.broker = Condition(log, "kafka", "cannot reach the Kafka brokers")
         # librdkafka's own log lines go through Python logging, not raw stderr.
         self._producer = Producer(
-            {
-                **self.config,
-                "error_cb": self._on_error,
-                "logger": logging.getLogger("outbox.librdkafka"),
-            }
+            {**self.config, "error_cb": self._on_error, "logger": _ClientLog(self.broker)}
         )
 
     def _on_error(self, err: KafkaError) -> None:
         if err.fatal():
             self._fatal = f"{err.name()}: {err.str()}"
-            log.error("kafka producer fatal error, it will be recreated: %s", self._fatal)
-            return
-        now = time.monotonic()
-        if now - self._last_error_log > 10.0:  # brokers down: say so, not 100 times a second
-            self._last_error_log = now
+            log.error("kafka producer fatal error: %s", self._fatal, extra={"event": "kafka.fatal"})
+        elif err.code() in CONNECTION_ERRORS:
+            self.broker.fail(f"{err.name()}: {err.str()}")
+        else:
             log.warning("kafka client error: %s: %s", err.name(), err.str())
 
     def produce(self, event: ClaimedEvent, report: Report) -> Outcome | None:
         if self._fatal is not None:
-            return Retry(f"producer failed: {self._fatal}")
+            return Retry("producer_failed", f"producer failed: {self._fatal}")
         if event.topic not in self._topics_ok:
             # A name Kafka can never accept is refused here, at the first attempt,
             # not after a metadata round trip that may time out under load.
             if not LEGAL_TOPIC.fullmatch(event.topic) or event.topic in (".", ".."):
-                return Dead(f"invalid topic name {event.topic!r}: Kafka allows 1-249 of [a-zA-Z0-9._-]")
+                return Dead(
+                    "invalid_topic",
+                    f"invalid topic name {event.topic!r}: Kafka allows 1-249 of [a-zA-Z0-9._-]",
+                )
             self._topics_ok.add(event.topic)
         # partial (C) rather than a closure per message: this is the hot path.
         on_delivery = partial(self._on_delivery, report)
@@ -175,18 +206,20 @@ class KafkaSink:
             except KafkaException as exc:
                 if exc.args[0].fatal():
                     self._raised(exc)
-                    return Retry(f"producer failed: {self._fatal}")
+                    return Retry("producer_failed", f"producer failed: {self._fatal}")
                 return classify(exc.args[0])
             except (TypeError, ValueError) as exc:
-                return Dead(f"rejected by the Kafka client: {exc}")
+                return Dead("client_rejected", f"rejected by the Kafka client: {exc}")
 
     def _on_delivery(self, report: Report, err: KafkaError | None, msg: Any) -> None:
         if err is None:
             self._failing_since = 0.0
+            if self.broker.since is not None:
+                self.broker.ok()
             report(Delivered(msg.partition(), msg.offset()))
         elif err.fatal():
             self._fatal = f"{err.name()}: {err.str()}"
-            report(Retry(self._fatal))
+            report(Retry(err.name(), self._fatal))
         else:
             outcome = classify(err)
             if isinstance(outcome, Retry):
@@ -214,14 +247,14 @@ class KafkaSink:
             log.warning("kafka client error: %s: %s", err.name(), err.str())
             return
         self._fatal = f"{err.name()}: {err.str()}" if err is not None else str(exc)
-        log.error("kafka producer fatal error, it will be recreated: %s", self._fatal)
+        log.error("kafka producer fatal error: %s", self._fatal, extra={"event": "kafka.fatal"})
 
     def healthy(self) -> bool:
         if self._fatal is None and self._failing_since:
             failing = time.monotonic() - self._failing_since
             if failing > self._stuck_after:
                 self._fatal = f"no delivery succeeded for {failing:.0f} s (last: {self._last_failure})"
-                log.warning("kafka producer looks stuck, it will be recreated: %s", self._fatal)
+                log.warning("kafka producer looks stuck: %s", self._fatal, extra={"event": "kafka.stuck"})
         return self._fatal is None
 
     def close(self, timeout: float) -> None:

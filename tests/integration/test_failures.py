@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import threading
 import time
-from datetime import datetime, timezone
 from typing import Any
 
 import psycopg
@@ -178,7 +177,10 @@ def test_relay_reconnects_after_its_connections_are_killed(
                     "AND pid <> pg_backend_pid()"
                 ).fetchall()
                 killed += len(rows)
-                time.sleep(0.3)
+                claims = relay.stats.claims  # the next kill only once it has reconnected and claimed again
+                wait_for(
+                    lambda c=claims: relay.stats.claims > c + 2, timeout=30, what="claims after reconnecting"
+                )
         wait_for(lambda: count(pg_dsn, schema, "events") == 0, timeout=60, what="drain")
     assert killed > 0
     assert count(pg_dsn, schema, "delivered") == n
@@ -229,9 +231,7 @@ def test_a_producer_that_delivers_nothing_for_long_is_replaced() -> None:
 
     sink = KafkaSink(f"127.0.0.1:{free_port()}", delivery_timeout=1.0)  # nothing listens there
     outcomes: list[Outcome] = []
-    event = ClaimedEvent(
-        1, "00000000-0000-0000-0000-000000000001", "t", b"k", b"v", [], datetime.now(timezone.utc), 0
-    )
+    event = ClaimedEvent(1, "00000000-0000-0000-0000-000000000001", "t", b"k", b"v", [], time.time(), 0)
     assert sink.produce(event, outcomes.append) is None
     wait_for(lambda: sink.poll(0.1) or outcomes, timeout=10, what="the delivery report")
     assert isinstance(outcomes[0], Retry) and "_MSG_TIMED_OUT" in outcomes[0].reason

@@ -190,7 +190,7 @@ def test_any_schema_name_is_an_identifier_or_a_clear_error(pg_dsn: str, name: st
     before any SQL runs, with an error that names the field."""
     from psycopg import sql
 
-    from outbox.dead import list_dead
+    from outbox.dead import Selector, select
     from outbox.migrate import migrate
     from outbox.schema import validate_schema
     from outbox.status import collect
@@ -219,7 +219,7 @@ def test_any_schema_name_is_an_identifier_or_a_clear_error(pg_dsn: str, name: st
             with conn.transaction():
                 outbox.enqueue(conn, "t", b"x", key="k", schema=name)
             assert collect(conn, name)["pending"] == 1
-            assert list_dead(conn, name, topic=None, key=None, limit=10) == []
+            assert select(conn, name, Selector(everything=True)) == []
             now = {r[0] for r in conn.execute("SELECT nspname FROM pg_namespace").fetchall()}
             assert now - existing == {name} and existing <= now
             assert (

@@ -6,6 +6,7 @@ checked without them.
 
 from __future__ import annotations
 
+import argparse
 import re
 from pathlib import Path
 from typing import Any
@@ -33,9 +34,18 @@ def _docs(path: Path) -> list[Any]:
 
 
 def _cli_env_vars() -> set[str]:
-    """Every OUTBOX_* variable the CLI reads, from its source."""
-    text = (ROOT / "outbox" / "cli.py").read_text()
-    return set(re.findall(r'_env\w*\(\s*"(OUTBOX_\w+)"', text))
+    """Every OUTBOX_* variable the CLI reads: each option names its variable in its help."""
+    found: set[str] = set()
+
+    def walk(parser: argparse.ArgumentParser) -> None:
+        for action in parser._actions:
+            found.update(re.findall(r"\[(OUTBOX_\w+)", action.help or ""))
+            for child in getattr(action, "choices", None) or {}:
+                if isinstance(action.choices, dict):  # type: ignore[unreachable]
+                    walk(action.choices[child])
+
+    walk(build_parser())
+    return found
 
 
 def _subcommand_flags(name: str) -> set[str]:

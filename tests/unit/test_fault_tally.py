@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from outbox.bench.faults import Seen, Written, tally
+from outbox.bench.faults.tally import tally
+from outbox.harness.load import Written
+from outbox.harness.tap import Seen
 
 
 def _w(n: int, key: str = "a", seq: int | None = None, at: float = 0.0) -> Written:

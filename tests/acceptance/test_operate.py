@@ -51,6 +51,27 @@ def test_retry_filters_dry_run_and_confirmation(pg_dsn: str, schema: str) -> Non
     assert count(pg_dsn, schema, "events", "attempts = 0") == 3
 
 
+def test_dead_redrive_and_skip_take_the_same_selector_dry_run_and_confirmation(
+    pg_dsn: str, schema: str
+) -> None:
+    _dead(pg_dsn, schema, "orders", "MSG_TIMED_OUT: timed out", 2)
+    common = ("--dsn", pg_dsn, "--schema", schema)
+    out = _outbox("dead", "redrive", *common)
+    assert out.returncode == 2 and "--key" in out.stderr and "--all" in out.stderr
+    out = _outbox("dead", "skip", *common, "42")
+    assert out.returncode == 1 and "no dead letter matches" in out.stderr
+    out = _outbox("dead", "redrive", *common, "--topic", "orders", "--dry-run")
+    assert out.returncode == 0 and "would redrive 2" in out.stdout
+    out = _outbox("dead", "redrive", *common, "--topic", "orders")  # no terminal, no --yes
+    assert out.returncode == 2 and "--yes" in out.stderr
+    assert count(pg_dsn, schema, "dead_letters") == 2
+    out = _outbox("dead", "list", *common, "--error-like", "%timed%", "--json")
+    assert out.returncode == 0 and len(json.loads(out.stdout)) == 2
+    out = _outbox("dead", "redrive", *common, "--topic", "orders", "--yes")
+    assert out.returncode == 0, out.stderr
+    assert count(pg_dsn, schema, "dead_letters") == 0 and count(pg_dsn, schema, "events") == 2
+
+
 def test_replay_resends_archived_events_with_new_ids(
     pg_dsn: str, schema: str, kafka: str, topic: str
 ) -> None:

@@ -1,7 +1,10 @@
-"""Operator commands on the outbox: retry dead letters, replay the archive, purge it.
+"""The archive of delivered events: replay a window of it, purge what is old.
 
-Every destructive command supports a dry run and asks for confirmation unless
-told ``--yes``; long ones report progress.
+The archive (``delivered``) is partitioned by delivery day, so retention is
+``DROP TABLE`` of whole days, not a ``DELETE`` storm; a default partition
+catches rows if a day partition was ever missing, and is purged in chunks.
+Replay queues archived events again as new events (new event-ids, header
+``outbox-replay-of``), chunk by chunk.
 """
 
 from __future__ import annotations
@@ -12,9 +15,8 @@ from collections.abc import Callable
 from typing import Any
 
 import psycopg
-from psycopg import sql
 
-from outbox.batch import int_array
+from outbox.errors import ConfigError
 from outbox.queries import query
 
 REPLAY_CHUNK = 5000  # archived events re-queued per transaction
@@ -29,7 +31,7 @@ def parse_duration(text: str, field: str) -> dt.timedelta:
     """``30d``, ``12h``, ``15m``, ``90s``, ``2w`` as a timedelta; ValueError naming ``field``."""
     m = _DURATION.match(text)
     if not m:
-        raise ValueError(f"{field}: expected a duration like 30d, 12h, 15m, got {text!r}")
+        raise ConfigError(f"{field}: expected a duration like 30d, 12h, 15m, got {text!r}")
     return dt.timedelta(seconds=float(m.group(1)) * _UNITS[m.group(2)])
 
 
@@ -40,23 +42,8 @@ def parse_time(text: str, field: str, now: dt.datetime) -> dt.datetime:
     try:
         value = dt.datetime.fromisoformat(text)
     except ValueError:
-        raise ValueError(f"{field}: expected an ISO time or a duration like 2h, got {text!r}") from None
+        raise ConfigError(f"{field}: expected an ISO time or a duration like 2h, got {text!r}") from None
     return value if value.tzinfo else value.replace(tzinfo=dt.timezone.utc)
-
-
-def retry_select(
-    conn: psycopg.Connection[Any],
-    schema: str,
-    *,
-    topic: str | None,
-    error_like: str | None,
-    ids: list[int] | None,
-) -> list[int]:
-    rows = conn.execute(
-        query("retry_select", schema),
-        {"topic": topic, "error_like": error_like, "ids": int_array(ids) if ids else None},
-    ).fetchall()
-    return [int(r[0]) for r in rows]
 
 
 def replay_count(
@@ -133,7 +120,7 @@ def purge(
     """Drop ``partitions`` and delete older rows from the default partition; returns rows deleted
     from the default partition."""
     for i, name in enumerate(partitions):
-        conn.execute(sql.SQL("DROP TABLE {}").format(sql.Identifier(schema, name)))
+        conn.execute(query("drop_archive_partition", schema, identifiers={"partition": name}))
         conn.commit()
         if progress is not None:
             progress(i + 1)

@@ -1,5 +1,14 @@
-"""Partition ownership: who may deliver which keys, shared among live relays.
+"""Per-key order: partition ownership among live relays, and the keys held back in memory.
 
+This module is the one home of ordering (``docs/ordering.md`` argues it):
+
+- which events a relay may claim (the claim query it runs, in ordered mode
+  only from the partitions it owns);
+- which keys it holds back in memory while a failure of theirs is in flight;
+- whether a dead letter parks its key (:attr:`Ordering.parks`).
+
+Partitions
+----------
 Every event belongs to one of 64 logical partitions (a hash of its key, stored
 on the row). In ordered mode a relay claims only events of partitions it owns,
 so a key is delivered by one process at a time, in id order.
@@ -21,6 +30,16 @@ stalled process: PostgreSQL ends its idle transaction). Until then no one
 claims from it, so a stale row lock can never make the new owner skip ahead of
 an undelivered event. The claim query checks the lease itself, so a relay
 whose lease expired claims nothing even before it notices.
+
+Key holds
+---------
+Within one relay, a key whose event failed (a retry, or a dead letter that
+parks) must not have its later events sent before that failure is committed:
+from then on the claim query skips them (an earlier event of the key has
+``attempts > 0`` or a parked dead letter). Until then — while the failing
+batch is still in flight — the relay holds the key's events in memory:
+leaves them pending, untouched, in every batch it sends. :class:`KeyHolds`
+counts, per key, the in-flight batches that hold it.
 """
 
 from __future__ import annotations
@@ -33,18 +52,44 @@ from typing import Any
 
 import psycopg
 
-from outbox.batch import int_array
-from outbox.queries import query
+from outbox.conditions import Condition
+from outbox.queries import int_array, query
 
-log = logging.getLogger("outbox.ownership")
+log = logging.getLogger("outbox.ordering")
 
 PARTITIONS = 64  # logical partitions, fixed by migration 0002
 OWNERSHIP_LEASE = 10.0  # seconds; a dead relay's partitions are taken over within this + a heartbeat
 HEARTBEAT_FRACTION = 5  # heartbeats per lease
+ORDERINGS = ("key", "none")  # key: per-key order across relays; none: plain SKIP LOCKED
+ON_DEAD = ("park", "continue")  # park: a dead letter holds back its key's later events
 
 
-class Ownership:
-    """One relay's view of its partitions; ``tick()`` from the relay loop."""
+class KeyHolds:
+    """Keys held back in memory, each counted by the in-flight batches that hold it."""
+
+    def __init__(self) -> None:
+        self.keys: dict[bytes, int] = {}  # key -> number of in-flight batches that hold it
+        self._by_batch: dict[int, set[bytes]] = {}
+
+    def add(self, batch: int, key: bytes) -> None:
+        """An event of ``key`` failed in batch ``batch``: hold the key until that batch ends."""
+        held = self._by_batch.setdefault(batch, set())
+        if key not in held:
+            held.add(key)
+            self.keys[key] = self.keys.get(key, 0) + 1
+
+    def release(self, batch: int) -> None:
+        """Batch ``batch`` ended (its failures committed, or rolled back): drop its holds."""
+        for key in self._by_batch.pop(batch, ()):
+            n = self.keys[key] - 1
+            if n:
+                self.keys[key] = n
+            else:
+                del self.keys[key]
+
+
+class Ordering:
+    """One relay's ordering: its partitions (``tick()`` from the relay loop) and its key holds."""
 
     def __init__(
         self,
@@ -55,6 +100,7 @@ class Ownership:
         lease: float,
         batch_lease: float,
         ordering: str,
+        on_dead: str,
     ) -> None:
         self.id = uuid.uuid4()
         self.name = name
@@ -62,12 +108,29 @@ class Ownership:
         self.lease = lease
         self.batch_lease = batch_lease
         self.ordering = ordering
+        self.ordered = ordering == "key"
+        # Does a dead letter hold back its key's later events (ordered mode, --on-dead park)?
+        self.parks = self.ordered and on_dead == "park"
+        self.holds = KeyHolds()
+        self._claim = "claim_batch" if self.ordered else "claim_batch_unordered"
         self._connect = connect
         self._conn: psycopg.Connection[Any] | None = None
         self._next = 0.0
         self.owned: set[int] = set()
+        self.lost_partitions = 0  # partitions found taken by another relay (for metrics)
         # partition -> the in-flight batches (by id) that may hold its rows
         self._releasing: dict[int, set[int]] = {}
+        self.heartbeat = Condition(
+            log, "heartbeat", "ownership heartbeat failing (leases lapse if this lasts)"
+        )
+
+    def claim(self, conn: psycopg.Connection[Any], limit: int) -> list[tuple[Any, ...]]:
+        """Lock up to ``limit`` events this relay may deliver now, in id order (the batch's lease)."""
+        return conn.execute(query(self._claim, self.schema), {"limit": limit, "owner": self.id}).fetchall()
+
+    def holds_back(self, failure_is_retry: bool) -> bool:
+        """Does a failed event hold back its key's later events?"""
+        return self.ordered and (failure_is_retry or self.parks)
 
     @property
     def interval(self) -> float:
@@ -86,13 +149,15 @@ class Ownership:
         """
         self._next = time.monotonic() + self.interval
         try:
-            return self._tick(list(backend_pids), set(in_flight))
+            acquired = self._tick(list(backend_pids), set(in_flight))
         except psycopg.Error as exc:
-            log.warning("ownership heartbeat failed (leases lapse if this persists): %s", exc)
+            self.heartbeat.fail(str(exc))
             if self._conn is not None:
                 self._conn.close()
             self._conn = None
             return False
+        self.heartbeat.ok()
+        return acquired
 
     def _tick(self, pids: list[int], in_flight: set[int]) -> bool:
         if self._conn is None or self._conn.closed:
@@ -117,7 +182,12 @@ class Ownership:
         renewed = conn.execute(query("renew_partitions", s), {"me": self.id, "ttl": ttl}).fetchall()
         lost = self.owned - {p for p, _ in renewed}
         if lost:
-            log.warning("lost ownership of partitions %s (lease expired)", sorted(lost))
+            self.lost_partitions += len(lost)
+            log.warning(
+                "lost ownership of partitions %s (lease expired)",
+                sorted(lost),
+                extra={"event": "ownership.lost"},
+            )
         self.owned = {p for p, _ in renewed}
         releasing = {p for p, r in renewed if r}
         # Hand over the partitions whose in-flight batches have all finished.

@@ -1,4 +1,4 @@
-"""Sinks that misbehave on purpose, for the fault harness (``--sink outbox.bench.faultsinks:late_acks``)."""
+"""Sinks that misbehave on purpose, for the fault suite (``--sink outbox.bench.faults.sinks:late_acks``)."""
 
 from __future__ import annotations
 

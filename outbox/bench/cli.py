@@ -1,0 +1,88 @@
+"""``outbox bench`` and ``outbox bench faults``: registered here, run from their packages.
+
+Nothing heavy is imported until a command runs; without the ``outbox[bench]``
+extra the command says so in one line.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from outbox.bench.faults import cli as faults_cli
+from outbox.cli import options
+from outbox.cli.common import add_common
+from outbox.cli.relay import KafkaOptions
+from outbox.errors import ConfigError
+from outbox.extras import require
+from outbox.settings import setting
+
+SCENARIOS = ("drain", "steady", "writer", "soak", "scale")
+
+
+@dataclass
+class PerfOptions:
+    scenarios: str = setting(
+        ",".join(SCENARIOS), f"comma-separated, of: {', '.join(SCENARIOS)}", env="OUTBOX_BENCH_SCENARIOS"
+    )
+    out: str = setting(
+        "bench-results", "output directory (results.json, results.md, PNG plots)", env="OUTBOX_BENCH_OUT"
+    )
+    smoke: bool = setting(
+        False,
+        "seconds per scenario instead of minutes: checks that everything runs",
+        env="OUTBOX_BENCH_SMOKE",
+        aliases=("--short",),
+    )
+
+
+def add_servers(parser: argparse.ArgumentParser) -> None:
+    """Connection and log options; without --dsn / --kafka-bootstrap, embedded servers are started."""
+    add_common(parser)
+    options.add(parser, KafkaOptions)
+
+
+def _add_perf(parser: argparse.ArgumentParser) -> None:
+    from outbox.bench.scenarios import BenchConfig
+
+    add_servers(parser)
+    options.add(parser, PerfOptions)
+    options.add(parser, BenchConfig, env_prefix="OUTBOX_BENCH_", overrides_only=True)
+    parser.set_defaults(run=cmd_perf)
+
+
+def register(sub: Any) -> None:
+    p = sub.add_parser(
+        "bench",
+        help="benchmark the relay against baselines (tables and plots), or run the fault suite",
+        description="outbox bench [perf]: speed against the baselines, in the same run. outbox bench faults: "
+        "kill, restart, stall and poison things under load, then count what was lost (exit 1 unless every "
+        "scenario passes). Without --dsn / --kafka-bootstrap, embedded servers are started.",
+    )
+    _add_perf(p)  # `outbox bench --scenarios drain` is `outbox bench perf --scenarios drain`
+    suites = p.add_subparsers(dest="suite")
+    _add_perf(suites.add_parser("perf", help="speed against the baselines (the default)"))
+    faults_cli.register(suites)
+
+
+def cmd_perf(args: argparse.Namespace) -> int:
+    require("bench", "outbox bench")
+    from outbox.bench.runner import run_bench
+    from outbox.bench.scenarios import BenchConfig
+
+    perf = options.build(PerfOptions, args)
+    overrides = options.values(BenchConfig, args)
+    for name, value in overrides.items():
+        if isinstance(value, (int, float)) and value <= 0:
+            raise ConfigError(f"--{name.replace('_', '-')}: must be > 0, got {value}")
+    run_bench(
+        dsn=args.dsn or None,
+        bootstrap=args.kafka_bootstrap,
+        chosen=[s.strip() for s in perf.scenarios.split(",") if s.strip()],
+        out=Path(perf.out),
+        smoke=perf.smoke,
+        overrides=overrides,
+    )
+    return 0

@@ -1,0 +1,56 @@
+"""The fault suite's settings: load, leases, and how long each fault lasts."""
+
+from __future__ import annotations
+
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+@dataclass(frozen=True)
+class FaultConfig:
+    dsn: str
+    bootstrap: str
+    restart_pg: Callable[[], object] | None = None
+    stop_broker: Callable[[], object] | None = None
+    start_broker: Callable[[], object] | None = None
+    short: bool = False
+    rate: int = 1000  # business transactions (one event each) per second
+    writers: int = 2
+    keys: int = 200
+    relays: int = 2
+    lease: float = 8.0  # the relay's batch lease (--lease), seconds
+    delivery_timeout: float = 6.0  # seconds
+    ownership_lease: float = 6.0  # seconds
+    warmup: float = 5.0  # seconds of load before the fault
+    tail: float = 10.0  # seconds of load after it
+    kill_window: float = 60.0  # seconds of the SIGKILL loop
+    kill_every: float = 4.0  # seconds between kills (jittered)
+    broker_outage: float = 30.0  # seconds
+    snapshot_seconds: float = 60.0
+    poison_window: float = 20.0  # seconds
+    soak_seconds: float = 600.0
+    drain_timeout: float = 120.0  # seconds allowed to drain after the load stops
+    ready_timeout: float = 30.0  # seconds a relay may take to become ready
+    log_dir: Path = field(default_factory=lambda: Path(tempfile.gettempdir()))
+
+
+# --short: seconds per scenario instead of minutes (CI).
+SHORT: dict[str, Any] = {
+    "short": True,
+    "rate": 300,
+    "lease": 3.0,
+    "delivery_timeout": 2.0,
+    "ownership_lease": 2.0,
+    "warmup": 2.0,
+    "tail": 2.0,
+    "kill_window": 6.0,
+    "kill_every": 1.5,
+    "broker_outage": 4.0,
+    "snapshot_seconds": 4.0,
+    "poison_window": 3.0,
+    "soak_seconds": 16.0,
+    "drain_timeout": 60.0,
+}

@@ -1,0 +1,152 @@
+"""``outbox relay`` processes under test: started, signalled, watched and counted.
+
+Each relay is the real CLI in its own process, with JSON logs in its own file
+and its own ``/metrics`` port. What the relays did (acks refused after a lost
+lease, sinks replaced, database outages, partitions lost) is counted from the
+structured ``event`` field of their log lines, which survives a SIGKILL and
+does not depend on the wording of a message.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from pathlib import Path
+
+from outbox.bench.faults.config import FaultConfig
+from outbox.embedded import free_port
+
+# Structured log events, and what the report calls them.
+COUNTED_EVENTS = {
+    "lease.lost": "stale_acks_refused",
+    "sink.replaced": "producers_recreated",
+    "database.started": "reconnects",
+    "ownership.lost": "ownership_lost",
+}
+SCRAPE_TIMEOUT = 2.0  # seconds
+
+
+def poll_until(check: Callable[[], bool], timeout: float, interval: float = 0.1) -> bool:
+    """Poll ``check()`` until it is true or ``timeout`` seconds pass; returns whether it became true."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if check():
+            return True
+        time.sleep(interval)
+    return False
+
+
+class Relays:
+    """``outbox relay`` processes (the real CLI), each with its own log file and metrics port."""
+
+    def __init__(
+        self, cfg: FaultConfig, schema: str, name: str, extra: list[str], env: dict[str, str]
+    ) -> None:
+        self.cfg, self.schema, self.name, self.extra = cfg, schema, name, extra
+        self.env = {**{k: v for k, v in os.environ.items() if not k.startswith("OUTBOX_")}, **env}
+        self.procs: dict[int, subprocess.Popen[bytes]] = {}
+        self.ports: dict[int, int] = {}
+        self.logs: list[Path] = []
+        self.starts = 0
+
+    def start(self, index: int) -> None:
+        cfg = self.cfg
+        self.starts += 1
+        log = cfg.log_dir / f"{self.name}-relay{index}-{self.starts}.log"
+        self.logs.append(log)
+        self.ports[index] = port = free_port()
+        with open(log, "wb") as out:
+            self.procs[index] = subprocess.Popen(
+                [
+                    sys.executable, "-m", "outbox", "relay",
+                    "--dsn", cfg.dsn, "--schema", self.schema, "--kafka-bootstrap", cfg.bootstrap,
+                    "--name", f"{self.name}-{index}",
+                    "--lease", str(cfg.lease), "--delivery-timeout", str(cfg.delivery_timeout),
+                    "--ownership-lease", str(cfg.ownership_lease),
+                    "--poll-interval", "0.5", "--grace", "5",
+                    "--retry-base", "0.2", "--retry-cap", "2", "--max-attempts", "1000",
+                    "--metrics-port", str(port), "--log-format", "json", "--log-level", "info",
+                    *self.extra,
+                ],
+                env=self.env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            )  # fmt: skip
+
+    def get(self, index: int, path: str) -> tuple[int, str]:
+        """(status, body) of GET ``path`` on relay ``index``'s metrics port; (0, "") if it does not answer."""
+        url = f"http://127.0.0.1:{self.ports[index]}{path}"
+        try:
+            with urllib.request.urlopen(url, timeout=SCRAPE_TIMEOUT) as response:
+                return int(response.status), response.read().decode()
+        except urllib.error.HTTPError as exc:
+            return int(exc.code), exc.read().decode(errors="replace")
+        except (OSError, urllib.error.URLError):
+            return 0, ""
+
+    def metric(self, index: int, name: str) -> float:
+        """The value of an unlabelled metric of relay ``index`` (0 when it does not answer)."""
+        _, body = self.get(index, "/metrics")
+        for line in body.splitlines():
+            if line.startswith(name + " "):
+                return float(line.split()[1])
+        return 0.0
+
+    def wait_ready(self, index: int) -> None:
+        """Until relay ``index`` answers /readyz with 200; fails loudly when it does not."""
+        if not poll_until(lambda: self.get(index, "/readyz")[0] == 200, self.cfg.ready_timeout):
+            raise RuntimeError(f"relay {index} did not become ready in {self.cfg.ready_timeout:.0f} s")
+
+    def signal(self, index: int, sig: signal.Signals) -> None:
+        self.procs[index].send_signal(sig)
+
+    def kill(self, index: int) -> None:
+        self.procs[index].kill()
+        self.procs[index].wait()
+
+    def restart(self, index: int, graceful: bool = False) -> None:
+        if graceful:
+            self.procs[index].terminate()
+            self.procs[index].wait(30)
+        else:
+            self.kill(index)
+        self.start(index)
+
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.procs.values() if p.poll() is None]
+
+    def stop_all(self) -> list[int | None]:
+        codes: list[int | None] = []
+        for p in self.procs.values():
+            if p.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    p.send_signal(signal.SIGCONT)
+                p.terminate()
+        for p in self.procs.values():
+            try:
+                codes.append(p.wait(30))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                codes.append(p.wait())
+        return codes
+
+    def events(self) -> dict[str, int]:
+        """Counts of the structured events the report names, over every relay's log."""
+        seen: collections.Counter[str] = collections.Counter()
+        for path in self.logs:
+            with contextlib.suppress(OSError):
+                for line in path.read_text(errors="replace").splitlines():
+                    if not line.startswith("{"):
+                        continue
+                    with contextlib.suppress(ValueError):
+                        event = json.loads(line).get("event")
+                        if event:
+                            seen[event] += 1
+        return {report: seen.get(event, 0) for event, report in COUNTED_EVENTS.items()}

@@ -1,0 +1,287 @@
+"""The scenarios, in one table: each row is a fault, how long it runs, how the relays
+run for it, and what it must have provoked — a fault that did not happen proves nothing."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import psycopg
+
+from outbox.bench.faults.config import FaultConfig
+from outbox.bench.faults.relays import poll_until
+from outbox.bench.faults.run import MiB, Run
+from outbox.progress import Progress
+from outbox.queries import query
+
+Body = Callable[[Run, Progress], None]
+
+
+def _kill(run: Run, p: Progress) -> None:
+    """Relays SIGKILLed in turn every few seconds and restarted at once."""
+    cfg = run.cfg
+    run.sleep(cfg.warmup, p)
+    end = time.monotonic() + cfg.kill_window
+    kills = 0
+    while time.monotonic() < end:
+        victim = kills % cfg.relays
+        run.relays.restart(victim)
+        kills += 1
+        run.mark(f"SIGKILL relay {victim}, restarted")
+        run.sleep(cfg.kill_every * random.uniform(0.7, 1.3), p)
+    run.fault_end = time.time()
+    run.notes["kills"] = kills
+    run.sleep(cfg.tail, p)
+
+
+def _pg_restart(run: Run, p: Progress) -> None:
+    """PostgreSQL restarted (fast: every session ended) while relays and writers run."""
+    cfg = run.cfg
+    assert cfg.restart_pg is not None
+    run.sleep(cfg.warmup, p)
+    t = time.time()
+    cfg.restart_pg()
+    run.mark(f"PostgreSQL restarted ({time.time() - t:.1f} s)")
+    run.fault_end = time.time()
+    run.sleep(cfg.tail * 2, p)
+
+
+def _terminate(run: Run, p: Progress) -> None:
+    """The relays' sessions killed with pg_terminate_backend, mid-batch, three times."""
+    cfg = run.cfg
+    run.sleep(cfg.warmup, p)
+    total = mid = 0
+    for _ in range(3):
+        with psycopg.connect(cfg.dsn, autocommit=True) as conn:
+            rows = conn.execute(query("harness_terminate_relays", run.schema)).fetchall()
+        in_tx = sum(
+            1 for _, state in rows if (state or "").startswith("idle in transaction") or state == "active"
+        )
+        total += len(rows)
+        mid += in_tx
+        run.mark(f"terminated {len(rows)} relay sessions ({in_tx} mid-transaction)")
+        run.sleep(max(1.0, cfg.kill_every), p)
+    run.fault_end = time.time()
+    run.notes["terminated"] = total
+    run.notes["terminated_mid_transaction"] = mid
+    run.sleep(cfg.tail, p)
+
+
+def _broker(run: Run, p: Progress) -> None:
+    """The broker stopped for a while, then started again empty."""
+    cfg = run.cfg
+    assert cfg.stop_broker is not None and cfg.start_broker is not None
+    run.sleep(cfg.warmup, p)
+    for pid in run.relays.pids():  # freeze producers so the consumer can read all that was acked
+        os.kill(pid, signal.SIGSTOP)
+    caught_up = run.tap.caught_up(10)
+    cfg.stop_broker()
+    for pid in run.relays.pids():
+        os.kill(pid, signal.SIGCONT)
+    run.mark(f"broker stopped (consumer caught up first: {caught_up})")
+    run.sleep(cfg.broker_outage, p)
+    cfg.start_broker()
+    run.tap.reset()
+    run.mark("broker started (empty)")
+    run.fault_end = time.time()
+    run.notes["check"] = caught_up
+    run.sleep(cfg.tail * 2, p)
+
+
+def _slow_sink(run: Run, p: Progress) -> None:
+    """Each relay's acks come later than its lease for a window: the other relay takes over."""
+    cfg = run.cfg
+    run.sleep(cfg.warmup + cfg.lease * 3 + cfg.tail, p)
+    run.fault_end = run.started + cfg.warmup + cfg.lease * 2
+    run.mark("late-ack windows over")
+    run.sleep(cfg.tail, p)
+
+
+def _snapshot(run: Run, p: Progress) -> None:
+    """Another session holds a snapshot open: vacuum can remove nothing meanwhile."""
+    cfg = run.cfg
+    run.sleep(cfg.warmup, p)
+    before = run.throughput(time.time() - cfg.warmup + 1, time.time())
+    size_before = run.monitor.samples[-1][3] if run.monitor.samples else 0
+    with psycopg.connect(cfg.dsn) as holder:
+        holder.isolation_level = psycopg.IsolationLevel.REPEATABLE_READ
+        holder.execute(query("harness_count_orders", run.schema))
+        held_at = time.time()
+        run.mark("snapshot taken")
+        run.sleep(cfg.snapshot_seconds, p)
+        released = time.time()
+    run.mark("snapshot released")
+    run.fault_end = released
+    run.sleep(cfg.tail * 2, p)
+    during = run.throughput(held_at, released)
+    after = run.throughput(released, time.time())
+    window = [s for s in run.monitor.samples if held_at <= s[0] <= released]
+    run.notes.update(
+        rate_before=round(before, 1),
+        rate_during=round(during, 1),
+        rate_after=round(after, 1),
+        table_before_mib=round(size_before / MiB, 2),
+        table_held_peak_mib=round(max((s[3] for s in window), default=0) / MiB, 2),
+    )
+
+
+def _poison(run: Run, p: Progress) -> None:
+    """Events no broker accepts, among good ones: dead-lettered at the first attempt."""
+    cfg = run.cfg
+    run.sleep(cfg.warmup, p)
+    end = time.monotonic() + cfg.poison_window
+    while time.monotonic() < end:
+        run.expected_dead.extend(run.writers.poison(2))
+        run.sleep(1.0, p)
+    run.mark(f"{len(run.expected_dead)} poison events committed")
+    run.fault_end = time.time()
+    run.sleep(cfg.tail, p)
+
+
+def _sigstop(run: Run, p: Progress) -> None:
+    """One relay frozen past its batch and ownership leases, then resumed.
+
+    Frozen only once it owns partitions, so that the others must take them over;
+    after SIGCONT, the run waits until the resumed relay has noticed the loss.
+    """
+    cfg = run.cfg
+    run.sleep(cfg.warmup, p)
+    owns = poll_until(lambda: run.relays.metric(0, "outbox_owned_partitions") > 0, cfg.ready_timeout)
+    frozen = max(cfg.lease, cfg.ownership_lease) + 3
+    run.relays.signal(0, signal.SIGSTOP)
+    run.mark(f"SIGSTOP relay 0 for {frozen:.0f} s (it owned partitions: {owns})")
+    run.sleep(frozen, p)
+    run.relays.signal(0, signal.SIGCONT)
+    run.mark("SIGCONT relay 0")
+    run.fault_end = time.time()
+    noticed = poll_until(
+        lambda: run.relays.metric(0, "outbox_partitions_lost_total") > 0, cfg.ownership_lease * 3 + 5
+    )
+    run.mark(f"relay 0 noticed its partitions were taken: {noticed}")
+    run.notes["check"] = owns
+    run.sleep(cfg.tail * 2, p)
+
+
+def _soak(run: Run, p: Progress) -> None:
+    """A long steady run: relay restarted twice (SIGTERM, SIGKILL) and PostgreSQL once."""
+    cfg = run.cfg
+    assert cfg.restart_pg is not None
+    quarter = cfg.soak_seconds / 4
+    run.sleep(quarter, p)
+    run.relays.restart(0, graceful=True)
+    run.mark("relay 0 restarted (SIGTERM)")
+    run.sleep(quarter, p)
+    cfg.restart_pg()
+    run.mark("PostgreSQL restarted")
+    run.sleep(quarter, p)
+    run.relays.restart(1 % cfg.relays)
+    run.mark(f"relay {1 % cfg.relays} restarted (SIGKILL)")
+    run.fault_end = time.time()
+    run.sleep(quarter, p)
+
+
+def _no_args(cfg: FaultConfig) -> list[str]:
+    return []
+
+
+def _no_env(cfg: FaultConfig) -> dict[str, str]:
+    return {}
+
+
+@dataclass(frozen=True)
+class Scenario:
+    body: Body
+    seconds: Callable[[FaultConfig], float]  # planned, for the progress bar
+    provoked: Callable[[dict[str, Any]], bool]  # what must have happened, or the run proved nothing
+    relay_args: Callable[[FaultConfig], list[str]] = _no_args
+    relay_env: Callable[[FaultConfig], dict[str, str]] = _no_env
+    needs: frozenset[str] = field(default_factory=frozenset)  # "restart_pg", "restart_broker"
+
+    @property
+    def about(self) -> str:
+        return (self.body.__doc__ or "").strip().splitlines()[0]
+
+
+SCENARIOS: dict[str, Scenario] = {
+    "kill": Scenario(
+        _kill,
+        lambda c: c.warmup + c.kill_window + c.tail,
+        lambda r: r["kills"] >= 3 and r["relay_starts"] >= 5,
+    ),
+    "pg-restart": Scenario(
+        _pg_restart,
+        lambda c: c.warmup + 2 * c.tail,
+        lambda r: r["reconnects"] + r["writer_errors"] > 0,
+        needs=frozenset({"restart_pg"}),
+    ),
+    "terminate": Scenario(
+        _terminate,
+        lambda c: c.warmup + 3 * max(1.0, c.kill_every) + c.tail,
+        lambda r: r["terminated"] >= 3,
+    ),
+    "broker": Scenario(
+        _broker,
+        lambda c: c.warmup + c.broker_outage + 2 * c.tail,
+        lambda r: r["producers_recreated"] >= 1,
+        needs=frozenset({"restart_broker"}),
+    ),
+    "slow-sink": Scenario(
+        _slow_sink,
+        lambda c: c.warmup + 3 * c.lease + 2 * c.tail,
+        lambda r: r["stale_acks_refused"] >= 1,
+        relay_args=lambda c: ["--sink", "outbox.bench.faults.sinks:late_acks"],
+        relay_env=lambda c: {
+            "OUTBOX_FAULT_LATE_AFTER": str(c.warmup),
+            "OUTBOX_FAULT_LATE_WINDOW": str(c.lease),
+            "OUTBOX_FAULT_LATE_DELAY": str(c.lease * 1.5),
+        },
+    ),
+    "snapshot": Scenario(
+        _snapshot,
+        lambda c: c.warmup + c.snapshot_seconds + 2 * c.tail,
+        lambda r: r["table_held_peak_mib"] > 0,
+    ),
+    "poison": Scenario(
+        _poison,
+        lambda c: c.warmup + c.poison_window + c.tail,
+        lambda r: r["poison"] >= 2 and r["dead_lettered"] == r["poison"],
+    ),
+    "sigstop": Scenario(
+        _sigstop,
+        lambda c: c.warmup + max(c.lease, c.ownership_lease) + 3 + 2 * c.tail,
+        lambda r: r["ownership_lost"] >= 1,  # the resumed relay found its partitions taken
+    ),
+    "soak": Scenario(
+        _soak,
+        lambda c: c.soak_seconds,
+        lambda r: r["relay_starts"] >= 4 and "PostgreSQL restarted" in str(r["timeline"]),
+        needs=frozenset({"restart_pg"}),
+    ),
+}
+
+
+def run_scenario(cfg: FaultConfig, name: str) -> dict[str, Any]:
+    scenario = SCENARIOS[name]
+    run = Run(cfg, name, scenario.relay_args(cfg), scenario.relay_env(cfg))
+    p = Progress(name, scenario.seconds(cfg), "s")
+    try:
+        with run.load():
+            scenario.body(run, p)
+        p.close(run.status() + " — draining")
+        drained = run.drain()
+    except BaseException:
+        run.relays.stop_all()  # no relay outlives the harness
+        raise
+    result = run.account(drained)
+    result["rate"] = cfg.rate
+    result["schema"] = run.schema
+    result["provoked"] = bool(scenario.provoked(result))
+    result["passed"] = drained and result["ok"] and result.get("check", True) and result["provoked"]
+    if result["passed"]:
+        run.teardown()  # a failed run's schema stays, for its rows and last_error
+    return result

@@ -1,0 +1,110 @@
+"""The ``outbox`` command line.
+
+Every option can also be set through the ``OUTBOX_*`` environment variable
+shown in its help; the DSN falls back to libpq's ``PG*`` variables when
+neither ``--dsn`` nor ``OUTBOX_DSN`` is set. Options are made from the
+settings they configure (``outbox.cli.options``), so they are declared once.
+
+Each command group registers itself: ``cli.relay`` (relay), ``cli.operate``
+(migrate, status, notify, dead, retry, replay, purge, inbox), ``cli.demo``
+(demo), and ``outbox.bench.cli`` (bench, bench faults). An expected error
+(:class:`~outbox.errors.OutboxError`) is one line on stderr and an exit code;
+anything else is a bug and keeps its traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any, NoReturn
+
+import psycopg
+
+from outbox import __version__
+from outbox.dsn import scrub, secrets_in_argv, secrets_of
+from outbox.errors import OutboxError
+
+log = logging.getLogger("outbox")
+
+Command = Callable[[argparse.Namespace], int]
+
+_parsing: list[str] = []  # the arguments main() is parsing (they may not be sys.argv)
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse echoes arguments in its errors ("unrecognized arguments: ..."):
+    scrub any password in them first. Sub-parsers inherit this class."""
+
+    def error(self, message: str) -> NoReturn:
+        super().error(scrub(message, secrets_in_argv([*sys.argv[1:], *_parsing])))
+
+
+class _JsonFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        entry: dict[str, Any] = {
+            "ts": round(record.created, 3),
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "msg": record.getMessage(),
+        }
+        event = getattr(record, "event", None)
+        if event is not None:
+            entry["event"] = event  # a stable name for tools; the message may be reworded
+        if record.exc_info:
+            entry["exc"] = self.formatException(record.exc_info)
+        return json.dumps(entry, ensure_ascii=False)
+
+
+def setup_logging(fmt: str, level: str) -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    if fmt == "json":
+        handler.setFormatter(_JsonFormatter())
+    else:
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level.upper())
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from outbox.bench import cli as bench_cli
+    from outbox.cli import demo, operate, relay
+
+    parser = Parser(
+        prog="outbox",
+        description="Transactional outbox relay: PostgreSQL outbox table -> Kafka, RabbitMQ, NATS, "
+        "Redis Streams, webhooks. Every option can also be set with the OUTBOX_* variable named in its help.",
+    )
+    parser.add_argument("--version", action="version", version=f"outbox {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
+    operate.register(sub)
+    relay.register(sub)
+    demo.register(sub)
+    bench_cli.register(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        _parsing[:] = list(argv) if argv is not None else []
+        args = build_parser().parse_args(argv)
+        setup_logging(args.log_format, args.log_level)
+        command: Command = args.run
+        return command(args)
+    except OutboxError as exc:
+        print(f"outbox: error: {_scrub(str(exc))}", file=sys.stderr)
+        return exc.exit_code
+    except psycopg.Error as exc:
+        print(f"outbox: database error: {_scrub(str(exc))}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+def _scrub(text: str) -> str:
+    secrets = secrets_of(os.environ.get("OUTBOX_DSN", "")) + secrets_in_argv([*sys.argv[1:], *_parsing])
+    return scrub(text, secrets)

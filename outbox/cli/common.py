@@ -1,0 +1,76 @@
+"""What every command shares: the connection options, logging options, and a few helpers."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+import psycopg
+
+from outbox.cli import options
+from outbox.dsn import redact, scrub, secrets_of
+from outbox.errors import Cancelled, ConfigError
+from outbox.schema import DEFAULT_SCHEMA, validate_schema
+from outbox.settings import setting
+
+LOG_FORMATS = ("text", "json")
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+@dataclass
+class Common:
+    dsn: str = setting("", "PostgreSQL connection string; else libpq's PG* variables")
+    schema: str = setting(DEFAULT_SCHEMA, "schema of the outbox tables")
+    log_format: str = setting("text", "log line format", choices=LOG_FORMATS)
+    log_level: str = setting("info", "log level", choices=LOG_LEVELS)
+
+
+def add_common(parser: argparse.ArgumentParser) -> None:
+    options.add(parser, Common)
+
+
+def schema_of(args: argparse.Namespace) -> str:
+    return validate_schema(args.schema, "--schema")
+
+
+def connect(args: argparse.Namespace) -> psycopg.Connection[Any]:
+    """A connection for a command, or a one-line error naming the (redacted) DSN."""
+    dsn = args.dsn
+    try:
+        return psycopg.connect(dsn, application_name="outbox-cli")
+    except psycopg.OperationalError as exc:
+        raise ConfigError(
+            f"cannot connect to PostgreSQL ({redact(dsn)}): {scrub(str(exc), secrets_of(dsn))}"
+        ) from None
+
+
+def confirm(args: argparse.Namespace, question: str) -> None:
+    """Ask before a destructive change, unless --yes; refuse when there is nobody to ask."""
+    if args.yes:
+        return
+    if not sys.stdin.isatty():
+        raise Cancelled(f"{question}: pass --yes to confirm (there is no terminal to ask)")
+    answer = input(f"{question} [y/N] ").strip().lower()
+    if answer not in ("y", "yes"):
+        raise Cancelled("cancelled")
+
+
+def add_confirm(parser: argparse.ArgumentParser, what: str) -> None:
+    parser.add_argument(
+        "--dry-run", action="store_true", help=f"say what {what} would change, change nothing"
+    )
+    parser.add_argument("--yes", action="store_true", help="do not ask for confirmation")
+
+
+def key_arg(key: str | None) -> bytes | None:
+    """A ``--key`` value: UTF-8 text, or ``0x…`` for bytes."""
+    if key is None:
+        return None
+    if key.startswith("0x"):
+        try:
+            return bytes.fromhex(key[2:])
+        except ValueError:
+            raise ConfigError(f"--key: {key!r} is not valid hex after 0x") from None
+    return key.encode("utf-8")

@@ -1,0 +1,40 @@
+"""``outbox demo``: the whole pipeline on this machine, with live progress."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from typing import Any
+
+from outbox.cli import options
+from outbox.cli.common import add_common, schema_of
+from outbox.cli.relay import KafkaOptions, parse_kafka_config
+from outbox.settings import setting
+
+
+@dataclass
+class DemoOptions:
+    seconds: float = setting(0.0, "stop after this many seconds (0: until Ctrl-C)", env="OUTBOX_DEMO_SECONDS")
+    rate: float = setting(500.0, "orders per second written by the sample app", env="OUTBOX_DEMO_RATE")
+
+
+def register(sub: Any) -> None:
+    p = sub.add_parser("demo", help="the whole pipeline on this machine, with live progress")
+    add_common(p)
+    options.add(p, KafkaOptions)
+    options.add(p, DemoOptions)
+    p.set_defaults(run=cmd_demo)
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from outbox.demo import run_demo
+
+    demo = options.build(DemoOptions, args)
+    return run_demo(
+        dsn=args.dsn or None,
+        bootstrap=args.kafka_bootstrap,
+        schema=schema_of(args),
+        seconds=demo.seconds,
+        rate=demo.rate,
+        kafka_config=parse_kafka_config(args.kafka_config),
+    )

@@ -1,0 +1,288 @@
+"""Operating commands: migrate, status, notify, dead letters (list/redrive/skip, retry), replay, purge."""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+from outbox import archive, dead, status
+from outbox import migrate as migrations
+from outbox.cli import options
+from outbox.cli.common import add_common, add_confirm, confirm, connect, key_arg, schema_of
+from outbox.errors import ConfigError, NothingMatched
+from outbox.progress import Progress
+from outbox.queries import query
+from outbox.settings import setting
+
+
+def register(sub: Any) -> None:
+    p = sub.add_parser("migrate", help="create or upgrade the outbox tables")
+    add_common(p)
+    p.add_argument("--print", action="store_true", help="print the SQL instead of applying it")
+    options.add(p, MigrateOptions)
+    p.set_defaults(run=cmd_migrate)
+
+    p = sub.add_parser("status", help="depth, age, errors and dead letters")
+    add_common(p)
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(run=cmd_status)
+
+    p = sub.add_parser("notify", help="switch the NOTIFY trigger on or off")
+    add_common(p)
+    p.add_argument("state", choices=["on", "off"])
+    p.set_defaults(run=cmd_notify)
+
+    p = sub.add_parser("dead", help="list, redrive or skip dead letters (parked keys)")
+    verbs = p.add_subparsers(dest="dead_command", required=True)
+    d = verbs.add_parser("list", help="dead letters with the events parked behind them")
+    _add_selector(d)
+    d.add_argument("--limit", type=int, default=100, help="at most this many [default 100]")
+    d.add_argument("--json", action="store_true", help="print one JSON array")
+    d.set_defaults(run=cmd_dead_list, everything_unless_filtered=True)
+    d = verbs.add_parser(
+        "redrive", help="put dead letters back at the head of their key; parked events follow in order"
+    )
+    _add_selector(d, confirm_what="the redrive")
+    d.set_defaults(run=cmd_redrive, verb="redrive", everything_unless_filtered=False)
+    d = verbs.add_parser("skip", help="give dead letters up and release the events parked behind them")
+    _add_selector(d, confirm_what="the skip")
+    d.set_defaults(run=cmd_skip, everything_unless_filtered=False)
+
+    p = sub.add_parser(
+        "retry", help="put dead letters back into the outbox: `dead redrive`, every one unless filtered"
+    )
+    _add_selector(p, confirm_what="the retry")
+    p.set_defaults(run=cmd_redrive, verb="retry", everything_unless_filtered=True)
+
+    p = sub.add_parser("replay", help="re-send archived events delivered in a time window")
+    add_common(p)
+    p.add_argument("--since", required=True, help="ISO time (UTC if no zone) or a duration ago, e.g. 2h")
+    p.add_argument("--until", default=None, help="ISO time or a duration ago [default: now]")
+    p.add_argument("--topic", help="only events of this topic")
+    p.add_argument("--key", help="only events of this key (UTF-8 text, or 0x... for bytes)")
+    add_confirm(p, "the replay")
+    p.set_defaults(run=cmd_replay)
+
+    p = sub.add_parser("purge", help="drop archive partitions older than a duration")
+    add_common(p)
+    p.add_argument("--older-than", required=True, help="a duration, e.g. 30d, 12h")
+    add_confirm(p, "the purge")
+    p.set_defaults(run=cmd_purge)
+
+
+# -- migrate ------------------------------------------------------------------------------
+
+
+@dataclass
+class MigrateOptions:
+    roles: bool = setting(
+        False,
+        "also create (if missing) and grant a writer role that can only insert events and a relay role "
+        "with exactly what the relay needs",
+    )
+    writer_role: str | None = setting(
+        None, "name of the writer role; implies --roles", default_text=migrations.DEFAULT_WRITER_ROLE
+    )
+    relay_role: str | None = setting(
+        None, "name of the relay role; implies --roles", default_text=migrations.DEFAULT_RELAY_ROLE
+    )
+    create_roles: bool = setting(
+        True, "create the roles when missing (--no-create-roles: grant to roles that already exist)"
+    )
+
+
+def _roles(args: argparse.Namespace) -> migrations.Roles | None:
+    if not (args.roles or args.writer_role or args.relay_role or not args.create_roles):
+        return None
+    try:
+        return migrations.Roles(
+            writer=migrations.DEFAULT_WRITER_ROLE if args.writer_role is None else args.writer_role,
+            relay=migrations.DEFAULT_RELAY_ROLE if args.relay_role is None else args.relay_role,
+            create=args.create_roles,
+        )
+    except ValueError as exc:
+        raise _role_error(exc) from None
+
+
+def _role_error(exc: ValueError) -> ConfigError:
+    """'writer role: …' from the library as the option it came from: '--writer-role: …'."""
+    return ConfigError("--" + str(exc).replace(" role: ", "-role: ", 1))
+
+
+def cmd_migrate(args: argparse.Namespace) -> int:
+    schema = schema_of(args)
+    roles = _roles(args)
+    if args.print:
+        sys.stdout.write(migrations.render_all(schema, roles))
+        return 0
+    with connect(args) as conn:
+        applied = migrations.migrate(conn, schema)
+        if roles is not None:
+            try:
+                migrations.grant_roles(conn, schema, roles)
+            except ValueError as exc:
+                raise _role_error(exc) from None
+            print(f"granted schema {schema} to writer role {roles.writer} and relay role {roles.relay}")
+    if applied:
+        for m in applied:
+            print(f"applied {m.version:04d}_{m.name} to schema {schema}")
+    else:
+        print(f"schema {schema} is up to date")
+    return 0
+
+
+# -- status, notify --------------------------------------------------------------------------
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    schema = schema_of(args)
+    with connect(args) as conn:
+        migrations.require_migrated(conn, schema)
+        report = status.collect(conn, schema)
+    print(json.dumps(report) if args.json else status.render(report))
+    return 0
+
+
+def cmd_notify(args: argparse.Namespace) -> int:
+    schema = schema_of(args)
+    with connect(args) as conn:
+        conn.execute(
+            query("notify_trigger", schema, keywords={"state": "ENABLE" if args.state == "on" else "DISABLE"})
+        )
+    print(f"NOTIFY on insert is {args.state} for schema {schema}")
+    return 0
+
+
+# -- dead letters ------------------------------------------------------------------------------
+
+
+def _add_selector(parser: argparse.ArgumentParser, confirm_what: str | None = None) -> None:
+    """The one way to choose dead letters, shared by dead list/redrive/skip and retry."""
+    add_common(parser)
+    parser.add_argument("ids", nargs="*", type=int, metavar="ID", help="these dead letters")
+    parser.add_argument(
+        "--ids", dest="more_ids", nargs="+", type=int, metavar="ID", help="these dead letters"
+    )
+    parser.add_argument("--key", help="of this key (UTF-8 text, or 0x... for bytes)")
+    parser.add_argument("--topic", help="of this topic")
+    parser.add_argument(
+        "--error-like", help="whose error matches this SQL LIKE pattern, e.g. '%%timed out%%'"
+    )
+    parser.add_argument("--all", action="store_true", help="every dead letter")
+    if confirm_what is not None:
+        add_confirm(parser, confirm_what)
+
+
+def _selector(args: argparse.Namespace) -> dead.Selector:
+    ids = tuple(args.ids or ()) + tuple(args.more_ids or ())
+    key = key_arg(args.key)
+    try:
+        return dead.Selector(
+            ids=ids,
+            key=key,
+            topic=args.topic,
+            error_like=args.error_like,
+            everything=args.all or args.everything_unless_filtered,
+        )
+    except ConfigError:
+        raise ConfigError(
+            f"dead {args.dead_command}: give dead letter IDs, --key, --topic, --error-like or --all"
+        ) from None
+
+
+def cmd_dead_list(args: argparse.Namespace) -> int:
+    schema = schema_of(args)
+    with connect(args) as conn:
+        ids = dead.select(conn, schema, _selector(args))[: args.limit]
+        rows = dead.details(conn, schema, ids) if ids else []
+    print(json.dumps(rows) if args.json else dead.render(rows))
+    return 0
+
+
+def _chosen(args: argparse.Namespace, verb: str, conn: Any, schema: str) -> list[int] | None:
+    """The chosen ids after the dry run / confirmation; None when it was a dry run."""
+    ids = dead.select(conn, schema, _selector(args))
+    if not ids:
+        raise NothingMatched("no dead letter matches")
+    shown = f"{ids[:20]}" + (" ..." if len(ids) > 20 else "")
+    if args.dry_run:
+        print(f"would {verb} {len(ids)} dead letters: {shown}")
+        conn.rollback()
+        return None
+    confirm(args, f"{verb} {len(ids)} dead letters {shown}")
+    return ids
+
+
+def cmd_redrive(args: argparse.Namespace) -> int:
+    schema = schema_of(args)
+    with connect(args) as conn:
+        ids = _chosen(args, args.verb, conn, schema)
+        if ids is None:
+            return 0
+        n = dead.redrive(conn, schema, ids)
+        conn.commit()
+    print(
+        f"redrove {n} dead letters (attempts reset); they are delivered first, "
+        "then the events parked behind them"
+    )
+    return 0
+
+
+def cmd_skip(args: argparse.Namespace) -> int:
+    schema = schema_of(args)
+    with connect(args) as conn:
+        ids = _chosen(args, "skip", conn, schema)
+        if ids is None:
+            return 0
+        n = dead.skip(conn, schema, ids)
+        conn.commit()
+    print(f"skipped {n} dead letters; the events parked behind them are released")
+    return 0
+
+
+# -- the archive ---------------------------------------------------------------------------------
+
+
+def cmd_replay(args: argparse.Namespace) -> int:
+    schema = schema_of(args)
+    now = dt.datetime.now(dt.timezone.utc)
+    since = archive.parse_time(args.since, "--since", now)
+    until = archive.parse_time(args.until, "--until", now) if args.until else now
+    if until <= since:
+        raise ConfigError(f"--until: must be after --since ({since.isoformat()})")
+    key = key_arg(args.key)
+    with connect(args) as conn:
+        n = archive.replay_count(conn, schema, since=since, until=until, topic=args.topic, key=key)
+        window = f"{since.isoformat(timespec='seconds')} .. {until.isoformat(timespec='seconds')}"
+        if args.dry_run or not n:
+            print(f"would replay {n} archived events delivered {window}")
+            return 0
+        confirm(args, f"replay {n} archived events delivered {window}")
+        progress = Progress("replay", n, " ev")
+        done = archive.replay(
+            conn, schema, since=since, until=until, topic=args.topic, key=key, progress=progress.update
+        )
+        progress.close()
+    print(f"queued {done} events again, with new event-ids and header outbox-replay-of")
+    return 0
+
+
+def cmd_purge(args: argparse.Namespace) -> int:
+    schema = schema_of(args)
+    cutoff = dt.datetime.now(dt.timezone.utc) - archive.parse_duration(args.older_than, "--older-than")
+    with connect(args) as conn:
+        parts = archive.purge_plan(conn, schema, cutoff)
+        what = f"{len(parts)} archive partitions before {cutoff.date().isoformat()}"
+        if args.dry_run:
+            print(f"would drop {what}: {', '.join(parts) or '-'} (and older rows of delivered_default)")
+            return 0
+        confirm(args, f"drop {what}")
+        progress = Progress("purge", max(len(parts), 1), " partitions")
+        deleted = archive.purge(conn, schema, cutoff, parts, progress=progress.update)
+        progress.close()
+    print(f"dropped {len(parts)} partitions; deleted {deleted} older rows from delivered_default")
+    return 0

@@ -1,0 +1,152 @@
+"""``outbox relay``: publish committed events until SIGTERM/SIGINT."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import signal
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from outbox.cli import options
+from outbox.cli.common import Common, add_common, connect, schema_of
+from outbox.config import RelayConfig
+from outbox.errors import ConfigError, RelayFailed
+from outbox.migrate import require_migrated
+from outbox.relay import Relay
+from outbox.retry import RetryPolicy
+from outbox.settings import setting
+from outbox.sinks.base import Sink
+from outbox.sinks.kafka import KafkaSink
+
+log = logging.getLogger("outbox")
+
+
+@dataclass
+class KafkaOptions:
+    kafka_bootstrap: str | None = setting(None, "Kafka bootstrap servers HOST:PORT[,...]")
+    kafka_config: list[str] = setting(
+        default_factory=list,
+        help="librdkafka producer setting, repeatable, e.g. security.protocol=SASL_SSL "
+        "(in the variable: a comma-separated KEY=VALUE list)",
+        metavar="KEY=VALUE",
+    )
+
+
+@dataclass
+class CustomSink:
+    sink: str = setting(
+        "kafka",
+        "kafka, or MODULE:FACTORY for a custom sink, called as factory(bootstrap, kafka_config, "
+        "delivery_timeout)",
+    )
+
+
+def register(sub: Any) -> None:
+    p = sub.add_parser("relay", help="publish committed events until SIGTERM/SIGINT")
+    add_common(p)
+    options.add(p, KafkaOptions)
+    options.add(p, CustomSink)
+    options.add(p, RelayConfig)
+    options.add(p, RetryPolicy)
+    p.set_defaults(run=cmd_relay)
+
+
+def relay_config(args: argparse.Namespace) -> RelayConfig:
+    retry = options.build(RetryPolicy, args)
+    return options.build(RelayConfig, args, dsn=args.dsn, schema=schema_of(args), retry=retry)
+
+
+def parse_kafka_config(items: Sequence[str]) -> dict[str, str]:
+    """``KEY=VALUE`` strings (or comma-separated lists of them) as a dict."""
+    config: dict[str, str] = {}
+    for item in items:
+        for part in item.split(","):
+            part = part.strip()
+            if not part:
+                continue
+            key, sep, value = part.partition("=")
+            if not sep or not key.strip():
+                raise ConfigError(f"--kafka-config: expected KEY=VALUE, got {part.split('=')[0]!r}")
+            config[key.strip()] = value.strip()
+    return config
+
+
+SinkFactory = Callable[[str, dict[str, str], float], Sink]
+
+
+def load_sink_factory(spec: str) -> SinkFactory:
+    """``kafka`` or ``module:callable`` -> a factory(bootstrap, kafka_config, delivery_timeout)."""
+    if spec == "kafka":
+        return lambda bootstrap, config, timeout: KafkaSink(bootstrap, config, delivery_timeout=timeout)
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not module_name or not attr:
+        raise ConfigError(f"--sink: expected 'kafka' or MODULE:FACTORY, got {spec!r}")
+    try:
+        factory = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as exc:
+        raise ConfigError(f"--sink: cannot load {spec!r}: {exc}") from None
+    if not callable(factory):
+        raise ConfigError(f"--sink: {spec!r} is not callable")
+    built: SinkFactory = factory
+    return built
+
+
+def run_until_signal(relay: Relay) -> None:
+    """Run ``relay`` in a thread; SIGTERM/SIGINT ask it to stop gracefully.
+
+    Raises RelayFailed if the relay stopped because it failed (not because it was asked).
+    """
+    failure: list[BaseException] = []
+
+    def target() -> None:
+        try:
+            relay.run()
+        except Exception as exc:  # logged by the relay; turned into a non-zero exit below
+            failure.append(exc)
+
+    thread = threading.Thread(target=target, name="outbox-relay")
+
+    def on_signal(signum: int, _frame: Any) -> None:
+        log.info("received %s: stopping", signal.Signals(signum).name)
+        relay.stop()
+
+    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        thread.start()
+        while thread.is_alive():
+            thread.join(0.5)
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    if failure:
+        raise RelayFailed(f"the relay failed: {failure[0]}")
+
+
+def cmd_relay(args: argparse.Namespace) -> int:
+    if not args.kafka_bootstrap:
+        raise ConfigError("--kafka-bootstrap (or OUTBOX_KAFKA_BOOTSTRAP) is required")
+    config = relay_config(args)
+    from outbox.tracing import configure_from_env
+
+    if configure_from_env():
+        log.info("tracing on (OTEL_* environment)")
+    kafka_config = parse_kafka_config(args.kafka_config)
+    # Fail fast on a bad DSN or an unmigrated schema, before starting anything.
+    with connect(args) as conn:
+        require_migrated(conn, config.schema)
+
+    factory = load_sink_factory(args.sink)
+
+    def sink() -> Sink:
+        return factory(args.kafka_bootstrap, kafka_config, config.delivery_timeout)
+
+    sink().close(0)  # validates the sink's configuration now, with a clear error
+    run_until_signal(Relay(config, sink))
+    return 0
+
+
+__all__ = ["Common", "KafkaOptions", "cmd_relay", "register", "relay_config"]

@@ -1,0 +1,98 @@
+"""The relay's configuration: every tunable, its default with its unit, and its help.
+
+This dataclass is the one source of the relay's options: ``outbox relay``
+builds its flags and ``OUTBOX_*`` variables from these fields (see
+``outbox.settings``), and the library takes the same object.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+
+from outbox.errors import ConfigError
+from outbox.hygiene import DEAD_TUPLES_THRESHOLD
+from outbox.ordering import ON_DEAD, ORDERINGS, OWNERSHIP_LEASE
+from outbox.retry import RetryPolicy
+from outbox.schema import DEFAULT_SCHEMA, validate_schema
+from outbox.settings import setting
+
+BATCH_SIZE = 2000  # events per claim
+MAX_BATCHES_IN_FLIGHT = 2  # claimed batches awaiting acks at once (one connection each)
+LEASE = 30.0  # seconds a stalled worker keeps its batch before PostgreSQL ends its session
+DELIVERY_TIMEOUT = 15.0  # seconds the sink may take to ack; must be well under LEASE
+POLL_INTERVAL = 1.0  # seconds between polls when idle (jittered ±50%); NOTIFY wakes sooner
+GRACE = 20.0  # seconds to finish in-flight batches at shutdown
+
+
+def _default_name() -> str:
+    return f"{socket.gethostname()}:{os.getpid()}"
+
+
+@dataclass
+class RelayConfig:
+    dsn: str = setting(help="PostgreSQL connection string", cli=False)
+    schema: str = setting(DEFAULT_SCHEMA, "schema of the outbox tables", cli=False)
+    batch_size: int = setting(BATCH_SIZE, "events per claim")
+    max_batches_in_flight: int = setting(
+        MAX_BATCHES_IN_FLIGHT,
+        "claimed batches awaiting acks at once",
+        flag="--batches-in-flight",
+        env="OUTBOX_BATCHES_IN_FLIGHT",
+    )
+    lease: float = setting(LEASE, "seconds before a stalled worker loses its batch")
+    delivery_timeout: float = setting(DELIVERY_TIMEOUT, "seconds the sink may take to acknowledge")
+    poll_interval: float = setting(POLL_INTERVAL, "seconds between polls when idle")
+    notify: bool = setting(True, "wake on LISTEN/NOTIFY as well as polling")
+    archive: bool = setting(True, "keep delivered events in the archive")
+    grace: float = setting(GRACE, "seconds to finish in-flight work on SIGTERM")
+    retry: RetryPolicy = setting(default_factory=RetryPolicy, help="the retry schedule", cli=False)
+    ordering: str = setting(
+        "key", "key: per-key order across relays; none: maximum parallelism", choices=ORDERINGS
+    )
+    on_dead: str = setting(
+        "park",
+        "park: a dead letter holds back its key's later events; continue: it does not",
+        choices=ON_DEAD,
+    )
+    ownership_lease: float = setting(
+        OWNERSHIP_LEASE, "seconds before a silent relay's partitions are taken over"
+    )
+    name: str = setting(
+        default_factory=_default_name,
+        help="this relay's name in `outbox status`",
+        env="OUTBOX_RELAY_NAME",
+        default_text="host:pid",
+    )
+    vacuum: bool = setting(
+        True, "vacuum the hot table from the relay when dead tuples pile up, even with autovacuum off"
+    )
+    vacuum_threshold: int = setting(DEAD_TUPLES_THRESHOLD, "dead tuples that trigger it")
+    metrics_port: int | None = setting(
+        None, "serve /metrics, /livez, /readyz on this port", default_text="off"
+    )
+    metrics_host: str = setting("127.0.0.1", "address to bind the metrics/health port")
+
+    def __post_init__(self) -> None:
+        validate_schema(self.schema)
+        if self.ordering not in ORDERINGS:
+            raise ConfigError(f"ordering: must be one of {ORDERINGS}, got {self.ordering!r}")
+        if self.on_dead not in ON_DEAD:
+            raise ConfigError(f"on-dead: must be one of {ON_DEAD}, got {self.on_dead!r}")
+        if not self.ownership_lease > 0:
+            raise ConfigError(f"ownership lease: must be > 0 seconds, got {self.ownership_lease}")
+        if self.batch_size < 1:
+            raise ConfigError(f"batch size: must be >= 1, got {self.batch_size}")
+        if self.max_batches_in_flight < 1:
+            raise ConfigError(f"batches in flight: must be >= 1, got {self.max_batches_in_flight}")
+        if not self.poll_interval > 0:
+            raise ConfigError(f"poll interval: must be > 0 seconds, got {self.poll_interval}")
+        if self.grace < 0:
+            raise ConfigError(f"grace: must be >= 0 seconds, got {self.grace}")
+        # The sink must answer before PostgreSQL ends the batch's session.
+        if not 0 < self.delivery_timeout < self.lease:
+            raise ConfigError(
+                f"delivery timeout: must be > 0 and shorter than the lease ({self.lease} s), "
+                f"got {self.delivery_timeout}"
+            )

@@ -1,0 +1,106 @@
+"""The relay's PostgreSQL sessions: how they are opened, pooled and given up.
+
+Each in-flight batch holds one session (its open transaction is the batch's
+lease), so the relay keeps a few connections: idle ones wait in a list, and a
+new one is opened, with backoff, when none is free. Every session runs with
+
+- ``idle_in_transaction_session_timeout = lease``: PostgreSQL itself ends the
+  session of a worker that stalls with a batch, which is the fence;
+- ``statement_timeout = lease``: no statement outlives the lease either;
+- ``jit = off``: the claim is a millisecond OLTP statement, and JIT compilation
+  (set off by the cost estimates of its guarded subplans) takes ~10 ms.
+
+A database outage is one :class:`~outbox.conditions.Condition`: one line when
+connecting starts failing, a summary a minute, one line when it works again.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+from typing import Any
+
+import psycopg
+from tenacity import Retrying, retry_if_exception_type, stop_when_event_set, wait_exponential_jitter
+
+from outbox.conditions import Condition
+from outbox.dsn import scrub, secrets_of
+
+log = logging.getLogger("outbox.relay")
+
+RECONNECT_WAIT_MAX = 5.0  # seconds, the longest wait between connection attempts
+APPLICATION_NAME = "outbox-relay"
+
+
+class Sessions:
+    """Open, idle and lost connections of one relay."""
+
+    def __init__(self, dsn: str, *, lease: float, stop: threading.Event) -> None:
+        self._dsn = dsn
+        self._secrets = secrets_of(dsn)
+        self._lease_ms = int(lease * 1000)
+        self._stop = stop
+        self._idle: list[psycopg.Connection[Any]] = []
+        self.database = Condition(log, "database", "cannot reach PostgreSQL")
+
+    def clean(self, exc: BaseException | None) -> str:
+        """An error's text with the DSN's password masked."""
+        return scrub(str(exc), self._secrets)
+
+    def connect(self) -> psycopg.Connection[Any]:
+        """A new session with the relay's settings (raises on failure)."""
+        ms = self._lease_ms
+        return psycopg.connect(
+            self._dsn,
+            autocommit=False,
+            application_name=APPLICATION_NAME,
+            options=f"-c idle_in_transaction_session_timeout={ms} -c statement_timeout={ms} -c jit=off",
+        )
+
+    def take(self) -> tuple[psycopg.Connection[Any] | None, bool]:
+        """A free session and whether it is new; (None, False) if stopping while reconnecting."""
+        while self._idle:
+            idle = self._idle.pop()
+            if not idle.closed:
+                return idle, False
+        try:
+            for attempt in Retrying(
+                retry=retry_if_exception_type(psycopg.OperationalError),
+                wait=wait_exponential_jitter(multiplier=0.1, max=RECONNECT_WAIT_MAX),
+                stop=stop_when_event_set(self._stop),
+                before_sleep=lambda rs: self.database.fail(
+                    self.clean(rs.outcome.exception() if rs.outcome else None)
+                ),
+                reraise=True,
+            ):
+                with attempt:
+                    return self.connect(), True
+        except psycopg.OperationalError:
+            pass  # stop was requested while reconnecting
+        return None, False
+
+    def give_back(self, conn: psycopg.Connection[Any]) -> None:
+        """The one place a session returns to the idle list (a closed one is dropped)."""
+        if not conn.closed:
+            self._idle.append(conn)
+
+    def lost(self, conn: psycopg.Connection[Any], error: str) -> None:
+        """A session failed while the database was needed: close it, count it toward the outage."""
+        self.database.fail(error)
+        self.discard(conn)
+
+    @staticmethod
+    def discard(conn: psycopg.Connection[Any]) -> None:
+        """Close a session that cannot be used again (ended by the server, broken)."""
+        with contextlib.suppress(psycopg.Error):
+            conn.close()
+
+    def idle_pids(self) -> list[int]:
+        return [c.info.backend_pid for c in self._idle if not c.closed]
+
+    def close_all(self) -> None:
+        for conn in self._idle:
+            with contextlib.suppress(psycopg.Error):
+                conn.close()
+        self._idle = []

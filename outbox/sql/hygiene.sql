@@ -1,0 +1,26 @@
+-- Named queries of hot-table hygiene (outbox.hygiene).
+-- Each block starts with `-- name: <name>` and a one-line comment. {schema} is
+-- the schema as an identifier (psycopg.sql), never string formatting; every
+-- value is a bound parameter. Literal braces are doubled.
+
+-- name: can_vacuum_owner
+-- Whether this session may VACUUM the hot table: it owns it (directly or by membership).
+SELECT pg_has_role(current_user, c.relowner, 'USAGE')
+FROM pg_class AS c WHERE c.oid = format('%%I.events', %(schema)s::text)::regclass
+
+-- name: can_vacuum_maintain
+-- PostgreSQL 17+: ... or holds MAINTAIN on it (granted to the relay role by `migrate --roles`).
+SELECT pg_has_role(current_user, c.relowner, 'USAGE') OR has_table_privilege(c.oid, 'MAINTAIN')
+FROM pg_class AS c WHERE c.oid = format('%%I.events', %(schema)s::text)::regclass
+
+-- name: vacuum_events
+-- Reclaim dead tuples of the hot table, refresh its statistics, truncate it when drained.
+VACUUM (ANALYZE) {schema}.events
+
+-- name: hygiene_try_lock
+-- One relay at a time vacuums a schema's hot table: try its advisory lock.
+SELECT pg_try_advisory_lock(%(lock)s)
+
+-- name: hygiene_unlock
+-- Release the hygiene advisory lock.
+SELECT pg_advisory_unlock(%(lock)s)

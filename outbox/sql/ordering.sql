@@ -1,0 +1,83 @@
+-- Named queries of partition ownership among live relays (outbox.ordering).
+-- Each block starts with `-- name: <name>` and a one-line comment. {schema} is
+-- the schema as an identifier (psycopg.sql), never string formatting; every
+-- value is a bound parameter. Literal braces are doubled.
+
+-- name: relay_heartbeat
+-- Register or refresh this relay; returns the live relays in a stable order.
+INSERT INTO {schema}.relays (id, name, expires_at, lease_seconds, backend_pids, ordering)
+VALUES (%(me)s, %(name)s, now() + %(ttl)s * interval '1 second', %(lease)s,
+        %(pids)s::text::integer[], %(ordering)s)
+ON CONFLICT (id) DO UPDATE
+SET heartbeat_at = now(), expires_at = excluded.expires_at, backend_pids = excluded.backend_pids
+
+-- name: live_relays
+-- Ids of relays whose membership has not expired, in join order.
+SELECT id FROM {schema}.relays WHERE expires_at > now() AND ordering = 'key'
+ORDER BY started_at, id
+
+-- name: renew_partitions
+-- Extend this relay's leases; returns the partitions it still owns.
+UPDATE {schema}.partitions SET expires_at = now() + %(ttl)s * interval '1 second'
+WHERE owner = %(me)s AND expires_at > now()
+RETURNING partition, releasing
+
+-- name: acquire_partitions
+-- Take up to %(count)s partitions that are free or whose owner's lease expired.
+-- From an expired owner, a partition stays fenced for that owner's batch lease
+-- (its stalled batch may still hold row locks) unless its sessions are gone.
+WITH free AS (
+    SELECT p.partition, p.owner AS previous
+    FROM {schema}.partitions AS p
+    WHERE p.owner IS NULL OR p.expires_at <= now()
+    ORDER BY p.partition
+    LIMIT %(count)s
+    FOR UPDATE SKIP LOCKED
+)
+UPDATE {schema}.partitions AS p
+SET owner = %(me)s,
+    expires_at = now() + %(ttl)s * interval '1 second',
+    releasing = false,
+    acquired_at = now(),
+    previous_owner = f.previous,
+    fenced_until = CASE
+        WHEN f.previous IS NULL THEN NULL
+        WHEN NOT EXISTS (
+            SELECT 1 FROM {schema}.relays AS r JOIN pg_stat_activity AS a ON a.pid = ANY(r.backend_pids)
+            WHERE r.id = f.previous) THEN NULL
+        ELSE now() + coalesce((SELECT r.lease_seconds FROM {schema}.relays AS r WHERE r.id = f.previous),
+                              %(max_lease)s) * interval '1 second'
+    END
+FROM free AS f
+WHERE p.partition = f.partition
+RETURNING p.partition
+
+-- name: unfence_partitions
+-- Lift the fence early once the previous owner's sessions are all gone.
+UPDATE {schema}.partitions AS p SET fenced_until = NULL
+WHERE p.owner = %(me)s AND p.fenced_until > now()
+  AND NOT EXISTS (
+        SELECT 1 FROM {schema}.relays AS r JOIN pg_stat_activity AS a ON a.pid = ANY(r.backend_pids)
+        WHERE r.id = p.previous_owner)
+
+-- name: mark_releasing
+-- Stop claiming from some partitions (handed over once in-flight batches finish).
+UPDATE {schema}.partitions SET releasing = true
+WHERE owner = %(me)s AND partition = ANY(%(parts)s::text::smallint[])
+
+-- name: release_partitions
+-- Hand partitions over: their rows are no longer locked by this relay.
+UPDATE {schema}.partitions
+SET owner = NULL, expires_at = NULL, releasing = false, fenced_until = NULL
+WHERE owner = %(me)s AND partition = ANY(%(parts)s::text::smallint[])
+
+-- name: release_all
+-- Clean shutdown: hand every partition over and leave the membership.
+WITH gone AS (DELETE FROM {schema}.relays WHERE id = %(me)s)
+UPDATE {schema}.partitions
+SET owner = NULL, expires_at = NULL, releasing = false, fenced_until = NULL
+WHERE owner = %(me)s
+
+-- name: forget_relays
+-- Drop membership rows of relays that have been gone for a while.
+DELETE FROM {schema}.relays WHERE expires_at < now() - interval '10 minutes'

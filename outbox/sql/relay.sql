@@ -1,0 +1,98 @@
+-- Named queries of the relay's hot path: claim a batch, then record what the sink said.
+-- Each block starts with `-- name: <name>` and a one-line comment. {schema} is
+-- the schema as an identifier (psycopg.sql), never string formatting; every
+-- value is a bound parameter. Literal braces are doubled.
+
+-- name: claim_batch
+-- Ordered mode. Lock up to %(limit)s available events in id order, only from
+-- partitions this relay owns (lease valid, not being released, not fenced).
+-- The row locks are the batch's lease: they last until this transaction ends,
+-- and idle_in_transaction_session_timeout ends a transaction whose worker
+-- stalls. An event is skipped while an earlier event of its key awaits a retry
+-- or is parked as a dead letter.
+-- event_id comes as text and empty headers as NULL: no per-row parsing in Python.
+SELECT e.id, e.event_id::text, e.topic, e.key, e.payload, nullif(e.headers, '{{}}'::jsonb),
+       extract(epoch FROM e.created_at)::float8, e.attempts
+FROM {schema}.events AS e
+WHERE e.available_at <= now()
+  AND e.partition = ANY(ARRAY(
+        SELECT p.partition FROM {schema}.partitions AS p
+        WHERE p.owner = %(owner)s AND p.expires_at > now() AND NOT p.releasing
+          AND (p.fenced_until IS NULL OR p.fenced_until <= now())))
+  -- Each per-key check is guarded by a one-time EXISTS (an init plan): when no
+  -- event is retrying / no key is parked, the common case, no row pays a probe.
+  AND (NOT EXISTS (SELECT 1 FROM {schema}.events WHERE attempts > 0)
+       OR NOT EXISTS (
+            SELECT 1 FROM {schema}.events AS b
+            WHERE b.attempts > 0 AND b.key = e.key AND b.id < e.id))
+  AND (NOT EXISTS (SELECT 1 FROM {schema}.dead_letters WHERE parked)
+       OR NOT EXISTS (
+            SELECT 1 FROM {schema}.dead_letters AS d
+            WHERE d.parked AND d.key = e.key AND d.id < e.id))
+ORDER BY e.id
+LIMIT %(limit)s
+FOR UPDATE OF e SKIP LOCKED
+
+-- name: claim_batch_unordered
+-- Unordered mode: any available event, plain SKIP LOCKED, maximum parallelism.
+SELECT e.id, e.event_id::text, e.topic, e.key, e.payload, nullif(e.headers, '{{}}'::jsonb),
+       extract(epoch FROM e.created_at)::float8, e.attempts
+FROM {schema}.events AS e
+WHERE e.available_at <= now()
+ORDER BY e.id
+LIMIT %(limit)s
+FOR UPDATE OF e SKIP LOCKED
+
+-- name: archive_delivered
+-- Move acked events to the archive with their sink coordinates, in one statement.
+-- Integer arrays arrive as text literals ('{{1,2,NULL}}'), parsed by PostgreSQL.
+WITH done AS (
+    DELETE FROM {schema}.events AS e
+    USING unnest(%(ids)s::text::bigint[], %(partitions)s::text::integer[], %(offsets)s::text::bigint[])
+          AS r(id, sink_partition, sink_offset)
+    WHERE e.id = r.id
+    RETURNING e.id, e.event_id, e.topic, e.key, e.payload, e.headers, e.created_at,
+              e.attempts + 1 AS attempts, r.sink_partition, r.sink_offset
+)
+INSERT INTO {schema}.delivered
+    (id, event_id, topic, key, payload, headers, created_at, attempts,
+     sink_partition, sink_offset)
+SELECT id, event_id, topic, key, payload, headers, created_at, attempts,
+       sink_partition, sink_offset
+FROM done
+
+-- name: delete_delivered
+-- Forget acked events (archive switched off).
+DELETE FROM {schema}.events WHERE id = ANY(%(ids)s::text::bigint[])
+
+-- name: schedule_retry
+-- Persist a failed attempt: count it, keep the error, and set the next attempt time.
+UPDATE {schema}.events AS e
+SET attempts = e.attempts + 1,
+    available_at = clock_timestamp() + r.delay * interval '1 second',
+    last_error = r.error,
+    first_failed_at = coalesce(e.first_failed_at, clock_timestamp())
+FROM unnest(%(ids)s::text::bigint[], %(delays)s::float8[], %(errors)s::text[]) AS r(id, delay, error)
+WHERE e.id = r.id
+
+-- name: dead_letter
+-- Move events that can never be delivered to dead_letters with their reason;
+-- with %(park)s, a keyed dead letter parks the later events of its key.
+WITH dead AS (
+    DELETE FROM {schema}.events AS e
+    USING unnest(%(ids)s::text::bigint[], %(errors)s::text[]) AS r(id, error)
+    WHERE e.id = r.id
+    RETURNING e.id, e.event_id, e.topic, e.key, e.payload, e.headers, e.created_at,
+              e.attempts + 1 AS attempts, r.error, e.first_failed_at
+)
+INSERT INTO {schema}.dead_letters
+    (id, event_id, topic, key, payload, headers, created_at, attempts, error,
+     first_failed_at, failed_at, parked)
+SELECT id, event_id, topic, key, payload, headers, created_at, attempts, error,
+       coalesce(first_failed_at, clock_timestamp()), clock_timestamp(),
+       %(park)s AND key IS NOT NULL
+FROM dead
+
+-- name: ensure_partitions
+-- Create the archive's day partitions from yesterday to a few days ahead.
+SELECT {schema}.ensure_delivered_partitions()

@@ -1,0 +1,73 @@
+-- Named queries of `outbox status` and the metrics gauges.
+-- Each block starts with `-- name: <name>` and a one-line comment. {schema} is
+-- the schema as an identifier (psycopg.sql), never string formatting; every
+-- value is a bound parameter. Literal braces are doubled.
+
+-- name: status_counts
+-- Depth, retrying, dead and delivered counts, and the age of the oldest pending event.
+SELECT
+    (SELECT count(*) FROM {schema}.events) AS pending,
+    (SELECT count(*) FROM {schema}.events WHERE attempts > 0) AS retrying,
+    (SELECT count(*) FROM {schema}.dead_letters) AS dead,
+    (SELECT count(*) FROM {schema}.delivered) AS delivered,
+    (SELECT extract(epoch FROM clock_timestamp() - min(created_at))::float8
+       FROM {schema}.events) AS oldest_pending_age_seconds
+
+-- name: status_by_topic
+-- Pending events per topic, with the oldest one's age.
+SELECT topic, count(*) AS pending,
+       extract(epoch FROM clock_timestamp() - min(created_at))::float8 AS oldest_age_seconds
+FROM {schema}.events
+GROUP BY topic
+ORDER BY count(*) DESC, topic
+
+-- name: status_errors
+-- The most frequent last errors of events that are waiting for a retry.
+SELECT last_error, count(*) AS events
+FROM {schema}.events
+WHERE last_error IS NOT NULL
+GROUP BY last_error
+ORDER BY count(*) DESC, last_error
+LIMIT 10
+
+-- name: status_delivered_last_hour
+-- Events archived in the last hour.
+SELECT count(*) FROM {schema}.delivered WHERE delivered_at > now() - interval '1 hour'
+
+-- name: status_parked_keys
+-- Keys held back by a parked dead letter, with how many events wait behind it.
+SELECT d.key, d.topic, d.id, d.error,
+       (SELECT count(*) FROM {schema}.events AS e WHERE e.key = d.key AND e.id > d.id) AS waiting
+FROM {schema}.dead_letters AS d
+WHERE d.parked
+ORDER BY d.id
+LIMIT 50
+
+-- name: status_owners
+-- Which relay owns which partitions now.
+SELECT r.id::text, r.name, r.ordering, r.heartbeat_at,
+       coalesce(array_agg(p.partition ORDER BY p.partition)
+                FILTER (WHERE p.partition IS NOT NULL), '{{}}') AS partitions
+FROM {schema}.relays AS r
+LEFT JOIN {schema}.partitions AS p ON p.owner = r.id AND p.expires_at > now()
+WHERE r.expires_at > now()
+GROUP BY r.id, r.name, r.ordering, r.heartbeat_at
+ORDER BY r.started_at, r.id
+
+-- name: status_unowned
+-- Partitions no live relay owns.
+SELECT count(*) FROM {schema}.partitions
+WHERE owner IS NULL OR expires_at IS NULL OR expires_at <= now()
+
+-- name: hot_table_stats
+-- Dead and live tuples (statistics) and size of the hot events table.
+SELECT coalesce(s.n_dead_tup, 0), coalesce(s.n_live_tup, 0),
+       pg_total_relation_size(format('%%I.events', %(schema)s::text)::regclass)
+FROM (SELECT 1) AS one
+LEFT JOIN pg_stat_user_tables AS s ON s.schemaname = %(schema)s AND s.relname = 'events'
+
+-- name: oldest_xmin_age
+-- Seconds since the oldest transaction that holds back vacuum started (NULL if none).
+SELECT extract(epoch FROM now() - min(xact_start))::float8
+FROM pg_stat_activity
+WHERE backend_xmin IS NOT NULL AND pid <> pg_backend_pid() AND datname = current_database()

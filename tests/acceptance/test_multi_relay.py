@@ -1,0 +1,211 @@
+"""Per-key order across many relay processes: kills, restarts, joins, pauses; partition takeover."""
+
+from __future__ import annotations
+
+import collections
+import signal
+import threading
+import time
+from typing import Any
+
+import psycopg
+import pytest
+from psycopg import sql
+
+import outbox
+from tests.helpers import (
+    FAST,
+    RelayProcess,
+    assert_per_key_order,
+    count,
+    owners,
+    read_topic,
+    wait_for,
+)
+
+
+def _live_relays(dsn: str, schema: str) -> set[str]:
+    return {o for o in owners(dsn, schema).values() if o is not None}
+
+
+@pytest.mark.slow
+def test_many_processes_kill_restart_join_keep_per_key_order(
+    pg_dsn: str, schema: str, kafka: str, topic: str
+) -> None:
+    keys, rounds = 200, 250  # 50,000 events
+    stop_writing = threading.Event()
+
+    def write() -> None:
+        # One transaction per round, so commit order is seq order for every key.
+        with psycopg.connect(pg_dsn) as conn:
+            for seq in range(rounds):
+                if stop_writing.wait(0.04):  # paced, so that the faults land mid-run
+                    return
+                outbox.enqueue_many(
+                    conn,
+                    [
+                        {"topic": topic, "key": f"k{k}", "payload": {"k": f"k{k}", "seq": seq}}
+                        for k in range(keys)
+                    ],
+                    schema=schema,
+                )
+                conn.commit()
+
+    writer = threading.Thread(target=write)
+    env = {"OUTBOX_TEST_FAILURE_RATE": "0.02"}
+    opts = (*FAST, "--sink", "tests.sinks:flaky")
+    relays = [RelayProcess(pg_dsn, schema, kafka, *opts, "--name", f"r{i}", env=env) for i in range(3)]
+    try:
+        writer.start()
+        wait_for(lambda: count(pg_dsn, schema, "delivered") > 5000, timeout=60, what="progress")
+        wait_for(lambda: len(_live_relays(pg_dsn, schema)) == 3, timeout=30, what="three owners")
+        relays[0].proc.send_signal(signal.SIGKILL)  # crash mid-run
+        relays[0].proc.wait(10)
+        relays[0].close()
+        # The survivors take the dead relay's partitions over ...
+        wait_for(lambda: len(_live_relays(pg_dsn, schema)) == 2, timeout=30, what="takeover")
+        relays[0] = RelayProcess(pg_dsn, schema, kafka, *opts, "--name", "r0-restarted", env=env)
+        # ... and give the restarted one its share, then a newcomer joins.
+        wait_for(lambda: len(_live_relays(pg_dsn, schema)) == 3, timeout=30, what="restarted relay's share")
+        relays.append(RelayProcess(pg_dsn, schema, kafka, *opts, "--name", "r3-joined", env=env))
+        writer.join()
+        wait_for(lambda: count(pg_dsn, schema, "events") == 0, timeout=120, what="drain")
+        # Every live relay got a share: the joiner and the restarted one included.
+        wait_for(lambda: len(_live_relays(pg_dsn, schema)) == 4, timeout=30, what="four owners")
+        shares = collections.Counter(owners(pg_dsn, schema).values())
+        assert len(shares) == 4 and sum(shares.values()) == 64, shares
+        for r in relays:
+            assert r.stop() == 0, r.output()[-2000:]
+    finally:
+        stop_writing.set()
+        for r in relays:
+            r.close()
+
+    n = keys * rounds
+    assert count(pg_dsn, schema, "delivered") == n
+    assert count(pg_dsn, schema, "dead_letters") == 0
+    assert count(pg_dsn, schema, "delivered", "attempts > 1") > 0, "no failure was injected"
+    messages = read_topic(kafka, topic, n, timeout=90)
+    assert len({m.event_id for m in messages}) == n, "an event was lost"
+    assert_per_key_order(messages)
+
+
+@pytest.mark.slow
+def test_dead_relay_partitions_taken_over_within_the_lease(pg_dsn: str, schema: str, kafka: str) -> None:
+    lease = 3.0
+    a = RelayProcess(pg_dsn, schema, kafka, *FAST, "--name", "a")
+    b = RelayProcess(pg_dsn, schema, kafka, *FAST, "--name", "b")
+    try:
+        wait_for(
+            lambda: len(_live_relays(pg_dsn, schema)) == 2 and len(owners(pg_dsn, schema)) == 64,
+            timeout=30,
+            what="two owners",
+        )
+        with psycopg.connect(pg_dsn) as conn:
+            ids = dict(
+                conn.execute(
+                    sql.SQL("SELECT name, id::text FROM {}.relays").format(sql.Identifier(schema))
+                ).fetchall()
+            )
+        killed_at = time.monotonic()
+        a.proc.send_signal(signal.SIGKILL)
+        a.proc.wait(10)
+
+        def one_owner() -> bool:
+            now = owners(pg_dsn, schema)
+            return len(now) == 64 and len(set(now.values())) == 1
+
+        wait_for(one_owner, timeout=30, interval=0.1, what="takeover")
+        took = time.monotonic() - killed_at
+        assert set(owners(pg_dsn, schema).values()) == {ids["b"]}
+        # Within the lease, plus one heartbeat of the survivor (lease/5) and polling slack.
+        assert took <= lease + lease / 5 + 1.0, f"takeover took {took:.1f}s"
+        assert b.stop() == 0
+    finally:
+        a.close()
+        b.close()
+
+
+@pytest.mark.slow
+def test_paused_relay_is_fenced_and_order_holds(pg_dsn: str, schema: str, kafka: str, topic: str) -> None:
+    keys, rounds = 50, 600
+    with psycopg.connect(pg_dsn) as conn:
+        for seq in range(rounds):
+            outbox.enqueue_many(
+                conn,
+                [
+                    {"topic": topic, "key": f"k{k}", "payload": {"k": f"k{k}", "seq": seq}}
+                    for k in range(keys)
+                ],
+                schema=schema,
+            )
+            conn.commit()
+    n = keys * rounds
+    # A slow-ish pace (small batches, one in flight) so that the pause lands mid-run.
+    opts = (*FAST, "--batch-size", "20", "--batches-in-flight", "1")
+    a = RelayProcess(pg_dsn, schema, kafka, *opts, "--name", "a")
+    fences: list[Any] = []
+    fenced = sql.SQL(
+        "SELECT partition FROM {}.partitions WHERE previous_owner IS NOT NULL AND fenced_until > now()"
+    ).format(sql.Identifier(schema))
+    try:
+        wait_for(lambda: count(pg_dsn, schema, "delivered") > 200, timeout=30)
+        b = RelayProcess(pg_dsn, schema, kafka, *opts, "--name", "b")
+        wait_for(lambda: len(_live_relays(pg_dsn, schema)) == 2, timeout=30, what="rebalance")
+        a.proc.send_signal(signal.SIGSTOP)  # past its ownership lease (3 s) and batch lease (4 s)
+        with psycopg.connect(pg_dsn, autocommit=True) as conn:
+
+            def fenced_then_all_taken() -> bool:
+                fences.extend(conn.execute(fenced).fetchall())
+                return (
+                    bool(fences)
+                    and len(_live_relays(pg_dsn, schema)) == 1
+                    and not conn.execute(fenced).fetchall()
+                )
+
+            # b takes a's partitions fenced while a's sessions live; PostgreSQL ends those
+            # sessions at the batch lease and the fences lift: only then is a resumed.
+            wait_for(fenced_then_all_taken, timeout=30, interval=0.1, what="fenced takeover")
+        a.proc.send_signal(signal.SIGCONT)
+        wait_for(lambda: count(pg_dsn, schema, "events") == 0, timeout=120, what="drain")
+        assert a.stop() == 0 and b.stop() == 0
+        a_log = a.output()
+    finally:
+        a.close()
+        if "b" in locals():
+            b.close()
+    assert fences, "no partition was fenced during the takeover"
+    assert "lost ownership" in a_log or "refused" in a_log, a_log[-2000:]
+    with psycopg.connect(pg_dsn) as conn:
+        row = conn.execute(
+            sql.SQL("SELECT count(*), count(DISTINCT id) FROM {}.delivered").format(sql.Identifier(schema))
+        ).fetchone()
+    assert row == (n, n), "an event was archived twice or lost"
+    messages = read_topic(kafka, topic, n, timeout=90)
+    assert len({m.event_id for m in messages}) == n
+    assert_per_key_order(messages)
+
+
+@pytest.mark.slow
+def test_ordering_none_four_processes_no_loss_no_duplicates(
+    pg_dsn: str, schema: str, kafka: str, topic: str
+) -> None:
+    n = 20_000
+    with psycopg.connect(pg_dsn) as conn:
+        outbox.enqueue_many(
+            conn, [{"topic": topic, "key": f"k{i % 100}", "payload": str(i)} for i in range(n)], schema=schema
+        )
+    relays = [
+        RelayProcess(pg_dsn, schema, kafka, "--ordering", "none", "--batch-size", "200") for _ in range(4)
+    ]
+    try:
+        wait_for(lambda: count(pg_dsn, schema, "events") == 0, timeout=60, what="drain")
+        for r in relays:
+            assert r.stop() == 0
+    finally:
+        for r in relays:
+            r.close()
+    messages = read_topic(kafka, topic, n, timeout=60)
+    assert len(messages) == n, "duplicates without a crash"
+    assert len({m.event_id for m in messages}) == n
+    assert count(pg_dsn, schema, "delivered") == n

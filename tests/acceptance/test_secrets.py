@@ -1,0 +1,149 @@
+"""Secrets (DSN passwords, SASL passwords) never reach logs, errors, status output or metrics."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import urllib.error
+import urllib.request
+
+import psycopg
+from psycopg.conninfo import conninfo_to_dict, make_conninfo
+
+import outbox
+from outbox.embedded import free_port
+from tests.helpers import RelayProcess, wait_for
+
+
+def test_secrets_never_reach_logs_errors_status_or_metrics(pg_dsn: str, schema: str, kafka: str) -> None:
+    """A DSN password and a SASL password, with errors provoked on both sides."""
+    pw, sasl = "PgSecret-7f3a", "SaslSecret-91bc"
+    port = free_port()
+    dsn = make_conninfo(**{**conninfo_to_dict(pg_dsn), "password": pw})  # trust auth ignores it
+    relay = RelayProcess(
+        dsn,
+        schema,
+        "127.0.0.1:1",  # no broker there: connection errors are logged
+        "--kafka-config",
+        "security.protocol=SASL_PLAINTEXT",
+        "--kafka-config",
+        "sasl.mechanism=PLAIN",
+        "--kafka-config",
+        "sasl.username=u",
+        "--kafka-config",
+        f"sasl.password={sasl}",
+        "--metrics-port",
+        str(port),
+        "--log-level",
+        "debug",
+    )
+    scraped = []
+    try:
+        with psycopg.connect(pg_dsn) as conn:
+            outbox.enqueue(conn, "t", b"x", schema=schema)
+        # Until the relay serves its endpoints and has tried (and failed) to reach the broker.
+        wait_for(lambda: "kafka" in relay.output().lower(), timeout=30, what="a broker error logged")
+        for path in ("/metrics", "/readyz", "/livez"):
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=5) as resp:
+                    scraped.append(resp.read().decode())
+            except urllib.error.HTTPError as exc:  # /readyz is 503 while the broker is unreachable
+                scraped.append(exc.read().decode())
+        relay.proc.send_signal(signal.SIGTERM)
+        relay.proc.wait(30)
+        logs = relay.output()
+    finally:
+        relay.close()
+    assert "delivery" in logs.lower() or "kafka" in logs.lower(), logs[-1000:]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OUTBOX_")}
+    status = subprocess.run(
+        [sys.executable, "-m", "outbox", "status", "--dsn", dsn, "--schema", schema],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+    )
+    bad = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "outbox",
+            "status",
+            "--schema",
+            schema,
+            "--dsn",
+            dsn.replace("dbname=", "dbname=nope_"),
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+    )
+    assert bad.returncode != 0
+    assert "outbox_events_delivered_total" in scraped[0] or "outbox_" in scraped[0], scraped[0][:500]
+    for text in (logs, status.stdout, status.stderr, bad.stdout, bad.stderr, *scraped):
+        assert pw not in text and sasl not in text
+
+
+def test_secrets_never_reach_the_output_of_any_cli_command(pg_dsn: str, schema: str, kafka: str) -> None:
+    """Every command, with the password in keyword and URL DSNs, working and failing."""
+    pw, sasl = "PgSecret-c41d", "SaslSecret-0e27"
+    parts = conninfo_to_dict(pg_dsn)
+    good = make_conninfo(**{**parts, "password": pw})  # trust auth ignores the password
+    url = f"postgresql://{parts.get('user', 'root')}:{pw}@{parts.get('host', '127.0.0.1')}:{parts.get('port', 5432)}"
+    broken = [
+        f"{url}/nope_db",
+        make_conninfo(**{**parts, "password": pw, "dbname": "nope_db"}),
+        f"{url}x/test",
+    ]
+    sasl_args = ["--kafka-config", "security.protocol=SASL_PLAINTEXT", "--kafka-config", "sasl.mechanism=PLAIN",
+                 "--kafka-config", "sasl.username=u", "--kafka-config", f"sasl.password={sasl}"]  # fmt: skip
+    commands = [
+        ["migrate"],
+        ["status"],
+        ["status", "--json"],
+        ["dead", "list"],
+        ["dead", "redrive", "--all", "--dry-run"],
+        ["retry", "--dry-run"],
+        ["replay", "--since", "1h", "--dry-run"],
+        ["replay", "--since", "1h", "--yes"],
+        [
+            "replay",
+            "--since",
+            "1h",
+            "--typo",
+            "--kafka-bootstrap",
+            "127.0.0.1:1",
+            *sasl_args,
+        ],  # argparse error
+        ["purge", "--older-than", "30d", "--dry-run"],
+        ["notify", "on"],
+        ["relay", "--kafka-bootstrap", "127.0.0.1:1", "--grace", "0", *sasl_args],
+    ]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OUTBOX_")}
+    outputs = []
+    failures = 0
+    for dsn in [good, *broken]:
+        for command in commands:
+            try:
+                out = subprocess.run(
+                    [sys.executable, "-m", "outbox", *command, "--dsn", dsn, "--schema", schema],
+                    capture_output=True, text=True, env=env, timeout=15,
+                )  # fmt: skip
+                failures += out.returncode != 0
+                outputs.append((command, dsn, out.stdout + out.stderr))
+            except subprocess.TimeoutExpired as exc:  # the relay runs until stopped: what it said so far
+                text = (exc.stdout or b"") + (exc.stderr or b"")
+                outputs.append((command, dsn, text.decode() if isinstance(text, bytes) else text))
+    # With env DSN too (OUTBOX_DSN), as a sidecar would be configured.
+    out = subprocess.run(
+        [sys.executable, "-m", "outbox", "status", "--schema", schema],
+        capture_output=True, text=True, env={**env, "OUTBOX_DSN": broken[0]}, timeout=15,
+    )  # fmt: skip
+    outputs.append((["status (OUTBOX_DSN)"], broken[0], out.stdout + out.stderr))
+    assert failures >= 3 * len(commands) - 3, "the broken DSNs should make (nearly) every command fail"
+    assert any("nope_db" in text for _, _, text in outputs), "errors should still say what is wrong"
+    for command, dsn, text in outputs:
+        assert pw not in text and sasl not in text, (command, dsn, text[-2000:])

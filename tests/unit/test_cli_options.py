@@ -1,0 +1,64 @@
+"""outbox.cli.options: every option comes from its setting; flags, variables and defaults agree (pure)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import pytest
+
+from outbox.cli import build_parser, options
+from outbox.cli.relay import relay_config
+from outbox.config import RelayConfig
+from outbox.errors import ConfigError
+from outbox.retry import RetryPolicy
+
+
+def _relay_args(*argv: str) -> Any:
+    return build_parser().parse_args(["relay", "--kafka-bootstrap", "k:1", *argv])
+
+
+def test_relay_defaults_are_the_configs_defaults() -> None:
+    built = relay_config(_relay_args())
+    plain = RelayConfig("")
+    for f in dataclasses.fields(RelayConfig):
+        if f.name not in ("dsn", "name"):
+            assert getattr(built, f.name) == getattr(plain, f.name), f.name
+    assert built.retry == RetryPolicy()
+
+
+def test_every_relay_setting_is_a_flag_with_its_variable_in_the_help() -> None:
+    help_text = " ".join(build_parser()._subparsers._group_actions[0].choices["relay"].format_help().split())  # type: ignore[union-attr]
+    for cls in (RelayConfig, RetryPolicy):
+        for option in options.options_of(cls):
+            assert option.flag in help_text and option.env in help_text, option.name
+
+
+def test_flags_win_over_variables_which_win_over_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("OUTBOX_BATCH_SIZE", "300")
+    monkeypatch.setenv("OUTBOX_NOTIFY", "off")
+    monkeypatch.setenv("OUTBOX_RETRY_BASE", "0.5")
+    config = relay_config(_relay_args("--batch-size", "400"))
+    assert config.batch_size == 400 and config.notify is False and config.retry.base == 0.5
+
+
+@pytest.mark.parametrize(
+    ("name", "value", "message"),
+    [
+        ("OUTBOX_BATCH_SIZE", "many", "OUTBOX_BATCH_SIZE: expected an integer"),
+        ("OUTBOX_LEASE", "soon", "OUTBOX_LEASE: expected a number"),
+        ("OUTBOX_ARCHIVE", "perhaps", "OUTBOX_ARCHIVE: expected true/false"),
+        ("OUTBOX_ORDERING", "random", "OUTBOX_ORDERING: must be one of key, none"),
+    ],
+)
+def test_bad_variables_are_named(
+    monkeypatch: pytest.MonkeyPatch, name: str, value: str, message: str
+) -> None:
+    monkeypatch.setenv(name, value)
+    with pytest.raises(ConfigError, match=message):
+        build_parser()
+
+
+def test_invalid_combinations_are_refused_by_the_config() -> None:
+    with pytest.raises(ConfigError, match="delivery timeout"):
+        relay_config(_relay_args("--lease", "5", "--delivery-timeout", "6"))

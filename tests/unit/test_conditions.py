@@ -1,0 +1,52 @@
+"""outbox.conditions: an outage is one line when it starts, a summary a minute, one line when it ends."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from outbox.conditions import Condition
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_an_outage_is_three_kinds_of_line(caplog: pytest.LogCaptureFixture) -> None:
+    clock = Clock()
+    c = Condition(logging.getLogger("test.cond"), "database", "cannot reach PostgreSQL", clock=clock)
+    with caplog.at_level(logging.INFO):
+        c.ok()  # nothing under way: silent
+        for i in range(600):  # ten minutes, a failed attempt a second
+            c.fail(f"connection refused #{i}")
+            clock.now += 1.0
+        c.ok()
+        c.ok()
+    events = [getattr(r, "event", None) for r in caplog.records]
+    assert events[0] == "database.started"
+    assert events[-1] == "database.ended"
+    assert events.count("database.ongoing") == 9  # one a minute, not one an attempt
+    assert len(caplog.records) == 11
+    assert "still failing after 60 s, 61 attempts" in caplog.records[1].getMessage()
+    assert "recovered after 600.0 s (600 failed attempts, last: connection refused #599)" in (
+        caplog.records[-1].getMessage()
+    )
+    assert not c.active and c.episodes == 1
+
+
+def test_a_new_episode_starts_after_recovery(caplog: pytest.LogCaptureFixture) -> None:
+    clock = Clock()
+    c = Condition(logging.getLogger("test.cond"), "kafka", "cannot reach the Kafka brokers", clock=clock)
+    with caplog.at_level(logging.INFO):
+        c.fail("down")
+        clock.now += 5
+        assert c.seconds() == 5
+        c.ok()
+        c.fail("down again")
+    assert [r.event for r in caplog.records] == ["kafka.started", "kafka.ended", "kafka.started"]  # type: ignore[attr-defined]
+    assert c.episodes == 2

@@ -1,0 +1,17 @@
+"""outbox.hygiene: when the relay vacuums its own hot table (pure)."""
+
+from __future__ import annotations
+
+import threading
+
+from outbox.hygiene import Hygiene
+
+
+def test_hygiene_vacuums_when_dead_tuples_dominate_not_mid_drain() -> None:
+    h = Hygiene("", "outbox", threading.Event(), threshold=20_000)
+    assert h.needs_vacuum(dead=25_000, live=300, size=10 << 20)  # steady state: bloat
+    assert not h.needs_vacuum(dead=25_000, live=400_000, size=100 << 20)  # big backlog draining
+    assert not h.needs_vacuum(dead=5_000, live=3_000, size=2 << 20)  # below the threshold, not drained
+    assert h.needs_vacuum(dead=5_000, live=0, size=2 << 20)  # drained but large: truncate
+    assert not h.needs_vacuum(dead=5_000, live=0, size=100_000)  # drained and small
+    assert h.needs_vacuum(dead=19_000, live=12, size=4 << 20)  # drained, stats drifted a little

@@ -1,0 +1,56 @@
+"""outbox.queries: named SQL, loaded once, schema bound as an identifier (pure)."""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+import pytest
+
+from outbox import queries
+
+PACKAGE = Path(queries.__file__).parent
+
+
+def test_int_arrays_as_literals() -> None:
+    assert queries.int_array([1, None, 3]) == "{1,NULL,3}"
+    assert queries.int_array([]) == "{}"
+
+
+def test_every_named_query_binds_its_placeholders() -> None:
+    fillers = {
+        "keywords": {"state": "ENABLE"},
+        "identifiers": {"partition": "delivered_p20260101", "role": "r", "relay": "r"},
+        "literals": {"version": 1, "name": "n", "checksum": "c", "body": "b", "statement": "s"},
+    }
+    for name in queries.names():
+        text = queries.query(name, 'we"ird', **fillers).as_string()  # type: ignore[arg-type]
+        assert not re.search(r"(?<!\{)\{[a-z_]+\}(?!\})", text), (name, text)  # no placeholder left
+    with pytest.raises(KeyError):
+        queries.query("nope", "outbox")
+
+
+def test_no_runtime_module_writes_sql_by_hand() -> None:
+    """SQL lives in .sql files: no module of the package executes or composes a string literal."""
+    offenders = []
+    for path in PACKAGE.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.Call) or not node.args:
+                continue
+            name = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", "")
+            first = node.args[0]
+            literal = isinstance(first, (ast.Constant, ast.JoinedStr)) and not (
+                isinstance(first, ast.Constant) and not isinstance(first.value, str)
+            )
+            if name in ("execute", "executemany", "copy", "SQL") and literal:
+                offenders.append(f"{path.relative_to(PACKAGE)}:{node.lineno}")
+    assert offenders == []
+
+
+def test_no_statement_is_defined_twice() -> None:
+    bodies: dict[str, str] = {}
+    for name in queries.names():
+        body = " ".join(queries.raw(name).split())
+        assert body not in bodies, f"{name} repeats {bodies.get(body)}"
+        bodies[body] = name
