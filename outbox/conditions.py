@@ -58,6 +58,7 @@ class Condition:
 
     def fail(self, error: str) -> None:
         """One more failed attempt: logs only when the episode starts, and at summaries."""
+        error = " ".join(error.split())  # one line, whatever the driver put in the message
         with self._lock:
             now = self._clock()
             self.last_error = error

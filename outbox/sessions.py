@@ -45,8 +45,8 @@ class Sessions:
         self.database = Condition(log, "database", "cannot reach PostgreSQL")
 
     def clean(self, exc: BaseException | None) -> str:
-        """An error's text with the DSN's password masked."""
-        return scrub(str(exc), self._secrets)
+        """An error's text on one line, with the DSN's password masked."""
+        return " ".join(scrub(str(exc), self._secrets).split())
 
     def connect(self) -> psycopg.Connection[Any]:
         """A new session with the relay's settings (raises on failure)."""

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from outbox.bench.config import BenchConfig
 from outbox.bench.faults import cli as faults_cli
 from outbox.cli import options
 from outbox.cli.common import add_common
@@ -45,8 +46,6 @@ def add_servers(parser: argparse.ArgumentParser) -> None:
 
 
 def _add_perf(parser: argparse.ArgumentParser) -> None:
-    from outbox.bench.scenarios import BenchConfig
-
     add_servers(parser)
     options.add(parser, PerfOptions)
     options.add(parser, BenchConfig, env_prefix="OUTBOX_BENCH_", overrides_only=True)
@@ -70,7 +69,6 @@ def register(sub: Any) -> None:
 def cmd_perf(args: argparse.Namespace) -> int:
     require("bench", "outbox bench")
     from outbox.bench.runner import run_bench
-    from outbox.bench.scenarios import BenchConfig
 
     perf = options.build(PerfOptions, args)
     overrides = options.values(BenchConfig, args)

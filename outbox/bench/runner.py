@@ -11,27 +11,12 @@ from typing import Any
 
 from outbox.bench import report, scenarios
 from outbox.bench.cli import SCENARIOS
+from outbox.bench.config import SMOKE, BenchConfig
 from outbox.bench.measure import machine
-from outbox.bench.scenarios import BenchConfig
 from outbox.errors import ConfigError
 from outbox.harness.infra import infrastructure
 
 ALL = list(SCENARIOS)
-
-SMOKE = {
-    "events": 3000,
-    "repeat": 1,
-    "seeds_seconds": 2.0,
-    "rates": [200],
-    "steady_seconds": 3.0,
-    "writer_iterations": 100,
-    "enqueue_many_repeats": 3,
-    "soak_minutes": 0.1,
-    "soak_rate": 200,
-    "snapshot_seconds": 2.0,
-    "settle_seconds": 3.0,
-    "scale_processes": [1, 2],
-}
 
 
 def run_bench(

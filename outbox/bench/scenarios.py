@@ -14,7 +14,6 @@ import tempfile
 import threading
 import time
 import uuid
-from dataclasses import dataclass
 from multiprocessing.sharedctypes import Synchronized
 from pathlib import Path
 from typing import Any
@@ -22,6 +21,7 @@ from typing import Any
 import psycopg
 from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-defined]
 
+from outbox.bench.config import BenchConfig
 from outbox.bench.contenders import ContenderSpec
 from outbox.bench.measure import median, middle_rate, percentiles, race
 from outbox.harness.load import Load, prepare
@@ -29,32 +29,12 @@ from outbox.harness.tap import Tap
 from outbox.migrate import migrate
 from outbox.progress import Progress
 from outbox.queries import query
-from outbox.settings import setting
 from outbox.writer import enqueue, enqueue_many
 
 PAYLOAD_BYTES = 200
 KEYS = 1000
 FILL_CHUNK = 10_000  # events per enqueue_many/commit while filling
 TOPIC_PARTITIONS = 4
-
-
-@dataclass
-class BenchConfig:
-    dsn: str = setting(help="PostgreSQL", cli=False)
-    bootstrap: str = setting(help="the broker", cli=False)
-    events: int = setting(500_000, "drain/scale: pending events")
-    repeat: int = setting(3, "drain: runs per contender")
-    seeds_seconds: float = setting(30.0, "drain: seconds the seeds' loop races (it is slow)")
-    rates: list[int] = setting(default_factory=lambda: [1000, 5000, 20000], help="steady: events/s")
-    steady_seconds: float = setting(30.0, "steady: seconds per rate")
-    writer_iterations: int = setting(2000, "writer: business transactions with and without enqueue")
-    enqueue_many_repeats: int = setting(30, "writer: enqueue_many(1000) calls")
-    soak_minutes: float = setting(10.0, "soak: minutes")
-    soak_rate: int = setting(2000, "soak: events/s")
-    snapshot_seconds: float = setting(60.0, "soak: seconds a snapshot is held open")
-    settle_seconds: float = setting(90.0, "soak: seconds allowed afterwards for the table to shrink")
-    scale_processes: list[int] = setting(default_factory=lambda: [1, 2, 4], help="scale: relay processes")
-    max_race_seconds: float = setting(600.0, "longest a race may run", cli=False)
 
 
 # -- set-up -----------------------------------------------------------------------

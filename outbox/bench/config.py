@@ -1,0 +1,43 @@
+"""The benchmark's settings (light: the CLI reads them without the ``outbox[bench]`` extra)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from outbox.settings import setting
+
+
+@dataclass
+class BenchConfig:
+    dsn: str = setting(help="PostgreSQL", cli=False)
+    bootstrap: str = setting(help="the broker", cli=False)
+    events: int = setting(500_000, "drain/scale: pending events")
+    repeat: int = setting(3, "drain: runs per contender")
+    seeds_seconds: float = setting(30.0, "drain: seconds the seeds' loop races (it is slow)")
+    rates: list[int] = setting(default_factory=lambda: [1000, 5000, 20000], help="steady: events/s")
+    steady_seconds: float = setting(30.0, "steady: seconds per rate")
+    writer_iterations: int = setting(2000, "writer: business transactions with and without enqueue")
+    enqueue_many_repeats: int = setting(30, "writer: enqueue_many(1000) calls")
+    soak_minutes: float = setting(10.0, "soak: minutes")
+    soak_rate: int = setting(2000, "soak: events/s")
+    snapshot_seconds: float = setting(60.0, "soak: seconds a snapshot is held open")
+    settle_seconds: float = setting(90.0, "soak: seconds allowed afterwards for the table to shrink")
+    scale_processes: list[int] = setting(default_factory=lambda: [1, 2, 4], help="scale: relay processes")
+    max_race_seconds: float = setting(600.0, "longest a race may run", cli=False)
+
+
+# --smoke: every scenario in seconds (CI checks that each runs and writes its outputs).
+SMOKE = {
+    "events": 3000,
+    "repeat": 1,
+    "seeds_seconds": 2.0,
+    "rates": [200],
+    "steady_seconds": 3.0,
+    "writer_iterations": 100,
+    "enqueue_many_repeats": 3,
+    "soak_minutes": 0.1,
+    "soak_rate": 200,
+    "snapshot_seconds": 2.0,
+    "settle_seconds": 3.0,
+    "scale_processes": [1, 2],
+}
