@@ -33,6 +33,7 @@ import psycopg
 
 from outbox import tracing
 from outbox.batch import Batch, BatchResult
+from outbox.conditions import Condition
 from outbox.config import RelayConfig
 from outbox.errors import FencingError
 from outbox.hygiene import Hygiene
@@ -94,6 +95,8 @@ class Relay:
         self.running = threading.Event()  # set once connected and producing
         self.metrics = RelayMetrics()
         self._health: HealthServer | None = None
+        # Retries batch after batch are one problem, not a line per batch.
+        self.delivery = Condition(log, "delivery", "deliveries failing")
 
     # -- public -----------------------------------------------------------------
 
@@ -305,7 +308,10 @@ class Relay:
             log.warning("event %d dead-lettered: %s", event_id, reason, extra={"event": "event.dead"})
         retried = sum(r.retried for r in result.topics.values())
         if retried:
-            log.info("%d events will be retried", retried)
+            kinds = sorted({kind for r in result.topics.values() for kind in r.errors})
+            self.delivery.fail(f"{retried} events of the last batch will be retried ({', '.join(kinds)})")
+        elif any(r.latencies for r in result.topics.values()):
+            self.delivery.ok()
 
     def _end_spans(self, batch: Batch, ack_start: int, error: str) -> None:
         if batch.spans:
