@@ -128,10 +128,6 @@ class Ordering:
         """Lock up to ``limit`` events this relay may deliver now, in id order (the batch's lease)."""
         return conn.execute(query(self._claim, self.schema), {"limit": limit, "owner": self.id}).fetchall()
 
-    def holds_back(self, failure_is_retry: bool) -> bool:
-        """Does a failed event hold back its key's later events?"""
-        return self.ordered and (failure_is_retry or self.parks)
-
     @property
     def interval(self) -> float:
         return self.lease / HEARTBEAT_FRACTION

@@ -143,7 +143,7 @@ class Relay:
             return False, "starting"
         if self._sink is None or not self._sink.healthy():
             return False, "sink unhealthy"
-        if self.sessions.database.active:
+        if self.sessions.database.active or self.ordering.heartbeat.active:
             return False, "database unreachable"
         return True, "ready"
 
@@ -224,8 +224,6 @@ class Relay:
         return len(batch)
 
     def _finish_complete_batches(self) -> None:
-        if not any(batch.complete for batch in self._in_flight):
-            return
         for batch in [b for b in self._in_flight if b.complete]:
             self._finish(batch)
 
