@@ -57,7 +57,11 @@ def register(sub: Any) -> None:
 
 def relay_config(args: argparse.Namespace) -> RelayConfig:
     retry = options.build(RetryPolicy, args)
-    return options.build(RelayConfig, args, dsn=args.dsn, schema=schema_of(args), retry=retry)
+    # As ever on the command line, port 0 means no HTTP server (the library takes 0 as "any port").
+    port = None if args.metrics_port == 0 else args.metrics_port
+    return options.build(
+        RelayConfig, args, dsn=args.dsn, schema=schema_of(args), retry=retry, metrics_port=port
+    )
 
 
 def parse_kafka_config(items: Sequence[str]) -> dict[str, str]:

@@ -62,3 +62,9 @@ def test_bad_variables_are_named(
 def test_invalid_combinations_are_refused_by_the_config() -> None:
     with pytest.raises(ConfigError, match="delivery timeout"):
         relay_config(_relay_args("--lease", "5", "--delivery-timeout", "6"))
+
+
+def test_metrics_port_zero_means_off_on_the_command_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert relay_config(_relay_args("--metrics-port", "0")).metrics_port is None
+    monkeypatch.setenv("OUTBOX_METRICS_PORT", "9464")
+    assert relay_config(_relay_args()).metrics_port == 9464
