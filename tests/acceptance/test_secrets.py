@@ -43,8 +43,17 @@ def test_secrets_never_reach_logs_errors_status_or_metrics(pg_dsn: str, schema: 
     try:
         with psycopg.connect(pg_dsn) as conn:
             outbox.enqueue(conn, "t", b"x", schema=schema)
+
         # Until the relay serves its endpoints and has tried (and failed) to reach the broker.
-        wait_for(lambda: "kafka" in relay.output().lower(), timeout=30, what="a broker error logged")
+        def serving_and_failing() -> bool:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/livez", timeout=2):
+                    pass
+            except OSError:
+                return False
+            return "cannot reach the kafka brokers" in relay.output().lower()
+
+        wait_for(serving_and_failing, timeout=30, what="endpoints up and the broker outage logged")
         for path in ("/metrics", "/readyz", "/livez"):
             try:
                 with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=5) as resp:
