@@ -18,7 +18,9 @@ from outbox.errors import ConfigError, RelayFailed
 from outbox.migrate import require_migrated
 from outbox.relay import Relay
 from outbox.retry import RetryPolicy
+from outbox.routes import SinkURL, parse_routes
 from outbox.settings import setting
+from outbox.sinks import router
 from outbox.sinks.base import Sink
 from outbox.sinks.kafka import KafkaSink
 
@@ -37,17 +39,30 @@ class KafkaOptions:
 
 
 @dataclass
+class RouteOptions:
+    route: list[str] = setting(
+        default_factory=list,
+        help="GLOB=URL: events whose topic matches GLOB (fnmatch, first match wins) go to the sink at "
+        "URL (kafka://host:port[,...]); repeatable (in the variable: separated by whitespace or "
+        "newlines); --kafka-bootstrap B adds a last route *=kafka://B",
+        env="OUTBOX_ROUTES",
+        metavar="GLOB=URL",
+    )
+
+
+@dataclass
 class CustomSink:
     sink: str = setting(
         "kafka",
-        "kafka, or MODULE:FACTORY for a custom sink, called as factory(bootstrap, kafka_config, "
-        "delivery_timeout)",
+        "kafka, or MODULE:FACTORY for a custom sink used for kafka:// routes, called as "
+        "factory(bootstrap, kafka_config, delivery_timeout)",
     )
 
 
 def register(sub: Any) -> None:
     p = sub.add_parser("relay", help="publish committed events until SIGTERM/SIGINT")
     add_common(p)
+    options.add(p, RouteOptions)
     options.add(p, KafkaOptions)
     options.add(p, CustomSink)
     options.add(p, RelayConfig)
@@ -131,8 +146,7 @@ def run_until_signal(relay: Relay) -> None:
 
 
 def cmd_relay(args: argparse.Namespace) -> int:
-    if not args.kafka_bootstrap:
-        raise ConfigError("--kafka-bootstrap (or OUTBOX_KAFKA_BOOTSTRAP) is required")
+    routes = parse_routes(args.route, args.kafka_bootstrap)
     config = relay_config(args)
     from outbox.tracing import configure_from_env
 
@@ -145,10 +159,14 @@ def cmd_relay(args: argparse.Namespace) -> int:
 
     factory = load_sink_factory(args.sink)
 
-    def sink() -> Sink:
-        return factory(args.kafka_bootstrap, kafka_config, config.delivery_timeout)
+    def make(url: SinkURL) -> Sink:
+        return factory(url.kafka_bootstrap, kafka_config, config.delivery_timeout)
 
-    sink().close(0)  # validates the sink's configuration now, with a clear error
+    def sink() -> Sink:
+        return router.build(routes, make)
+
+    sink().close(0)  # validates every sink's configuration now, with a clear error
+    log.info("routes: %s", ", ".join(r.display for r in routes))
     run_until_signal(Relay(config, sink))
     return 0
 

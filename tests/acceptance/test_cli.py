@@ -157,3 +157,19 @@ def test_version_and_help_need_no_database() -> None:
     for command in ("relay", "migrate", "status", "dead", "retry", "replay", "purge", "demo", "bench"):
         assert _outbox(command, "--help").returncode == 0, command
     assert "OUTBOX_BENCH_EVENTS" in _outbox("bench", "--help").stdout
+
+
+def test_routes_are_checked_at_start_and_named(pg_dsn: str, schema: str, kafka: str) -> None:
+    base = ("relay", "--dsn", pg_dsn, "--schema", schema)
+    out = _outbox(*base)
+    assert out.returncode == 2 and "no sink to deliver to" in out.stderr
+    out = _outbox(*base, "--route", "orders.*=amqp://guest:Pa55word@rabbit/")
+    assert out.returncode == 2 and "--route orders.*=...: unknown sink scheme amqp://" in out.stderr
+    assert "Pa55word" not in out.stderr
+    out = _outbox(*base, "--route", "orders")
+    assert out.returncode == 2 and "expected GLOB=URL" in out.stderr
+    env_routes = subprocess.run(
+        [sys.executable, "-m", "outbox", *base, "--route", "x=kafka://host"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert env_routes.returncode == 2 and "expected kafka://host:port" in env_routes.stderr

@@ -1,0 +1,108 @@
+"""Routes: which sink each topic goes to (``--route GLOB=URL``, ``OUTBOX_ROUTES``).
+
+A route is ``GLOB=URL``. The glob matches the event's topic, case-sensitively,
+``fnmatch`` style (``orders.*``, ``*``), and the first route that matches wins.
+``--kafka-bootstrap B`` is kept and means a last route ``*=kafka://B``. An event
+whose topic matches no route is dead-lettered at once with the reason
+``no route for topic '<topic>'`` — parked like any keyed dead letter, so adding
+the route and redriving delivers it in order.
+
+A route or URL that cannot be used is refused at start, with an error naming it.
+Credentials in a URL never appear in what is shown: :attr:`SinkURL.display` is
+the scheme, host and path without them (it is the ``sink`` metric label too).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from fnmatch import fnmatchcase
+from urllib.parse import SplitResult, urlsplit
+
+from outbox.errors import ConfigError
+
+# Schemes a route may name, and what each is for. A scheme's sink may need an extra.
+SCHEMES = {"kafka": "Kafka (confluent-kafka)"}
+_HOST_PORT = re.compile(r"^[A-Za-z0-9.\-\[\]:]+:\d{1,5}$")
+
+
+@dataclass(frozen=True)
+class SinkURL:
+    """A parsed sink URL; ``display`` is safe to show (no credentials)."""
+
+    scheme: str
+    parts: SplitResult
+    text: str  # as given (may hold a password: never log it)
+
+    @property
+    def display(self) -> str:
+        if self.scheme == "kafka":  # several host:port pairs: urllib cannot parse it as one host
+            return f"kafka://{self.kafka_bootstrap}"
+        host = self.parts.hostname or ""
+        port = f":{self.parts.port}" if self.parts.port else ""
+        return f"{self.scheme}://{host}{port}{self.parts.path}"
+
+    @property
+    def kafka_bootstrap(self) -> str:
+        """The bootstrap servers of a ``kafka://host:port[,host:port…]`` URL."""
+        return self.parts.netloc.rsplit("@", 1)[-1]
+
+
+def parse_url(text: str, field: str) -> SinkURL:
+    """A sink URL, or ConfigError naming ``field`` (without the URL's password)."""
+    try:
+        parts = urlsplit(text.strip())
+    except ValueError as exc:
+        raise ConfigError(f"{field}: not a URL ({exc})") from None
+    scheme = parts.scheme.lower()
+    if scheme not in SCHEMES:
+        known = ", ".join(f"{s}://" for s in SCHEMES)
+        given = f"{scheme}://" if scheme else "(none)"
+        raise ConfigError(f"{field}: unknown sink scheme {given}; known: {known}")
+    url = SinkURL(scheme, parts, text.strip())
+    if scheme == "kafka":
+        servers = [s for s in url.kafka_bootstrap.split(",") if s]
+        if not servers or not all(_HOST_PORT.match(s) for s in servers) or parts.path not in ("", "/"):
+            raise ConfigError(f"{field}: expected kafka://host:port[,host:port...], got {url.display!r}")
+    return url
+
+
+@dataclass(frozen=True)
+class Route:
+    glob: str
+    url: SinkURL
+
+    def matches(self, topic: str) -> bool:
+        return fnmatchcase(topic, self.glob)
+
+    @property
+    def display(self) -> str:
+        return f"{self.glob}={self.url.display}"
+
+
+def parse_route(text: str) -> Route:
+    """``GLOB=URL`` as a Route, or ConfigError naming the route (without its password)."""
+    glob, sep, url = text.partition("=")
+    shown = f"--route {glob.strip()}=..." if sep else f"--route {text.split('://')[0]!r}"
+    if not sep or not glob.strip() or not url.strip():
+        raise ConfigError(f"{shown}: expected GLOB=URL, e.g. 'orders.*=kafka://kafka:9092'")
+    return Route(glob.strip(), parse_url(url, shown))
+
+
+def parse_routes(items: list[str], kafka_bootstrap: str | None) -> list[Route]:
+    """Routes from ``--route`` values (each may hold several, separated by whitespace), then
+    ``--kafka-bootstrap`` as the last route ``*=kafka://B``."""
+    routes = [parse_route(text) for item in items for text in item.split()]
+    if kafka_bootstrap:
+        routes.append(Route("*", parse_url(f"kafka://{kafka_bootstrap}", "--kafka-bootstrap")))
+    if not routes:
+        raise ConfigError("--route (or OUTBOX_ROUTES, or --kafka-bootstrap): no sink to deliver to")
+    return routes
+
+
+def route_for(routes: list[Route], topic: str) -> Route | None:
+    """The first route whose glob matches ``topic``, or None."""
+    for route in routes:
+        if route.matches(topic):
+            return route
+    return None
