@@ -27,7 +27,7 @@ from outbox.events import ClaimedEvent, decode_row
 from outbox.ordering import KeyHolds
 from outbox.queries import int_array, query
 from outbox.retry import RetryPolicy, cap_error
-from outbox.sinks.base import CORRUPT_EVENT, Dead, Delivered, Outcome, Retry
+from outbox.sinks.base import CORRUPT_EVENT, HELD, Dead, Delivered, Outcome, Retry
 
 CORRUPT_TOPIC = "(corrupt)"  # the topic results of rows that could not be decoded are counted under
 
@@ -105,7 +105,7 @@ class Batch:
             return
         self.outcomes[index] = outcome
         self.waiting -= 1
-        if type(outcome) is Delivered or self._holds is None:  # the common case first: hot path
+        if type(outcome) is Delivered or self._holds is None or outcome is HELD:  # hot path first
             return
         if isinstance(outcome, Retry) or self._parks:
             event = self.events[index] if index < len(self.events) else None
@@ -114,7 +114,7 @@ class Batch:
 
     def hold(self, index: int) -> None:
         """Leave event ``index`` untouched: an earlier event of its key failed and is not committed."""
-        self.waiting -= 1
+        self.settle(index, HELD)
 
     @property
     def complete(self) -> bool:
@@ -132,13 +132,14 @@ class Batch:
         ok_ids: list[int] = []
         ok_parts: list[int | None] = []
         ok_offsets: list[int | None] = []
+        ok_refs: list[str | None] = []
         retry_ids: list[int] = []
         retry_delays: list[float] = []
         retry_errors: list[str] = []
         dead_ids: list[int] = []
         dead_errors: list[str] = []
         for i, outcome in enumerate(self.outcomes):
-            if outcome is None:  # held: left pending, untouched
+            if outcome is None or outcome is HELD:  # held: left pending, untouched
                 continue
             event = self.events[i]
             topic = CORRUPT_TOPIC if event is None else event.topic
@@ -149,6 +150,7 @@ class Batch:
                 ok_ids.append(self.ids[i])
                 ok_parts.append(outcome.partition)
                 ok_offsets.append(outcome.offset)
+                ok_refs.append(outcome.ref)
                 tr.latencies.append(now - event.created_at)  # type: ignore[union-attr]
                 continue
             assert isinstance(outcome, (Retry, Dead))
@@ -157,7 +159,10 @@ class Batch:
                 made = self.attempts[i] + 1
                 if not policy.exhausted(made):
                     retry_ids.append(self.ids[i])
-                    retry_delays.append(policy.next_delay(made))
+                    delay = policy.next_delay(made)
+                    if outcome.delay is not None:  # the sink asked for more (Retry-After)
+                        delay = max(delay, min(outcome.delay, policy.cap))
+                    retry_delays.append(delay)
                     retry_errors.append(cap_error(outcome.reason))
                     tr.retried += 1
                     continue
@@ -179,6 +184,7 @@ class Batch:
                         "ids": int_array(ok_ids),
                         "partitions": int_array(ok_parts),
                         "offsets": int_array(ok_offsets),
+                        "refs": ok_refs,
                     },
                 )
                 _check_rows(cur.rowcount, len(ok_ids), "archive")

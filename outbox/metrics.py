@@ -158,14 +158,16 @@ class RelayMetrics:
 
     def __init__(self) -> None:
         self.delivered = Counter(
-            "outbox_events_delivered_total", "Events acknowledged by the sink and archived.", ["topic"]
+            "outbox_events_delivered_total",
+            "Events acknowledged by the sink and archived.",
+            ["topic", "sink"],
         )
         self.errors = Counter(
             "outbox_delivery_errors_total",
             "Failed delivery attempts, by the kind of error the sink reported.",
-            ["topic", "error_type"],
+            ["topic", "sink", "error_type"],
         )
-        self.dead = Counter("outbox_events_dead_total", "Events moved to dead letters.", ["topic"])
+        self.dead = Counter("outbox_events_dead_total", "Events moved to dead letters.", ["topic", "sink"])
         self.latency = Histogram(
             "outbox_delivery_latency_seconds",
             "Event creation to broker acknowledgement.",

@@ -42,7 +42,9 @@ from outbox.metrics import DatabaseGauges, HealthServer, RelayMetrics
 from outbox.ordering import Ordering
 from outbox.queries import query
 from outbox.sessions import Sessions
+from outbox.sinks import router
 from outbox.sinks.base import Sink
+from outbox.sinks.chains import KeyChains
 
 __all__ = ["Relay", "RelayConfig", "RelayStats"]
 
@@ -136,16 +138,23 @@ class Relay:
             self._shutdown()
 
     def ready(self) -> tuple[bool, str]:
-        """For /readyz: database reachable, sink healthy, not shutting down."""
+        """For /readyz: database reachable, every sink up, not shutting down.
+
+        The first line says why (or ``ready``); then one line per sink."""
         if self._stop.is_set():
             return False, "draining: shutting down"
         if not self.running.is_set():
             return False, "starting"
-        if self._sink is None or not self._sink.healthy():
+        sink = self._sink
+        if sink is None or not sink.healthy():
             return False, "sink unhealthy"
+        trouble, states = router.states_of(sink)
+        detail = "".join(f"\n{line}" for line in states)
         if self.sessions.database.active or self.ordering.heartbeat.active:
-            return False, "database unreachable"
-        return True, "ready"
+            return False, "database unreachable" + detail
+        if trouble:
+            return False, f"sink down: {trouble[0]}" + detail
+        return True, "ready" + detail
 
     # -- the loop ---------------------------------------------------------------
 
@@ -202,7 +211,10 @@ class Relay:
             return 0
         ordering = self.ordering
         batch = Batch(conn, rows, holds=ordering.holds if ordering.ordered else None, parks=ordering.parks)
-        batch.spans = tracing.start_batch(batch.events, claim_start, time.time_ns())
+        sink = self._sink
+        batch.spans = tracing.start_batch(
+            batch.events, claim_start, time.time_ns(), lambda topic: router.shape_of(sink, topic)
+        )
         self.stats.claimed += len(batch)
         if self._health is not None:
             self.metrics.batch_size.observe(len(batch))
@@ -294,12 +306,12 @@ class Relay:
             stats.dead += r.dead
             if metrics is None:
                 continue
-            labels = (topic,)
+            labels = (topic, "none" if self._sink is None else router.name_of(self._sink, topic))
             if r.latencies:
                 metrics.delivered.inc(labels, len(r.latencies))
                 metrics.latency.observe_many(r.latencies)
             for kind, n in r.errors.items():
-                metrics.errors.inc((topic, kind), n)
+                metrics.errors.inc((*labels, kind), n)
             if r.dead:
                 metrics.dead.inc(labels, r.dead)
         for event_id, reason in result.dead_events:
@@ -337,7 +349,14 @@ class Relay:
             )
             self._release_in_flight("")
             self._sink.close(0)
-        self._sink = self._sink_factory()
+        self._sink = self._new_sink()
+
+    def _new_sink(self) -> Sink:
+        """A sink from the factory; one that cannot order a key's in-flight events gets key chains."""
+        sink = self._sink_factory()
+        if self.ordering.ordered and not getattr(router.unwrap(sink), "keeps_key_order", True):
+            sink = KeyChains(sink, parks=self.ordering.parks)
+        return sink
 
     def _heartbeat(self, extra: psycopg.Connection[Any] | None = None) -> None:
         conns = [b.conn for b in self._in_flight] + ([extra] if extra is not None else [])
@@ -379,7 +398,7 @@ class Relay:
                 config.metrics_host, config.metrics_port, self.metrics, gauges, self.ready
             ).start()
             log.info("serving /metrics, /livez, /readyz on %s:%d", config.metrics_host, self._health.port)
-        self._sink = self._sink_factory()
+        self._sink = self._new_sink()
         self._heartbeat()  # join and take a share of the partitions before the first claim
         if config.vacuum:
             self._hygiene = Hygiene(config.dsn, config.schema, self._stop, threshold=config.vacuum_threshold)

@@ -17,12 +17,22 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from fnmatch import fnmatchcase
-from urllib.parse import SplitResult, urlsplit
+from urllib.parse import SplitResult, parse_qsl, urlsplit
 
 from outbox.errors import ConfigError
 
-# Schemes a route may name, and what each is for. A scheme's sink may need an extra.
-SCHEMES = {"kafka": "Kafka (confluent-kafka)"}
+# Schemes a route may name: the sink, and the extra its client comes in (None: always there).
+SCHEMES: dict[str, tuple[str, str | None]] = {
+    "kafka": ("Kafka", None),
+    "amqp": ("RabbitMQ", "rabbitmq"),
+    "amqps": ("RabbitMQ", "rabbitmq"),
+    "nats": ("NATS JetStream", "nats"),
+    "tls": ("NATS JetStream", "nats"),
+    "redis": ("Redis Streams", "redis"),
+    "rediss": ("Redis Streams", "redis"),
+    "http": ("webhooks", "http"),
+    "https": ("webhooks", "http"),
+}
 _HOST_PORT = re.compile(r"^[A-Za-z0-9.\-\[\]:]+:\d{1,5}$")
 
 
@@ -39,8 +49,18 @@ class SinkURL:
         if self.scheme == "kafka":  # several host:port pairs: urllib cannot parse it as one host
             return f"kafka://{self.kafka_bootstrap}"
         host = self.parts.hostname or ""
-        port = f":{self.parts.port}" if self.parts.port else ""
-        return f"{self.scheme}://{host}{port}{self.parts.path}"
+        try:
+            port = f":{self.parts.port}" if self.parts.port else ""
+        except ValueError:  # refused by parse_url; shown as given
+            port = ""
+        # A webhook URL's query may hold a token: never shown. The others hold only options.
+        query = f"?{self.parts.query}" if self.parts.query and self.scheme not in ("http", "https") else ""
+        return f"{self.scheme}://{host}{port}{self.parts.path}{query}"
+
+    @property
+    def options(self) -> dict[str, str]:
+        """The URL's query parameters (last one wins)."""
+        return dict(parse_qsl(self.parts.query, keep_blank_values=True))
 
     @property
     def kafka_bootstrap(self) -> str:
@@ -56,7 +76,7 @@ def parse_url(text: str, field: str) -> SinkURL:
         raise ConfigError(f"{field}: not a URL ({exc})") from None
     scheme = parts.scheme.lower()
     if scheme not in SCHEMES:
-        known = ", ".join(f"{s}://" for s in SCHEMES)
+        known = ", ".join(f"{s}://" for s in SCHEMES if s != "tls")
         given = f"{scheme}://" if scheme else "(none)"
         raise ConfigError(f"{field}: unknown sink scheme {given}; known: {known}")
     url = SinkURL(scheme, parts, text.strip())
@@ -64,7 +84,38 @@ def parse_url(text: str, field: str) -> SinkURL:
         servers = [s for s in url.kafka_bootstrap.split(",") if s]
         if not servers or not all(_HOST_PORT.match(s) for s in servers) or parts.path not in ("", "/"):
             raise ConfigError(f"{field}: expected kafka://host:port[,host:port...], got {url.display!r}")
+        return url
+    try:
+        parts.port  # noqa: B018  (raises on a bad port)
+    except ValueError:
+        raise ConfigError(f"{field}: the port of {url.display!r} is not a number from 0 to 65535") from None
+    if not parts.hostname:
+        raise ConfigError(f"{field}: {url.display!r} names no host")
+    allowed = _OPTIONS.get(scheme)
+    if allowed is not None:
+        for name, value in url.options.items():
+            if name not in allowed:
+                raise ConfigError(
+                    f"{field}: unknown option {name!r} in {url.display!r}; known: {', '.join(allowed)}"
+                )
+            if allowed[name] is int and not (value.isdigit() and int(value) > 0):
+                raise ConfigError(f"{field}: option {name} must be a positive integer, got {value!r}")
+    if scheme in ("redis", "rediss") and parts.path.strip("/") and not parts.path.strip("/").isdigit():
+        raise ConfigError(
+            f"{field}: the database of {url.display!r} must be a number, e.g. redis://host:6379/0"
+        )
     return url
+
+
+# The query options each scheme takes (webhook URLs keep theirs: they are the endpoint's).
+_OPTIONS: dict[str, dict[str, type]] = {
+    "amqp": {"exchange": str, "max_message_size": int, "heartbeat": int},
+    "amqps": {"exchange": str, "max_message_size": int, "heartbeat": int},
+    "nats": {},
+    "tls": {},
+    "redis": {"maxlen": int},
+    "rediss": {"maxlen": int},
+}
 
 
 @dataclass(frozen=True)

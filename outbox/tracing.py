@@ -1,6 +1,7 @@
 """OpenTelemetry spans of the relay, after the messaging semantic conventions.
 
-One ``send <topic>`` span (kind PRODUCER) per sent batch and topic, with
+One span per sent batch and topic. For Kafka (and RabbitMQ, NATS, with their
+own ``messaging.system``), ``send <topic>``, kind PRODUCER, with
 ``messaging.system=kafka``, ``messaging.destination.name``,
 ``messaging.operation.type=send``, ``messaging.batch.message_count``,
 ``error.type`` when events failed, and a link to each event's creation context
@@ -17,7 +18,8 @@ per-event work (parsing ``traceparent`` for links) is skipped otherwise.
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from opentelemetry import trace
 from opentelemetry.trace import Link, Span, SpanKind, StatusCode
@@ -47,10 +49,26 @@ def tracing_on() -> bool:
     return not isinstance(trace.get_tracer_provider(), (trace.ProxyTracerProvider, trace.NoOpTracerProvider))
 
 
+def kafka_shape(topic: str) -> tuple[str, dict[str, Any]]:
+    return f"send {topic}", {
+        "messaging.system": "kafka",
+        "messaging.destination.name": topic,
+        "messaging.operation.type": "send",
+        "messaging.operation.name": "send",
+    }
+
+
 def start_batch(
-    events: Sequence[ClaimedEvent | None], claim_start_ns: int, claim_end_ns: int
+    events: Sequence[ClaimedEvent | None],
+    claim_start_ns: int,
+    claim_end_ns: int,
+    shape: Callable[[str], tuple[str, dict[str, Any]]] = kafka_shape,
 ) -> dict[str, Span]:
-    """``send <topic>`` spans for a claimed batch (empty when tracing is off)."""
+    """One span per topic of a claimed batch (empty when tracing is off).
+
+    ``shape(topic)`` gives the span's name and attributes, after the conventions of the
+    topic's sink: messaging (Kafka, RabbitMQ, NATS; kind PRODUCER), database (Redis;
+    kind CLIENT) or HTTP client (webhooks; kind CLIENT)."""
     if not tracing_on():
         return {}  # before any per-event work: this runs for every batch
     by_topic: dict[str, list[ClaimedEvent]] = {}
@@ -60,18 +78,16 @@ def start_batch(
     spans: dict[str, Span] = {}
     for topic, topic_events in by_topic.items():
         links = [link for link in map(_link, topic_events[:MAX_LINKS]) if link is not None]
+        name, attributes = shape(topic)
+        messaging = "messaging.system" in attributes
+        if messaging:
+            attributes = {**attributes, "messaging.batch.message_count": len(topic_events)}
         span = _tracer.start_span(
-            f"send {topic}",
-            kind=SpanKind.PRODUCER,
+            name,
+            kind=SpanKind.PRODUCER if messaging else SpanKind.CLIENT,
             start_time=claim_start_ns,
             links=links,
-            attributes={
-                "messaging.system": "kafka",
-                "messaging.destination.name": topic,
-                "messaging.operation.type": "send",
-                "messaging.operation.name": "send",
-                "messaging.batch.message_count": len(topic_events),
-            },
+            attributes=attributes,
         )
         if not span.is_recording():
             span.end()

@@ -18,11 +18,13 @@ from outbox.errors import ConfigError, RelayFailed
 from outbox.migrate import require_migrated
 from outbox.relay import Relay
 from outbox.retry import RetryPolicy
-from outbox.routes import SinkURL, parse_routes
+from outbox.routes import parse_routes
 from outbox.settings import setting
 from outbox.sinks import router
 from outbox.sinks.base import Sink
 from outbox.sinks.kafka import KafkaSink
+from outbox.sinks.make import SinkMaker, require_clients
+from outbox.sinks.signing import parse_secrets
 
 log = logging.getLogger("outbox")
 
@@ -43,10 +45,22 @@ class RouteOptions:
     route: list[str] = setting(
         default_factory=list,
         help="GLOB=URL: events whose topic matches GLOB (fnmatch, first match wins) go to the sink at "
-        "URL (kafka://host:port[,...]); repeatable (in the variable: separated by whitespace or "
-        "newlines); --kafka-bootstrap B adds a last route *=kafka://B",
+        "URL: kafka://host:port[,...], amqp://user:pass@host:port/vhost?exchange=X, nats://host:port, "
+        "redis://host:port/db?maxlen=N, http(s)://host/path/{topic}/{key}; repeatable (in the "
+        "variable: separated by whitespace or newlines); --kafka-bootstrap B adds a last route "
+        "*=kafka://B",
         env="OUTBOX_ROUTES",
         metavar="GLOB=URL",
+    )
+
+
+@dataclass
+class WebhookOptions:
+    webhook_secret: str | None = setting(
+        None,
+        "Standard Webhooks signing secret whsec_<base64> for http(s):// routes; several, "
+        "space-separated, give one signature each (rotation). Prefer the variable: a flag shows in ps",
+        metavar="whsec_...",
     )
 
 
@@ -64,6 +78,7 @@ def register(sub: Any) -> None:
     add_common(p)
     options.add(p, RouteOptions)
     options.add(p, KafkaOptions)
+    options.add(p, WebhookOptions)
     options.add(p, CustomSink)
     options.add(p, RelayConfig)
     options.add(p, RetryPolicy)
@@ -147,6 +162,8 @@ def run_until_signal(relay: Relay) -> None:
 
 def cmd_relay(args: argparse.Namespace) -> int:
     routes = parse_routes(args.route, args.kafka_bootstrap)
+    require_clients(routes)
+    secrets = parse_secrets(args.webhook_secret) if args.webhook_secret else []
     config = relay_config(args)
     from outbox.tracing import configure_from_env
 
@@ -157,13 +174,10 @@ def cmd_relay(args: argparse.Namespace) -> int:
     with connect(args) as conn:
         require_migrated(conn, config.schema)
 
-    factory = load_sink_factory(args.sink)
-
-    def make(url: SinkURL) -> Sink:
-        return factory(url.kafka_bootstrap, kafka_config, config.delivery_timeout)
+    make = SinkMaker(load_sink_factory(args.sink), kafka_config, config.delivery_timeout, secrets)
 
     def sink() -> Sink:
-        return router.build(routes, make)
+        return router.build(routes, make, ordered=config.ordering == "key", parks=config.on_dead == "park")
 
     sink().close(0)  # validates every sink's configuration now, with a clear error
     log.info("routes: %s", ", ".join(r.display for r in routes))

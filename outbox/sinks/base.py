@@ -8,6 +8,9 @@ A sink answers each event with exactly one :data:`Outcome`:
   schedules the next one with backoff.
 - :class:`Dead` — it can never succeed (too large, invalid destination, not
   authorised); the relay dead-letters it at once with the reason.
+- :data:`HELD` — not sent, because an earlier event of its key failed first
+  (only a sink wrapped in :class:`~outbox.sinks.chains.KeyChains` answers it);
+  the relay leaves it pending, untouched, like an event it held back itself.
 
 A failure carries a ``kind`` and a ``reason``. The kind is short, stable and
 of low cardinality (``MSG_SIZE_TOO_LARGE``, ``no_route``, ``http_503``): it is
@@ -30,21 +33,27 @@ from outbox.events import ClaimedEvent
 
 
 class Delivered(NamedTuple):
-    """Acknowledged by the sink; ``partition``/``offset`` where the sink has them.
+    """Acknowledged by the sink, with the sink's coordinates where it has them.
 
-    A NamedTuple: one is built per delivered event on the relay's hot path.
+    ``partition``/``offset``: Kafka's; ``offset`` is the stream sequence for NATS.
+    ``ref``: the sink's own name for what it stored (a Redis entry id, a NATS
+    stream). All three are archived. A NamedTuple: one is built per delivered
+    event on the relay's hot path.
     """
 
     partition: int | None = None
     offset: int | None = None
+    ref: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
 class Retry:
-    """Not delivered this time; it may succeed later."""
+    """Not delivered this time; it may succeed later (not before ``delay`` seconds, if given:
+    an HTTP ``Retry-After``)."""
 
     kind: str
     reason: str
+    delay: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,7 +64,18 @@ class Dead:
     reason: str
 
 
-Outcome = Delivered | Retry | Dead
+class Held:
+    """Not sent: an earlier event of the same key failed while this one waited behind it."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "HELD"
+
+
+HELD = Held()
+
+Outcome = Delivered | Retry | Dead | Held
 Failure = Retry | Dead
 Report = Callable[[Outcome], None]
 
@@ -67,8 +87,10 @@ class Sink(Protocol):
     def produce(self, event: ClaimedEvent, report: Report) -> Outcome | None:
         """Start sending ``event``; return its outcome if known now, else call ``report`` later."""
 
-    def poll(self, timeout: float) -> None:
-        """Serve pending reports, waiting at most ``timeout`` seconds for the first one."""
+    def poll(self, timeout: float) -> int | None:
+        """Serve pending reports, waiting at most ``timeout`` seconds for the first one.
+
+        Returns how many it served (``None`` counts as unknown)."""
 
     def flush(self, timeout: float) -> int:
         """Wait up to ``timeout`` seconds for every report; return how many are still pending."""
@@ -93,8 +115,8 @@ class SinkWrapper:
     def produce(self, event: ClaimedEvent, report: Report) -> Outcome | None:
         return self.inner.produce(event, report)
 
-    def poll(self, timeout: float) -> None:
-        self.inner.poll(timeout)
+    def poll(self, timeout: float) -> int | None:
+        return self.inner.poll(timeout)
 
     def flush(self, timeout: float) -> int:
         return self.inner.flush(timeout)

@@ -162,6 +162,7 @@ class KafkaSink:
         delivery_timeout: float = 15.0,
     ) -> None:
         self.config = build_config(bootstrap, config, delivery_timeout)
+        self.name = f"kafka://{bootstrap}"
         self._fatal: str | None = None
         # A producer can be stuck without a fatal error: a broker that lost its
         # state (restarted empty, or expired our producer id) answers
@@ -238,11 +239,12 @@ class KafkaSink:
                 self._last_failure = outcome.reason
             report(outcome)
 
-    def poll(self, timeout: float) -> None:
+    def poll(self, timeout: float) -> int:
         try:
-            self._producer.poll(timeout)
+            return int(self._producer.poll(timeout))
         except KafkaException as exc:  # a fatal error surfaces here too (e.g. UNKNOWN_PRODUCER_ID)
             self._raised(exc)
+            return 0
 
     def flush(self, timeout: float) -> int:
         try:
@@ -258,6 +260,13 @@ class KafkaSink:
             return
         self._fatal = f"{err.name()}: {err.str()}" if err is not None else str(exc)
         log.error("kafka producer fatal error: %s", self._fatal, extra={"event": "kafka.fatal"})
+
+    def trouble(self) -> str | None:
+        """Why the sink cannot deliver now, or None (for /readyz)."""
+        if self._fatal is not None:
+            return f"producer failed: {self._fatal}"
+        b = self.broker
+        return f"{b.description} for {b.seconds():.0f} s: {b.last_error}" if b.active else None
 
     def healthy(self) -> bool:
         if self._fatal is None and self._failing_since:

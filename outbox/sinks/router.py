@@ -2,63 +2,171 @@
 
 An event whose topic matches no route is ``Dead("no_route", "no route for topic '<t>'")``
 at once: parked like any keyed dead letter, so adding the route and redriving it delivers
-it in order. Routes naming the same URL share one sink. With a single catch-all route the
-relay uses that sink directly (:func:`build`), so routing costs nothing in the common case.
+it in order. Routes naming the same URL share one sink.
+
+:func:`build` also applies per-key chains (:class:`~outbox.sinks.chains.KeyChains`) to
+every sink that cannot keep several in-flight events of a key in order, and gives the
+relay what it asks of "the sink" as a whole: each topic's sink name (the ``sink`` metric
+label), its span shape, and which sinks are in trouble (``/readyz``). With a single
+catch-all route the relay still goes through a :class:`Router`; its cost is one dict
+lookup per event.
 """
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Callable
+from typing import Any
 
 from outbox.events import ClaimedEvent
 from outbox.routes import Route, SinkURL, route_for
 from outbox.sinks.base import Dead, Outcome, Report, Sink
+from outbox.sinks.chains import KeyChains
+from outbox.tracing import kafka_shape
 
 NO_ROUTE = "no_route"  # the error kind of an event no route takes
+SLICE = 0.002  # seconds: how long a sink without a shared wake-up is polled at a time
+
+
+def unwrap(sink: Sink) -> Any:
+    """The innermost sink under any SinkWrapper layers."""
+    while hasattr(sink, "inner"):
+        sink = sink.inner
+    return sink
+
+
+def sink_name(sink: Sink) -> str:
+    """A sink's name for labels and logs: never holds credentials."""
+    return str(getattr(unwrap(sink), "name", "custom"))
+
+
+def span_shape(sink: Sink, topic: str) -> tuple[str, dict[str, Any]]:
+    """The span name and attributes for a batch of ``topic`` sent through ``sink``."""
+    shape = getattr(unwrap(sink), "span_shape", None)
+    if shape is None:
+        return kafka_shape(topic)
+    result: tuple[str, dict[str, Any]] = shape(topic)
+    return result
 
 
 class Router:
     """A sink that dispatches each event to its route's sink."""
 
-    def __init__(self, routes: list[Route], make: Callable[[SinkURL], Sink]) -> None:
+    def __init__(
+        self, routes: list[Route], make: Callable[[SinkURL], Sink], *, ordered: bool, parks: bool
+    ) -> None:
         self._routes = routes
+        self.wake = threading.Event()  # shared by the sinks that signal their reports
         by_url: dict[str, Sink] = {}
         for route in routes:
-            if route.url.text not in by_url:
-                by_url[route.url.text] = make(route.url)
+            if route.url.text in by_url:
+                continue
+            sink = make(route.url)
+            inner = unwrap(sink)
+            if isinstance(getattr(inner, "wake", None), threading.Event):
+                inner.wake = self.wake
+            if ordered and not getattr(inner, "keeps_key_order", True):
+                sink = KeyChains(sink, parks=parks)
+            by_url[route.url.text] = sink
         self._sink_of_url = by_url
         self.sinks = list(by_url.values())
+        self._signalled = [s for s in self.sinks if getattr(unwrap(s), "wake", None) is self.wake]
+        self._others = [s for s in self.sinks if s not in self._signalled]
         self._by_topic: dict[str, Sink | None] = {}  # topic -> its sink, learnt on first sight
 
-    def produce(self, event: ClaimedEvent, report: Report) -> Outcome | None:
-        topic = event.topic
+    def sink_for(self, topic: str) -> Sink | None:
         try:
-            sink = self._by_topic[topic]
+            return self._by_topic[topic]
         except KeyError:
             route = route_for(self._routes, topic)
             sink = self._by_topic[topic] = None if route is None else self._sink_of_url[route.url.text]
+            return sink
+
+    def produce(self, event: ClaimedEvent, report: Report) -> Outcome | None:
+        sink = self.sink_for(event.topic)
         if sink is None:
-            return Dead(NO_ROUTE, f"no route for topic {topic!r}")
+            return Dead(NO_ROUTE, f"no route for topic {event.topic!r}")
         return sink.produce(event, report)
 
-    def poll(self, timeout: float) -> None:
-        # The first sink waits up to the timeout; the others only serve what is ready.
-        for i, sink in enumerate(self.sinks):
-            sink.poll(timeout if i == 0 else 0)
+    def poll(self, timeout: float) -> int:
+        if len(self.sinks) == 1:  # the common deployment: one sink, which waits by itself
+            return self.sinks[0].poll(timeout) or 0
+        deadline = time.monotonic() + timeout
+        while True:
+            served = sum(sink.poll(0) or 0 for sink in self.sinks)
+            left = deadline - time.monotonic()
+            if served or left <= 0:
+                return served
+            if self._others:  # a sink that serves its reports only inside poll (Kafka)
+                self._others[0].poll(min(left, SLICE))
+            else:  # every sink signals the shared wake-up
+                self.wake.wait(left)
 
     def flush(self, timeout: float) -> int:
-        return sum(sink.flush(timeout) for sink in self.sinks)
+        deadline = time.monotonic() + timeout
+        return sum(sink.flush(max(0.0, deadline - time.monotonic())) for sink in self.sinks)
 
     def healthy(self) -> bool:
         return all(sink.healthy() for sink in self.sinks)
 
-    def close(self, timeout: float) -> None:
+    def trouble(self) -> list[str]:
+        """One line per sink that is down now: ``<sink>: <why>``."""
+        lines = []
         for sink in self.sinks:
-            sink.close(timeout)
+            inner = unwrap(sink)
+            why = inner.trouble() if hasattr(inner, "trouble") else None
+            if why:
+                lines.append(f"{sink_name(sink)}: {why}")
+        return lines
+
+    def states(self) -> list[str]:
+        """One line per sink: ``<sink> ok`` or ``<sink> down: <why>``."""
+        down = dict(line.split(": ", 1) for line in self.trouble())
+        return [
+            f"{sink_name(s)} down: {down[sink_name(s)]}" if sink_name(s) in down else f"{sink_name(s)} ok"
+            for s in self.sinks
+        ]
+
+    def name_of(self, topic: str) -> str:
+        sink = self.sink_for(topic)
+        return "none" if sink is None else sink_name(sink)
+
+    def span_shape(self, topic: str) -> tuple[str, dict[str, Any]]:
+        sink = self.sink_for(topic)
+        if sink is None:
+            return f"send {topic}", {"messaging.destination.name": topic}
+        return span_shape(sink, topic)
+
+    def close(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        for sink in self.sinks:
+            sink.close(max(0.0, deadline - time.monotonic()))
 
 
-def build(routes: list[Route], make: Callable[[SinkURL], Sink]) -> Sink:
-    """The sink for ``routes``: the one sink itself for a lone catch-all route, else a Router."""
-    if len(routes) == 1 and routes[0].glob == "*":
-        return make(routes[0].url)
-    return Router(routes, make)
+def build(
+    routes: list[Route], make: Callable[[SinkURL], Sink], *, ordered: bool = True, parks: bool = True
+) -> Router:
+    """The relay's sink for ``routes``: a Router over one sink per distinct URL."""
+    return Router(routes, make, ordered=ordered, parks=parks)
+
+
+# What the relay asks of its sink, whether a Router or a single (custom) sink.
+
+
+def name_of(sink: Sink, topic: str) -> str:
+    return sink.name_of(topic) if isinstance(sink, Router) else sink_name(sink)
+
+
+def shape_of(sink: Sink, topic: str) -> tuple[str, dict[str, Any]]:
+    return sink.span_shape(topic) if isinstance(sink, Router) else span_shape(sink, topic)
+
+
+def states_of(sink: Sink) -> tuple[list[str], list[str]]:
+    """(one line per sink in trouble, one state line per sink) for /readyz."""
+    if isinstance(sink, Router):
+        return sink.trouble(), sink.states()
+    inner = unwrap(sink)
+    why = inner.trouble() if hasattr(inner, "trouble") else None
+    name = sink_name(sink)
+    return ([f"{name}: {why}"] if why else []), [f"{name} down: {why}" if why else f"{name} ok"]

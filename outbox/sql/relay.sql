@@ -48,17 +48,18 @@ FOR UPDATE OF e SKIP LOCKED
 -- Integer arrays arrive as text literals ('{{1,2,NULL}}'), parsed by PostgreSQL.
 WITH done AS (
     DELETE FROM {schema}.events AS e
-    USING unnest(%(ids)s::text::bigint[], %(partitions)s::text::integer[], %(offsets)s::text::bigint[])
-          AS r(id, sink_partition, sink_offset)
+    USING unnest(%(ids)s::text::bigint[], %(partitions)s::text::integer[], %(offsets)s::text::bigint[],
+                 %(refs)s::text[])
+          AS r(id, sink_partition, sink_offset, sink_ref)
     WHERE e.id = r.id
     RETURNING e.id, e.event_id, e.topic, e.key, e.payload, e.headers, e.created_at,
-              e.attempts + 1 AS attempts, r.sink_partition, r.sink_offset
+              e.attempts + 1 AS attempts, r.sink_partition, r.sink_offset, r.sink_ref
 )
 INSERT INTO {schema}.delivered
     (id, event_id, topic, key, payload, headers, created_at, attempts,
-     sink_partition, sink_offset)
+     sink_partition, sink_offset, sink_ref)
 SELECT id, event_id, topic, key, payload, headers, created_at, attempts,
-       sink_partition, sink_offset
+       sink_partition, sink_offset, sink_ref
 FROM done
 
 -- name: delete_delivered

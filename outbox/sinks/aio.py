@@ -1,0 +1,306 @@
+"""The base of the sinks whose clients are asyncio (RabbitMQ, NATS, Redis, webhooks).
+
+The relay's loop is synchronous and single-threaded; these clients are not. Each
+sink runs its client on its own event loop in a daemon thread:
+
+- ``produce`` (relay thread) queues the event and, once per burst, wakes the
+  loop (one ``call_soon_threadsafe`` per burst, not per event);
+- the loop hands the burst to :meth:`AsyncSink.dispatch`, which starts one
+  task per event (concurrent publishes, confirms in batches) or one pipeline per
+  burst (Redis);
+- each outcome goes back through a queue; ``poll`` (relay thread) serves the
+  reports and waits on :attr:`AsyncSink.wake`, which a :class:`Router` shares
+  among its sinks.
+
+Connections: :meth:`AsyncSink.client` opens the connection on first use and
+again after it was lost. While the sink is down, sends fail at once with
+``Retry("unavailable")`` until the next reconnect attempt is due (backoff from
+0.5 s to 5 s), so a down RabbitMQ costs the relay nothing and never stalls the
+other routes. The outage is one :class:`~outbox.conditions.Condition` per sink:
+one line when it starts, a summary a minute, one line when a send succeeds.
+
+These sinks cannot keep several in-flight events of one key in order (a later
+publish may succeed where an earlier one failed), so ``keeps_key_order`` is
+False and the router wraps them in :class:`~outbox.sinks.chains.KeyChains`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Iterable
+from typing import Any, ClassVar
+
+from outbox.conditions import Condition
+from outbox.events import ClaimedEvent
+from outbox.routes import SinkURL
+from outbox.sinks.base import Dead, Outcome, Report, Retry
+
+log = logging.getLogger("outbox.sinks")
+
+RECONNECT_MIN = 0.5  # seconds before the first reconnect attempt after a failure
+RECONNECT_MAX = 5.0  # seconds, at most, between reconnect attempts
+CLOSE_WAIT = 2.0  # seconds for the client to close and the loop thread to end
+
+UNAVAILABLE = "unavailable"  # the error kind of a send refused because the sink is down
+TIMEOUT = "timeout"  # ... of a send the sink did not confirm in time
+
+
+class Unavailable(Exception):
+    """The sink cannot be reached now; the event is retried."""
+
+
+class Refused(Exception):
+    """The sink refused the event for good: it becomes a dead letter with ``kind``."""
+
+    def __init__(self, kind: str, reason: str) -> None:
+        super().__init__(reason)
+        self.kind = kind
+
+
+Item = tuple[ClaimedEvent, Report]
+
+
+def as_bytes(value: str | bytes | None) -> bytes:
+    """A header value as bytes (decoded rows always hold bytes; custom callers may not)."""
+    return value if isinstance(value, bytes) else (value or "").encode("utf-8")
+
+
+def text_headers(event: ClaimedEvent) -> dict[str, str]:
+    """The event's headers as text, or Refused naming the first that cannot be text."""
+    headers: dict[str, str] = {}
+    for name, value in event.headers:
+        try:
+            text = as_bytes(value).decode("utf-8")
+        except UnicodeDecodeError:
+            text = "\n"  # refused below, like a line break
+        if "\n" in text or "\r" in text or "\0" in text:
+            raise Refused(
+                "invalid_header",
+                f"header {name!r}: the value is not one line of UTF-8 text, which this sink's "
+                "protocol requires",
+            )
+        headers[name] = text
+    return headers
+
+
+class AsyncSink:
+    """A sink whose client runs on an asyncio loop in a side thread. Subclasses implement
+    :meth:`deliver` (one event) or :meth:`dispatch` (a burst), and :meth:`connect` /
+    :meth:`disconnect` when they keep a connection."""
+
+    scheme: ClassVar[str] = ""
+    system: ClassVar[str] = ""  # the system as OpenTelemetry names it
+    keeps_key_order = False
+
+    def __init__(self, url: SinkURL, *, timeout: float) -> None:
+        self.url = url
+        self.name = url.display
+        self.timeout = timeout
+        self.wake = threading.Event()  # set when reports are ready (a Router shares one)
+        self._secrets = [s for s in (url.parts.password, url.text) if s]
+        self._incoming: deque[Item] = deque()
+        self._reports: deque[tuple[Report, Outcome]] = deque()
+        self._pending = 0  # produced and not yet reported (relay thread only)
+        self._lock = threading.Lock()
+        self._scheduled = False
+        self._conn: Any = None
+        self._connecting: asyncio.Task[Any] | None = None
+        self._reconnect_at = 0.0
+        self._backoff = RECONNECT_MIN
+        self._down_reason = ""
+        self.condition = Condition(log, self.scheme, f"cannot reach {self.name}")
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(
+            target=self._loop.run_forever, name=f"outbox-sink-{self.scheme}", daemon=True
+        )
+        self._thread.start()
+
+    # -- relay thread -------------------------------------------------------------
+
+    def produce(self, event: ClaimedEvent, report: Report) -> Outcome | None:
+        self._pending += 1
+        self._incoming.append((event, report))
+        with self._lock:
+            if self._scheduled:
+                return None
+            self._scheduled = True
+        self._loop.call_soon_threadsafe(self._take)
+        return None
+
+    def poll(self, timeout: float) -> int:
+        reports = self._reports
+        if not reports and timeout > 0:
+            self.wake.wait(timeout)
+        self.wake.clear()  # before draining: a report queued after this sets it again
+        served = 0
+        while reports:
+            report, outcome = reports.popleft()
+            self._pending -= 1
+            report(outcome)
+            served += 1
+        return served
+
+    def flush(self, timeout: float) -> int:
+        deadline = time.monotonic() + timeout
+        while self._pending:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            self.poll(min(left, 0.05))
+        return self._pending
+
+    def healthy(self) -> bool:
+        return self._thread.is_alive()
+
+    def trouble(self) -> str | None:
+        """Why the sink is down now, or None (for /readyz)."""
+        c = self.condition
+        return f"{c.description} for {c.seconds():.0f} s: {c.last_error}" if c.active else None
+
+    def close(self, timeout: float) -> None:
+        remaining = self.flush(timeout)
+        if remaining:
+            log.warning("closing %s with %d events unconfirmed", self.name, remaining)
+        if self._loop.is_running():
+            done = asyncio.run_coroutine_threadsafe(self._shutdown(), self._loop)
+            try:
+                done.result(CLOSE_WAIT)
+            except Exception as exc:  # closing must not fail the relay's shutdown
+                log.debug("closing %s: %s", self.name, self.clean(exc))
+            self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(CLOSE_WAIT)
+        if not self._thread.is_alive():
+            self._loop.close()
+
+    # -- loop thread --------------------------------------------------------------
+
+    def _take(self) -> None:
+        with self._lock:
+            self._scheduled = False
+        incoming = self._incoming
+        items = [incoming.popleft() for _ in range(len(incoming))]
+        if items:
+            self.dispatch(items)
+
+    def dispatch(self, items: list[Item]) -> None:
+        """Start sending a burst of events: by default one task per event."""
+        for event, report in items:
+            self._loop.create_task(self._one(event, report))
+
+    async def _one(self, event: ClaimedEvent, report: Report) -> None:
+        self.done(report, await self.attempt(self.deliver(event)))
+
+    async def attempt(self, sending: Any) -> Any:
+        """Await ``sending`` within the timeout; a failure becomes its outcome (:meth:`failure`)."""
+        try:
+            return await asyncio.wait_for(sending, self.timeout)
+        except Exception as exc:
+            return self.failure(exc)
+
+    def failure(self, exc: Exception) -> Outcome:
+        """The outcome of a send that raised ``exc`` (loop thread)."""
+        if isinstance(exc, Unavailable):
+            return Retry(UNAVAILABLE, str(exc))
+        if isinstance(exc, asyncio.TimeoutError):
+            return Retry(TIMEOUT, f"{self.name} did not confirm within {self.timeout:g} s")
+        if isinstance(exc, Refused):
+            return Dead(exc.kind, str(exc))
+        log.warning("%s: unexpected %s: %s", self.name, type(exc).__name__, self.clean(exc))
+        return Retry(type(exc).__name__, f"{self.name}: {self.clean(exc)}")
+
+    def done(self, report: Report, outcome: Outcome) -> None:
+        """Queue ``outcome`` for the relay thread (loop thread)."""
+        self._reports.append((report, outcome))
+        self.wake.set()
+
+    def done_many(self, reports: Iterable[tuple[Report, Outcome]]) -> None:
+        self._reports.extend(reports)
+        self.wake.set()
+
+    def confirmed(self) -> None:
+        """A send succeeded: the sink is up (loop thread)."""
+        if self.condition.active:
+            self.condition.ok()
+
+    async def client(self) -> Any:
+        """The open connection: opened now if needed, or Unavailable while reconnecting waits."""
+        if self._conn is not None:
+            return self._conn
+        if time.monotonic() < self._reconnect_at:
+            raise Unavailable(self._down_reason)
+        if self._connecting is None:
+            self._connecting = self._loop.create_task(self._open())
+        return await asyncio.shield(self._connecting)
+
+    async def _open(self) -> Any:
+        try:
+            conn = await asyncio.wait_for(self.connect(), self.timeout)
+        except Exception as exc:
+            why = "timed out" if isinstance(exc, asyncio.TimeoutError) else self.clean(exc)
+            self._down(f"connect failed: {why}")
+            raise Unavailable(self._down_reason) from None
+        finally:
+            self._connecting = None
+        self._conn = conn
+        self._backoff = RECONNECT_MIN
+        return conn
+
+    def lost(self, why: str) -> None:
+        """The connection broke: drop it; the next send reconnects (loop thread)."""
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            self._loop.create_task(self._quietly_disconnect(conn))
+        self._down(why)
+
+    def _down(self, reason: str) -> None:
+        self._down_reason = f"cannot reach {self.name}: {reason}"
+        self._reconnect_at = time.monotonic() + self._backoff
+        self._backoff = min(RECONNECT_MAX, self._backoff * 2)
+        self.condition.fail(reason)
+
+    async def _quietly_disconnect(self, conn: Any) -> None:
+        try:
+            await asyncio.wait_for(self.disconnect(conn), CLOSE_WAIT)
+        except Exception as exc:
+            log.debug("closing a broken %s connection: %s", self.scheme, self.clean(exc))
+
+    async def _shutdown(self) -> None:
+        me = asyncio.current_task()
+        tasks = [t for t in asyncio.all_tasks(self._loop) if t is not me]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        if self._conn is not None:
+            await self._quietly_disconnect(self._conn)
+            self._conn = None
+
+    def clean(self, exc: BaseException | str) -> str:
+        """An error's text with the URL's password (and the URL itself) masked."""
+        text = str(exc) or type(exc).__name__
+        for secret in self._secrets:
+            text = text.replace(secret, "***")
+        return text
+
+    # -- what a sink implements ------------------------------------------------------
+
+    async def deliver(self, event: ClaimedEvent) -> Outcome:
+        raise NotImplementedError
+
+    async def connect(self) -> Any:
+        raise NotImplementedError
+
+    async def disconnect(self, conn: Any) -> None:
+        return None
+
+    def span_shape(self, topic: str) -> tuple[str, dict[str, Any]]:
+        """The span name and attributes of a batch sent to ``topic`` (messaging conventions)."""
+        return f"send {topic}", {
+            "messaging.system": self.system,
+            "messaging.destination.name": topic,
+            "messaging.operation.type": "send",
+            "messaging.operation.name": "send",
+        }

@@ -1,0 +1,57 @@
+"""One sink per route URL: the scheme picks the sink; a missing client names its extra.
+
+The sink modules import their clients at import time, so they are imported here
+only once :func:`require_clients` has checked that the extra is installed.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+from outbox.extras import require
+from outbox.routes import SCHEMES, Route, SinkURL
+from outbox.sinks.base import Sink
+
+# scheme -> (module, class) of its sink
+SINK_CLASSES = {
+    "amqp": ("outbox.sinks.rabbitmq", "RabbitMQSink"),
+    "amqps": ("outbox.sinks.rabbitmq", "RabbitMQSink"),
+    "nats": ("outbox.sinks.nats", "NatsSink"),
+    "tls": ("outbox.sinks.nats", "NatsSink"),
+    "redis": ("outbox.sinks.redis", "RedisSink"),
+    "rediss": ("outbox.sinks.redis", "RedisSink"),
+    "http": ("outbox.sinks.webhook", "WebhookSink"),
+    "https": ("outbox.sinks.webhook", "WebhookSink"),
+}
+
+
+def require_clients(routes: list[Route]) -> None:
+    """MissingExtra (one line naming ``outbox[extra]``) for the first route whose client is absent."""
+    for route in routes:
+        extra = SCHEMES[route.url.scheme][1]
+        if extra is not None:
+            require(extra, f"route {route.display}")
+
+
+@dataclass
+class SinkMaker:
+    """Makes the sink of a route URL. ``kafka`` makes the sink of ``kafka://`` routes
+    (the built-in one, or a custom ``--sink`` factory)."""
+
+    kafka: Callable[[str, dict[str, str], float], Sink]
+    kafka_config: Mapping[str, str] = field(default_factory=dict)
+    timeout: float = 15.0  # seconds a sink may take to confirm one event
+    webhook_secrets: list[bytes] = field(default_factory=list)
+
+    def __call__(self, url: SinkURL) -> Sink:
+        if url.scheme == "kafka":
+            return self.kafka(url.kafka_bootstrap, dict(self.kafka_config), self.timeout)
+        module, name = SINK_CLASSES[url.scheme]
+        cls = getattr(importlib.import_module(module), name)
+        if url.scheme in ("http", "https"):
+            sink: Sink = cls(url, timeout=self.timeout, secrets=self.webhook_secrets)
+        else:
+            sink = cls(url, timeout=self.timeout)
+        return sink

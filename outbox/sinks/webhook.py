@@ -1,0 +1,133 @@
+"""Webhook sink: ``http(s)://…`` with ``{topic}`` / ``{key}`` (``outbox[http]``), signed.
+
+Client: httpx's AsyncClient: a pool of keep-alive connections (HTTP/1.1), one
+``POST`` per event, many requests at once across keys (per-key order: one at a
+time per key, :mod:`outbox.sinks.chains`). TLS is verified; redirects are not
+followed.
+
+Request:
+
+- URL: the route's, with ``{topic}`` and ``{key}`` replaced, URL-encoded (a null
+  key is empty; a key that is not UTF-8 is percent-encoded byte by byte).
+- Body: the payload bytes. ``content-type``: the event's, else
+  ``application/octet-stream``.
+- Standard Webhooks signature: ``webhook-id`` = event id, ``webhook-timestamp``
+  = Unix seconds, ``webhook-signature`` = ``v1,<base64 HMAC-SHA256 of
+  "<id>.<timestamp>.<body>">`` under each secret of ``--webhook-secret`` /
+  ``OUTBOX_WEBHOOK_SECRET`` (``whsec_<base64>``, space-separated for rotation:
+  one signature per secret). Without a secret, requests are not signed.
+- The event's other headers go as HTTP headers of the same name (``traceparent``
+  and ``tracestate`` among them), except the names HTTP or the signature own
+  (:data:`RESERVED`), which are dropped. A value that is not one line of UTF-8
+  text cannot be an HTTP header: that event is dead-lettered (``invalid_header``).
+
+Response: 2xx delivered; 408, 425, 429, 5xx, timeouts and connection errors
+retried (``Retry-After`` honoured, up to the retry cap); any other status (3xx
+included) dead, with the status and the first 200 bytes of the body.
+"""
+
+from __future__ import annotations
+
+import time
+from email.utils import parsedate_to_datetime
+from typing import Any
+from urllib.parse import quote
+
+import httpx
+
+from outbox.events import ClaimedEvent
+from outbox.routes import SinkURL
+from outbox.sinks.aio import AsyncSink, Refused, Unavailable, as_bytes, text_headers
+from outbox.sinks.base import Delivered, Outcome, Retry
+from outbox.sinks.signing import signature
+
+RETRIED_STATUSES = frozenset({408, 425, 429})
+BODY_KEPT = 200  # bytes of a refusing response's body kept in the dead letter
+MAX_CONNECTIONS = 100  # concurrent requests per endpoint host, at most
+RESERVED = frozenset(
+    {
+        "host", "content-length", "content-type", "transfer-encoding", "connection", "keep-alive",
+        "te", "trailer", "upgrade", "proxy-authorization", "proxy-connection", "expect",
+        "webhook-id", "webhook-timestamp", "webhook-signature",
+    }
+)  # fmt: skip
+
+
+def retry_after(value: str | None) -> float | None:
+    """Seconds from a ``Retry-After`` header (delta-seconds or an HTTP date), or None."""
+    if not value:
+        return None
+    value = value.strip()
+    if value.isdigit():
+        return float(value)
+    try:
+        return max(0.0, parsedate_to_datetime(value).timestamp() - time.time())
+    except (TypeError, ValueError):
+        return None
+
+
+class WebhookSink(AsyncSink):
+    scheme = "http"
+
+    def __init__(self, url: SinkURL, *, timeout: float, secrets: list[bytes]) -> None:
+        self._template = url.text
+        self._keys = secrets
+        self._templated = "{topic}" in url.text or "{key}" in url.text
+        super().__init__(url, timeout=timeout)
+        self._client = httpx.AsyncClient(
+            follow_redirects=False,
+            verify=True,
+            timeout=httpx.Timeout(timeout, pool=None),  # waiting for a pooled connection is not a failure
+            limits=httpx.Limits(max_connections=MAX_CONNECTIONS, max_keepalive_connections=MAX_CONNECTIONS),
+        )
+
+    def target(self, event: ClaimedEvent) -> str:
+        if not self._templated:
+            return self._template
+        key = "" if event.key is None else quote(event.key, safe="")
+        return self._template.replace("{topic}", quote(event.topic, safe="")).replace("{key}", key)
+
+    async def deliver(self, event: ClaimedEvent) -> Outcome:
+        headers = {k: v for k, v in text_headers(event).items() if k.lower() not in RESERVED}
+        content_type = next((v for k, v in event.headers if k.lower() == "content-type"), None)
+        headers["content-type"] = (
+            as_bytes(content_type).decode("latin-1") if content_type else "application/octet-stream"
+        )
+        if self._keys:
+            now = int(time.time())
+            headers["webhook-id"] = event.event_id
+            headers["webhook-timestamp"] = str(now)
+            headers["webhook-signature"] = signature(self._keys, event.event_id, now, event.payload)
+        try:
+            response = await self._client.post(self.target(event), content=event.payload, headers=headers)
+        except httpx.TimeoutException:
+            return Retry("timeout", f"{self.name} did not answer within {self.timeout:g} s")
+        except (httpx.TransportError, OSError) as exc:
+            self.condition.fail(f"{type(exc).__name__}: {self.clean(exc)}")
+            raise Unavailable(f"cannot reach {self.name}: {type(exc).__name__}: {self.clean(exc)}") from None
+        status = response.status_code
+        if 200 <= status < 300:
+            self.confirmed()
+            return Delivered()
+        self.confirmed()  # it answered: reachable, whatever it said
+        body = response.content[:BODY_KEPT].decode("utf-8", "replace")
+        reason = f"HTTP {status} from {self.name}: {body}"
+        if status in RETRIED_STATUSES or status >= 500:
+            return Retry(f"http_{status}", reason, retry_after(response.headers.get("retry-after")))
+        raise Refused(f"http_{status}", reason)
+
+    async def disconnect(self, conn: Any) -> None:
+        return None
+
+    async def _shutdown(self) -> None:
+        await super()._shutdown()
+        await self._client.aclose()
+
+    def span_shape(self, topic: str) -> tuple[str, dict[str, Any]]:
+        parts = self.url.parts
+        return "POST", {
+            "http.request.method": "POST",
+            "url.full": self.name,  # without credentials or query
+            "server.address": parts.hostname or "",
+            "server.port": parts.port or (443 if self.url.scheme == "https" else 80),
+        }
