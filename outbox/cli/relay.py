@@ -20,10 +20,9 @@ from outbox.relay import Relay
 from outbox.retry import RetryPolicy
 from outbox.routes import parse_routes
 from outbox.settings import setting
-from outbox.sinks import router
 from outbox.sinks.base import Sink
 from outbox.sinks.kafka import KafkaSink
-from outbox.sinks.make import SinkMaker, require_clients
+from outbox.sinks.make import require_clients, routed
 from outbox.sinks.signing import parse_secrets
 
 log = logging.getLogger("outbox")
@@ -174,10 +173,9 @@ def cmd_relay(args: argparse.Namespace) -> int:
     with connect(args) as conn:
         require_migrated(conn, config.schema)
 
-    make = SinkMaker(load_sink_factory(args.sink), kafka_config, config.delivery_timeout, secrets)
-
-    def sink() -> Sink:
-        return router.build(routes, make, ordered=config.ordering == "key", parks=config.on_dead == "park")
+    sink = routed(
+        routes, config, kafka=load_sink_factory(args.sink), kafka_config=kafka_config, webhook_secrets=secrets
+    )
 
     sink().close(0)  # validates every sink's configuration now, with a clear error
     log.info("routes: %s", ", ".join(r.display for r in routes))

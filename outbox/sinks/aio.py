@@ -69,10 +69,15 @@ def as_bytes(value: str | bytes | None) -> bytes:
     return value if isinstance(value, bytes) else (value or "").encode("utf-8")
 
 
+KEY_HEADER = "event-key"  # the event's key, on sinks whose messages have no key of their own
+
+
 def text_headers(event: ClaimedEvent) -> dict[str, str]:
-    """The event's headers as text, or Refused naming the first that cannot be text."""
+    """The event's headers as text, ``event-key`` included (when the key is not null), or
+    Refused naming the first one that cannot be one line of UTF-8 text."""
+    items = event.headers if event.key is None else [*event.headers, (KEY_HEADER, event.key)]
     headers: dict[str, str] = {}
-    for name, value in event.headers:
+    for name, value in items:
         try:
             text = as_bytes(value).decode("utf-8")
         except UnicodeDecodeError:
@@ -209,6 +214,8 @@ class AsyncSink:
             return Retry(TIMEOUT, f"{self.name} did not confirm within {self.timeout:g} s")
         if isinstance(exc, Refused):
             return Dead(exc.kind, str(exc))
+        if isinstance(exc, (TypeError, ValueError)):  # the client cannot encode this event
+            return Dead("client_rejected", f"rejected by the {self.scheme} client: {self.clean(exc)}")
         log.warning("%s: unexpected %s: %s", self.name, type(exc).__name__, self.clean(exc))
         return Retry(type(exc).__name__, f"{self.name}: {self.clean(exc)}")
 

@@ -10,9 +10,11 @@ import importlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
+from outbox.config import RelayConfig
 from outbox.extras import require
 from outbox.routes import SCHEMES, Route, SinkURL
 from outbox.sinks.base import Sink
+from outbox.sinks.router import build
 
 # scheme -> (module, class) of its sink
 SINK_CLASSES = {
@@ -55,3 +57,27 @@ class SinkMaker:
         else:
             sink = cls(url, timeout=self.timeout)
         return sink
+
+
+def default_kafka(bootstrap: str, config: dict[str, str], timeout: float) -> Sink:
+    from outbox.sinks.kafka import KafkaSink
+
+    return KafkaSink(bootstrap, config, delivery_timeout=timeout)
+
+
+def routed(
+    routes: list[Route],
+    config: RelayConfig,
+    *,
+    kafka: Callable[[str, dict[str, str], float], Sink] = default_kafka,
+    kafka_config: Mapping[str, str] | None = None,
+    webhook_secrets: list[bytes] | None = None,
+) -> Callable[[], Sink]:
+    """The relay's sink factory for ``routes``: a Router over one sink per URL, with key
+    chains where the relay's ordering needs them."""
+    make = SinkMaker(kafka, dict(kafka_config or {}), config.delivery_timeout, list(webhook_secrets or []))
+
+    def sink() -> Sink:
+        return build(routes, make, ordered=config.ordering == "key", parks=config.on_dead == "park")
+
+    return sink

@@ -5,7 +5,8 @@ asynchronous JetStream publish (``publish_async``): many messages in flight on
 one connection, each acknowledged by the stream (a PubAck) on its own reply.
 
 - Subject: the event's topic. Body: the payload bytes.
-- Headers: the event's headers + ``event-id`` + ``Nats-Msg-Id`` = event id, so
+- Headers: the event's headers + ``event-id`` + ``event-key`` (the key, absent
+  when null) + ``Nats-Msg-Id`` = event id, so
   the stream's duplicate window drops a redelivery.
 - Delivered only on the PubAck; the archive keeps the stream (``sink_ref``) and
   its sequence (``sink_offset``).
@@ -67,7 +68,6 @@ class NatsSink(AsyncSink):
 
     async def deliver(self, event: ClaimedEvent) -> Outcome:
         headers = text_headers(event)
-        headers["event-id"] = event.event_id
         headers["Nats-Msg-Id"] = event.event_id
         js = await self.client()
         nc = js._nc

@@ -9,7 +9,8 @@ and RabbitMQ acknowledges them in batches (``multiple`` acks).
 - Routing key: the event's topic. Body: the payload bytes.
 - Properties: ``message_id`` = event id, ``delivery_mode`` 2 (persistent),
   ``content_type`` from the event's ``content-type`` header, and ``headers`` =
-  the event's headers (text when UTF-8, else bytes) + ``event-id``.
+  the event's headers (text when UTF-8, else bytes) + ``event-id`` + ``event-key``
+  (the key, absent when null).
 - Published as mandatory: a message no queue takes comes back (basic.return)
   and is retried, with an error saying no queue is bound for its routing key.
 - Delivered only on its confirm (basic.ack). A nack is retried.
@@ -33,7 +34,7 @@ from pamqp.common import FieldTable
 
 from outbox.events import ClaimedEvent
 from outbox.routes import SinkURL
-from outbox.sinks.aio import AsyncSink, Refused, Unavailable, as_bytes
+from outbox.sinks.aio import KEY_HEADER, AsyncSink, Refused, Unavailable, as_bytes
 from outbox.sinks.base import Delivered, Outcome, Retry
 
 log = logging.getLogger("outbox.sinks")
@@ -44,13 +45,13 @@ PERSISTENT = 2
 NO_QUEUE = "no_queue_bound"
 
 
-def header_value(value: str | bytes | None) -> str | bytes:
+def header_value(value: str | bytes | None) -> str | bytearray:
     """An AMQP header value: text when the bytes are UTF-8, else a byte array."""
     raw = as_bytes(value)
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError:
-        return raw
+        return bytearray(raw)  # pamqp's type for a field-table byte array
 
 
 class RabbitMQSink(AsyncSink):
@@ -85,7 +86,8 @@ class RabbitMQSink(AsyncSink):
                 f"{len(event.payload)} bytes is larger than max_message_size {self.max_size} of {self.name}",
             )
         headers: FieldTable = {name: header_value(value) for name, value in event.headers}
-        headers["event-id"] = event.event_id
+        if event.key is not None:
+            headers[KEY_HEADER] = header_value(event.key)
         content_type = headers.get("content-type")
         properties = spec.Basic.Properties(
             message_id=event.event_id,

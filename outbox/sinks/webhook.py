@@ -16,10 +16,11 @@ Request:
   "<id>.<timestamp>.<body>">`` under each secret of ``--webhook-secret`` /
   ``OUTBOX_WEBHOOK_SECRET`` (``whsec_<base64>``, space-separated for rotation:
   one signature per secret). Without a secret, requests are not signed.
-- The event's other headers go as HTTP headers of the same name (``traceparent``
-  and ``tracestate`` among them), except the names HTTP or the signature own
-  (:data:`RESERVED`), which are dropped. A value that is not one line of UTF-8
-  text cannot be an HTTP header: that event is dead-lettered (``invalid_header``).
+- The event's other headers go as HTTP headers of the same name (``traceparent``,
+  ``tracestate`` and ``event-id`` among them; ``event-key`` is the key), except
+  the names HTTP or the signature own (:data:`RESERVED`), which are dropped. A
+  value that is not one line of UTF-8 text cannot be an HTTP header: that event
+  is dead-lettered (``invalid_header``).
 
 Response: 2xx delivered; 408, 425, 429, 5xx, timeouts and connection errors
 retried (``Retry-After`` honoured, up to the retry cap); any other status (3xx

@@ -60,10 +60,14 @@ def test_metrics_after_a_drain_match_what_was_delivered(
         port = relay._health.port
         status, text = _get(port, "/metrics")
     assert status == 200
-    assert _sample(text, "outbox_events_delivered_total", topic=topic) == 300
-    assert _sample(text, "outbox_events_delivered_total", topic=other) == 200
-    assert _sample(text, "outbox_events_dead_total", topic=topic) == 1
-    assert _sample(text, "outbox_delivery_errors_total", topic=topic, error_type="MSG_SIZE_TOO_LARGE") == 1
+    sink = f"kafka://{kafka}"  # the sink label: the scheme and the servers, never credentials
+    assert _sample(text, "outbox_events_delivered_total", topic=topic, sink=sink) == 300
+    assert _sample(text, "outbox_events_delivered_total", topic=other, sink=sink) == 200
+    assert _sample(text, "outbox_events_dead_total", topic=topic, sink=sink) == 1
+    assert (
+        _sample(text, "outbox_delivery_errors_total", topic=topic, sink=sink, error_type="MSG_SIZE_TOO_LARGE")
+        == 1
+    )
     assert _sample(text, "outbox_delivery_latency_seconds_count") == 500
     assert (_sample(text, "outbox_batch_size_count") or 0) >= 1
     assert _sample(text, "outbox_oldest_pending_age_seconds") == 0

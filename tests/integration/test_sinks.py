@@ -1,0 +1,114 @@
+"""Every sink beyond Kafka, against the real server: RabbitMQ, NATS JetStream, Redis Streams, webhooks.
+
+Each test runs on each sink, with a destination of its own (tests/sink_servers.py).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import psycopg
+import pytest
+
+import outbox
+from outbox.config import RelayConfig
+from outbox.harness.proxy import Proxy
+from outbox.routes import parse_routes
+from outbox.sinks.make import routed
+from tests.helpers import assert_per_key_order, count, running_relay, wait_for
+from tests.sink_servers import SINKS, HttpTarget, Target, target
+
+TRACEPARENT = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+
+
+@pytest.fixture(params=SINKS)
+def sink(request: pytest.FixtureRequest) -> Iterator[Target]:
+    t = target(request.param)
+    try:
+        yield t
+    finally:
+        t.close()
+
+
+def _config(pg_dsn: str, schema: str, **kw: Any) -> RelayConfig:
+    base: dict[str, Any] = {"poll_interval": 0.1, "delivery_timeout": 5.0, "lease": 10.0}
+    return RelayConfig(pg_dsn, schema=schema, **{**base, **kw})
+
+
+def _factory(config: RelayConfig, *routes: str, secrets: list[bytes] | None = None) -> Any:
+    return routed(parse_routes(list(routes), None), config, webhook_secrets=secrets)
+
+
+def test_delivers_byte_exact_and_never_a_rolled_back_event(pg_dsn: str, schema: str, sink: Target) -> None:
+    payload = {"order": 42, "items": ["a", "ü"], "total": "9.99"}
+    headers = {"content-type": "application/json", "traceparent": TRACEPARENT, "tenant": "acme"}
+    with psycopg.connect(pg_dsn) as conn:
+        committed = [
+            outbox.enqueue(conn, sink.topic, payload, key="order-42", headers=headers, schema=schema),
+            outbox.enqueue(conn, sink.topic, b"\x00\xffraw", key=None, schema=schema),
+        ]
+        conn.commit()
+        outbox.enqueue(conn, sink.topic, b"rolled back", key="order-42", schema=schema)
+        conn.rollback()
+    config = _config(pg_dsn, schema)
+    with running_relay(config, _factory(config, f"*={sink.url()}")):
+        wait_for(lambda: count(pg_dsn, schema, "delivered") == 2, timeout=30, what="delivery")
+        got = sink.read(2)
+    # Different keys travel concurrently: arrival order between them is not promised.
+    by_id = {m.event_id: m for m in got}
+    assert sorted(by_id) == sorted(str(e) for e in committed) and len(got) == 2
+    first, second = by_id[str(committed[0])], by_id[str(committed[1])]
+    assert json.loads(first.value) == payload and first.key == b"order-42"
+    for name, value in headers.items():
+        assert first.headers[name] == value.encode(), name
+    assert second.value == b"\x00\xffraw" and second.key is None
+    assert all(b"rolled back" not in m.value for m in sink.fetch())
+    if sink.scheme == "amqp":
+        assert first.headers["x-message-id"] == first.headers["event-id"]
+        assert first.headers["x-content-type"] == b"application/json"
+        assert first.headers["x-delivery-mode"] == b"2" and first.headers["x-routing-key"] == b"orders.created"
+    if sink.scheme == "nats":
+        assert first.headers["Nats-Msg-Id"] == first.headers["event-id"]
+    if sink.scheme == "http":
+        assert first.headers["x-path"] == f"{sink.path}/orders.created/order-42".encode()  # type: ignore[attr-defined]
+        assert first.headers["content-type"] == b"application/json"
+        assert second.headers["content-type"] == b"application/octet-stream"
+        assert second.headers["x-path"].endswith(b"/orders.created/")
+    with psycopg.connect(pg_dsn) as conn:
+        refs = conn.execute(
+            f'SELECT sink_offset, sink_ref FROM "{schema}".delivered ORDER BY id'  # noqa: S608
+        ).fetchall()
+    in_order = [first, second]
+    if sink.scheme == "redis":
+        assert [r[1] for r in refs] == [m.headers["x-entry-id"].decode() for m in in_order]
+    if sink.scheme == "nats":
+        assert [r[0] for r in refs] == [m.offset for m in in_order]
+        assert {r[1] for r in refs} == {sink.stream}  # type: ignore[attr-defined]
+
+
+def test_a_binary_header_value_survives_where_the_protocol_allows_it(
+    pg_dsn: str, schema: str, sink: Target
+) -> None:
+    """RabbitMQ (byte array) and Redis (JSON {"base64": ...}) keep it; NATS and HTTP headers are
+    text, so the event is dead-lettered naming the header, and nothing else is held up."""
+    with psycopg.connect(pg_dsn) as conn:
+        odd = outbox.enqueue(conn, sink.topic, b"x", key="a", headers={"sig": b"\xff\x00"}, schema=schema)
+        outbox.enqueue(conn, sink.topic, b"y", key="b", schema=schema)
+    config = _config(pg_dsn, schema)
+    with running_relay(config, _factory(config, f"*={sink.url()}")):
+        wait_for(lambda: count(pg_dsn, schema, "events") == 0, timeout=30, what="drain")
+    if sink.scheme in ("amqp",):
+        got = {m.value: m for m in sink.read(2)}
+        assert got[b"x"].headers["sig"] == b"\xff\x00"
+    elif sink.scheme == "redis":
+        raw = sink._client.xrange(sink.topic)[0][1][b"headers"]  # type: ignore[attr-defined]
+        assert json.loads(raw)["sig"] == {"base64": "/wA="}
+    else:
+        assert [m.value for m in sink.read(1)] == [b"y"]
+        with psycopg.connect(pg_dsn) as conn:
+            row = conn.execute(
+                f'SELECT event_id, error FROM "{schema}".dead_letters'  # noqa: S608
+            ).fetchone()
+        assert row is not None and row[0] == odd and "header 'sig'" in row[1]
