@@ -147,8 +147,16 @@ class RelayProcess:
     """``outbox relay`` as a real process (for SIGKILL/SIGTERM tests); output to a temp file."""
 
     def __init__(
-        self, dsn: str, schema: str, bootstrap: str, *extra: str, env: dict[str, str] | None = None
+        self,
+        dsn: str,
+        schema: str,
+        bootstrap: str | None,
+        *extra: str,
+        env: dict[str, str] | None = None,
+        module: str = "outbox",
     ) -> None:
+        """``bootstrap`` None: no --kafka-bootstrap (routes come in ``extra``). ``module``: what
+        ``python -m`` runs (tests.flaky_relay injects sink failures)."""
         base = {k: v for k, v in os.environ.items() if not k.startswith("OUTBOX_")}
         # tests.sinks must be importable for --sink tests.sinks:...
         root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -159,14 +167,13 @@ class RelayProcess:
             [
                 sys.executable,
                 "-m",
-                "outbox",
+                module,
                 "relay",
                 "--dsn",
                 dsn,
                 "--schema",
                 schema,
-                "--kafka-bootstrap",
-                bootstrap,
+                *(("--kafka-bootstrap", bootstrap) if bootstrap else ()),
                 *extra,
             ],
             env=env,

@@ -17,7 +17,7 @@ from outbox.config import RelayConfig
 from outbox.harness.proxy import Proxy
 from outbox.routes import parse_routes
 from outbox.sinks.make import routed
-from tests.helpers import assert_per_key_order, count, running_relay, wait_for
+from tests.helpers import FAST, RelayProcess, assert_per_key_order, count, running_relay, wait_for
 from tests.sink_servers import SINKS, HttpTarget, Target, target
 
 TRACEPARENT = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
@@ -112,3 +112,43 @@ def test_a_binary_header_value_survives_where_the_protocol_allows_it(
                 f'SELECT event_id, error FROM "{schema}".dead_letters'  # noqa: S608
             ).fetchone()
         assert row is not None and row[0] == odd and "header 'sig'" in row[1]
+
+
+def _write_rounds(pg_dsn: str, schema: str, topic: str, keys: int, rounds: int) -> None:
+    """One transaction per round: commit order is seq order for every key."""
+    with psycopg.connect(pg_dsn) as conn:
+        for seq in range(rounds):
+            outbox.enqueue_many(
+                conn,
+                [{"topic": topic, "key": f"k{k}", "payload": {"k": f"k{k}", "seq": seq}} for k in range(keys)],
+                schema=schema,
+            )
+            conn.commit()
+
+
+@pytest.mark.slow
+def test_per_key_order_through_failures_and_two_relay_processes(
+    pg_dsn: str, schema: str, sink: Target
+) -> None:
+    keys, rounds = 50, 40  # 2,000 events, 5% of sends failing (half of them after the send)
+    env = {"OUTBOX_TEST_FAILURE_RATE": "0.05"}
+    opts = (*FAST, "--route", f"*={sink.url()}")
+    relays = [
+        RelayProcess(pg_dsn, schema, None, *opts, "--name", f"r{i}", env=env, module="tests.flaky_relay")
+        for i in range(2)
+    ]
+    try:
+        _write_rounds(pg_dsn, schema, sink.topic, keys, rounds)
+        wait_for(lambda: count(pg_dsn, schema, "events") == 0, timeout=120, what="drain")
+        for r in relays:
+            assert r.stop() == 0, r.output()[-3000:]
+        got = sink.read(keys * rounds)
+    finally:
+        for r in relays:
+            r.close()
+    assert count(pg_dsn, schema, "delivered") == keys * rounds  # each archived once
+    assert count(pg_dsn, schema, "delivered", "attempts > 1") > 0, "no failure was injected"
+    assert len({m.event_id for m in got}) == keys * rounds
+    assert_per_key_order(got)
+    # Both relays delivered (the keys were shared out), and neither dead-lettered anything.
+    assert count(pg_dsn, schema, "dead_letters") == 0
