@@ -281,9 +281,9 @@ class AsyncSink:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        if self._conn is not None:
-            await self._quietly_disconnect(self._conn)
-            self._conn = None
+        conn, self._conn = self._conn, None  # first: closing it is not an outage
+        if conn is not None:
+            await self._quietly_disconnect(conn)
 
     def clean(self, exc: BaseException | str) -> str:
         """An error's text with the URL's password (and the URL itself) masked."""
