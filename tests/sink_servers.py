@@ -206,7 +206,7 @@ class RedisTarget(Target):
         return out
 
     def close(self) -> None:
-        self._client.delete(self.topic)
+        self._client.delete(self.topic, self.topic + "-refused")
         self._client.close()
 
 

@@ -5,6 +5,7 @@ Each test runs on each sink, with a destination of its own (tests/sink_servers.p
 
 from __future__ import annotations
 
+import base64
 import json
 import time
 from collections.abc import Iterator
@@ -19,6 +20,7 @@ from outbox.harness.proxy import Proxy
 from outbox.retry import RetryPolicy
 from outbox.routes import parse_routes
 from outbox.sinks.make import routed
+from outbox.sinks.signing import parse_secrets
 from tests.helpers import FAST, RelayProcess, assert_per_key_order, count, running_relay, wait_for
 from tests.sink_servers import SINKS, HttpTarget, Target, target
 
@@ -195,3 +197,73 @@ def test_the_sink_down_for_a_while_then_back_loses_nothing(
     outage = [e for e in events if e.startswith(f"{sink.scheme}.")]
     assert outage[0] == f"{sink.scheme}.started" and outage[-1] == f"{sink.scheme}.ended", outage
     assert outage.count(f"{sink.scheme}.started") <= 2, outage  # one outage (HTTP: down, then 503s)
+
+
+def test_a_refused_event_is_dead_lettered_with_the_sinks_reason_and_parks_its_key(
+    pg_dsn: str, schema: str, sink: Target
+) -> None:
+    """RabbitMQ: larger than the route's max_message_size; NATS: larger than the server's
+    max_payload; Redis: the stream's key holds a string (WRONGTYPE); webhooks: HTTP 400."""
+    url, payload, reason = sink.url(), b"x" * 2000, ""
+    if sink.scheme == "amqp":
+        url, reason = url + "&max_message_size=1000", "larger than max_message_size 1000"
+    elif sink.scheme == "nats":
+        payload, reason = b"x" * (2 * 1024 * 1024), "larger than the server's max_payload"
+    elif sink.scheme == "redis":
+        sink._client.set(sink.topic + "-refused", "a string")  # type: ignore[attr-defined]
+        reason = "WRONGTYPE"
+    else:
+        assert isinstance(sink, HttpTarget)
+        sink.decide = lambda r: (400, {}, b"bad order: " + b"y" * 300) if r.body == payload else (200, {}, b"")
+        reason = "HTTP 400 from http://127.0.0.1"
+    refused_topic = sink.topic + "-refused" if sink.scheme == "redis" else sink.topic
+    with psycopg.connect(pg_dsn) as conn:
+        outbox.enqueue(conn, sink.topic, b"a1", key="a", schema=schema)
+        refused = outbox.enqueue(conn, refused_topic, payload, key="a", schema=schema)
+        outbox.enqueue(conn, sink.topic, b"a3", key="a", schema=schema)
+        for i in range(5):
+            outbox.enqueue(conn, sink.topic, f"b{i}".encode(), key="b", schema=schema)
+    config = _config(pg_dsn, schema)
+    with running_relay(config, _factory(config, f"*={url}")):
+        wait_for(lambda: count(pg_dsn, schema, "delivered") == 6, timeout=30, what="the rest")
+        wait_for(lambda: count(pg_dsn, schema, "dead_letters") == 1, timeout=30, what="the dead letter")
+        with psycopg.connect(pg_dsn) as conn:
+            error = conn.execute(
+                f'SELECT event_id, error FROM "{schema}".dead_letters'  # noqa: S608
+            ).fetchone()
+            pending = conn.execute(f'SELECT payload FROM "{schema}".events').fetchall()  # noqa: S608
+    assert error is not None and error[0] == refused and reason in error[1], error
+    if sink.scheme == "http":
+        assert error[1].endswith("bad order: " + "y" * 189)  # the first 200 bytes of the body
+    assert [bytes(p[0]) for p in pending] == [b"a3"]  # parked behind its dead letter
+    assert sorted(m.value for m in sink.read(6)) == [b"a1", *(f"b{i}".encode() for i in range(5))]
+
+
+def test_webhook_signatures_verify_with_an_independent_implementation(pg_dsn: str, schema: str) -> None:
+    """Standard Webhooks' own Python library checks every signature, under each of two
+    rotated secrets; a wrong secret is refused."""
+    from standardwebhooks import Webhook, WebhookVerificationError
+
+    old, new = "whsec_" + base64.b64encode(b"old-secret-bytes").decode(), "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw"
+    sink = HttpTarget()
+    try:
+        with psycopg.connect(pg_dsn) as conn:
+            for i in range(20):
+                outbox.enqueue(conn, sink.topic, {"n": i, "text": "é"}, key=f"k{i % 3}", schema=schema)
+        config = _config(pg_dsn, schema)
+        with running_relay(config, _factory(config, f"*={sink.url()}", secrets=parse_secrets(f"{old} {new}"))):
+            got = sink.read(20)
+        with sink.receiver.lock:
+            requests = list(sink.accepted)
+    finally:
+        sink.close()
+    assert len(requests) == 20
+    for r in requests:
+        assert r.headers["webhook-id"] == r.headers["event-id"]
+        assert abs(int(r.headers["webhook-timestamp"]) - time.time()) < 60
+        assert len(r.headers["webhook-signature"].split(" ")) == 2
+        for secret in (old, new):
+            assert Webhook(secret).verify(r.body, r.headers)["n"] in range(20)
+        with pytest.raises(WebhookVerificationError):
+            Webhook("whsec_" + base64.b64encode(b"another").decode()).verify(r.body, r.headers)
+    assert len(got) == 20
