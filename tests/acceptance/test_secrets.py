@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import os
 import signal
 import subprocess
@@ -10,6 +11,7 @@ import urllib.error
 import urllib.request
 
 import psycopg
+from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 import outbox
@@ -156,3 +158,81 @@ def test_secrets_never_reach_the_output_of_any_cli_command(pg_dsn: str, schema: 
     assert any("nope_db" in text for _, _, text in outputs), "errors should still say what is wrong"
     for command, dsn, text in outputs:
         assert pw not in text and sasl not in text, (command, dsn, text[-2000:])
+
+
+def test_sink_passwords_and_the_webhook_secret_never_reach_logs_errors_status_or_metrics(
+    pg_dsn: str, schema: str
+) -> None:
+    """Every sink with a password in its URL, each failing (refused login, AUTH refused,
+    HTTP 500), and a webhook signing secret: none of them appears anywhere."""
+    from tests.sink_servers import Receiver
+
+    secrets = {
+        "amqp": "AmqpSecret-5d1e",
+        "redis": "RedisSecret-77af",
+        "nats": "NatsSecret-0c3b",
+        "http": "HttpSecret-a9e2",
+        "token": "HttpToken-3b8f",
+    }
+    raw_key = b"WebhookSecret-e4c1"
+    whsec = "whsec_" + base64.b64encode(raw_key).decode()
+    receiver = Receiver(respond=lambda r: (500, {}, b"server error"))
+    port = free_port()
+    routes = "\n".join(
+        [
+            f"a.*=amqp://guest:{secrets['amqp']}@127.0.0.1:5672/?exchange=secrets-test",
+            f"r.*=redis://:{secrets['redis']}@127.0.0.1:6379/0",
+            f"n.*=nats://user:{secrets['nats']}@127.0.0.1:4222",
+            f"h.*=http://user:{secrets['http']}@127.0.0.1:{receiver.port}/hook?token={secrets['token']}",
+        ]
+    )
+    env = {"OUTBOX_ROUTES": routes, "OUTBOX_WEBHOOK_SECRET": whsec}
+    relay = RelayProcess(pg_dsn, schema, None, "--metrics-port", str(port), "--log-level", "debug", env=env)
+    scraped = []
+    try:
+        with psycopg.connect(pg_dsn) as conn:
+            for t in ("a.x", "r.x", "n.x", "h.x"):
+                outbox.enqueue(conn, t, b"x", key="k", schema=schema)
+
+        def all_failed() -> bool:
+            with psycopg.connect(pg_dsn, autocommit=True) as conn:
+                row = conn.execute(
+                    sql.SQL("SELECT count(*) FROM {}.events WHERE attempts > 0").format(
+                        sql.Identifier(schema)
+                    )
+                ).fetchone()
+            return row is not None and row[0] >= 3 and receiver.requests != []
+
+        wait_for(all_failed, timeout=60, what="failed attempts on the sinks")
+        for path in ("/metrics", "/readyz", "/livez"):
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=5) as resp:
+                    scraped.append(resp.read().decode())
+            except urllib.error.HTTPError as exc:
+                scraped.append(exc.read().decode())
+        relay.proc.send_signal(signal.SIGTERM)
+        relay.proc.wait(30)
+        logs = relay.output()
+    finally:
+        relay.close()
+        receiver.close()
+    env_clean = {k: v for k, v in os.environ.items() if not k.startswith("OUTBOX_")}
+    status = subprocess.run(
+        [sys.executable, "-m", "outbox", "status", "--dsn", pg_dsn, "--schema", schema],
+        capture_output=True, text=True, env=env_clean, timeout=60,
+    )  # fmt: skip
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        errors = [
+            str(r[0])
+            for r in conn.execute(
+                sql.SQL("SELECT last_error FROM {}.events").format(sql.Identifier(schema))
+            ).fetchall()
+        ]
+    assert any("HTTP 500" in e for e in errors) and any("amqp" in e for e in errors), errors
+    assert "cannot reach amqp://127.0.0.1:5672/?exchange=secrets-test" in logs, logs[-3000:]
+    forbidden = [*secrets.values(), whsec, base64.b64encode(raw_key).decode(), raw_key.decode()]
+    for text in (logs, status.stdout, status.stderr, *scraped, *errors):
+        for secret in forbidden:
+            assert secret not in text, (secret, text[:3000])
+    signed = receiver.requests[0].headers
+    assert signed["webhook-signature"].startswith("v1,")  # the secret was used, not shown

@@ -8,6 +8,8 @@ from __future__ import annotations
 import base64
 import json
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Iterator
 from typing import Any
 
@@ -73,7 +75,9 @@ def test_delivers_byte_exact_and_never_a_rolled_back_event(pg_dsn: str, schema: 
     if sink.scheme == "amqp":
         assert first.headers["x-message-id"] == first.headers["event-id"]
         assert first.headers["x-content-type"] == b"application/json"
-        assert first.headers["x-delivery-mode"] == b"2" and first.headers["x-routing-key"] == b"orders.created"
+        assert (
+            first.headers["x-delivery-mode"] == b"2" and first.headers["x-routing-key"] == b"orders.created"
+        )
     if sink.scheme == "nats":
         assert first.headers["Nats-Msg-Id"] == first.headers["event-id"]
     if sink.scheme == "http":
@@ -82,9 +86,7 @@ def test_delivers_byte_exact_and_never_a_rolled_back_event(pg_dsn: str, schema: 
         assert second.headers["content-type"] == b"application/octet-stream"
         assert second.headers["x-path"].endswith(b"/orders.created/")
     with psycopg.connect(pg_dsn) as conn:
-        refs = conn.execute(
-            f'SELECT sink_offset, sink_ref FROM "{schema}".delivered ORDER BY id'  # noqa: S608
-        ).fetchall()
+        refs = conn.execute(f'SELECT sink_offset, sink_ref FROM "{schema}".delivered ORDER BY id').fetchall()
     in_order = [first, second]
     if sink.scheme == "redis":
         assert [r[1] for r in refs] == [m.headers["x-entry-id"].decode() for m in in_order]
@@ -113,9 +115,7 @@ def test_a_binary_header_value_survives_where_the_protocol_allows_it(
     else:
         assert [m.value for m in sink.read(1)] == [b"y"]
         with psycopg.connect(pg_dsn) as conn:
-            row = conn.execute(
-                f'SELECT event_id, error FROM "{schema}".dead_letters'  # noqa: S608
-            ).fetchone()
+            row = conn.execute(f'SELECT event_id, error FROM "{schema}".dead_letters').fetchone()
         assert row is not None and row[0] == odd and "header 'sig'" in row[1]
 
 
@@ -125,7 +125,10 @@ def _write_rounds(pg_dsn: str, schema: str, topic: str, keys: int, rounds: int, 
         for seq in range(first, first + rounds):
             outbox.enqueue_many(
                 conn,
-                [{"topic": topic, "key": f"k{k}", "payload": {"k": f"k{k}", "seq": seq}} for k in range(keys)],
+                [
+                    {"topic": topic, "key": f"k{k}", "payload": {"k": f"k{k}", "seq": seq}}
+                    for k in range(keys)
+                ],
                 schema=schema,
             )
             conn.commit()
@@ -214,7 +217,9 @@ def test_a_refused_event_is_dead_lettered_with_the_sinks_reason_and_parks_its_ke
         reason = "WRONGTYPE"
     else:
         assert isinstance(sink, HttpTarget)
-        sink.decide = lambda r: (400, {}, b"bad order: " + b"y" * 300) if r.body == payload else (200, {}, b"")
+        sink.decide = lambda r: (
+            (400, {}, b"bad order: " + b"y" * 300) if r.body == payload else (200, {}, b"")
+        )
         reason = "HTTP 400 from http://127.0.0.1"
     refused_topic = sink.topic + "-refused" if sink.scheme == "redis" else sink.topic
     with psycopg.connect(pg_dsn) as conn:
@@ -228,10 +233,8 @@ def test_a_refused_event_is_dead_lettered_with_the_sinks_reason_and_parks_its_ke
         wait_for(lambda: count(pg_dsn, schema, "delivered") == 6, timeout=30, what="the rest")
         wait_for(lambda: count(pg_dsn, schema, "dead_letters") == 1, timeout=30, what="the dead letter")
         with psycopg.connect(pg_dsn) as conn:
-            error = conn.execute(
-                f'SELECT event_id, error FROM "{schema}".dead_letters'  # noqa: S608
-            ).fetchone()
-            pending = conn.execute(f'SELECT payload FROM "{schema}".events').fetchall()  # noqa: S608
+            error = conn.execute(f'SELECT event_id, error FROM "{schema}".dead_letters').fetchone()
+            pending = conn.execute(f'SELECT payload FROM "{schema}".events').fetchall()
     assert error is not None and error[0] == refused and reason in error[1], error
     if sink.scheme == "http":
         assert error[1].endswith("bad order: " + "y" * 189)  # the first 200 bytes of the body
@@ -244,14 +247,19 @@ def test_webhook_signatures_verify_with_an_independent_implementation(pg_dsn: st
     rotated secrets; a wrong secret is refused."""
     from standardwebhooks import Webhook, WebhookVerificationError
 
-    old, new = "whsec_" + base64.b64encode(b"old-secret-bytes").decode(), "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw"
+    old, new = (
+        "whsec_" + base64.b64encode(b"old-secret-bytes").decode(),
+        "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw",
+    )
     sink = HttpTarget()
     try:
         with psycopg.connect(pg_dsn) as conn:
             for i in range(20):
                 outbox.enqueue(conn, sink.topic, {"n": i, "text": "é"}, key=f"k{i % 3}", schema=schema)
         config = _config(pg_dsn, schema)
-        with running_relay(config, _factory(config, f"*={sink.url()}", secrets=parse_secrets(f"{old} {new}"))):
+        with running_relay(
+            config, _factory(config, f"*={sink.url()}", secrets=parse_secrets(f"{old} {new}"))
+        ):
             got = sink.read(20)
         with sink.receiver.lock:
             requests = list(sink.accepted)
@@ -267,3 +275,50 @@ def test_webhook_signatures_verify_with_an_independent_implementation(pg_dsn: st
         with pytest.raises(WebhookVerificationError):
             Webhook("whsec_" + base64.b64encode(b"another").decode()).verify(r.body, r.headers)
     assert len(got) == 20
+
+
+def test_one_sink_down_leaves_the_other_routes_flowing_and_readyz_names_it(
+    pg_dsn: str, schema: str, kafka: str, topic: str
+) -> None:
+    """RabbitMQ refused: Kafka and Redis routes keep delivering; /readyz is 503 naming the
+    RabbitMQ sink while every sink has a line; then RabbitMQ is back and its events arrive."""
+    rabbit, stream = target("amqp"), target("redis")
+    proxy = Proxy(*rabbit.server).start()
+    proxy.refuse()
+    try:
+        routes = (
+            f"orders.*={rabbit.url('127.0.0.1', proxy.port)}",
+            f"{stream.topic}={stream.url()}",
+            f"*=kafka://{kafka}",
+        )
+        config = _config(pg_dsn, schema, metrics_port=0, retry=RetryPolicy(base=0.05, cap=0.3))
+        with psycopg.connect(pg_dsn) as conn:
+            for i in range(50):
+                outbox.enqueue(conn, "orders.created", f"o{i}".encode(), key=f"k{i % 5}", schema=schema)
+                outbox.enqueue(conn, topic, f"t{i}".encode(), key=f"k{i % 5}", schema=schema)
+                outbox.enqueue(conn, stream.topic, f"s{i}".encode(), key=f"k{i % 5}", schema=schema)
+        with running_relay(config, _factory(config, *routes)) as relay:
+            wait_for(lambda: count(pg_dsn, schema, "delivered") == 100, timeout=30, what="kafka and redis")
+            assert count(pg_dsn, schema, "delivered", "topic = 'orders.created'") == 0
+            assert relay._health is not None
+            status, body = _get(relay._health.port, "/readyz")
+            assert status == 503 and body.startswith("sink down: amqp://127.0.0.1"), body
+            lines = body.splitlines()[1:]
+            assert [line.split(" ")[1] for line in lines] == ["down:", "ok", "ok"], body
+            proxy.heal()
+            wait_for(lambda: count(pg_dsn, schema, "events") == 0, timeout=30, what="rabbitmq back")
+            wait_for(lambda: _get(relay._health.port, "/readyz")[0] == 200, timeout=10, what="ready")
+        assert sorted(m.value for m in rabbit.read(50)) == sorted(f"o{i}".encode() for i in range(50))
+        assert len(stream.read(50)) == 50
+    finally:
+        proxy.stop()
+        rabbit.close()
+        stream.close()
+
+
+def _get(port: int, path: str) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=5) as resp:
+            return resp.status, resp.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode()
