@@ -131,7 +131,8 @@ def _bare(spec: ContenderSpec, counter: Synchronized[int], stop: Event) -> None:
                         producer.poll(0.05)
             producer.flush()
             ids = [r[0] for r in rows]
-            conn.execute(archive, {"ids": ids, "partitions": [None] * len(ids), "offsets": [None] * len(ids)})
+            nulls = [None] * len(ids)
+            conn.execute(archive, {"ids": ids, "partitions": nulls, "offsets": nulls, "refs": nulls})
             conn.commit()
             moved += len(rows)
             counter.value = moved
