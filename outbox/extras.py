@@ -19,7 +19,7 @@ EXTRAS: dict[str, tuple[str, ...]] = {
     "rabbitmq": ("aiormq",),
     "nats": ("nats",),
     "redis": ("redis",),
-    "http": ("httpx",),
+    "http": ("aiohttp",),
 }
 
 

@@ -12,18 +12,16 @@ from __future__ import annotations
 
 import asyncio
 import json
-import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import aiormq
 import nats
 import redis
 
+from outbox.harness.sinktaps import Receiver, Request
 from tests.helpers import Message
 
 RABBIT = ("127.0.0.1", 5672)
@@ -208,59 +206,6 @@ class RedisTarget(Target):
     def close(self) -> None:
         self._client.delete(self.topic, self.topic + "-refused")
         self._client.close()
-
-
-@dataclass
-class Request:
-    path: str
-    headers: dict[str, str]
-    body: bytes
-
-
-@dataclass
-class Receiver:
-    """A webhook receiver on a free loopback port. ``respond(request) -> (status, headers, body)``
-    decides each answer (default 204); every request is recorded, answered or not."""
-
-    requests: list[Request] = field(default_factory=list)
-    respond: Callable[[Request], tuple[int, dict[str, str], bytes]] = lambda r: (204, {}, b"")
-    lock: threading.Lock = field(default_factory=threading.Lock)
-
-    def __post_init__(self) -> None:
-        outer = self
-
-        class Handler(BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-
-            def do_POST(self) -> None:
-                body = self.rfile.read(int(self.headers.get("content-length", "0")))
-                request = Request(self.path, {k.lower(): v for k, v in self.headers.items()}, body)
-                with outer.lock:
-                    outer.requests.append(request)
-                status, headers, reply = outer.respond(request)
-                self.send_response(status)
-                for name, value in headers.items():
-                    self.send_header(name, value)
-                self.send_header("content-length", str(len(reply)))
-                self.end_headers()
-                self.wfile.write(reply)
-
-            def log_message(self, format: str, *args: Any) -> None:
-                return None
-
-        class Server(ThreadingHTTPServer):
-            def handle_error(self, request: Any, client_address: Any) -> None:
-                return None  # a client that hangs up (the relay stopping) is not news
-
-        self.server = Server(("127.0.0.1", 0), Handler)
-        self.server.daemon_threads = True
-        self.port = int(self.server.server_address[1])
-        self._thread = threading.Thread(target=self.server.serve_forever, daemon=True)
-        self._thread.start()
-
-    def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
 
 
 class HttpTarget(Target):

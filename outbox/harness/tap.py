@@ -43,6 +43,8 @@ def event_id_of(msg: Any) -> str | None:
 class Tap(threading.Thread):
     """Reads ``topic`` from the beginning until ``stop_event`` is set."""
 
+    scheme = "kafka"
+
     def __init__(self, bootstrap: str, topic: str, *, fetch_wait_ms: int = 50) -> None:
         super().__init__(name="harness-tap", daemon=True)
         self.bootstrap, self.topic = bootstrap, topic

@@ -1,6 +1,6 @@
 """Standard Webhooks signing (https://www.standardwebhooks.com): secrets and signatures.
 
-Apart from the webhook sink so that the CLI can check ``--webhook-secret`` without httpx.
+Apart from the webhook sink so that the CLI can check ``--webhook-secret`` without aiohttp.
 """
 
 from __future__ import annotations

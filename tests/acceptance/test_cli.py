@@ -154,7 +154,7 @@ def test_a_missing_extra_is_one_line_naming_it(pg_dsn: str, kafka: str, tmp_path
         ("amqp://guest:Pa55word@rabbit:5672/", "aiormq", "rabbitmq"),
         ("nats://nats:4222", "nats", "nats"),
         ("redis://cache:6379/0", "redis", "redis"),
-        ("https://hooks.example/{topic}", "httpx", "http"),
+        ("https://hooks.example/{topic}", "aiohttp", "http"),
     ):
         out = _without({module}, "relay", "--dsn", pg_dsn, "--route", f"orders.*={scheme}")
         assert out.returncode == 2, out.stderr

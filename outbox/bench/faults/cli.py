@@ -19,7 +19,17 @@ NAMES = tuple(SCENARIOS)
 @dataclass
 class FaultOptions:
     scenarios: str = setting(
-        ",".join(NAMES), f"comma-separated, of: {', '.join(NAMES)}", env="OUTBOX_FAULTS_SCENARIOS"
+        "",
+        f"comma-separated, of: {', '.join(NAMES)}",
+        default_text="every one that applies to the sink",
+        env="OUTBOX_FAULTS_SCENARIOS",
+    )
+    sink: str | None = setting(
+        None,
+        "run against this sink instead of Kafka: amqp://user:pass@host:port/vhost, nats://host:port, "
+        "redis://host:port/db, or http (a receiver of the harness's own)",
+        env="OUTBOX_FAULTS_SINK",
+        metavar="URL",
     )
     out: str = setting(
         "fault-results", "output directory (results.json, results.md, relay logs)", env="OUTBOX_FAULTS_OUT"
@@ -62,6 +72,7 @@ def cmd_faults(args: argparse.Namespace) -> int:
         dsn=args.dsn or None,
         bootstrap=args.kafka_bootstrap,
         chosen=[s.strip() for s in opts.scenarios.split(",") if s.strip()],
+        sink=opts.sink,
         out=Path(opts.out),
         short=opts.short,
         rate=opts.rate,

@@ -16,6 +16,7 @@ class FaultConfig:
     restart_pg: Callable[[], object] | None = None
     stop_broker: Callable[[], object] | None = None
     start_broker: Callable[[], object] | None = None
+    sink: str | None = None  # --sink: a URL (amqp://, nats://, redis://) or "http"; None: Kafka
     short: bool = False
     rate: int = 1000  # business transactions (one event each) per second
     writers: int = 2

@@ -31,6 +31,11 @@ COUNTED_EVENTS = {
     "sink.replaced": "producers_recreated",
     "database.started": "reconnects",
     "ownership.lost": "ownership_lost",
+    # A sink beyond Kafka found unreachable (its outage condition started).
+    "amqp.started": "sink_outages",
+    "nats.started": "sink_outages",
+    "redis.started": "sink_outages",
+    "http.started": "sink_outages",
 }
 SCRAPE_TIMEOUT = 2.0  # seconds
 
@@ -49,9 +54,17 @@ class Relays:
     """``outbox relay`` processes (the real CLI), each with its own log file and metrics port."""
 
     def __init__(
-        self, cfg: FaultConfig, schema: str, name: str, extra: list[str], env: dict[str, str]
+        self,
+        cfg: FaultConfig,
+        schema: str,
+        name: str,
+        extra: list[str],
+        env: dict[str, str],
+        route: str | None = None,
     ) -> None:
         self.cfg, self.schema, self.name, self.extra = cfg, schema, name, extra
+        # --route GLOB=URL for a sink other than Kafka, else the run's Kafka cluster.
+        self.sink_args = ["--route", route] if route else ["--kafka-bootstrap", cfg.bootstrap]
         self.env = {**{k: v for k, v in os.environ.items() if not k.startswith("OUTBOX_")}, **env}
         self.procs: dict[int, subprocess.Popen[bytes]] = {}
         self.ports: dict[int, int] = {}
@@ -68,7 +81,7 @@ class Relays:
             self.procs[index] = subprocess.Popen(
                 [
                     sys.executable, "-m", "outbox", "relay",
-                    "--dsn", cfg.dsn, "--schema", self.schema, "--kafka-bootstrap", cfg.bootstrap,
+                    "--dsn", cfg.dsn, "--schema", self.schema, *self.sink_args,
                     "--name", f"{self.name}-{index}",
                     "--lease", str(cfg.lease), "--delivery-timeout", str(cfg.delivery_timeout),
                     "--ownership-lease", str(cfg.ownership_lease),
@@ -149,4 +162,7 @@ class Relays:
                         event = json.loads(line).get("event")
                         if event:
                             seen[event] += 1
-        return {report: seen.get(event, 0) for event, report in COUNTED_EVENTS.items()}
+        counts = dict.fromkeys(COUNTED_EVENTS.values(), 0)
+        for event, report in COUNTED_EVENTS.items():
+            counts[report] += seen.get(event, 0)
+        return counts

@@ -16,6 +16,8 @@ from outbox.bench.faults.config import FaultConfig
 from outbox.bench.faults.relays import Relays, poll_until
 from outbox.bench.faults.tally import tally
 from outbox.harness.load import Load, Written, prepare
+from outbox.harness.proxy import Proxy
+from outbox.harness.sinktaps import SinkTap, open_tap
 from outbox.harness.tap import Tap
 from outbox.migrate import migrate
 from outbox.progress import Progress
@@ -66,9 +68,19 @@ class Run:
         self.writers = Load(
             cfg.dsn, self.schema, self.topic, rate=cfg.rate, writers=cfg.writers, keys=cfg.keys
         )
-        self.tap = Tap(cfg.bootstrap, self.topic)
+        # Against a sink other than Kafka (--sink), the relays reach it through a proxy
+        # that the sink-outage scenario takes away.
+        self.proxy: Proxy | None = None
+        self.tap: Tap | SinkTap
+        route = None
+        if cfg.sink:
+            self.tap = open_tap(cfg.sink, self.topic)
+            self.proxy = Proxy(*self.tap.server)
+            route = f"*={self.tap.route('127.0.0.1', self.proxy.port)}"
+        else:
+            self.tap = Tap(cfg.bootstrap, self.topic)
         self.monitor = Monitor(cfg.dsn, self.schema)
-        self.relays = Relays(cfg, self.schema, name, extra or [], env or {})
+        self.relays = Relays(cfg, self.schema, name, extra or [], env or {}, route=route)
         self.events: list[tuple[float, str]] = []  # (time, what was done)
         self.fault_end: float | None = None
         self.expected_dead: list[Written] = []
@@ -82,6 +94,11 @@ class Run:
         with psycopg.connect(self.cfg.dsn, autocommit=True) as conn:
             migrate(conn, self.schema)
         prepare(self.cfg.dsn, self.schema)
+        if isinstance(self.tap, SinkTap):
+            self.tap.setup()
+            assert self.proxy is not None
+            self.proxy.start()
+            return
         admin = AdminClient({"bootstrap.servers": self.cfg.bootstrap})
         for fut in admin.create_topics(
             [NewTopic(self.topic, num_partitions=TOPIC_PARTITIONS, replication_factor=1)]
@@ -91,6 +108,15 @@ class Run:
     def teardown(self) -> None:
         with psycopg.connect(self.cfg.dsn, autocommit=True) as conn:
             conn.execute(query("harness_drop_schema", self.schema))
+        if isinstance(self.tap, SinkTap):
+            self.tap.teardown()
+
+    def close(self) -> None:
+        """Release what outlives a failed run too (the proxy, a webhook receiver)."""
+        if self.proxy is not None:
+            self.proxy.stop()
+        if isinstance(self.tap, SinkTap) and self.tap.scheme == "http":
+            self.tap.teardown()
 
     def sleep(self, seconds: float, progress: Progress | None = None) -> None:
         """Let the load run for ``seconds``, redrawing the progress line."""

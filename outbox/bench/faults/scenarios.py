@@ -143,6 +143,20 @@ def _poison(run: Run, p: Progress) -> None:
     run.sleep(cfg.tail, p)
 
 
+def _sink_outage(run: Run, p: Progress) -> None:
+    """The sink unreachable (connections reset, new ones refused) for a while, then back."""
+    cfg = run.cfg
+    assert run.proxy is not None
+    run.sleep(cfg.warmup, p)
+    run.proxy.refuse()
+    run.mark(f"sink {run.tap.scheme} refused")
+    run.sleep(cfg.broker_outage, p)
+    run.proxy.heal()
+    run.mark(f"sink {run.tap.scheme} back")
+    run.fault_end = time.time()
+    run.sleep(cfg.tail * 2, p)
+
+
 def _sigstop(run: Run, p: Progress) -> None:
     """One relay frozen past its batch and ownership leases, then resumed.
 
@@ -201,6 +215,7 @@ class Scenario:
     relay_args: Callable[[FaultConfig], list[str]] = _no_args
     relay_env: Callable[[FaultConfig], dict[str, str]] = _no_env
     needs: frozenset[str] = field(default_factory=frozenset)  # "restart_pg", "restart_broker"
+    sinks: str = "any"  # "kafka": only against Kafka; "other": only with --sink
 
     @property
     def about(self) -> str:
@@ -229,12 +244,20 @@ SCENARIOS: dict[str, Scenario] = {
         lambda c: c.warmup + c.broker_outage + 2 * c.tail,
         lambda r: r["producers_recreated"] >= 1,
         needs=frozenset({"restart_broker"}),
+        sinks="kafka",
+    ),
+    "sink-outage": Scenario(
+        _sink_outage,
+        lambda c: c.warmup + c.broker_outage + 2 * c.tail,
+        lambda r: r["sink_outages"] >= 1,
+        sinks="other",
     ),
     "slow-sink": Scenario(
         _slow_sink,
         lambda c: c.warmup + 3 * c.lease + 2 * c.tail,
         lambda r: r["stale_acks_refused"] >= 1,
         relay_args=lambda c: ["--sink", "outbox.bench.faults.sinks:late_acks"],
+        sinks="kafka",
         relay_env=lambda c: {
             "OUTBOX_FAULT_LATE_AFTER": str(c.warmup),
             "OUTBOX_FAULT_LATE_WINDOW": str(c.lease),
@@ -250,6 +273,7 @@ SCENARIOS: dict[str, Scenario] = {
         _poison,
         lambda c: c.warmup + c.poison_window + c.tail,
         lambda r: r["poison"] >= 2 and r["dead_lettered"] == r["poison"],
+        sinks="kafka",
     ),
     "sigstop": Scenario(
         _sigstop,
@@ -274,11 +298,14 @@ def run_scenario(cfg: FaultConfig, name: str) -> dict[str, Any]:
             scenario.body(run, p)
         p.close(run.status() + " — draining")
         drained = run.drain()
+        result = run.account(drained)
     except BaseException:
         run.relays.stop_all()  # no relay outlives the harness
+        run.close()
         raise
-    result = run.account(drained)
+    run.close()
     result["rate"] = cfg.rate
+    result["sink"] = run.tap.scheme if cfg.sink else "kafka"
     result["schema"] = run.schema
     result["provoked"] = bool(scenario.provoked(result))
     result["passed"] = drained and result["ok"] and result.get("check", True) and result["provoked"]

@@ -16,6 +16,7 @@ from outbox.bench.faults.scenarios import SCENARIOS, run_scenario
 from outbox.bench.measure import machine
 from outbox.errors import ConfigError
 from outbox.harness.infra import infrastructure
+from outbox.harness.sinktaps import tap_class
 
 __all__ = ["SCENARIOS", "FaultConfig", "run_faults"]
 
@@ -31,10 +32,21 @@ def run_faults(
     pg_restart_command: str | None = None,
     broker_stop_command: str | None = None,
     broker_start_command: str | None = None,
+    sink: str | None = None,
 ) -> dict[str, Any]:
     unknown = [s for s in chosen if s not in SCENARIOS]
     if unknown:
         raise ConfigError(f"--scenarios: unknown {unknown}; choose from {list(SCENARIOS)}")
+    wrong = "kafka" if sink else "other"
+    applicable = [name for name, s in SCENARIOS.items() if s.sinks != wrong]
+    if not chosen:
+        chosen = applicable
+    misfits = [s for s in chosen if s not in applicable]
+    if misfits:
+        against = f"--sink {sink.split('://')[0]}" if sink else "Kafka"
+        raise ConfigError(f"--scenarios: {misfits} cannot run against {against}; these can: {applicable}")
+    scheme = tap_class(sink).scheme if sink else "kafka"  # a bad --sink or missing extra: one line now
+
     needs = {need for name in chosen for need in SCENARIOS[name].needs}
     if dsn is not None and "restart_pg" in needs and not pg_restart_command:
         wanting = [s for s in chosen if "restart_pg" in SCENARIOS[s].needs]
@@ -67,6 +79,7 @@ def run_faults(
             stop_broker=infra.stop_broker,
             start_broker=infra.start_broker,
             log_dir=logs,
+            sink=sink,
         )
         if short:
             cfg = replace(cfg, **SHORT)
@@ -75,11 +88,12 @@ def run_faults(
         results: dict[str, Any] = {
             "started_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "short": short,
+            "sink": scheme,
             "machine": machine(infra.dsn, infra.broker_version),
             "config": {
                 k: v
                 for k, v in vars(cfg).items()
-                if k not in ("dsn", "bootstrap", "log_dir") and not callable(v)
+                if k not in ("dsn", "bootstrap", "log_dir", "sink") and not callable(v)
             },
             "scenarios": {},
         }
