@@ -295,6 +295,9 @@ class Receiver:
             writer.close()
 
     def close(self) -> None:
+        if self._loop.is_closed():
+            return
+
         def stop() -> None:
             self._server.close()
             self._loop.stop()
