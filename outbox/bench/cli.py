@@ -20,7 +20,7 @@ from outbox.errors import ConfigError
 from outbox.extras import require
 from outbox.settings import setting
 
-SCENARIOS = ("drain", "steady", "writer", "soak", "scale")
+SCENARIOS = ("drain", "steady", "writer", "soak", "scale", "sinks")
 
 
 @dataclass
@@ -53,8 +53,10 @@ def _add_perf(parser: argparse.ArgumentParser) -> None:
 
 
 def register(sub: Any) -> None:
+    # No abbreviations: `bench faults --sink` must not be read as bench's --sinks / --sink-events.
     p = sub.add_parser(
         "bench",
+        allow_abbrev=False,
         help="benchmark the relay against baselines (tables and plots), or run the fault suite",
         description="outbox bench [perf]: speed against the baselines, in the same run. outbox bench faults: "
         "kill, restart, stall and poison things under load, then count what was lost (exit 1 unless every "
@@ -62,7 +64,7 @@ def register(sub: Any) -> None:
     )
     _add_perf(p)  # `outbox bench --scenarios drain` is `outbox bench perf --scenarios drain`
     suites = p.add_subparsers(dest="suite")
-    _add_perf(suites.add_parser("perf", help="speed against the baselines (the default)"))
+    _add_perf(suites.add_parser("perf", help="speed against the baselines (the default)", allow_abbrev=False))
     faults_cli.register(suites)
 
 

@@ -23,6 +23,16 @@ class BenchConfig:
     snapshot_seconds: float = setting(60.0, "soak: seconds a snapshot is held open")
     settle_seconds: float = setting(90.0, "soak: seconds allowed afterwards for the table to shrink")
     scale_processes: list[int] = setting(default_factory=lambda: [1, 2, 4], help="scale: relay processes")
+    sinks: list[str] = setting(
+        default_factory=lambda: [
+            "amqp://guest:guest@127.0.0.1:5672/",
+            "nats://127.0.0.1:4222",
+            "redis://127.0.0.1:6379/0",
+            "http",
+        ],
+        help="sinks: the sink URLs to drain (http: a receiver of the bench's own)",
+    )
+    sink_events: int = setting(100_000, "sinks: pending events per drain")
     max_race_seconds: float = setting(600.0, "longest a race may run", cli=False)
 
 
@@ -40,4 +50,5 @@ SMOKE = {
     "snapshot_seconds": 2.0,
     "settle_seconds": 3.0,
     "scale_processes": [1, 2],
+    "sink_events": 2000,
 }

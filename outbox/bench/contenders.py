@@ -11,6 +11,8 @@ stops when the parent sets ``stop``.
   ordering.
 - ``seeds``: the loop most teams start with. One row per transaction: claim,
   mark the lease, publish, flush, delete.
+- ``sink_relay`` / ``sink_loop``: the relay and the minimal loop for a sink beyond
+  Kafka (:mod:`outbox.bench.sinks`).
 """
 
 from __future__ import annotations
@@ -40,11 +42,12 @@ PRODUCER_CONFIG = {"enable.idempotence": True, "acks": "all", "linger.ms": 5}
 
 @dataclass
 class ContenderSpec:
-    kind: str  # relay | bare | seeds
+    kind: str  # relay | bare | seeds | sink_relay | sink_loop
     dsn: str
     schema: str
     bootstrap: str
     relay_options: dict[str, Any] = field(default_factory=dict)
+    sink_url: str = ""  # sink_relay / sink_loop: the route URL (outbox.bench.sinks)
     ack_log: str | None = None  # steady scenario: where the relay writes event-id -> ack time
 
 
@@ -64,6 +67,11 @@ def run_contender(spec: ContenderSpec, counter: Synchronized[int], stop: Event) 
         _bare(spec, counter, stop)
     elif spec.kind == "seeds":
         _seeds(spec, counter, stop)
+    elif spec.kind in ("sink_relay", "sink_loop"):
+        from outbox.bench import sinks
+
+        run = sinks.relay_contender if spec.kind == "sink_relay" else sinks.loop_contender
+        run(spec.dsn, spec.schema, spec.sink_url, counter, stop)
     else:
         raise ValueError(f"contender: unknown kind {spec.kind!r}")
 

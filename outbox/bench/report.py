@@ -14,6 +14,7 @@ TARGETS = {
     "enqueue_overhead_p50_ms": 0.3,
     "enqueue_many_1000_ms": 20.0,
     "relay_rss_mb": 150.0,
+    "relay_vs_sink_loop": 0.8,  # each sink: relay drain >= 0.8 x its minimal loop
 }
 
 
@@ -140,6 +141,26 @@ def markdown(results: dict[str, Any]) -> str:
                 f"{r['events_per_cpu_s']:,.0f} |"
             )
         lines.append("")
+    if "sinks" in s:
+        k = s["sinks"]
+        target = TARGETS["relay_vs_sink_loop"]
+        lines += [
+            "",
+            f"**Sinks** drain of {k['events']:,} pending events per sink (JSON, content-type and "
+            f"traceparent headers, 1,000 keys), each next to that sink's minimal loop in the same run; "
+            f"median of {k['repeat']} runs. Target: relay >= {target} x loop.",
+            "",
+            "| sink | relay events/s | loop events/s | relay / loop | relay CPU s / 1k | loop CPU s / 1k"
+            " | target |",
+            "| --- | ---: | ---: | ---: | ---: | ---: | --- |",
+        ]
+        for scheme, r in k["sinks"].items():
+            lines.append(
+                f"| {scheme} | {r['relay_events_per_s_median']:,.0f} | "
+                f"{r['loop_events_per_s_median']:,.0f} | {r['ratio_relay_to_loop']:.2f} | "
+                f"{r['relay_cpu_s_per_1k']:.3f} | "
+                f"{r['loop_cpu_s_per_1k']:.3f} | {_verdict(r['ratio_relay_to_loop'] >= target)} |"
+            )
     return "\n".join(lines)
 
 
@@ -258,6 +279,30 @@ def plots(results: dict[str, Any], out: Path) -> list[str]:
         fig.savefig(out / "scale.png", dpi=110)
         plt.close(fig)
         made.append("scale.png")
+    if "sinks" in s and s["sinks"]["sinks"]:
+        k = s["sinks"]["sinks"]
+        names = list(k)
+        fig, ax = plt.subplots(figsize=(8, 4.5))
+        xs = range(len(names))
+        ax.bar([x - 0.2 for x in xs], [k[n]["relay_events_per_s_median"] for n in names], 0.4, label="relay")
+        ax.bar(
+            [x + 0.2 for x in xs],
+            [k[n]["loop_events_per_s_median"] for n in names],
+            0.4,
+            label="minimal loop",
+        )
+        for x, n in zip(xs, names, strict=True):
+            ax.annotate(f"{k[n]['ratio_relay_to_loop']:.2f}x", (x - 0.2, k[n]["relay_events_per_s_median"]),
+                        ha="center", va="bottom")  # fmt: skip
+        ax.set_xticks(list(xs), names)
+        ax.set_ylabel("events/s (median)")
+        ax.set_title("Drain per sink: relay vs that sink's minimal loop, same run")
+        ax.legend()
+        ax.grid(alpha=0.3, axis="y")
+        fig.tight_layout()
+        fig.savefig(out / "sinks.png", dpi=110)
+        plt.close(fig)
+        made.append("sinks.png")
     return made
 
 

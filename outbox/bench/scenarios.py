@@ -1,4 +1,4 @@
-"""The benchmark's scenarios: drain, steady, writer, soak, scale.
+"""The benchmark's scenarios: drain, steady, writer, soak, scale (and sinks, in outbox.bench.sinks).
 
 Every scenario works in fresh schemas it creates and drops, on the PostgreSQL
 and broker it is given. Speed figures are medians over repeats, reported next

@@ -1,0 +1,309 @@
+"""The ``sinks`` scenario: a drain of each sink beyond Kafka, next to a minimal loop for that sink.
+
+For each sink (RabbitMQ, NATS JetStream, Redis Streams, webhooks), the same events
+(JSON payloads, ``content-type`` and ``traceparent`` headers, 1,000 keys; no VACUUM or
+ANALYZE after the fill) are drained twice per repeat, in child processes, interleaved:
+
+- ``relay``: this project's relay with its defaults (ordering on, archive on), one route
+  ``*=URL``;
+- ``loop``: the minimal loop for that sink, written the way a careful hand-written
+  relay would be: lock 1,000 rows with SKIP LOCKED, publish all of them at once with the
+  sink's confirmation (publisher confirms; JetStream async publish acks; one pipeline of
+  ``XADD``; concurrent POSTs), delete + archive in one statement, commit. Same client
+  library, same message, no ordering, retries, leases or telemetry.
+
+The webhook receiver runs in a process of its own (asyncio, 204 to everything).
+Reported: median events/s over the repeats, and the same-run ratio relay / loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import multiprocessing as mp
+import threading
+import time
+import uuid
+from multiprocessing.sharedctypes import Synchronized
+from multiprocessing.synchronize import Event
+from typing import Any
+
+import psycopg
+
+from outbox.bench.config import BenchConfig
+from outbox.bench.contenders import ContenderSpec
+from outbox.bench.measure import median, middle_rate, race
+from outbox.config import RelayConfig
+from outbox.harness.sinktaps import Receiver, SinkTap, tap_class
+from outbox.migrate import migrate
+from outbox.progress import Progress
+from outbox.queries import query
+from outbox.relay import Relay
+from outbox.routes import parse_routes
+from outbox.sinks.make import routed
+from outbox.writer import enqueue_many
+
+KEYS = 1000
+FILL_CHUNK = 10_000
+LOOP_BATCH = 1000
+TRACEPARENT = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+
+
+def _payload(i: int) -> dict[str, Any]:
+    return {
+        "order_id": i,
+        "customer": f"customer-{i % KEYS}",
+        "status": "created",
+        "items": [{"sku": f"sku-{i % 97}", "qty": 1 + i % 3, "price": "19.99"}],
+        "total": "19.99",
+        "currency": "EUR",
+    }
+
+
+def fill(dsn: str, schema: str, topic: str, n: int, label: str) -> None:
+    """``n`` realistic events, as an app commits them (no VACUUM/ANALYZE afterwards)."""
+    progress = Progress(f"fill {label}", n, " ev")
+    h = {"content-type": "application/json", "traceparent": TRACEPARENT}
+    with psycopg.connect(dsn) as conn:
+        for start in range(0, n, FILL_CHUNK):
+            end = min(n, start + FILL_CHUNK)
+            enqueue_many(
+                conn,
+                [
+                    {
+                        "topic": topic,
+                        "key": f"customer-{i % KEYS}",
+                        "payload": _payload(i),
+                        "headers": h,
+                    }
+                    for i in range(start, end)
+                ],
+                schema=schema,
+            )
+            conn.commit()
+            progress.update(end)
+    progress.close()
+
+
+# -- the webhook receiver, in its own process ---------------------------------------------
+
+
+def _receiver_proc(port: Synchronized[int], stop: Event) -> None:
+    receiver = Receiver(keep=False)
+    port.value = receiver.port
+    stop.wait()
+    receiver.close()
+
+
+class Destination:
+    """One sink's destination for one drain: made before, removed after."""
+
+    def __init__(self, sink: str, topic: str) -> None:
+        self.sink = sink
+        self.tap: SinkTap | None = None
+        self._proc: Any = None
+        if sink == "http":
+            ctx = mp.get_context("spawn")
+            port, self._stop = ctx.Value("i", 0), ctx.Event()
+            self._proc = ctx.Process(target=_receiver_proc, args=(port, self._stop), daemon=True)
+            self._proc.start()
+            while port.value == 0 and self._proc.is_alive():
+                time.sleep(0.05)
+            self.url = f"http://127.0.0.1:{port.value}/hooks/{{topic}}"
+        else:
+            self.tap = tap_class(sink)(sink, topic)
+            self.tap.setup()
+            self.url = self.tap.url
+
+    @property
+    def scheme(self) -> str:
+        return "http" if self.sink == "http" else self.url.split("://")[0]
+
+    def close(self) -> None:
+        if self.tap is not None:
+            self.tap.teardown()
+        if self._proc is not None:
+            self._stop.set()
+            self._proc.join(10)
+
+
+# -- contenders (child processes) ------------------------------------------------------------
+
+
+def relay_contender(dsn: str, schema: str, url: str, counter: Synchronized[int], stop: Event) -> None:
+    config = RelayConfig(dsn, schema=schema)
+    relay = Relay(config, routed(parse_routes([f"*={url}"], None), config))
+    thread = threading.Thread(target=relay.run, name="relay")
+    thread.start()
+    while not stop.wait(0.05) and thread.is_alive():
+        counter.value = relay.stats.delivered
+    relay.stop()
+    thread.join()
+    counter.value = relay.stats.delivered
+
+
+def loop_contender(dsn: str, schema: str, url: str, counter: Synchronized[int], stop: Event) -> None:
+    asyncio.run(_loop(dsn, schema, url, counter, stop))
+
+
+def _text_headers(event_id: str, key: bytes | None, headers: dict[str, str] | None) -> dict[str, str]:
+    out = dict(headers or {})
+    out["event-id"] = event_id
+    if key is not None:
+        out["event-key"] = key.decode()
+    return out
+
+
+async def _loop(dsn: str, schema: str, url: str, counter: Synchronized[int], stop: Event) -> None:
+    scheme = url.split("://")[0]
+    publish = await _publisher(scheme, url)
+    claim = query("bare_claim", schema)
+    archive = query("archive_delivered", schema)
+    moved = 0
+    with psycopg.connect(dsn) as conn:
+        while not stop.is_set():
+            rows = conn.execute(claim, {"limit": LOOP_BATCH}).fetchall()
+            if not rows:
+                conn.rollback()
+                await asyncio.sleep(0.005)
+                continue
+            await publish(rows)
+            ids = [r[0] for r in rows]
+            nulls = [None] * len(ids)
+            conn.execute(archive, {"ids": ids, "partitions": nulls, "offsets": nulls, "refs": nulls})
+            conn.commit()
+            moved += len(rows)
+            counter.value = moved
+
+
+async def _publisher(scheme: str, url: str) -> Any:
+    """``publish(rows)``: every row sent and confirmed by the sink, or an exception."""
+    if scheme == "amqp":
+        import aiormq
+        from pamqp import commands as spec
+
+        exchange = url.split("exchange=")[1].split("&")[0]
+        connection = await aiormq.connect(url.split("?")[0])
+        channel = await connection.channel(publisher_confirms=True, on_return_raises=True)
+
+        async def amqp(rows: list[Any]) -> None:
+            await asyncio.gather(
+                *(
+                    channel.basic_publish(
+                        payload,
+                        exchange=exchange,
+                        routing_key=topic,
+                        mandatory=True,
+                        properties=spec.Basic.Properties(
+                            message_id=str(event_id),
+                            delivery_mode=2,
+                            content_type=(headers or {}).get("content-type"),
+                            headers=dict(_text_headers(str(event_id), key, headers)),
+                        ),
+                    )
+                    for _id, event_id, topic, key, payload, headers in rows
+                )
+            )
+
+        return amqp
+    if scheme == "nats":
+        import nats
+
+        nc = await nats.connect(url)
+        js = nc.jetstream(publish_async_max_pending=LOOP_BATCH * 2)
+
+        async def jetstream(rows: list[Any]) -> None:
+            futures = []
+            for _id, event_id, topic, key, payload, headers in rows:
+                h = _text_headers(str(event_id), key, headers)
+                h["Nats-Msg-Id"] = str(event_id)
+                futures.append(await js.publish_async(topic, payload, headers=h))
+            await asyncio.gather(*futures)
+
+        return jetstream
+    if scheme == "redis":
+        import redis.asyncio as aioredis
+
+        client = aioredis.Redis.from_url(url)
+
+        async def xadd(rows: list[Any]) -> None:
+            pipe = client.pipeline(transaction=False)
+            for _id, event_id, topic, key, payload, headers in rows:
+                fields: dict[Any, Any] = {"event-id": str(event_id), "key": key, "payload": payload}
+                if headers:
+                    fields["headers"] = json.dumps(headers, separators=(",", ":"))
+                pipe.xadd(topic, fields)
+            await pipe.execute()
+
+        return xadd
+    import aiohttp
+
+    session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=100))
+
+    async def post(row: Any) -> None:
+        _id, event_id, topic, key, payload, headers = row
+        h = _text_headers(str(event_id), key, headers)
+        async with session.post(url.replace("{topic}", topic), data=payload, headers=h) as response:
+            if response.status >= 300:
+                raise RuntimeError(f"HTTP {response.status}")
+
+    async def webhooks(rows: list[Any]) -> None:
+        await asyncio.gather(*(post(row) for row in rows))
+
+    return webhooks
+
+
+# -- the scenario --------------------------------------------------------------------------
+
+
+def drain_sink_once(dsn: str, sink: str, kind: str, n: int, run: int, max_seconds: float) -> dict[str, Any]:
+    tag = uuid.uuid4().hex[:8]
+    schema, topic = f"bench_sink_{kind}_{tag}", f"bench.sinks.{tag}"
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        migrate(conn, schema)
+    destination = Destination(sink, topic)
+    label = f"{destination.scheme} {kind} #{run + 1}"
+    try:
+        fill(dsn, schema, topic, n, label)
+        result = race(
+            [ContenderSpec(f"sink_{kind}", dsn, schema, "", sink_url=destination.url)],
+            target=n,
+            max_seconds=max_seconds,
+            progress=Progress(f"drain {label}", n, " ev"),
+        )
+    finally:
+        destination.close()
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            conn.execute(query("harness_drop_schema", schema))
+    return {
+        "events_per_s": round(middle_rate(result.series, n), 1),
+        "cpu_s_per_1k": round(1000 * result.relay_cpu_s / max(result.moved, 1), 4),
+        "moved": result.moved,
+    }
+
+
+def sinks(cfg: BenchConfig) -> dict[str, Any]:
+    """Each sink of ``cfg.sinks``: relay and minimal loop, ``cfg.repeat`` times, interleaved."""
+    out: dict[str, Any] = {"events": cfg.sink_events, "repeat": cfg.repeat, "sinks": {}}
+    for sink in cfg.sinks:
+        tap_class(sink)  # a bad URL or a missing extra: one line, before any work
+    for sink in cfg.sinks:
+        runs: dict[str, list[dict[str, Any]]] = {"relay": [], "loop": []}
+        for run in range(cfg.repeat):
+            for kind in runs:
+                runs[kind].append(
+                    drain_sink_once(cfg.dsn, sink, kind, cfg.sink_events, run, cfg.max_race_seconds)
+                )
+        relay = median([r["events_per_s"] for r in runs["relay"]])
+        loop = median([r["events_per_s"] for r in runs["loop"]])
+        scheme = "http" if sink == "http" else sink.split("://")[0]
+        out["sinks"][scheme] = {
+            "relay_events_per_s_median": round(relay, 1),
+            "loop_events_per_s_median": round(loop, 1),
+            "relay_runs": [r["events_per_s"] for r in runs["relay"]],
+            "loop_runs": [r["events_per_s"] for r in runs["loop"]],
+            "relay_cpu_s_per_1k": median([r["cpu_s_per_1k"] for r in runs["relay"]]),
+            "loop_cpu_s_per_1k": median([r["cpu_s_per_1k"] for r in runs["loop"]]),
+            "ratio_relay_to_loop": round(relay / max(loop, 1e-9), 3),
+        }
+    return out
