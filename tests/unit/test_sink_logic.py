@@ -1,0 +1,97 @@
+"""The pure parts of the sinks: signing, Retry-After, header encodings, route URLs."""
+
+from __future__ import annotations
+
+import base64
+import json
+import time
+from email.utils import formatdate
+
+import pytest
+
+from outbox.errors import ConfigError
+from outbox.events import ClaimedEvent
+from outbox.routes import parse_route
+from outbox.sinks.aio import Refused, text_headers
+from outbox.sinks.redis import fields, headers_json
+from outbox.sinks.signing import parse_secrets, signature
+from outbox.sinks.webhook import retry_after
+
+
+def _event(headers: list[tuple[str, str | bytes | None]], key: bytes | None = b"k") -> ClaimedEvent:
+    return ClaimedEvent(1, "e-1", "t", key, b"p", [*headers, ("event-id", b"e-1")], 0.0, 0)
+
+
+def test_the_signature_matches_the_standard_webhooks_example() -> None:
+    """The example of the Standard Webhooks specification."""
+    keys = parse_secrets("whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw")
+    sig = signature(keys, "msg_p5jXN8AQM9LWM0D4loKWxJek", 1614265330, b'{"test": 2432232314}')
+    assert sig == "v1,g0hM9SsE+OTPJTGt/tmIKtSyZlE3uFJELVlNIOLJ1OE="
+
+
+def test_several_secrets_give_one_signature_each_and_bad_ones_are_named_not_shown() -> None:
+    keys = parse_secrets(
+        "whsec_" + base64.b64encode(b"a").decode() + "  whsec_" + base64.b64encode(b"b").decode()
+    )
+    assert keys == [b"a", b"b"] and len(signature(keys, "id", 1, b"x").split(" ")) == 2
+    for bad, why in (
+        ("s3cr3t", "does not start with 'whsec_'"),
+        ("whsec_%%%", "not whsec_ followed by base64"),
+    ):
+        with pytest.raises(ConfigError) as err:
+            parse_secrets(f"whsec_YQ== {bad}")
+        assert "secret 2" in str(err.value) and why in str(err.value) and bad not in str(err.value)
+
+
+def test_retry_after_takes_seconds_or_a_date() -> None:
+    assert retry_after("120") == 120.0
+    assert retry_after(None) is None and retry_after("soon") is None
+    later = retry_after(formatdate(time.time() + 30, usegmt=True))
+    assert later is not None and 25 < later <= 30
+    assert retry_after(formatdate(time.time() - 30, usegmt=True)) == 0.0
+
+
+def test_text_headers_carry_the_key_and_refuse_what_is_not_one_line_of_utf8() -> None:
+    assert text_headers(_event([("a", b"x")])) == {"a": "x", "event-id": "e-1", "event-key": "k"}
+    assert "event-key" not in text_headers(_event([], key=None))
+    for value in (b"\xff", b"a\nb"):
+        with pytest.raises(Refused) as err:
+            text_headers(_event([("sig", value)]))
+        assert err.value.kind == "invalid_header" and "'sig'" in str(err.value)
+
+
+def test_redis_fields_keep_binary_header_values_as_base64_objects() -> None:
+    event = _event([("text", b"caf\xc3\xa9"), ("bin", b"\xff\x00")], key=None)
+    assert json.loads(headers_json(event) or "") == {"text": "café", "bin": {"base64": "/wA="}}
+    f = fields(event)
+    assert "key" not in f and f["event-id"] == "e-1" and f["payload"] == b"p"
+    assert headers_json(_event([])) is None  # event-id is a field of its own
+
+
+@pytest.mark.parametrize(
+    ("route", "shown"),
+    [
+        ("o=amqp://u:Pw1@rabbit:5672/prod?exchange=orders", "o=amqp://rabbit:5672/prod?exchange=orders"),
+        ("o=redis://:Pw1@cache:6379/2?maxlen=100", "o=redis://cache:6379/2?maxlen=100"),
+        ("o=nats://u:Pw1@nats:4222", "o=nats://nats:4222"),
+        ("o=https://u:Pw1@hooks.example/in/{topic}?token=Pw1", "o=https://hooks.example/in/{topic}"),
+    ],
+)
+def test_route_urls_are_shown_without_credentials_or_a_webhook_query(route: str, shown: str) -> None:
+    assert parse_route(route).display == shown
+
+
+@pytest.mark.parametrize(
+    ("route", "error"),
+    [
+        ("o=amqp://rabbit:99999/", "is not a number from 0 to 65535"),
+        ("o=amqp:///vhost", "names no host"),
+        ("o=amqp://rabbit/?exchange=x&typo=1", "unknown option 'typo'"),
+        ("o=redis://cache:6379/zero", "the database of 'redis://cache:6379/zero' must be a number"),
+        ("o=redis://cache/0?maxlen=-5", "option maxlen must be a positive integer"),
+    ],
+)
+def test_bad_route_urls_are_refused_naming_the_problem(route: str, error: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        parse_route(route)
+    assert error in str(err.value)
