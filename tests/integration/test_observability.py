@@ -190,3 +190,60 @@ def test_send_span_records_error_type(
     send = [s for s in spans.get_finished_spans() if s.name == f"send {topic}"]
     assert send and send[0].attributes is not None
     assert send[0].attributes["error.type"] == "MSG_SIZE_TOO_LARGE"
+
+
+def test_spans_of_each_sink_follow_its_conventions(
+    spans: InMemorySpanExporter, pg_dsn: str, schema: str, kafka: str
+) -> None:
+    """RabbitMQ and NATS: messaging PRODUCER spans; Redis: a database CLIENT span; webhooks: an
+    HTTP CLIENT span. Every one links the event's creation context and shows no credentials."""
+    from outbox.routes import parse_routes
+    from outbox.sinks.make import routed
+    from tests.sink_servers import target
+
+    targets = {scheme: target(scheme) for scheme in ("amqp", "nats", "redis", "http")}
+    topics = {"amqp": "orders.created", "nats": targets["nats"].topic, "redis": targets["redis"].topic,
+              "http": "hook.sent"}  # fmt: skip
+    routes = [
+        f"orders.*={targets['amqp'].url()}",
+        f"{topics['nats']}={targets['nats'].url()}",
+        f"{topics['redis']}={targets['redis'].url().replace('redis://', 'redis://:Pw-9@')}",
+        f"hook.*={targets['http'].url().replace('http://', 'http://u:Pw-9@')}",
+    ]
+    spans.clear()
+    tracer = trace.get_tracer("app")
+    try:
+        with psycopg.connect(pg_dsn) as conn, tracer.start_as_current_span("POST /orders") as request:
+            writer = request.get_span_context()
+            for t in topics.values():  # a key each: a failing route holds back its key's later events
+                outbox.enqueue(conn, t, {"x": 1}, key=t, schema=schema)
+        config = RelayConfig(pg_dsn, schema=schema)
+        from outbox.sinks.signing import parse_secrets
+
+        secrets = parse_secrets("whsec_" + "QQ==")
+        # Redis's default user takes any password: the URL's is sent, and must not be shown.
+        with running_relay(config, routed(parse_routes(routes, None), config, webhook_secrets=secrets)):
+            wait_for(lambda: count(pg_dsn, schema, "delivered") == 4, timeout=30, what="all delivered")
+    finally:
+        for t in targets.values():
+            t.close()
+    by_name = {
+        s.name: s for s in spans.get_finished_spans() if s.kind in (SpanKind.PRODUCER, SpanKind.CLIENT)
+    }
+    amqp = by_name[f"send {targets['amqp'].exchange}"]  # type: ignore[attr-defined]
+    assert amqp.kind == SpanKind.PRODUCER and amqp.attributes is not None
+    assert amqp.attributes["messaging.system"] == "rabbitmq"
+    assert amqp.attributes["messaging.rabbitmq.destination.routing_key"] == "orders.created"
+    nats = by_name[f"send {topics['nats']}"]
+    assert nats.kind == SpanKind.PRODUCER and nats.attributes is not None
+    assert nats.attributes["messaging.system"] == "nats"
+    redis = by_name[f"XADD {topics['redis']}"]
+    assert redis.kind == SpanKind.CLIENT and redis.attributes is not None
+    assert redis.attributes["db.system.name"] == "redis" and redis.attributes["db.operation.name"] == "XADD"
+    http = by_name["POST"]
+    assert http.kind == SpanKind.CLIENT and http.attributes is not None
+    assert http.attributes["http.request.method"] == "POST"
+    for span in (amqp, nats, redis, http):
+        assert any(link.context.trace_id == writer.trace_id for link in span.links)
+    for span in spans.get_finished_spans():
+        assert "Pw-9" not in str(span.attributes) and "Pw-9" not in span.name

@@ -322,3 +322,106 @@ def _get(port: int, path: str) -> tuple[int, str]:
             return resp.status, resp.read().decode()
     except urllib.error.HTTPError as exc:
         return exc.code, exc.read().decode()
+
+
+def test_webhook_retry_after_is_honoured(pg_dsn: str, schema: str) -> None:
+    """A 429 with Retry-After: 30 puts the next attempt at least 30 s away (the backoff alone
+    would be 0.05 s); a 503 without it keeps the backoff."""
+    sink = HttpTarget()
+    sink.decide = lambda r: (429, {"retry-after": "30"}, b"slow down") if r.body == b"a" else (503, {}, b"")
+    retry = RetryPolicy(base=0.05, cap=60.0)
+    try:
+        with psycopg.connect(pg_dsn) as conn:
+            outbox.enqueue(conn, sink.topic, b"a", key="a", schema=schema)
+            outbox.enqueue(conn, sink.topic, b"b", key="b", schema=schema)
+        config = _config(pg_dsn, schema, retry=retry)
+        with running_relay(config, _factory(config, f"*={sink.url()}")):
+            wait_for(lambda: count(pg_dsn, schema, "events", "attempts > 0") == 2, timeout=30, what="failed")
+            with psycopg.connect(pg_dsn) as conn:
+                waits = dict(
+                    conn.execute(
+                        f'SELECT payload, extract(epoch FROM available_at - now()) FROM "{schema}".events'
+                    ).fetchall()
+                )
+    finally:
+        sink.close()
+    assert 25 < waits[b"a"] <= 30, waits
+    assert waits[b"b"] < 5, waits
+
+
+@pytest.mark.parametrize("scheme", ["amqp", "nats"])
+def test_an_unknown_destination_is_retried_until_the_operator_creates_it(
+    pg_dsn: str, schema: str, scheme: str
+) -> None:
+    """RabbitMQ: no queue bound (the message comes back); NATS: no stream takes the subject.
+    Both retried, saying so; delivered once the queue or stream exists."""
+    sink = target(scheme)
+    orphan = "unbound.topic" if scheme == "amqp" else sink.topic.replace(".orders", "x.orders")
+    with psycopg.connect(pg_dsn) as conn:
+        outbox.enqueue(conn, orphan, b"waiting", key="k", schema=schema)
+    config = _config(pg_dsn, schema, retry=RetryPolicy(base=0.05, cap=0.2, max_attempts=1000))
+    url = sink.url()
+    if scheme == "amqp":  # an exchange whose only queue takes orders.*: nothing takes unbound.topic
+        url = url.replace(sink.exchange, sink.exchange + "-2")  # type: ignore[attr-defined]
+    expected = "no queue is bound" if scheme == "amqp" else "no JetStream stream"
+    try:
+        with running_relay(config, _factory(config, f"*={url}")):
+            wait_for(lambda: count(pg_dsn, schema, "events", "attempts > 2") == 1, timeout=30, what="retries")
+            with psycopg.connect(pg_dsn) as conn:
+                row = conn.execute(f'SELECT last_error FROM "{schema}".events').fetchone()
+            assert row is not None and expected in row[0] and repr(orphan) in row[0], row
+            _create_destination(sink, orphan)
+            wait_for(lambda: count(pg_dsn, schema, "delivered") == 1, timeout=30, what="delivered")
+    finally:
+        _drop_destination(sink, orphan)
+        sink.close()
+    assert count(pg_dsn, schema, "dead_letters") == 0
+
+
+def _create_destination(sink: Target, subject: str) -> None:
+    import asyncio
+
+    import aiormq
+    import nats
+
+    async def create() -> None:
+        if sink.scheme == "amqp":
+            conn = await aiormq.connect("amqp://guest:guest@127.0.0.1:5672/")
+            ch = await conn.channel()
+            name = sink.exchange + "-2"  # type: ignore[attr-defined]
+            await ch.queue_declare(name, durable=True)
+            await ch.queue_bind(name, name, routing_key="#")
+            await conn.close()
+        else:
+            nc = await nats.connect(sink.url())
+            await nc.jetstream().add_stream(name=sink.stream + "X", subjects=[subject])  # type: ignore[attr-defined]
+            await nc.close()
+
+    asyncio.run(create())
+
+
+def _drop_destination(sink: Target, subject: str) -> None:
+    import asyncio
+    import contextlib
+
+    import aiormq
+    import nats
+
+    async def drop() -> None:
+        if sink.scheme == "amqp":
+            conn = await aiormq.connect("amqp://guest:guest@127.0.0.1:5672/")
+            ch = await conn.channel()
+            name = sink.exchange + "-2"  # type: ignore[attr-defined]
+            with contextlib.suppress(Exception):
+                await ch.queue_delete(name)
+            ch = await conn.channel()
+            with contextlib.suppress(Exception):
+                await ch.exchange_delete(name)
+            await conn.close()
+        else:
+            nc = await nats.connect(sink.url())
+            with contextlib.suppress(Exception):
+                await nc.jetstream().delete_stream(sink.stream + "X")  # type: ignore[attr-defined]
+            await nc.close()
+
+    asyncio.run(drop())
