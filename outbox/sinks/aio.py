@@ -138,9 +138,12 @@ class AsyncSink:
 
     def poll(self, timeout: float) -> int:
         reports = self._reports
-        if not reports and timeout > 0:
-            self.wake.wait(timeout)
-        self.wake.clear()  # before draining: a report queued after this sets it again
+        if timeout > 0:
+            if not reports:
+                self.wake.wait(timeout)
+            # Before draining: a report queued after this sets it again. With timeout 0 a
+            # Router is polling (it clears its shared wake-up itself, before polling them all).
+            self.wake.clear()
         served = 0
         while reports:
             report, outcome = reports.popleft()

@@ -94,6 +94,7 @@ class Router:
             return self.sinks[0].poll(timeout) or 0
         deadline = time.monotonic() + timeout
         while True:
+            self.wake.clear()  # first: a report queued while the sinks are polled sets it again
             served = sum(sink.poll(0) or 0 for sink in self.sinks)
             left = deadline - time.monotonic()
             if served or left <= 0:
