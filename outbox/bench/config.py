@@ -30,7 +30,9 @@ class BenchConfig:
             "redis://127.0.0.1:6379/0",
             "http",
         ],
-        help="sinks: the sink URLs to drain (http: a receiver of the bench's own)",
+        help="sinks: a sink URL to drain, repeatable (in the variable: separated by whitespace); "
+        "http: a receiver of the bench's own",
+        metavar="URL",
     )
     sink_events: int = setting(100_000, "sinks: pending events per drain")
     max_race_seconds: float = setting(600.0, "longest a race may run", cli=False)

@@ -24,6 +24,7 @@ from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-def
 from outbox.bench.config import BenchConfig
 from outbox.bench.contenders import ContenderSpec
 from outbox.bench.measure import median, middle_rate, percentiles, race
+from outbox.bench.sinks import sinks as sinks  # the sinks scenario, run by name like the others
 from outbox.harness.load import Load, prepare
 from outbox.harness.tap import Tap
 from outbox.migrate import migrate

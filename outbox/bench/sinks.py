@@ -285,9 +285,10 @@ def drain_sink_once(dsn: str, sink: str, kind: str, n: int, run: int, max_second
 def sinks(cfg: BenchConfig) -> dict[str, Any]:
     """Each sink of ``cfg.sinks``: relay and minimal loop, ``cfg.repeat`` times, interleaved."""
     out: dict[str, Any] = {"events": cfg.sink_events, "repeat": cfg.repeat, "sinks": {}}
-    for sink in cfg.sinks:
+    chosen = [url for item in cfg.sinks for url in item.split()]
+    for sink in chosen:
         tap_class(sink)  # a bad URL or a missing extra: one line, before any work
-    for sink in cfg.sinks:
+    for sink in chosen:
         runs: dict[str, list[dict[str, Any]]] = {"relay": [], "loop": []}
         for run in range(cfg.repeat):
             for kind in runs:

@@ -147,7 +147,8 @@ def add(
             kwargs.setdefault("metavar", "N[,N...]")
         elif option.kind is list:
             kwargs["action"] = "append"
-            kwargs["default"] = list(default or [])
+            # Unset under overrides_only: None, so that the program's own default applies.
+            kwargs["default"] = None if overrides_only and default is None else list(default or [])
         else:
             kwargs["type"] = option.kind
         if meta.choices:
