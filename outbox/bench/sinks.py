@@ -156,7 +156,7 @@ def _text_headers(event_id: str, key: bytes | None, headers: dict[str, str] | No
 
 async def _loop(dsn: str, schema: str, url: str, counter: Synchronized[int], stop: Event) -> None:
     scheme = url.split("://")[0]
-    publish = await _publisher(scheme, url)
+    publish, close = await _publisher(scheme, url)
     claim = query("bare_claim", schema)
     archive = query("archive_delivered", schema)
     moved = 0
@@ -174,10 +174,11 @@ async def _loop(dsn: str, schema: str, url: str, counter: Synchronized[int], sto
             conn.commit()
             moved += len(rows)
             counter.value = moved
+    await close()
 
 
 async def _publisher(scheme: str, url: str) -> Any:
-    """``publish(rows)``: every row sent and confirmed by the sink, or an exception."""
+    """(``publish(rows)``: every row sent and confirmed by the sink, or an exception; ``close()``)."""
     if scheme == "amqp":
         import aiormq
         from pamqp import commands as spec
@@ -205,7 +206,7 @@ async def _publisher(scheme: str, url: str) -> Any:
                 )
             )
 
-        return amqp
+        return amqp, connection.close
     if scheme == "nats":
         import nats
 
@@ -220,7 +221,7 @@ async def _publisher(scheme: str, url: str) -> Any:
                 futures.append(await js.publish_async(topic, payload, headers=h))
             await asyncio.gather(*futures)
 
-        return jetstream
+        return jetstream, nc.close
     if scheme == "redis":
         import redis.asyncio as aioredis
 
@@ -235,7 +236,7 @@ async def _publisher(scheme: str, url: str) -> Any:
                 pipe.xadd(topic, fields)
             await pipe.execute()
 
-        return xadd
+        return xadd, client.aclose
     import aiohttp
 
     session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=100))
@@ -250,7 +251,7 @@ async def _publisher(scheme: str, url: str) -> Any:
     async def webhooks(rows: list[Any]) -> None:
         await asyncio.gather(*(post(row) for row in rows))
 
-    return webhooks
+    return webhooks, session.close
 
 
 # -- the scenario --------------------------------------------------------------------------

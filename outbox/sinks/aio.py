@@ -32,6 +32,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Iterable
+from functools import partial
 from typing import Any, ClassVar
 
 from outbox.conditions import Condition
@@ -90,6 +91,12 @@ def text_headers(event: ClaimedEvent) -> dict[str, str]:
             )
         headers[name] = text
     return headers
+
+
+def cancel_unfinished(tasks: list[asyncio.Task[Outcome]] | list[asyncio.Future[Any]]) -> None:
+    for task in tasks:
+        if not task.done():
+            task.cancel()
 
 
 class AsyncSink:
@@ -195,12 +202,23 @@ class AsyncSink:
             self.dispatch(items)
 
     def dispatch(self, items: list[Item]) -> None:
-        """Start sending a burst of events: by default one task per event."""
+        """Start sending a burst of events: one task per event, one timer for the burst (what
+        is not done when it fires is cancelled and reported as a timeout)."""
+        loop = self._loop
+        tasks = []
         for event, report in items:
-            self._loop.create_task(self._one(event, report))
+            task = loop.create_task(self.deliver(event))
+            task.add_done_callback(partial(self._finished, report))
+            tasks.append(task)
+        loop.call_later(self.timeout, cancel_unfinished, tasks)
 
-    async def _one(self, event: ClaimedEvent, report: Report) -> None:
-        self.done(report, await self.attempt(self.deliver(event)))
+    def _finished(self, report: Report, task: asyncio.Task[Outcome]) -> None:
+        if task.cancelled():
+            outcome: Outcome = Retry(TIMEOUT, f"{self.name} did not confirm within {self.timeout:g} s")
+        else:
+            exc = task.exception()
+            outcome = task.result() if exc is None else self.failure(exc)  # type: ignore[arg-type]
+        self.done(report, outcome)
 
     async def attempt(self, sending: Any) -> Any:
         """Await ``sending`` within the timeout; a failure becomes its outcome (:meth:`failure`)."""
@@ -225,11 +243,13 @@ class AsyncSink:
     def done(self, report: Report, outcome: Outcome) -> None:
         """Queue ``outcome`` for the relay thread (loop thread)."""
         self._reports.append((report, outcome))
-        self.wake.set()
+        if not self.wake.is_set():  # after the append: a poll that cleared it first sees the report
+            self.wake.set()
 
     def done_many(self, reports: Iterable[tuple[Report, Outcome]]) -> None:
         self._reports.extend(reports)
-        self.wake.set()
+        if not self.wake.is_set():
+            self.wake.set()
 
     def confirmed(self) -> None:
         """A send succeeded: the sink is up (loop thread)."""
