@@ -17,21 +17,35 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from fnmatch import fnmatchcase
+from typing import NamedTuple
 from urllib.parse import SplitResult, parse_qsl, urlsplit
 
 from outbox.errors import ConfigError
 
-# Schemes a route may name: the sink, and the extra its client comes in (None: always there).
-SCHEMES: dict[str, tuple[str, str | None]] = {
-    "kafka": ("Kafka", None),
-    "amqp": ("RabbitMQ", "rabbitmq"),
-    "amqps": ("RabbitMQ", "rabbitmq"),
-    "nats": ("NATS JetStream", "nats"),
-    "tls": ("NATS JetStream", "nats"),
-    "redis": ("Redis Streams", "redis"),
-    "rediss": ("Redis Streams", "redis"),
-    "http": ("webhooks", "http"),
-    "https": ("webhooks", "http"),
+
+class Scheme(NamedTuple):
+    """What a route's URL scheme names: the system, the extra its client comes in (None:
+    always installed) and the sink class, as ``module:Class`` (imported only when used)."""
+
+    system: str
+    extra: str | None
+    sink: str
+
+
+_RABBITMQ = Scheme("RabbitMQ", "rabbitmq", "outbox.sinks.rabbitmq:RabbitMQSink")
+_NATS = Scheme("NATS JetStream", "nats", "outbox.sinks.nats:NatsSink")
+_REDIS = Scheme("Redis Streams", "redis", "outbox.sinks.redis:RedisSink")
+_WEBHOOKS = Scheme("webhooks", "http", "outbox.sinks.webhook:WebhookSink")
+SCHEMES: dict[str, Scheme] = {
+    "kafka": Scheme("Kafka", None, "outbox.sinks.kafka:KafkaSink"),
+    "amqp": _RABBITMQ,
+    "amqps": _RABBITMQ,
+    "nats": _NATS,
+    "tls": _NATS,
+    "redis": _REDIS,
+    "rediss": _REDIS,
+    "http": _WEBHOOKS,
+    "https": _WEBHOOKS,
 }
 _HOST_PORT = re.compile(r"^[A-Za-z0-9.\-\[\]:]+:\d{1,5}$")
 

@@ -247,3 +247,33 @@ def owners(dsn: str, schema: str) -> dict[int, str | None]:
             ).format(sql.Identifier(schema))
         ).fetchall()
     return {p: o for p, o in rows}
+
+
+def http_get(port: int, path: str) -> tuple[int, str]:
+    """(status, body) of GET ``path`` on 127.0.0.1:``port``; an HTTP error status is returned, not raised."""
+    import urllib.error
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=5) as response:
+            return response.status, response.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode()
+
+
+def write_rounds(dsn: str, schema: str, topic: str, keys: int, rounds: int, first: int = 0) -> None:
+    """``rounds`` transactions of one event per key (payload {"k", "seq"}): commit order is seq
+    order for every key, as :func:`assert_per_key_order` checks."""
+    import outbox
+
+    with psycopg.connect(dsn) as conn:
+        for seq in range(first, first + rounds):
+            outbox.enqueue_many(
+                conn,
+                [
+                    {"topic": topic, "key": f"k{k}", "payload": {"k": f"k{k}", "seq": seq}}
+                    for k in range(keys)
+                ],
+                schema=schema,
+            )
+            conn.commit()

@@ -16,23 +16,11 @@ from outbox.routes import SCHEMES, Route, SinkURL
 from outbox.sinks.base import Sink
 from outbox.sinks.router import build
 
-# scheme -> (module, class) of its sink
-SINK_CLASSES = {
-    "amqp": ("outbox.sinks.rabbitmq", "RabbitMQSink"),
-    "amqps": ("outbox.sinks.rabbitmq", "RabbitMQSink"),
-    "nats": ("outbox.sinks.nats", "NatsSink"),
-    "tls": ("outbox.sinks.nats", "NatsSink"),
-    "redis": ("outbox.sinks.redis", "RedisSink"),
-    "rediss": ("outbox.sinks.redis", "RedisSink"),
-    "http": ("outbox.sinks.webhook", "WebhookSink"),
-    "https": ("outbox.sinks.webhook", "WebhookSink"),
-}
-
 
 def require_clients(routes: list[Route]) -> None:
     """MissingExtra (one line naming ``outbox[extra]``) for the first route whose client is absent."""
     for route in routes:
-        extra = SCHEMES[route.url.scheme][1]
+        extra = SCHEMES[route.url.scheme].extra
         if extra is not None:
             require(extra, f"route {route.display}")
 
@@ -50,7 +38,7 @@ class SinkMaker:
     def __call__(self, url: SinkURL) -> Sink:
         if url.scheme == "kafka":
             return self.kafka(url.kafka_bootstrap, dict(self.kafka_config), self.timeout)
-        module, name = SINK_CLASSES[url.scheme]
+        module, name = SCHEMES[url.scheme].sink.split(":")
         cls = getattr(importlib.import_module(module), name)
         if url.scheme in ("http", "https"):
             sink: Sink = cls(url, timeout=self.timeout, secrets=self.webhook_secrets)

@@ -16,7 +16,7 @@ from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 import outbox
 from outbox.embedded import free_port
-from tests.helpers import RelayProcess, wait_for
+from tests.helpers import RelayProcess, http_get, wait_for
 
 
 def test_secrets_never_reach_logs_errors_status_or_metrics(pg_dsn: str, schema: str, kafka: str) -> None:
@@ -56,12 +56,7 @@ def test_secrets_never_reach_logs_errors_status_or_metrics(pg_dsn: str, schema: 
             return "cannot reach the kafka brokers" in relay.output().lower()
 
         wait_for(serving_and_failing, timeout=30, what="endpoints up and the broker outage logged")
-        for path in ("/metrics", "/readyz", "/livez"):
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=5) as resp:
-                    scraped.append(resp.read().decode())
-            except urllib.error.HTTPError as exc:  # /readyz is 503 while the broker is unreachable
-                scraped.append(exc.read().decode())
+        scraped += [http_get(port, path)[1] for path in ("/metrics", "/readyz", "/livez")]
         relay.proc.send_signal(signal.SIGTERM)
         relay.proc.wait(30)
         logs = relay.output()
@@ -204,12 +199,7 @@ def test_sink_passwords_and_the_webhook_secret_never_reach_logs_errors_status_or
             return row is not None and row[0] >= 3 and receiver.requests != []
 
         wait_for(all_failed, timeout=60, what="failed attempts on the sinks")
-        for path in ("/metrics", "/readyz", "/livez"):
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=5) as resp:
-                    scraped.append(resp.read().decode())
-            except urllib.error.HTTPError as exc:
-                scraped.append(exc.read().decode())
+        scraped += [http_get(port, path)[1] for path in ("/metrics", "/readyz", "/livez")]
         relay.proc.send_signal(signal.SIGTERM)
         relay.proc.wait(30)
         logs = relay.output()

@@ -5,8 +5,6 @@ from __future__ import annotations
 import re
 import threading
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Iterator
 
 import psycopg
@@ -22,15 +20,7 @@ from outbox.events import ClaimedEvent
 from outbox.relay import Relay, RelayConfig
 from outbox.sinks.base import Outcome, Report, SinkWrapper
 from outbox.sinks.kafka import KafkaSink
-from tests.helpers import count, read_topic, running_relay, wait_for
-
-
-def _get(port: int, path: str) -> tuple[int, str]:
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=5) as r:
-            return r.status, r.read().decode()
-    except urllib.error.HTTPError as e:
-        return e.code, e.read().decode()
+from tests.helpers import count, http_get, read_topic, running_relay, wait_for
 
 
 def _sample(text: str, name: str, **labels: str) -> float | None:
@@ -58,7 +48,7 @@ def test_metrics_after_a_drain_match_what_was_delivered(
         wait_for(lambda: count(pg_dsn, schema, "events") == 0, timeout=30)
         assert relay._health is not None
         port = relay._health.port
-        status, text = _get(port, "/metrics")
+        status, text = http_get(port, "/metrics")
     assert status == 200
     sink = f"kafka://{kafka}"  # the sink label: the scheme and the servers, never credentials
     assert _sample(text, "outbox_events_delivered_total", topic=topic, sink=sink) == 300
@@ -108,18 +98,18 @@ def test_readyz_goes_503_200_503_and_livez_stays_up(pg_dsn: str, schema: str, ka
     thread.start()
     port = wait_for(lambda: relay._health.port if relay._health else None, timeout=10)
     assert relay._health is not None and relay._health.server.server_address[0] == "127.0.0.1"
-    status, body = _get(port, "/readyz")
+    status, body = http_get(port, "/readyz")
     assert status == 503 and "starting" in body  # the sink is still starting
     may_start.set()
-    wait_for(lambda: _get(port, "/readyz")[0] == 200, timeout=20, what="ready")
-    assert _get(port, "/livez") == (200, "ok\n")
+    wait_for(lambda: http_get(port, "/readyz")[0] == 200, timeout=20, what="ready")
+    assert http_get(port, "/livez") == (200, "ok\n")
     with psycopg.connect(pg_dsn) as conn:
         outbox.enqueue(conn, topic, b"in flight at shutdown", schema=schema)
     wait_for(lambda: relay.stats.claimed == 1, timeout=10)
     relay.stop()  # the event's report is held for 2 s: the relay drains meanwhile
-    status, body = _get(port, "/readyz")
+    status, body = http_get(port, "/readyz")
     assert status == 503 and "draining" in body
-    assert _get(port, "/livez")[0] == 200
+    assert http_get(port, "/livez")[0] == 200
     thread.join(20)
     assert not thread.is_alive()
     assert count(pg_dsn, schema, "delivered") == 1

@@ -8,8 +8,6 @@ from __future__ import annotations
 import base64
 import json
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Iterator
 from typing import Any
 
@@ -23,7 +21,16 @@ from outbox.retry import RetryPolicy
 from outbox.routes import parse_routes
 from outbox.sinks.make import routed
 from outbox.sinks.signing import parse_secrets
-from tests.helpers import FAST, RelayProcess, assert_per_key_order, count, running_relay, wait_for
+from tests.helpers import (
+    FAST,
+    RelayProcess,
+    assert_per_key_order,
+    count,
+    http_get,
+    running_relay,
+    wait_for,
+    write_rounds,
+)
 from tests.sink_servers import SINKS, HttpTarget, Target, target
 
 OUTAGE = 3.0  # seconds a sink stays down in the outage test
@@ -119,21 +126,6 @@ def test_a_binary_header_value_survives_where_the_protocol_allows_it(
         assert row is not None and row[0] == odd and "header 'sig'" in row[1]
 
 
-def _write_rounds(pg_dsn: str, schema: str, topic: str, keys: int, rounds: int, first: int = 0) -> None:
-    """One transaction per round: commit order is seq order for every key."""
-    with psycopg.connect(pg_dsn) as conn:
-        for seq in range(first, first + rounds):
-            outbox.enqueue_many(
-                conn,
-                [
-                    {"topic": topic, "key": f"k{k}", "payload": {"k": f"k{k}", "seq": seq}}
-                    for k in range(keys)
-                ],
-                schema=schema,
-            )
-            conn.commit()
-
-
 @pytest.mark.slow
 def test_per_key_order_through_failures_and_two_relay_processes(
     pg_dsn: str, schema: str, sink: Target
@@ -146,7 +138,7 @@ def test_per_key_order_through_failures_and_two_relay_processes(
         for i in range(2)
     ]
     try:
-        _write_rounds(pg_dsn, schema, sink.topic, keys, rounds)
+        write_rounds(pg_dsn, schema, sink.topic, keys, rounds)
         wait_for(lambda: count(pg_dsn, schema, "events") == 0, timeout=120, what="drain")
         for r in relays:
             assert r.stop() == 0, r.output()[-3000:]
@@ -175,10 +167,10 @@ def test_the_sink_down_for_a_while_then_back_loses_nothing(
     config = _config(pg_dsn, schema, delivery_timeout=2.0, lease=6.0, retry=retry)
     try:
         with running_relay(config, _factory(config, f"*={sink.url('127.0.0.1', proxy.port)}")) as relay:
-            _write_rounds(pg_dsn, schema, sink.topic, keys, rounds // 3)
+            write_rounds(pg_dsn, schema, sink.topic, keys, rounds // 3)
             wait_for(lambda: count(pg_dsn, schema, "delivered") >= keys, timeout=30, what="flowing")
             proxy.refuse()
-            _write_rounds(pg_dsn, schema, sink.topic, keys, rounds // 3, rounds // 3)
+            write_rounds(pg_dsn, schema, sink.topic, keys, rounds // 3, rounds // 3)
             wait_for(lambda: relay.stats.retried > 0, timeout=30, what="failed attempts")
             time.sleep(OUTAGE)  # the fault's duration
             if isinstance(sink, HttpTarget):  # back, but failing
@@ -188,7 +180,7 @@ def test_the_sink_down_for_a_while_then_back_loses_nothing(
                 sink.decide = None
             else:
                 proxy.heal()
-            _write_rounds(pg_dsn, schema, sink.topic, keys, rounds // 3, 2 * (rounds // 3))
+            write_rounds(pg_dsn, schema, sink.topic, keys, rounds // 3, 2 * (rounds // 3))
             wait_for(lambda: count(pg_dsn, schema, "events") == 0, timeout=60, what="drain after")
         got = sink.read(keys * rounds)
     finally:
@@ -301,127 +293,16 @@ def test_one_sink_down_leaves_the_other_routes_flowing_and_readyz_names_it(
             wait_for(lambda: count(pg_dsn, schema, "delivered") == 100, timeout=30, what="kafka and redis")
             assert count(pg_dsn, schema, "delivered", "topic = 'orders.created'") == 0
             assert relay._health is not None
-            status, body = _get(relay._health.port, "/readyz")
+            status, body = http_get(relay._health.port, "/readyz")
             assert status == 503 and body.startswith("sink down: amqp://127.0.0.1"), body
             lines = body.splitlines()[1:]
             assert [line.split(" ")[1] for line in lines] == ["down:", "ok", "ok"], body
             proxy.heal()
             wait_for(lambda: count(pg_dsn, schema, "events") == 0, timeout=30, what="rabbitmq back")
-            wait_for(lambda: _get(relay._health.port, "/readyz")[0] == 200, timeout=10, what="ready")
+            wait_for(lambda: http_get(relay._health.port, "/readyz")[0] == 200, timeout=10, what="ready")
         assert sorted(m.value for m in rabbit.read(50)) == sorted(f"o{i}".encode() for i in range(50))
         assert len(stream.read(50)) == 50
     finally:
         proxy.stop()
         rabbit.close()
         stream.close()
-
-
-def _get(port: int, path: str) -> tuple[int, str]:
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=5) as resp:
-            return resp.status, resp.read().decode()
-    except urllib.error.HTTPError as exc:
-        return exc.code, exc.read().decode()
-
-
-def test_webhook_retry_after_is_honoured(pg_dsn: str, schema: str) -> None:
-    """A 429 with Retry-After: 30 puts the next attempt at least 30 s away (the backoff alone
-    would be 0.05 s); a 503 without it keeps the backoff."""
-    sink = HttpTarget()
-    sink.decide = lambda r: (429, {"retry-after": "30"}, b"slow down") if r.body == b"a" else (503, {}, b"")
-    retry = RetryPolicy(base=0.05, cap=60.0)
-    try:
-        with psycopg.connect(pg_dsn) as conn:
-            outbox.enqueue(conn, sink.topic, b"a", key="a", schema=schema)
-            outbox.enqueue(conn, sink.topic, b"b", key="b", schema=schema)
-        config = _config(pg_dsn, schema, retry=retry)
-        with running_relay(config, _factory(config, f"*={sink.url()}")):
-            wait_for(lambda: count(pg_dsn, schema, "events", "attempts > 0") == 2, timeout=30, what="failed")
-            with psycopg.connect(pg_dsn) as conn:
-                waits = dict(
-                    conn.execute(
-                        f'SELECT payload, extract(epoch FROM available_at - now()) FROM "{schema}".events'
-                    ).fetchall()
-                )
-    finally:
-        sink.close()
-    assert 25 < waits[b"a"] <= 30, waits
-    assert waits[b"b"] < 5, waits
-
-
-@pytest.mark.parametrize("scheme", ["amqp", "nats"])
-def test_an_unknown_destination_is_retried_until_the_operator_creates_it(
-    pg_dsn: str, schema: str, scheme: str
-) -> None:
-    """RabbitMQ: no queue bound (the message comes back); NATS: no stream takes the subject.
-    Both retried, saying so; delivered once the queue or stream exists."""
-    sink = target(scheme)
-    orphan = "unbound.topic" if scheme == "amqp" else sink.topic.replace(".orders", "x.orders")
-    with psycopg.connect(pg_dsn) as conn:
-        outbox.enqueue(conn, orphan, b"waiting", key="k", schema=schema)
-    config = _config(pg_dsn, schema, retry=RetryPolicy(base=0.05, cap=0.2, max_attempts=1000))
-    url = sink.url()
-    if scheme == "amqp":  # an exchange whose only queue takes orders.*: nothing takes unbound.topic
-        url = url.replace(sink.exchange, sink.exchange + "-2")  # type: ignore[attr-defined]
-    expected = "no queue is bound" if scheme == "amqp" else "no JetStream stream"
-    try:
-        with running_relay(config, _factory(config, f"*={url}")):
-            wait_for(lambda: count(pg_dsn, schema, "events", "attempts > 2") == 1, timeout=30, what="retries")
-            with psycopg.connect(pg_dsn) as conn:
-                row = conn.execute(f'SELECT last_error FROM "{schema}".events').fetchone()
-            assert row is not None and expected in row[0] and repr(orphan) in row[0], row
-            _create_destination(sink, orphan)
-            wait_for(lambda: count(pg_dsn, schema, "delivered") == 1, timeout=30, what="delivered")
-    finally:
-        _drop_destination(sink, orphan)
-        sink.close()
-    assert count(pg_dsn, schema, "dead_letters") == 0
-
-
-def _create_destination(sink: Target, subject: str) -> None:
-    import asyncio
-
-    import aiormq
-    import nats
-
-    async def create() -> None:
-        if sink.scheme == "amqp":
-            conn = await aiormq.connect("amqp://guest:guest@127.0.0.1:5672/")
-            ch = await conn.channel()
-            name = sink.exchange + "-2"  # type: ignore[attr-defined]
-            await ch.queue_declare(name, durable=True)
-            await ch.queue_bind(name, name, routing_key="#")
-            await conn.close()
-        else:
-            nc = await nats.connect(sink.url())
-            await nc.jetstream().add_stream(name=sink.stream + "X", subjects=[subject])  # type: ignore[attr-defined]
-            await nc.close()
-
-    asyncio.run(create())
-
-
-def _drop_destination(sink: Target, subject: str) -> None:
-    import asyncio
-    import contextlib
-
-    import aiormq
-    import nats
-
-    async def drop() -> None:
-        if sink.scheme == "amqp":
-            conn = await aiormq.connect("amqp://guest:guest@127.0.0.1:5672/")
-            ch = await conn.channel()
-            name = sink.exchange + "-2"  # type: ignore[attr-defined]
-            with contextlib.suppress(Exception):
-                await ch.queue_delete(name)
-            ch = await conn.channel()
-            with contextlib.suppress(Exception):
-                await ch.exchange_delete(name)
-            await conn.close()
-        else:
-            nc = await nats.connect(sink.url())
-            with contextlib.suppress(Exception):
-                await nc.jetstream().delete_stream(sink.stream + "X")  # type: ignore[attr-defined]
-            await nc.close()
-
-    asyncio.run(drop())
