@@ -33,7 +33,7 @@ def test_bench_smoke_produces_every_output(pg_dsn: str, kafka: str, tmp_path: Pa
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     results = json.loads((out / "results.json").read_text())
-    assert set(results["scenarios"]) == {"drain", "steady", "writer", "soak", "scale"}
+    assert set(results["scenarios"]) == {"drain", "steady", "writer", "soak", "scale", "sinks"}
     assert results["machine"]["cores"] and results["machine"]["postgresql"]
     drain = results["scenarios"]["drain"]
     for kind in ("relay", "relay_unordered", "bare", "seeds"):
@@ -52,9 +52,17 @@ def test_bench_smoke_produces_every_output(pg_dsn: str, kafka: str, tmp_path: Pa
         (1, "none"),
         (2, "none"),
     ]
-    for png in ("drain_throughput.png", "steady_latency.png", "soak.png", "scale.png"):
+    sinks = results["scenarios"]["sinks"]["sinks"]
+    assert set(sinks) == {"amqp", "nats", "redis", "http"}
+    for r in sinks.values():  # every sink drained by both, the ratio computed from the same run
+        assert r["relay_events_per_s_median"] > 0 and r["loop_events_per_s_median"] > 0
+        assert r["ratio_relay_to_loop"] == round(
+            r["relay_events_per_s_median"] / r["loop_events_per_s_median"], 3
+        )
+    for png in ("drain_throughput.png", "steady_latency.png", "soak.png", "scale.png", "sinks.png"):
         assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", png
     table = (out / "results.md").read_text()
     assert "outbox relay" in table and "bare loop" in table and "seeds' loop" in table
+    assert "| amqp |" in table and "| http |" in table
     assert "| relay" not in proc.stderr  # progress goes to stderr, the table to stdout
     assert "events/s" in proc.stdout
