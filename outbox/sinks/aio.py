@@ -6,8 +6,9 @@ sink runs its client on its own event loop in a daemon thread:
 - ``produce`` (relay thread) queues the event and, once per burst, wakes the
   loop (one ``call_soon_threadsafe`` per burst, not per event);
 - the loop hands the burst to :meth:`AsyncSink.dispatch`, which starts one
-  task per event (concurrent publishes, confirms in batches) or one pipeline per
-  burst (Redis);
+  task per event with one timer for the whole burst (RabbitMQ, webhooks: concurrent
+  publishes, confirms in batches), or one task per burst (Redis: a pipeline; NATS:
+  asynchronous publishes settled from their acks);
 - each outcome goes back through a queue; ``poll`` (relay thread) serves the
   reports and waits on :attr:`AsyncSink.wake`, which a :class:`Router` shares
   among its sinks.
