@@ -20,7 +20,6 @@ it) -> dead; connection lost, ``OOM``, ``READONLY``, ``LOADING``, anything else
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import json
 from typing import Any
@@ -113,8 +112,6 @@ class RedisSink(AsyncSink):
             if client is self._conn:
                 self.lost(f"connection lost: {self.clean(exc)}")
             raise Unavailable(f"{self.name}: {self.clean(exc)}") from None
-        except asyncio.CancelledError:
-            raise
         outcomes = [self._outcome(reply) for reply in replies]
         self.confirmed()
         return outcomes

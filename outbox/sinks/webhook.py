@@ -134,9 +134,6 @@ class WebhookSink(AsyncSink):
             return Retry(f"http_{status}", reason, wait)
         raise Refused(f"http_{status}", reason)
 
-    async def disconnect(self, conn: Any) -> None:
-        return None
-
     async def _shutdown(self) -> None:
         await super()._shutdown()
         if self._session is not None:
