@@ -31,7 +31,7 @@ from confluent_kafka import Producer
 
 from outbox.events import ClaimedEvent
 from outbox.queries import query
-from outbox.relay import Relay, RelayConfig
+from outbox.relay import Relay, RelayConfig, tune_gc
 from outbox.sinks.base import Delivered, Outcome, Report, SinkWrapper
 from outbox.sinks.kafka import KafkaSink
 
@@ -60,7 +60,8 @@ def _headers(event_id: Any, headers: Any) -> list[tuple[str, str | bytes | None]
 
 
 def run_contender(spec: ContenderSpec, counter: Synchronized[int], stop: Event) -> None:
-    """Child-process entry point."""
+    """Child-process entry point: every contender with the garbage collector ``outbox relay`` sets."""
+    tune_gc()
     if spec.kind == "relay":
         _relay(spec, counter, stop)
     elif spec.kind == "bare":

@@ -26,7 +26,7 @@ import time
 import uuid
 from multiprocessing.sharedctypes import Synchronized
 from multiprocessing.synchronize import Event
-from typing import Any
+from typing import Any, cast
 
 import psycopg
 
@@ -185,7 +185,10 @@ async def _publisher(scheme: str, url: str) -> Any:
 
         exchange = url.split("exchange=")[1].split("&")[0]
         connection = await aiormq.connect(url.split("?")[0])
-        channel = await connection.channel(publisher_confirms=True, on_return_raises=True)
+        # The concrete channel: its basic_publish takes wait=False (the abstract one does not say).
+        channel = cast(
+            aiormq.Channel, await connection.channel(publisher_confirms=True, on_return_raises=True)
+        )
 
         async def amqp(rows: list[Any]) -> None:
             await asyncio.gather(
@@ -195,6 +198,7 @@ async def _publisher(scheme: str, url: str) -> Any:
                         exchange=exchange,
                         routing_key=topic,
                         mandatory=True,
+                        wait=False,
                         properties=spec.Basic.Properties(
                             message_id=str(event_id),
                             delivery_mode=2,

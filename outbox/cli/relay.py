@@ -16,7 +16,7 @@ from outbox.cli.common import Common, add_common, connect, schema_of
 from outbox.config import RelayConfig
 from outbox.errors import ConfigError, RelayFailed
 from outbox.migrate import require_migrated
-from outbox.relay import Relay
+from outbox.relay import Relay, tune_gc
 from outbox.retry import RetryPolicy
 from outbox.routes import parse_routes
 from outbox.settings import setting
@@ -179,6 +179,7 @@ def cmd_relay(args: argparse.Namespace) -> int:
 
     sink().close(0)  # validates every sink's configuration now, with a clear error
     log.info("routes: %s", ", ".join(r.display for r in routes))
+    tune_gc()
     run_until_signal(Relay(config, sink))
     return 0
 

@@ -3,8 +3,11 @@
 The relay's loop is synchronous and single-threaded; these clients are not. Each
 sink runs its client on its own event loop in a daemon thread:
 
-- ``produce`` (relay thread) queues the event and, once per burst, wakes the
-  loop (one ``call_soon_threadsafe`` per burst, not per event);
+- ``produce`` (relay thread) queues the event; ``poll``, which the relay calls
+  right after handing over a batch and whenever it waits, wakes the loop for
+  the queued burst (one ``call_soon_threadsafe`` per burst, not per event, and
+  the loop takes the whole burst: a batch is not split by the loop thread
+  waking up half-way through it);
 - the loop hands the burst to :meth:`AsyncSink.dispatch`, which starts one
   task per event with one timer for the whole burst (RabbitMQ, webhooks: concurrent
   publishes, confirms in batches), or one task per burst (Redis: a pipeline; NATS:
@@ -135,17 +138,25 @@ class AsyncSink:
     # -- relay thread -------------------------------------------------------------
 
     def produce(self, event: ClaimedEvent, report: Report) -> Outcome | None:
+        """Queue ``event``; the next :meth:`poll` hands the queued burst to the loop."""
         self._pending += 1
         self._incoming.append((event, report))
+        return None
+
+    def _send(self) -> None:
+        """Wake the loop for what :meth:`produce` queued (once per burst: one
+        ``call_soon_threadsafe``, and the loop takes the whole burst at once)."""
+        if not self._incoming:
+            return
         with self._lock:
             if self._scheduled:
-                return None
+                return
             self._scheduled = True
         self._loop.call_soon_threadsafe(self._take)
-        return None
 
     def poll(self, timeout: float) -> int:
         reports = self._reports
+        self._send()
         if timeout > 0:
             if not reports:
                 self.wake.wait(timeout)
@@ -158,6 +169,8 @@ class AsyncSink:
             self._pending -= 1
             report(outcome)
             served += 1
+        if served:
+            self._send()  # what the reports produced (the next event of a key chain)
         return served
 
     def flush(self, timeout: float) -> int:

@@ -103,6 +103,10 @@ class RabbitMQSink(AsyncSink):
                 routing_key=event.topic,
                 properties=properties,
                 mandatory=True,
+                # Not waiting for the frame to be written: with wait=True each publish holds
+                # the channel lock until the socket took its frame, one publish at a time.
+                # Delivered still means confirmed (the await returns the broker's confirm).
+                wait=False,
             )
         except aiormq.exceptions.PublishError:
             return Retry(
