@@ -38,6 +38,11 @@ class UnsupportedConnection(InvalidType):
     """``enqueue`` was given an object it cannot write through; the message lists what works."""
 
 
+class OutsideTransaction(OutboxError, ValueError):
+    """``enqueue`` was given a connection in autocommit mode, outside any transaction: the event
+    would commit on its own, apart from the data it describes."""
+
+
 class NotMigrated(ConfigError):
     """The schema lacks the outbox tables, or a migration this version ships."""
 

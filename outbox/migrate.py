@@ -143,6 +143,30 @@ def migrate(conn: psycopg.Connection[Any], schema: str = DEFAULT_SCHEMA) -> list
     return applied
 
 
+def migrate_cursor(cursor: Any, schema: str = DEFAULT_SCHEMA) -> list[Migration]:
+    """:func:`migrate` inside another tool's transaction (Django's ``migrate``, an Alembic
+    revision): the same statements, run through a DBAPI cursor of psycopg 3 or psycopg2
+    (Django's cursor wrapper too), in the caller's transaction. The caller commits."""
+    validate_schema(schema)
+    cursor.execute(query("migrate_lock", schema).as_string(), (_lock_key(schema),))
+    cursor.execute(_preamble(schema).as_string())
+    cursor.execute(query("migrations_applied", schema).as_string())
+    done = {int(v): str(c) for v, c in cursor.fetchall()}
+    applied: list[Migration] = []
+    for m in migrations():
+        if m.version in done:
+            if done[m.version] != m.checksum:
+                raise ConfigError(
+                    f"migration {m.version:04d}_{m.name} was applied to schema {schema!r} "
+                    "with different content; migrations must never be edited once released"
+                )
+            continue
+        cursor.execute(m.render(schema).as_string())
+        cursor.execute(_record(schema, m).as_string())
+        applied.append(m)
+    return applied
+
+
 # Least-privilege roles (``migrate --roles``): see migrations/roles.sql.
 DEFAULT_WRITER_ROLE = "outbox_writer"
 DEFAULT_RELAY_ROLE = "outbox_relay"

@@ -2,37 +2,26 @@
 
 ``enqueue``/``enqueue_many`` never commit or roll back: the event becomes visible
 to the relay exactly when the caller's transaction commits (atomic enqueue).
-The sync and async twins share all logic (validation, encoding, SQL); only the
-``execute`` call differs.
+Every stack (psycopg 3, psycopg2, SQLAlchemy, Django, asyncpg) shares the
+validation and encoding here; :mod:`outbox.stacks` knows how to write on each.
 """
 
 from __future__ import annotations
 
 import uuid
-import weakref
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from datetime import timedelta
 from typing import Any
 
-import psycopg
 from opentelemetry import trace
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
-from psycopg.types.json import Jsonb
 
-from outbox.errors import InvalidEventType, NotMigrated, UnsupportedConnection
+from outbox.errors import InvalidEventType
 from outbox.events import EncodedEvent, encode_event, encode_event_mapping
-from outbox.queries import query
 from outbox.schema import DEFAULT_SCHEMA, validate_schema
+from outbox.stacks import async_writer_for, writer_for
 
 _PROPAGATOR = TraceContextTextMapPropagator()
-
-# Schemas already known to hold an outbox, per connection. Checking costs a round
-# trip, so it happens once per connection and schema; the check keeps an unknown
-# schema from aborting the caller's transaction with UndefinedTable.
-_known: weakref.WeakKeyDictionary[Any, set[str]] = weakref.WeakKeyDictionary()
-
-AnyConn = psycopg.Connection[Any] | psycopg.Cursor[Any]
-AnyAsyncConn = psycopg.AsyncConnection[Any] | psycopg.AsyncCursor[Any]
 
 
 def current_trace_headers() -> dict[str, str]:
@@ -48,29 +37,6 @@ def _schema(schema: str | None) -> str:
     return DEFAULT_SCHEMA if schema is None else validate_schema(schema)
 
 
-def _params(ev: EncodedEvent) -> tuple[Any, ...]:
-    return (ev.event_id, ev.topic, ev.key, ev.payload, Jsonb(ev.headers), ev.delay)
-
-
-def _unknown_schema(schema: str) -> NotMigrated:
-    return NotMigrated(f"schema: {schema!r} holds no outbox tables; run `outbox migrate --schema {schema}`")
-
-
-def _connection(conn: Any) -> Any:
-    return conn.connection if isinstance(conn, (psycopg.Cursor, psycopg.AsyncCursor)) else conn
-
-
-def _check_conn_type(conn: object, *, async_: bool) -> None:
-    if async_:
-        ok = isinstance(conn, (psycopg.AsyncConnection, psycopg.AsyncCursor))
-        want = "a psycopg AsyncConnection or AsyncCursor"
-    else:
-        ok = isinstance(conn, (psycopg.Connection, psycopg.Cursor))
-        want = "a psycopg Connection or Cursor (use enqueue_async for async)"
-    if not ok:
-        raise UnsupportedConnection(f"conn: expected {want}, got {type(conn).__name__}")
-
-
 def _encode_many(events: Iterable[Mapping[str, Any]]) -> list[EncodedEvent]:
     if isinstance(events, (str, bytes, Mapping)):
         raise InvalidEventType("events: expected an iterable of mappings, not a single value")
@@ -78,22 +44,23 @@ def _encode_many(events: Iterable[Mapping[str, Any]]) -> list[EncodedEvent]:
     return [encode_event_mapping(i, ev, trace_headers) for i, ev in enumerate(events)]
 
 
+def _encode_one(
+    topic: str,
+    payload: Any,
+    key: str | bytes | None,
+    headers: Mapping[str, str | bytes] | None,
+    delay: float | timedelta | None,
+) -> EncodedEvent:
+    return encode_event(
+        topic, payload, key=key, headers=headers, delay=delay, trace_headers=current_trace_headers()
+    )
+
+
 # -- sync ---------------------------------------------------------------------
 
 
-def _ensure_schema(conn: AnyConn, schema: str) -> None:
-    base = _connection(conn)
-    seen = _known.setdefault(base, set())
-    if schema in seen:
-        return
-    row = conn.execute(query("events_table", schema), (schema,)).fetchone()
-    if not row or not row[0]:
-        raise _unknown_schema(schema)
-    seen.add(schema)
-
-
 def enqueue(
-    conn: AnyConn,
+    conn: Any,
     topic: str,
     payload: Any,
     *,
@@ -104,68 +71,50 @@ def enqueue(
 ) -> uuid.UUID:
     """Add one event to the outbox in ``conn``'s current transaction; return its event id.
 
+    ``conn``: a psycopg ``Connection``/``Cursor``, a psycopg2 connection/cursor, an
+    SQLAlchemy ``Session``/``Connection`` or a Django connection (:mod:`outbox.stacks`).
+    It must be in a transaction: on a connection in autocommit mode, outside any
+    transaction, ``enqueue`` refuses (:class:`~outbox.errors.OutsideTransaction`).
+
     ``payload``: bytes (sent as is), str (UTF-8) or any JSON-serialisable value
     (compact JSON, header ``content-type: application/json``). ``delay``: seconds
     or a ``timedelta`` before which the event is not delivered.
     """
-    _check_conn_type(conn, async_=False)
-    ev = encode_event(
-        topic,
-        payload,
-        key=key,
-        headers=headers,
-        delay=delay,
-        trace_headers=current_trace_headers(),
-    )
+    writer = writer_for(conn)
+    ev = _encode_one(topic, payload, key, headers, delay)
     name = _schema(schema)
-    _ensure_schema(conn, name)
-    conn.execute(query("insert_event", name), _params(ev))
+    writer.require_transaction()
+    writer.ensure_schema(name)
+    writer.insert(name, ev)
+    _recorded(name, [ev])
     return ev.event_id
 
 
 def enqueue_many(
-    conn: AnyConn, events: Iterable[Mapping[str, Any]], *, schema: str | None = None
+    conn: Any, events: Iterable[Mapping[str, Any]], *, schema: str | None = None
 ) -> list[uuid.UUID]:
     """Add many events (mappings with ``enqueue``'s keyword names) in one go.
 
-    All events are validated before any is written. Without delays they are
-    streamed with binary COPY; with delays, sent as one pipelined batch.
+    All events are validated before any is written. Then each stack's fast path:
+    binary COPY on psycopg 3 (a pipelined batch when some have a delay), one
+    multi-row ``INSERT`` on psycopg2 (and Django or SQLAlchemy over it).
     """
-    _check_conn_type(conn, async_=False)
+    writer = writer_for(conn)
     encoded = _encode_many(events)
     name = _schema(schema)
-    _ensure_schema(conn, name)
-    if not encoded:
-        return []
-    base = _connection(conn)
-    with base.cursor() as cur:
-        if any(ev.delay for ev in encoded):
-            cur.executemany(query("insert_event", name), [_params(ev) for ev in encoded])
-        else:
-            with cur.copy(query("copy_events", name)) as copy:
-                copy.set_types(["uuid", "text", "bytea", "bytea", "jsonb"])
-                for ev in encoded:
-                    copy.write_row((ev.event_id, ev.topic, ev.key, ev.payload, Jsonb(ev.headers)))
+    writer.require_transaction()
+    writer.ensure_schema(name)
+    if encoded:
+        writer.insert_many(name, encoded)
+        _recorded(name, encoded)
     return [ev.event_id for ev in encoded]
 
 
 # -- async --------------------------------------------------------------------
 
 
-async def _ensure_schema_async(conn: AnyAsyncConn, schema: str) -> None:
-    base = _connection(conn)
-    seen = _known.setdefault(base, set())
-    if schema in seen:
-        return
-    cur = await conn.execute(query("events_table", schema), (schema,))
-    row = await cur.fetchone()
-    if not row or not row[0]:
-        raise _unknown_schema(schema)
-    seen.add(schema)
-
-
 async def enqueue_async(
-    conn: AnyAsyncConn,
+    conn: Any,
     topic: str,
     payload: Any,
     *,
@@ -174,39 +123,39 @@ async def enqueue_async(
     delay: float | timedelta | None = None,
     schema: str | None = None,
 ) -> uuid.UUID:
-    """``enqueue`` for a psycopg ``AsyncConnection`` (or ``AsyncCursor``)."""
-    _check_conn_type(conn, async_=True)
-    ev = encode_event(
-        topic,
-        payload,
-        key=key,
-        headers=headers,
-        delay=delay,
-        trace_headers=current_trace_headers(),
-    )
+    """``enqueue`` for a psycopg ``AsyncConnection``/``AsyncCursor``, an asyncpg
+    ``Connection`` (also from a pool) or an SQLAlchemy ``AsyncSession``/``AsyncConnection``."""
+    ev = _encode_one(topic, payload, key, headers, delay)
     name = _schema(schema)
-    await _ensure_schema_async(conn, name)
-    await conn.execute(query("insert_event", name), _params(ev))
+    writer = await async_writer_for(conn)
+    writer.require_transaction()
+    await writer.ensure_schema(name)
+    await writer.insert(name, ev)
+    _recorded(name, [ev])
     return ev.event_id
 
 
 async def enqueue_many_async(
-    conn: AnyAsyncConn, events: Iterable[Mapping[str, Any]], *, schema: str | None = None
+    conn: Any, events: Iterable[Mapping[str, Any]], *, schema: str | None = None
 ) -> list[uuid.UUID]:
-    """``enqueue_many`` for a psycopg ``AsyncConnection`` (or ``AsyncCursor``)."""
-    _check_conn_type(conn, async_=True)
+    """``enqueue_many`` for the async stacks (asyncpg: ``copy_records_to_table``)."""
     encoded = _encode_many(events)
     name = _schema(schema)
-    await _ensure_schema_async(conn, name)
-    if not encoded:
-        return []
-    base = _connection(conn)
-    async with base.cursor() as cur:
-        if any(ev.delay for ev in encoded):
-            await cur.executemany(query("insert_event", name), [_params(ev) for ev in encoded])
-        else:
-            async with cur.copy(query("copy_events", name)) as copy:
-                copy.set_types(["uuid", "text", "bytea", "bytea", "jsonb"])
-                for ev in encoded:
-                    await copy.write_row((ev.event_id, ev.topic, ev.key, ev.payload, Jsonb(ev.headers)))
+    writer = await async_writer_for(conn)
+    writer.require_transaction()
+    await writer.ensure_schema(name)
+    if encoded:
+        await writer.insert_many(name, encoded)
+        _recorded(name, encoded)
     return [ev.event_id for ev in encoded]
+
+
+# -- what tests observe (outbox.testing) ----------------------------------------
+
+Recorder = Callable[[str, Sequence[EncodedEvent]], None]
+recorders: list[Recorder] = []  # called with every batch written (the pytest plugin adds one)
+
+
+def _recorded(schema: str, events: Sequence[EncodedEvent]) -> None:
+    for record in recorders:
+        record(schema, events)

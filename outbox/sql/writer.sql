@@ -8,6 +8,28 @@
 INSERT INTO {schema}.events (event_id, topic, key, payload, headers, available_at)
 VALUES (%s, %s, %s, %s, %s, now() + %s * interval '1 second')
 
+-- name: insert_events_values
+-- Many events as one multi-row INSERT (psycopg2's execute_values fills in the rows).
+INSERT INTO {schema}.events (event_id, topic, key, payload, headers, available_at)
+VALUES %s
+
+-- name: insert_events_row
+-- One row of insert_events_values.
+(%s::uuid, %s, %s, %s, %s::jsonb, now() + %s * interval '1 second')
+
+-- name: insert_event_numbered
+-- insert_event with numbered parameters (asyncpg).
+INSERT INTO {schema}.events (event_id, topic, key, payload, headers, available_at)
+VALUES ($1, $2, $3, $4, $5::jsonb, now() + $6::float8 * interval '1 second')
+
+-- name: events_table_numbered
+-- events_table with a numbered parameter (asyncpg).
+SELECT to_regclass(format('%I.events', $1::text)) IS NOT NULL
+
+-- name: first_statement
+-- A statement that does nothing, to make SQLAlchemy's asyncpg adapter open its transaction.
+SELECT 1
+
 -- name: copy_events
 -- Many events without delay, streamed with COPY (binary).
 COPY {schema}.events (event_id, topic, key, payload, headers) FROM STDIN (FORMAT BINARY)

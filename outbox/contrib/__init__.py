@@ -1,0 +1,1 @@
+"""Integrations with other tools' migrations: Django (an app) and Alembic (a helper)."""

@@ -1,0 +1,386 @@
+"""The database stacks ``enqueue`` writes through, and how it writes on each.
+
+Every stack comes down to one of four drivers' connections, in the caller's
+transaction:
+
+=====================  =========================================================
+the caller passes      what ``enqueue`` writes on
+=====================  =========================================================
+psycopg 3              the connection (of a cursor: its connection)
+psycopg2               the connection (of a cursor: its connection)
+SQLAlchemy             the DBAPI connection under the ``Session``'s (or the
+                       ``Connection``'s) current transaction: psycopg 3 or psycopg2
+Django                 ``connection.connection``: psycopg 3 or psycopg2
+asyncpg                the connection (also one acquired from a pool)
+SQLAlchemy async       the driver connection under the ``AsyncSession``'s (or
+                       ``AsyncConnection``'s) transaction: asyncpg or psycopg 3
+=====================  =========================================================
+
+A :class:`Writer` (sync) or :class:`AsyncWriter` knows one driver: how to tell
+whether a transaction is open, how to insert one event, and its fast path for
+many (binary COPY on psycopg 3, ``copy_records_to_table`` on asyncpg, one
+multi-row ``INSERT`` on psycopg2). Validation and encoding happen once, before,
+in :mod:`outbox.writer`, for every stack alike.
+
+Optional packages are recognised by the module of the object's type, so the
+core package imports none of them: an object from a package that is installed is
+handled by importing it then.
+"""
+
+from __future__ import annotations
+
+import json
+import weakref
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+import psycopg
+from psycopg.pq import TransactionStatus
+from psycopg.types.json import Jsonb
+
+from outbox.errors import NotMigrated, OutsideTransaction, UnsupportedConnection
+from outbox.events import EncodedEvent
+from outbox.queries import query, raw
+
+SYNC_STACKS = (
+    "a psycopg Connection or Cursor, a psycopg2 connection or cursor, an SQLAlchemy Session or "
+    "Connection, or a Django connection"
+)
+ASYNC_STACKS = (
+    "a psycopg AsyncConnection or AsyncCursor, an asyncpg Connection, or an SQLAlchemy "
+    "AsyncSession or AsyncConnection"
+)
+
+COPY_COLUMNS = ("event_id", "topic", "key", "payload", "headers")
+
+# Schemas already known to hold an outbox, per driver connection. Checking costs a round
+# trip, so it happens once per connection and schema; the check keeps an unknown schema
+# from aborting the caller's transaction with UndefinedTable.
+_known: weakref.WeakKeyDictionary[Any, set[str]] = weakref.WeakKeyDictionary()
+_known_by_id: dict[int, set[str]] = {}  # drivers whose connections take no weak reference
+
+
+def _seen(raw: Any) -> set[str]:
+    try:
+        return _known.setdefault(raw, set())
+    except TypeError:
+        return _known_by_id.setdefault(id(raw), set())
+
+
+def unknown_schema(schema: str) -> NotMigrated:
+    return NotMigrated(f"schema: {schema!r} holds no outbox tables; run `outbox migrate --schema {schema}`")
+
+
+def outside_transaction(stack: str, how: str) -> OutsideTransaction:
+    return OutsideTransaction(
+        f"conn: the {stack} connection is not in a transaction (autocommit), so the event would "
+        f"commit on its own, apart from your data; {how}"
+    )
+
+
+def _params(ev: EncodedEvent) -> tuple[Any, ...]:
+    return (ev.event_id, ev.topic, ev.key, ev.payload, Jsonb(ev.headers), ev.delay)
+
+
+def _headers_json(ev: EncodedEvent) -> str:
+    return json.dumps(ev.headers, separators=(",", ":"))
+
+
+class Writer(Protocol):
+    stack: str
+
+    def require_transaction(self) -> None: ...
+    def ensure_schema(self, schema: str) -> None: ...
+    def insert(self, schema: str, ev: EncodedEvent) -> None: ...
+    def insert_many(self, schema: str, events: Sequence[EncodedEvent]) -> None: ...
+
+
+class AsyncWriter(Protocol):
+    stack: str
+
+    def require_transaction(self) -> None: ...
+    async def ensure_schema(self, schema: str) -> None: ...
+    async def insert(self, schema: str, ev: EncodedEvent) -> None: ...
+    async def insert_many(self, schema: str, events: Sequence[EncodedEvent]) -> None: ...
+
+
+# -- psycopg 3 ------------------------------------------------------------------------------
+
+
+def _psycopg_in_transaction(conn: psycopg.Connection[Any] | psycopg.AsyncConnection[Any]) -> bool:
+    # Not in autocommit mode: the first statement opens a transaction, which the caller
+    # commits. In autocommit mode: only inside ``conn.transaction()`` (or a BEGIN).
+    return not conn.autocommit or conn.info.transaction_status != TransactionStatus.IDLE
+
+
+class PsycopgWriter:
+    def __init__(self, conn: psycopg.Connection[Any], stack: str = "psycopg") -> None:
+        self.conn = conn
+        self.stack = stack
+
+    def require_transaction(self) -> None:
+        if not _psycopg_in_transaction(self.conn):
+            raise outside_transaction(self.stack, "write inside `with conn.transaction():`")
+
+    def ensure_schema(self, schema: str) -> None:
+        seen = _seen(self.conn)
+        if schema in seen:
+            return
+        row = self.conn.execute(query("events_table", schema), (schema,)).fetchone()
+        if not row or not row[0]:
+            raise unknown_schema(schema)
+        seen.add(schema)
+
+    def insert(self, schema: str, ev: EncodedEvent) -> None:
+        self.conn.execute(query("insert_event", schema), _params(ev))
+
+    def insert_many(self, schema: str, events: Sequence[EncodedEvent]) -> None:
+        with self.conn.cursor() as cur:
+            if any(ev.delay for ev in events):
+                cur.executemany(query("insert_event", schema), [_params(ev) for ev in events])
+                return
+            with cur.copy(query("copy_events", schema)) as copy:
+                copy.set_types(["uuid", "text", "bytea", "bytea", "jsonb"])
+                for ev in events:
+                    copy.write_row((ev.event_id, ev.topic, ev.key, ev.payload, Jsonb(ev.headers)))
+
+
+class AsyncPsycopgWriter:
+    def __init__(self, conn: psycopg.AsyncConnection[Any], stack: str = "psycopg") -> None:
+        self.conn = conn
+        self.stack = stack
+
+    def require_transaction(self) -> None:
+        if not _psycopg_in_transaction(self.conn):
+            raise outside_transaction(self.stack, "write inside `async with conn.transaction():`")
+
+    async def ensure_schema(self, schema: str) -> None:
+        seen = _seen(self.conn)
+        if schema in seen:
+            return
+        cur = await self.conn.execute(query("events_table", schema), (schema,))
+        row = await cur.fetchone()
+        if not row or not row[0]:
+            raise unknown_schema(schema)
+        seen.add(schema)
+
+    async def insert(self, schema: str, ev: EncodedEvent) -> None:
+        await self.conn.execute(query("insert_event", schema), _params(ev))
+
+    async def insert_many(self, schema: str, events: Sequence[EncodedEvent]) -> None:
+        async with self.conn.cursor() as cur:
+            if any(ev.delay for ev in events):
+                await cur.executemany(query("insert_event", schema), [_params(ev) for ev in events])
+                return
+            async with cur.copy(query("copy_events", schema)) as copy:
+                copy.set_types(["uuid", "text", "bytea", "bytea", "jsonb"])
+                for ev in events:
+                    await copy.write_row((ev.event_id, ev.topic, ev.key, ev.payload, Jsonb(ev.headers)))
+
+
+# -- psycopg2 -------------------------------------------------------------------------------
+
+
+class Psycopg2Writer:
+    """psycopg2: the same ``%s`` statements as psycopg 3, as text; many events as one
+    multi-row ``INSERT`` (``execute_values`` with every row on one page)."""
+
+    def __init__(self, conn: Any, stack: str = "psycopg2") -> None:
+        self.conn = conn
+        self.stack = stack
+
+    def require_transaction(self) -> None:
+        import psycopg2.extensions as ext
+
+        if self.conn.autocommit and self.conn.get_transaction_status() == ext.TRANSACTION_STATUS_IDLE:
+            raise outside_transaction(self.stack, "turn autocommit off, or write inside a BEGIN")
+
+    def _sql(self, name: str, schema: str) -> str:
+        return query(name, schema).as_string()
+
+    def ensure_schema(self, schema: str) -> None:
+        seen = _seen(self.conn)
+        if schema in seen:
+            return
+        with self.conn.cursor() as cur:
+            cur.execute(self._sql("events_table", schema), (schema,))
+            row = cur.fetchone()
+        if not row or not row[0]:
+            raise unknown_schema(schema)
+        seen.add(schema)
+
+    @staticmethod
+    def _row(ev: EncodedEvent) -> tuple[Any, ...]:
+        return (str(ev.event_id), ev.topic, ev.key, ev.payload, _headers_json(ev), ev.delay)
+
+    def insert(self, schema: str, ev: EncodedEvent) -> None:
+        with self.conn.cursor() as cur:
+            cur.execute(self._sql("insert_event", schema), self._row(ev))
+
+    def insert_many(self, schema: str, events: Sequence[EncodedEvent]) -> None:
+        from psycopg2.extras import execute_values
+
+        with self.conn.cursor() as cur:
+            execute_values(
+                cur,
+                self._sql("insert_events_values", schema),
+                [self._row(ev) for ev in events],
+                template=self._sql("insert_events_row", schema),
+                page_size=len(events),
+            )
+
+
+# -- asyncpg --------------------------------------------------------------------------------
+
+
+class AsyncpgWriter:
+    """asyncpg: numbered parameters; many events with ``copy_records_to_table`` (binary COPY)."""
+
+    def __init__(self, conn: Any, stack: str = "asyncpg") -> None:
+        self.conn = conn
+        self.stack = stack
+
+    def require_transaction(self) -> None:
+        if not self.conn.is_in_transaction():
+            raise outside_transaction(self.stack, "write inside `async with conn.transaction():`")
+
+    async def ensure_schema(self, schema: str) -> None:
+        seen = _seen(self.conn)
+        if schema in seen:
+            return
+        if not await self.conn.fetchval(query("events_table_numbered", schema).as_string(), schema):
+            raise unknown_schema(schema)
+        seen.add(schema)
+
+    async def insert(self, schema: str, ev: EncodedEvent) -> None:
+        await self.conn.execute(
+            query("insert_event_numbered", schema).as_string(),
+            ev.event_id,
+            ev.topic,
+            ev.key,
+            ev.payload,
+            _headers_json(ev),
+            float(ev.delay),
+        )
+
+    async def insert_many(self, schema: str, events: Sequence[EncodedEvent]) -> None:
+        if any(ev.delay for ev in events):
+            await self.conn.executemany(
+                query("insert_event_numbered", schema).as_string(),
+                [
+                    (ev.event_id, ev.topic, ev.key, ev.payload, _headers_json(ev), float(ev.delay))
+                    for ev in events
+                ],
+            )
+            return
+        await self.conn.copy_records_to_table(
+            "events",
+            schema_name=schema,
+            columns=COPY_COLUMNS,
+            records=[(ev.event_id, ev.topic, ev.key, ev.payload, _headers_json(ev)) for ev in events],
+        )
+
+
+# -- which stack ----------------------------------------------------------------------------
+
+
+_PACKAGES = ("psycopg2", "sqlalchemy", "django", "asyncpg")
+
+
+def _module(obj: object) -> str:
+    """The optional package ``obj``'s class comes from (or a subclass of one of its classes:
+    an app's own ``Session`` subclass), else its own top-level module."""
+    for cls in type(obj).__mro__:
+        top = cls.__module__.split(".", 1)[0]
+        if top in _PACKAGES:
+            return top
+    return type(obj).__module__.split(".", 1)[0]
+
+
+def _sqlalchemy_dbapi(obj: Any) -> Any | None:
+    """The DBAPI connection under an SQLAlchemy Session or Connection, in its transaction."""
+    from sqlalchemy.engine import Connection
+    from sqlalchemy.orm import Session
+
+    if isinstance(obj, Session):
+        obj = obj.connection()  # the connection of the session's transaction (begun if none)
+    if not isinstance(obj, Connection):
+        return None
+    if not obj.in_transaction():
+        obj.begin()  # what SQLAlchemy's autobegin does on the first statement; the caller commits
+    return obj.connection.driver_connection
+
+
+def _driver_writer(raw: Any, stack: str) -> Writer | None:
+    if isinstance(raw, psycopg.Connection):
+        return PsycopgWriter(raw, stack)
+    if _module(raw) == "psycopg2":
+        return Psycopg2Writer(raw, stack)
+    return None
+
+
+def writer_for(conn: object) -> Writer:
+    """The sync writer for what the caller passed, or UnsupportedConnection listing what works."""
+    if isinstance(conn, psycopg.Connection):
+        return PsycopgWriter(conn)
+    if isinstance(conn, psycopg.Cursor):
+        return PsycopgWriter(conn.connection)
+    module = _module(conn)
+    found: Writer | None = None
+    if module == "psycopg2":
+        raw = getattr(conn, "connection", conn)  # a cursor's connection
+        found = Psycopg2Writer(raw)
+    elif module == "sqlalchemy":
+        raw = _sqlalchemy_dbapi(conn)
+        if raw is not None:
+            found = _driver_writer(raw, f"SQLAlchemy ({_module(raw)})")
+    elif module == "django" and hasattr(conn, "ensure_connection"):
+        connection: Any = conn
+        connection.ensure_connection()
+        found = _driver_writer(connection.connection, f"Django ({_module(connection.connection)})")
+        if found is not None and connection.get_autocommit() and not connection.in_atomic_block:
+            raise outside_transaction("Django", "write inside `with transaction.atomic():`")
+    if found is None:
+        if isinstance(conn, (psycopg.AsyncConnection, psycopg.AsyncCursor)) or module in ("asyncpg",):
+            raise UnsupportedConnection(
+                f"conn: {type(conn).__name__} is asynchronous: use `await enqueue_async(...)`"
+            )
+        raise UnsupportedConnection(f"conn: expected {SYNC_STACKS}; got {type(conn).__name__}")
+    return found
+
+
+async def _sqlalchemy_async_driver(obj: Any) -> Any | None:
+    from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
+
+    if isinstance(obj, AsyncSession):
+        obj = await obj.connection()
+    if not isinstance(obj, AsyncConnection):
+        return None
+    if not obj.in_transaction():
+        await obj.begin()
+    driver: Any = (await obj.get_raw_connection()).driver_connection
+    if _module(driver) == "asyncpg" and not driver.is_in_transaction():
+        # SQLAlchemy's asyncpg adapter opens the transaction with its first statement: make
+        # it (one round trip, only when the app has not written anything yet in it).
+        await obj.exec_driver_sql(raw("first_statement"))
+    return driver
+
+
+async def async_writer_for(conn: object) -> AsyncWriter:
+    """The async writer for what the caller passed, or UnsupportedConnection listing what works."""
+    if isinstance(conn, psycopg.AsyncConnection):
+        return AsyncPsycopgWriter(conn)
+    if isinstance(conn, psycopg.AsyncCursor):
+        return AsyncPsycopgWriter(conn.connection)
+    module = _module(conn)
+    if module == "asyncpg" and hasattr(conn, "is_in_transaction"):
+        return AsyncpgWriter(conn)
+    if module == "sqlalchemy":
+        raw = await _sqlalchemy_async_driver(conn)
+        if isinstance(raw, psycopg.AsyncConnection):
+            return AsyncPsycopgWriter(raw, "SQLAlchemy (psycopg)")
+        if raw is not None and _module(raw) == "asyncpg":
+            return AsyncpgWriter(raw, "SQLAlchemy (asyncpg)")
+    if isinstance(conn, (psycopg.Connection, psycopg.Cursor)) or module in ("psycopg2", "django"):
+        raise UnsupportedConnection(f"conn: {type(conn).__name__} is synchronous: use `enqueue(...)`")
+    raise UnsupportedConnection(f"conn: expected {ASYNC_STACKS}; got {type(conn).__name__}")

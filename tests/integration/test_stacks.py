@@ -1,0 +1,264 @@
+"""``enqueue`` on every database stack: what commits is delivered byte-exact, what rolls
+back (a transaction, a savepoint) never is, bad input is refused before anything is
+written and leaves the transaction usable, ``enqueue_many`` takes the stack's fast path,
+and async stacks enqueue concurrently with every committed event arriving once."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+from typing import Any
+
+import psycopg
+import pytest
+
+import outbox
+from outbox.config import RelayConfig
+from outbox.errors import InvalidEvent, InvalidEventType, OutsideTransaction, UnsupportedConnection
+from tests.helpers import count, read_topic, running_relay, wait_for
+from tests.stacks import ASYNC_STACKS, SYNC_STACKS, AsyncStack, SyncStack, configure_django
+
+MANY = 10_000
+
+
+def _drain(dsn: str, schema: str, kafka: str, total: int) -> None:
+    with running_relay(RelayConfig(dsn, schema=schema), bootstrap=kafka) as relay:
+        wait_for(lambda: relay.stats.delivered >= total, timeout=60, what=f"{total} delivered")
+
+
+def _check_delivered(
+    kafka: str, topic: str, expected: dict[str, tuple[bytes, bytes | None, dict[str, bytes | None]]]
+) -> None:
+    """Exactly the ``expected`` events (event id -> value, key, headers among theirs), byte-exact."""
+    messages = read_topic(kafka, topic, len(expected))
+    by_id = {m.event_id: m for m in messages}
+    assert len(messages) == len(expected), [m.event_id for m in messages]
+    assert set(by_id) == set(expected)
+    for event_id, (value, key, headers) in expected.items():
+        m = by_id[event_id]
+        assert (m.value, m.key) == (value, key)
+        assert {k: m.headers.get(k) for k in headers} == headers
+
+
+def _bad_inputs(conn: Any, topic: str, schema: str) -> None:
+    """Each bad input: its error, naming the field; nothing written."""
+    with pytest.raises(InvalidEventType, match=r"^headers\['h'\]: "):
+        outbox.enqueue(conn, topic, {"n": 4}, headers={"h": 5}, schema=schema)  # type: ignore[dict-item]
+    with pytest.raises(InvalidEvent, match=r"^topic: must not be empty"):
+        outbox.enqueue(conn, "", {"n": 5}, schema=schema)
+    with pytest.raises(InvalidEvent, match=r"^delay: must not be negative"):
+        outbox.enqueue(conn, topic, {"n": 6}, delay=-1, schema=schema)
+    with pytest.raises(InvalidEventType, match=r"^events\[1\]\.payload: "):
+        outbox.enqueue_many(
+            conn, [{"topic": topic, "payload": 1}, {"topic": topic, "payload": {1j}}], schema=schema
+        )
+
+
+@pytest.mark.parametrize("name", SYNC_STACKS)
+def test_sync_stack_delivers_what_commits_and_nothing_else(
+    name: str, pg_dsn: str, schema: str, kafka: str, topic: str
+) -> None:
+    if name == "django":
+        configure_django(pg_dsn, "outbox")
+    many_topic = f"{topic}-many"
+    stack = SyncStack(name, pg_dsn)
+    try:
+        with stack.tx() as c:
+            first = outbox.enqueue(
+                c, topic, {"n": 1, "stack": name}, key="k1", headers={"x-tenant": "t1"}, schema=schema
+            )
+        with stack.rollback_tx() as c:
+            outbox.enqueue(c, topic, {"n": 2}, key="k1", schema=schema)
+        with stack.tx() as c:
+            second = outbox.enqueue(c, topic, b"\x00raw", key=b"\xffk2", schema=schema)
+            with stack.savepoint():
+                outbox.enqueue(c, topic, {"n": 3}, key="k2", schema=schema)
+        with stack.tx() as c:
+            _bad_inputs(c, topic, schema)
+            third = outbox.enqueue(c, topic, "after the errors", schema=schema)  # the transaction goes on
+        with stack.tx() as c:
+            ids = outbox.enqueue_many(
+                c,
+                [{"topic": many_topic, "key": f"k{i % 10}", "payload": {"i": i}} for i in range(MANY)],
+                schema=schema,
+            )
+        assert len(set(ids)) == MANY
+    finally:
+        stack.close()
+    assert count(pg_dsn, schema, "events") == 3 + MANY
+    _drain(pg_dsn, schema, kafka, 3 + MANY)
+    _check_delivered(
+        kafka,
+        topic,
+        {
+            str(first): (
+                json.dumps({"n": 1, "stack": name}, separators=(",", ":")).encode(),
+                b"k1",
+                {"content-type": b"application/json", "x-tenant": b"t1"},
+            ),
+            str(second): (b"\x00raw", b"\xffk2", {}),
+            str(third): (b"after the errors", None, {"content-type": None}),
+        },
+    )
+    assert count(pg_dsn, schema, "delivered", f"topic = '{many_topic}'") == MANY
+
+
+async def _async_scenario(stack: AsyncStack, topic: str, schema: str) -> dict[str, uuid.UUID]:
+    out: dict[str, uuid.UUID] = {}
+    async with stack.connection() as conn:
+        async with stack.tx(conn) as c:
+            out["first"] = await outbox.enqueue_async(
+                c, topic, {"n": 1, "stack": stack.name}, key="k1", headers={"x-tenant": "t1"}, schema=schema
+            )
+        async with stack.tx(conn, rollback=True) as c:
+            await outbox.enqueue_async(c, topic, {"n": 2}, key="k1", schema=schema)
+        async with stack.tx(conn) as c:
+            out["second"] = await outbox.enqueue_async(c, topic, b"\x00raw", key=b"\xffk2", schema=schema)
+            async with stack.savepoint(c):
+                await outbox.enqueue_async(c, topic, {"n": 3}, key="k2", schema=schema)
+        async with stack.tx(conn) as c:
+            with pytest.raises(InvalidEventType, match=r"^headers\['h'\]: "):
+                await outbox.enqueue_async(c, topic, {"n": 4}, headers={"h": 5}, schema=schema)  # type: ignore[dict-item]
+            with pytest.raises(InvalidEvent, match=r"^topic: must not be empty"):
+                await outbox.enqueue_async(c, "", {"n": 5}, schema=schema)
+            with pytest.raises(InvalidEventType, match=r"^events\[1\]\.payload: "):
+                await outbox.enqueue_many_async(
+                    c, [{"topic": topic, "payload": 1}, {"topic": topic, "payload": {1j}}], schema=schema
+                )
+            out["third"] = await outbox.enqueue_async(c, topic, "after the errors", schema=schema)
+        async with stack.tx(conn) as c:
+            ids = await outbox.enqueue_many_async(
+                c,
+                [{"topic": f"{topic}-many", "key": f"k{i % 10}", "payload": {"i": i}} for i in range(MANY)],
+                schema=schema,
+            )
+            assert len(set(ids)) == MANY
+    return out
+
+
+async def _concurrent(stack: AsyncStack, topic: str, schema: str, tasks: int, each: int) -> list[uuid.UUID]:
+    """``tasks`` tasks, each on its own connection, each committing ``each`` transactions of one event."""
+
+    async def one(t: int) -> list[uuid.UUID]:
+        ids = []
+        async with stack.connection() as conn:
+            for i in range(each):
+                async with stack.tx(conn) as c:
+                    ids.append(
+                        await outbox.enqueue_async(
+                            c, topic, {"task": t, "i": i}, key=f"task-{t}", schema=schema
+                        )
+                    )
+        return ids
+
+    return [i for ids in await asyncio.gather(*(one(t) for t in range(tasks))) for i in ids]
+
+
+@pytest.mark.parametrize("name", ASYNC_STACKS)
+def test_async_stack_delivers_what_commits_and_nothing_else(
+    name: str, pg_dsn: str, schema: str, kafka: str, topic: str
+) -> None:
+    stack = AsyncStack(name, pg_dsn)
+    ids = asyncio.run(_async_scenario(stack, topic, schema))
+    concurrent_topic = f"{topic}-concurrent"
+    concurrent = asyncio.run(_concurrent(stack, concurrent_topic, schema, tasks=8, each=25))
+    total = 3 + MANY + len(concurrent)
+    assert count(pg_dsn, schema, "events") == total
+    _drain(pg_dsn, schema, kafka, total)
+    _check_delivered(
+        kafka,
+        topic,
+        {
+            str(ids["first"]): (
+                json.dumps({"n": 1, "stack": name}, separators=(",", ":")).encode(),
+                b"k1",
+                {"content-type": b"application/json", "x-tenant": b"t1"},
+            ),
+            str(ids["second"]): (b"\x00raw", b"\xffk2", {}),
+            str(ids["third"]): (b"after the errors", None, {"content-type": None}),
+        },
+    )
+    arrived = read_topic(kafka, concurrent_topic, len(concurrent))
+    assert sorted(m.event_id for m in arrived) == sorted(map(str, concurrent))  # each once
+    assert count(pg_dsn, schema, "delivered", f"topic = '{topic}-many'") == MANY
+
+
+# -- outside a transaction, and objects that are not connections -------------------------
+
+
+def test_autocommit_outside_a_transaction_is_refused_on_every_stack(pg_dsn: str, schema: str) -> None:
+    import psycopg2
+    from sqlalchemy import create_engine
+
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        with pytest.raises(
+            OutsideTransaction, match=r"^conn: the psycopg connection is not in a transaction"
+        ):
+            outbox.enqueue(conn, "t", b"x", schema=schema)
+        with conn.transaction():  # the same connection inside a transaction block: fine
+            outbox.enqueue(conn, "t", b"x", schema=schema)
+    raw2 = psycopg2.connect(pg_dsn)
+    raw2.autocommit = True
+    try:
+        with pytest.raises(OutsideTransaction, match=r"^conn: the psycopg2 connection"):
+            outbox.enqueue(raw2, "t", b"x", schema=schema)
+    finally:
+        raw2.close()
+    engine = create_engine(_sa_url(pg_dsn, "psycopg"), isolation_level="AUTOCOMMIT")
+    try:
+        with (
+            engine.connect() as sa,
+            pytest.raises(OutsideTransaction, match=r"^conn: the SQLAlchemy \(psycopg\) connection"),
+        ):
+            outbox.enqueue(sa, "t", b"x", schema=schema)
+    finally:
+        engine.dispose()
+
+    async def asyncpg_outside() -> None:
+        import asyncpg
+
+        conn = await asyncpg.connect(_sa_url(pg_dsn, ""))
+        try:
+            with pytest.raises(OutsideTransaction, match=r"^conn: the asyncpg connection"):
+                await outbox.enqueue_async(conn, "t", b"x", schema=schema)
+        finally:
+            await conn.close()
+
+    asyncio.run(asyncpg_outside())
+    configure_django(pg_dsn, "outbox")
+    from django.db import connection
+
+    with pytest.raises(OutsideTransaction, match=r"^conn: the Django connection .*transaction\.atomic"):
+        outbox.enqueue(connection, "t", b"x", schema=schema)
+    assert count(pg_dsn, schema, "events") == 1  # only the one inside conn.transaction()
+
+
+def _sa_url(dsn: str, driver: str) -> str:
+    from tests.stacks import url
+
+    return url(dsn, driver)
+
+
+def test_unsupported_objects_get_a_type_error_listing_the_stacks(pg_dsn: str) -> None:
+    with pytest.raises(
+        UnsupportedConnection, match=r"^conn: expected a psycopg Connection.*Django connection; got str"
+    ):
+        outbox.enqueue("postgresql://", "t", b"x")  # type: ignore[arg-type]
+    with (
+        psycopg.connect(pg_dsn) as conn,
+        pytest.raises(UnsupportedConnection, match=r"^conn: Connection is synchronous: use `enqueue"),
+    ):
+        asyncio.run(outbox.enqueue_async(conn, "t", b"x"))
+
+    async def sync_on_async() -> None:
+        aconn = await psycopg.AsyncConnection.connect(pg_dsn)
+        try:
+            with pytest.raises(UnsupportedConnection, match=r"^conn: AsyncConnection is asynchronous"):
+                outbox.enqueue(aconn, "t", b"x")
+        finally:
+            await aconn.close()
+
+    asyncio.run(sync_on_async())
+    with pytest.raises(TypeError):  # UnsupportedConnection is a TypeError: existing handlers catch it
+        outbox.enqueue(object(), "t", b"x")  # type: ignore[arg-type]
