@@ -18,6 +18,7 @@ it off the list.
 
 from __future__ import annotations
 
+import base64
 import json
 import uuid
 from collections.abc import Iterator, Sequence
@@ -52,8 +53,6 @@ class Enqueued:
             if isinstance(value, str):
                 headers[name] = value
             else:  # {"base64": …}: a header value that is not UTF-8
-                import base64
-
                 headers[name] = base64.b64decode(value["base64"])
         payload: Any = ev.payload
         if str(headers.get("content-type", "")).startswith("application/json"):
@@ -127,7 +126,7 @@ class EnqueuedEvents(Sequence[Enqueued]):
         if not found or (count is not None and len(found) != count):
             seen = "\n".join(f"  {e.line()}" for e in self._events) or "  (nothing)"
             many = f"{count} events" if count is not None else "an event"
-            raise AssertionError(f"expected {many} {wanted}, found {len(found)}; enqueued:\n{seen}")
+            raise AssertionError(f"expected {many}{wanted}, found {len(found)}; enqueued:\n{seen}")
         return found[-1]
 
     def assert_nothing_enqueued(self, topic: str | None = None) -> None:

@@ -5,47 +5,12 @@ from __future__ import annotations
 import subprocess
 import sys
 import uuid
-from typing import Any
 
 import psycopg
 from psycopg import sql
 
 from outbox.migrate import migrate, migrations, render_all
-
-
-def _catalog(conn: psycopg.Connection[Any], schema: str) -> dict[str, list[tuple[Any, ...]]]:
-    q = {
-        "columns": "SELECT table_name, column_name, data_type, is_nullable, column_default "
-        "FROM information_schema.columns WHERE table_schema = %s ORDER BY 1, 2",
-        "indexes": "SELECT tablename, indexname, replace(indexdef, %s, 'S') FROM pg_indexes "
-        "WHERE schemaname = %s ORDER BY 1, 2",
-        "functions": "SELECT p.proname, replace(p.prosrc, %s, 'S') FROM pg_proc p "
-        "JOIN pg_namespace n ON n.oid = p.pronamespace WHERE n.nspname = %s ORDER BY 1",
-        "triggers": "SELECT event_object_table, trigger_name, action_timing, event_manipulation "
-        "FROM information_schema.triggers WHERE trigger_schema = %s ORDER BY 1, 2",
-        "options": "SELECT c.relname, c.reloptions, c.relkind FROM pg_class c "
-        "JOIN pg_namespace n ON n.oid = c.relnamespace WHERE n.nspname = %s ORDER BY 1",
-        "versions": "",
-    }
-    out: dict[str, list[tuple[Any, ...]]] = {}
-    for name, text in q.items():
-        if name == "versions":
-            out[name] = conn.execute(
-                sql.SQL("SELECT version, name, checksum FROM {}.schema_migrations ORDER BY 1").format(
-                    sql.Identifier(schema)
-                )
-            ).fetchall()
-        elif name in ("indexes", "functions"):
-            out[name] = [
-                tuple(str(v).replace(schema, "S") for v in r)
-                for r in conn.execute(text, (schema, schema)).fetchall()
-            ]
-        else:
-            out[name] = [
-                tuple(str(v).replace(schema, "S") for v in r)
-                for r in conn.execute(text, (schema,)).fetchall()
-            ]
-    return out
+from tests.helpers import catalog as _catalog
 
 
 def test_migrate_twice_is_a_no_op(pg_dsn: str, schema: str) -> None:

@@ -262,3 +262,88 @@ def test_unsupported_objects_get_a_type_error_listing_the_stacks(pg_dsn: str) ->
     asyncio.run(sync_on_async())
     with pytest.raises(TypeError):  # UnsupportedConnection is a TypeError: existing handlers catch it
         outbox.enqueue(object(), "t", b"x")  # type: ignore[arg-type]
+
+
+# -- the fast path of enqueue_many, per driver ---------------------------------------------
+
+
+def _many(topic: str, n: int = 1000) -> list[dict[str, Any]]:
+    return [{"topic": topic, "key": f"k{i % 10}", "payload": {"i": i}} for i in range(n)]
+
+
+def test_psycopg_enqueue_many_is_one_binary_copy(pg_dsn: str, schema: str) -> None:
+    statements: list[str] = []
+
+    class Counting(psycopg.Cursor[Any]):
+        def execute(self, query: Any, *args: Any, **kwargs: Any) -> Any:
+            statements.append("execute")
+            return super().execute(query, *args, **kwargs)
+
+        def executemany(self, query: Any, *args: Any, **kwargs: Any) -> Any:
+            statements.append("executemany")
+            return super().executemany(query, *args, **kwargs)
+
+        def copy(self, statement: Any, *args: Any, **kwargs: Any) -> Any:
+            statements.append("copy")
+            return super().copy(statement, *args, **kwargs)
+
+    with psycopg.connect(pg_dsn, cursor_factory=Counting) as conn:
+        outbox.enqueue(conn, "warm", b"x", schema=schema)  # the schema check, once per connection
+        statements.clear()
+        outbox.enqueue_many(conn, _many("t"), schema=schema)
+        conn.commit()
+    assert statements == ["copy"]
+    assert count(pg_dsn, schema, "events") == 1001
+
+
+def test_psycopg2_enqueue_many_is_one_multi_row_insert(pg_dsn: str, schema: str) -> None:
+    import psycopg2
+    import psycopg2.extensions
+
+    statements: list[str] = []
+
+    class Counting(psycopg2.extensions.cursor):
+        def execute(self, query: Any, vars: Any = None) -> Any:
+            statements.append(query if isinstance(query, str) else query.decode())
+            return super().execute(query, vars)
+
+    conn = psycopg2.connect(pg_dsn, cursor_factory=Counting)
+    try:
+        outbox.enqueue(conn, "warm", b"x", schema=schema)
+        statements.clear()
+        outbox.enqueue_many(conn, _many("t"), schema=schema)
+        conn.commit()
+    finally:
+        conn.close()
+    assert len(statements) == 1 and statements[0].startswith("INSERT INTO"), [s[:40] for s in statements]
+    assert count(pg_dsn, schema, "events") == 1001
+
+
+def test_asyncpg_enqueue_many_is_copy_records_to_table(pg_dsn: str, schema: str) -> None:
+    """asyncpg's query logger sees every statement but COPY: one enqueue is logged as an INSERT,
+    a thousand through enqueue_many arrive with no statement logged at all."""
+    import asyncpg
+
+    from tests.stacks import url
+
+    async def scenario() -> tuple[list[str], list[str]]:
+        seen: list[str] = []
+        conn = await asyncpg.connect(url(pg_dsn, ""))
+        try:
+            async with conn.transaction():
+                await outbox.enqueue_async(conn, "warm", b"x", schema=schema)  # the schema check
+            conn.add_query_logger(lambda record: seen.append(record.query))
+            async with conn.transaction():
+                await outbox.enqueue_async(conn, "one", b"x", schema=schema)
+            one = [q for q in seen if not q.startswith(("BEGIN", "COMMIT"))]
+            seen.clear()
+            async with conn.transaction():
+                await outbox.enqueue_many_async(conn, _many("t"), schema=schema)
+        finally:
+            await conn.close()
+        return one, [q for q in seen if not q.startswith(("BEGIN", "COMMIT"))]
+
+    one, many = asyncio.run(scenario())
+    assert len(one) == 1 and one[0].startswith("INSERT INTO"), one
+    assert many == []
+    assert count(pg_dsn, schema, "events") == 1002
