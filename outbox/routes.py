@@ -25,16 +25,24 @@ from outbox.errors import ConfigError
 
 class Scheme(NamedTuple):
     """What a route's URL scheme names: the system, the extra its client comes in (None:
-    always installed) and the sink class, as ``module:Class`` (imported only when used)."""
+    always installed), the sink class, as ``module:Class`` (imported only when used), and
+    the query options its URL takes with their types (None: any, as webhook URLs keep
+    their query for the endpoint)."""
 
     system: str
     extra: str | None
     sink: str
+    options: dict[str, type] | None = None
 
 
-_RABBITMQ = Scheme("RabbitMQ", "rabbitmq", "outbox.sinks.rabbitmq:RabbitMQSink")
-_NATS = Scheme("NATS JetStream", "nats", "outbox.sinks.nats:NatsSink")
-_REDIS = Scheme("Redis Streams", "redis", "outbox.sinks.redis:RedisSink")
+_RABBITMQ = Scheme(
+    "RabbitMQ",
+    "rabbitmq",
+    "outbox.sinks.rabbitmq:RabbitMQSink",
+    {"exchange": str, "max_message_size": int, "heartbeat": int},
+)
+_NATS = Scheme("NATS JetStream", "nats", "outbox.sinks.nats:NatsSink", {})
+_REDIS = Scheme("Redis Streams", "redis", "outbox.sinks.redis:RedisSink", {"maxlen": int})
 _WEBHOOKS = Scheme("webhooks", "http", "outbox.sinks.webhook:WebhookSink")
 SCHEMES: dict[str, Scheme] = {
     "kafka": Scheme("Kafka", None, "outbox.sinks.kafka:KafkaSink"),
@@ -105,7 +113,7 @@ def parse_url(text: str, field: str) -> SinkURL:
         raise ConfigError(f"{field}: the port of {url.display!r} is not a number from 0 to 65535") from None
     if not parts.hostname:
         raise ConfigError(f"{field}: {url.display!r} names no host")
-    allowed = _OPTIONS.get(scheme)
+    allowed = SCHEMES[scheme].options
     if allowed is not None:
         for name, value in url.options.items():
             if name not in allowed:
@@ -119,17 +127,6 @@ def parse_url(text: str, field: str) -> SinkURL:
             f"{field}: the database of {url.display!r} must be a number, e.g. redis://host:6379/0"
         )
     return url
-
-
-# The query options each scheme takes (webhook URLs keep theirs: they are the endpoint's).
-_OPTIONS: dict[str, dict[str, type]] = {
-    "amqp": {"exchange": str, "max_message_size": int, "heartbeat": int},
-    "amqps": {"exchange": str, "max_message_size": int, "heartbeat": int},
-    "nats": {},
-    "tls": {},
-    "redis": {"maxlen": int},
-    "rediss": {"maxlen": int},
-}
 
 
 @dataclass(frozen=True)

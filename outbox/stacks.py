@@ -57,14 +57,17 @@ COPY_COLUMNS = ("event_id", "topic", "key", "payload", "headers")
 # trip, so it happens once per connection and schema; the check keeps an unknown schema
 # from aborting the caller's transaction with UndefinedTable.
 _known: weakref.WeakKeyDictionary[Any, set[str]] = weakref.WeakKeyDictionary()
-_known_by_id: dict[int, set[str]] = {}  # drivers whose connections take no weak reference
 
 
 def _seen(raw: Any) -> set[str]:
+    """The schemas known on ``raw`` (a set to add to; a throwaway one if it cannot be cached)."""
+    # asyncpg's pool hands out a new proxy per acquire, which takes no weak reference: the
+    # connection it wraps does, and lives as long as the pool keeps it.
+    target = getattr(raw, "_con", raw) if _module(raw) == "asyncpg" else raw
     try:
-        return _known.setdefault(raw, set())
+        return _known.setdefault(target, set())
     except TypeError:
-        return _known_by_id.setdefault(id(raw), set())
+        return set()  # checked every time rather than remembered under an id that may be reused
 
 
 def unknown_schema(schema: str) -> NotMigrated:

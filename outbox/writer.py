@@ -80,9 +80,9 @@ def enqueue(
     (compact JSON, header ``content-type: application/json``). ``delay``: seconds
     or a ``timedelta`` before which the event is not delivered.
     """
-    writer = writer_for(conn)
     ev = _encode_one(topic, payload, key, headers, delay)
     name = _schema(schema)
+    writer = writer_for(conn)
     writer.require_transaction()
     writer.ensure_schema(name)
     writer.insert(name, ev)
@@ -99,9 +99,9 @@ def enqueue_many(
     binary COPY on psycopg 3 (a pipelined batch when some have a delay), one
     multi-row ``INSERT`` on psycopg2 (and Django or SQLAlchemy over it).
     """
-    writer = writer_for(conn)
     encoded = _encode_many(events)
     name = _schema(schema)
+    writer = writer_for(conn)
     writer.require_transaction()
     writer.ensure_schema(name)
     if encoded:

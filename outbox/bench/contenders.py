@@ -95,6 +95,17 @@ class AckTimingSink(SinkWrapper):
         return self.inner.produce(event, timed)
 
 
+def drive(relay: Relay, counter: Synchronized[int], stop: Event) -> None:
+    """Run ``relay`` in a thread, publishing its delivered count to ``counter``, until ``stop``."""
+    thread = threading.Thread(target=relay.run, name="relay")
+    thread.start()
+    while not stop.wait(0.05) and thread.is_alive():
+        counter.value = relay.stats.delivered
+    relay.stop()
+    thread.join()
+    counter.value = relay.stats.delivered
+
+
 def _relay(spec: ContenderSpec, counter: Synchronized[int], stop: Event) -> None:
     config = RelayConfig(spec.dsn, schema=spec.schema, **spec.relay_options)
     sinks: list[AckTimingSink] = []
@@ -106,14 +117,7 @@ def _relay(spec: ContenderSpec, counter: Synchronized[int], stop: Event) -> None
         sinks.append(AckTimingSink(sink))
         return sinks[-1]
 
-    relay = Relay(config, factory)
-    thread = threading.Thread(target=relay.run, name="relay")
-    thread.start()
-    while not stop.wait(0.05) and thread.is_alive():
-        counter.value = relay.stats.delivered
-    relay.stop()
-    thread.join()
-    counter.value = relay.stats.delivered
+    drive(Relay(config, factory), counter, stop)
     if spec.ack_log is not None:
         acks = [a for s in sinks for a in s.acks]
         Path(spec.ack_log).write_text(json.dumps(acks))

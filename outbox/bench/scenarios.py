@@ -25,12 +25,13 @@ from outbox.bench.config import BenchConfig
 from outbox.bench.contenders import ContenderSpec
 from outbox.bench.measure import median, middle_rate, percentiles, race
 from outbox.bench.sinks import sinks as sinks  # the sinks scenario, run by name like the others
+from outbox.bench.writers import writer as writer  # the writer scenario, every stack
 from outbox.harness.load import Load, prepare
 from outbox.harness.tap import Tap
 from outbox.migrate import migrate
 from outbox.progress import Progress
 from outbox.queries import query
-from outbox.writer import enqueue, enqueue_many
+from outbox.writer import enqueue_many
 
 PAYLOAD_BYTES = 200
 KEYS = 1000
@@ -298,63 +299,7 @@ def steady(cfg: BenchConfig) -> dict[str, Any]:
     return {"runs": out, "seconds_per_rate": cfg.steady_seconds}
 
 
-# -- writer overhead --------------------------------------------------------------------
-
-
-def writer(cfg: BenchConfig) -> dict[str, Any]:
-    results: dict[str, Any] = {}
-    with Workspace(cfg.dsn, cfg.bootstrap, "writer") as ws, psycopg.connect(cfg.dsn) as conn:
-        insert = query("harness_insert_order", ws.schema)
-        payload = b"w" * PAYLOAD_BYTES
-        for notify in (True, False):
-            with psycopg.connect(cfg.dsn, autocommit=True) as admin:
-                admin.execute(
-                    query("notify_trigger", ws.schema, keywords={"state": "ENABLE" if notify else "DISABLE"})
-                )
-            plain: list[float] = []
-            with_event: list[float] = []
-            progress = Progress(f"writer notify={'on' if notify else 'off'}", cfg.writer_iterations, " tx")
-            for i in range(cfg.writer_iterations):
-                # Interleaved so that drift hits both alike.
-                t0 = time.perf_counter()
-                with conn.transaction():
-                    conn.execute(insert, ("c", i, 100))
-                t1 = time.perf_counter()
-                with conn.transaction():
-                    conn.execute(insert, ("c", i, 100))
-                    enqueue(conn, ws.topic, payload, key=f"key-{i % KEYS}", schema=ws.schema)
-                t2 = time.perf_counter()
-                plain.append((t1 - t0) * 1000)
-                with_event.append((t2 - t1) * 1000)
-                if i % 100 == 0:
-                    progress.update(i)
-            progress.close()
-            p_plain, p_event = percentiles(plain), percentiles(with_event)
-            results[f"notify_{'on' if notify else 'off'}"] = {
-                "business_tx_ms": p_plain,
-                "business_tx_with_enqueue_ms": p_event,
-                "enqueue_overhead_p50_ms": round((p_event["p50"] or 0) - (p_plain["p50"] or 0), 3),
-            }
-        call: list[float] = []
-        total: list[float] = []
-        progress = Progress("writer enqueue_many(1000)", cfg.enqueue_many_repeats, "")
-        for r in range(cfg.enqueue_many_repeats):
-            events = [{"topic": ws.topic, "payload": payload, "key": f"key-{i % KEYS}"} for i in range(1000)]
-            t0 = time.perf_counter()
-            enqueue_many(conn, events, schema=ws.schema)
-            t1 = time.perf_counter()
-            conn.commit()
-            t2 = time.perf_counter()
-            call.append((t1 - t0) * 1000)
-            total.append((t2 - t0) * 1000)
-            progress.update(r + 1)
-        progress.close()
-        results["enqueue_many_1000"] = {
-            "call_ms": percentiles(call),
-            "call_and_commit_ms": percentiles(total),
-        }
-        results["iterations"] = cfg.writer_iterations
-    return results
+# -- writer overhead: outbox/bench/writers.py (every stack) ------------------------------
 
 
 # -- soak ---------------------------------------------------------------------------------

@@ -21,7 +21,6 @@ from __future__ import annotations
 import asyncio
 import json
 import multiprocessing as mp
-import threading
 import time
 import uuid
 from multiprocessing.sharedctypes import Synchronized
@@ -31,7 +30,7 @@ from typing import Any, cast
 import psycopg
 
 from outbox.bench.config import BenchConfig
-from outbox.bench.contenders import ContenderSpec
+from outbox.bench.contenders import ContenderSpec, drive
 from outbox.bench.measure import median, middle_rate, race
 from outbox.config import RelayConfig
 from outbox.harness.sinktaps import Receiver, SinkTap, tap_class
@@ -132,14 +131,7 @@ class Destination:
 
 def relay_contender(dsn: str, schema: str, url: str, counter: Synchronized[int], stop: Event) -> None:
     config = RelayConfig(dsn, schema=schema)
-    relay = Relay(config, routed(parse_routes([f"*={url}"], None), config))
-    thread = threading.Thread(target=relay.run, name="relay")
-    thread.start()
-    while not stop.wait(0.05) and thread.is_alive():
-        counter.value = relay.stats.delivered
-    relay.stop()
-    thread.join()
-    counter.value = relay.stats.delivered
+    drive(Relay(config, routed(parse_routes([f"*={url}"], None), config)), counter, stop)
 
 
 def loop_contender(dsn: str, schema: str, url: str, counter: Synchronized[int], stop: Event) -> None:

@@ -110,6 +110,7 @@ class AsyncSink:
 
     scheme: ClassVar[str] = ""
     system: ClassVar[str] = ""  # the system as OpenTelemetry names it
+    default_port: ClassVar[int] = 0  # the port when the URL names none
     keeps_key_order = False
 
     def __init__(self, url: SinkURL, *, timeout: float) -> None:
@@ -341,10 +342,13 @@ class AsyncSink:
         return None
 
     def span_shape(self, topic: str) -> tuple[str, dict[str, Any]]:
-        """The span name and attributes of a batch sent to ``topic`` (messaging conventions)."""
+        """The span name and attributes of a batch sent to ``topic``: OpenTelemetry's messaging
+        conventions (NATS uses these as they are; a sink with other conventions overrides it)."""
         return f"send {topic}", {
             "messaging.system": self.system,
             "messaging.destination.name": topic,
             "messaging.operation.type": "send",
-            "messaging.operation.name": "send",
+            "messaging.operation.name": "publish",
+            "server.address": self.url.parts.hostname or "",
+            "server.port": self.url.parts.port or self.default_port,
         }

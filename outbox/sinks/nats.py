@@ -42,6 +42,7 @@ MAX_PENDING = 20000  # async publishes awaiting their ack, at most (the relay's 
 class NatsSink(AsyncSink):
     scheme = "nats"
     system = "nats"
+    default_port = 4222
 
     async def connect(self) -> Any:
         async def quiet(_: Exception) -> None:  # errors reach us through the failed sends
@@ -136,13 +137,3 @@ class NatsSink(AsyncSink):
         if exc.code in (400, 413) or exc.err_code in (10054,):
             return Dead(f"jetstream_{code}", text)
         return Retry(f"jetstream_{code}", text)
-
-    def span_shape(self, topic: str) -> tuple[str, dict[str, Any]]:
-        return f"send {topic}", {
-            "messaging.system": "nats",
-            "messaging.destination.name": topic,
-            "messaging.operation.type": "send",
-            "messaging.operation.name": "publish",
-            "server.address": self.url.parts.hostname or "",
-            "server.port": self.url.parts.port or 4222,
-        }

@@ -57,6 +57,7 @@ def header_value(value: str | bytes | None) -> str | bytearray:
 class RabbitMQSink(AsyncSink):
     scheme = "amqp"
     system = "rabbitmq"
+    default_port = 5672
 
     def __init__(self, url: SinkURL, *, timeout: float) -> None:
         options = url.options
@@ -140,5 +141,5 @@ class RabbitMQSink(AsyncSink):
             "messaging.operation.type": "send",
             "messaging.operation.name": "publish",
             "server.address": self.url.parts.hostname or "",
-            "server.port": self.url.parts.port or 5672,
+            "server.port": self.url.parts.port or self.default_port,
         }

@@ -111,24 +111,6 @@ class Router:
     def healthy(self) -> bool:
         return all(sink.healthy() for sink in self.sinks)
 
-    def trouble(self) -> list[str]:
-        """One line per sink that is down now: ``<sink>: <why>``."""
-        lines = []
-        for sink in self.sinks:
-            inner = unwrap(sink)
-            why = inner.trouble() if hasattr(inner, "trouble") else None
-            if why:
-                lines.append(f"{sink_name(sink)}: {why}")
-        return lines
-
-    def states(self) -> list[str]:
-        """One line per sink: ``<sink> ok`` or ``<sink> down: <why>``."""
-        down = dict(line.split(": ", 1) for line in self.trouble())
-        return [
-            f"{sink_name(s)} down: {down[sink_name(s)]}" if sink_name(s) in down else f"{sink_name(s)} ok"
-            for s in self.sinks
-        ]
-
     def name_of(self, topic: str) -> str:
         sink = self.sink_for(topic)
         return "none" if sink is None else sink_name(sink)
@@ -163,11 +145,18 @@ def shape_of(sink: Sink, topic: str) -> tuple[str, dict[str, Any]]:
     return sink.span_shape(topic) if isinstance(sink, Router) else span_shape(sink, topic)
 
 
+def health(sink: Sink) -> list[tuple[str, str | None]]:
+    """(name, why it is down now or None) of each sink behind ``sink`` (a Router's, or itself)."""
+    out = []
+    for each in sink.sinks if isinstance(sink, Router) else [sink]:
+        inner = unwrap(each)
+        out.append((sink_name(each), inner.trouble() if hasattr(inner, "trouble") else None))
+    return out
+
+
 def states_of(sink: Sink) -> tuple[list[str], list[str]]:
-    """(one line per sink in trouble, one state line per sink) for /readyz."""
-    if isinstance(sink, Router):
-        return sink.trouble(), sink.states()
-    inner = unwrap(sink)
-    why = inner.trouble() if hasattr(inner, "trouble") else None
-    name = sink_name(sink)
-    return ([f"{name}: {why}"] if why else []), [f"{name} down: {why}" if why else f"{name} ok"]
+    """(``<sink>: <why>`` per sink in trouble, ``<sink> ok|down: <why>`` per sink) for /readyz."""
+    pairs = health(sink)
+    return [f"{n}: {why}" for n, why in pairs if why], [
+        f"{n} down: {why}" if why else f"{n} ok" for n, why in pairs
+    ]

@@ -15,6 +15,14 @@ CREATE TABLE IF NOT EXISTS {schema}.orders (
 -- One business row: the order of a key, with the key's sequence number.
 INSERT INTO {schema}.orders (key, seq, amount) VALUES (%s, %s, %s)
 
+-- name: harness_insert_order_numbered
+-- harness_insert_order with numbered parameters (asyncpg).
+INSERT INTO {schema}.orders (key, seq, amount) VALUES ($1, $2, $3)
+
+-- name: harness_insert_order_named
+-- harness_insert_order with named parameters (SQLAlchemy text()).
+INSERT INTO {schema}.orders (key, seq, amount) VALUES (:key, :seq, :amount)
+
 -- name: harness_count_orders
 -- Rows of the business table (read to hold a snapshot open).
 SELECT count(*) FROM {schema}.orders

@@ -249,3 +249,20 @@ def test_pytest_plugin_in_an_apps_own_tests(tmp_path: Path, pg_dsn: str, schema:
             sql.SQL("SELECT key FROM {}.events ORDER BY id").format(sql.Identifier(schema))
         ).fetchall()
     assert rows == [(b"a-1",), (b"b-2",)]
+
+
+def test_the_django_app_without_django_names_the_extra() -> None:
+    code = (
+        "import sys\n"
+        "class _Missing:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name.split('.')[0] == 'django':\n"
+        "            raise ModuleNotFoundError(name)\n"
+        "sys.meta_path.insert(0, _Missing())\n"
+        "try:\n"
+        "    import outbox.contrib.django\n"
+        "except ImportError as exc:\n"
+        "    print(exc)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.stdout == "outbox.contrib.django needs: pip install 'outbox[django]'\n", out.stderr

@@ -7,3 +7,10 @@ name to ``enqueue(..., schema=...)`` and to the relay. ``OUTBOX_DATABASE`` (defa
 ``"default"``): the database alias that holds the outbox; migrations on other
 aliases skip it.
 """
+
+from outbox.errors import MissingExtra
+
+try:
+    import django  # noqa: F401
+except ImportError:
+    raise MissingExtra("outbox.contrib.django", "django") from None
