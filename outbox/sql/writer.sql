@@ -8,14 +8,13 @@
 INSERT INTO {schema}.events (event_id, topic, key, payload, headers, available_at)
 VALUES (%s, %s, %s, %s, %s, now() + %s * interval '1 second')
 
--- name: insert_events_values
--- Many events as one multi-row INSERT (psycopg2's execute_values fills in the rows).
+-- name: insert_events_arrays
+-- Many events as one statement (psycopg2): a column per array parameter, rows in list order.
 INSERT INTO {schema}.events (event_id, topic, key, payload, headers, available_at)
-VALUES %s
-
--- name: insert_events_row
--- One row of insert_events_values.
-(%s::uuid, %s, %s, %s, %s::jsonb, now() + %s * interval '1 second')
+SELECT e, t, k, p, h, now() + d * interval '1 second'
+FROM unnest(%s::uuid[], %s::text[], %s::bytea[], %s::bytea[], %s::jsonb[], %s::float8[])
+    WITH ORDINALITY AS x (e, t, k, p, h, d, n)
+ORDER BY n
 
 -- name: insert_event_numbered
 -- insert_event with numbered parameters (asyncpg).
