@@ -145,7 +145,11 @@ class PsycopgWriter:
         seen.add(schema)
 
     def insert(self, schema: str, ev: EncodedEvent) -> None:
-        self.conn.execute(_sql("insert_event", schema), _params(ev))
+        # A server-side binding cursor whatever the connection's cursor_factory (Django's is
+        # client-side binding: measured 20 us slower per event); prepared statements follow
+        # the connection's prepare_threshold (None under PgBouncer-minded settings).
+        with psycopg.Cursor(self.conn) as cur:
+            cur.execute(_sql("insert_event", schema), _params(ev))
 
     def insert_many(self, schema: str, events: Sequence[EncodedEvent]) -> None:
         with self.conn.cursor() as cur:
@@ -178,7 +182,8 @@ class AsyncPsycopgWriter:
         seen.add(schema)
 
     async def insert(self, schema: str, ev: EncodedEvent) -> None:
-        await self.conn.execute(_sql("insert_event", schema), _params(ev))
+        async with psycopg.AsyncCursor(self.conn) as cur:  # server-side binding, as above
+            await cur.execute(_sql("insert_event", schema), _params(ev))
 
     async def insert_many(self, schema: str, events: Sequence[EncodedEvent]) -> None:
         async with self.conn.cursor() as cur:
@@ -341,7 +346,7 @@ def writer_for(conn: object) -> Writer:
     elif module == "django" and hasattr(conn, "ensure_connection"):
         connection: Any = conn
         connection.ensure_connection()
-        found = _driver_writer(connection.connection, f"Django ({_module(connection.connection)})")
+        found = _driver_writer(connection.connection, "Django")
         if found is not None and connection.get_autocommit() and not connection.in_atomic_block:
             raise outside_transaction("Django", "write inside `with transaction.atomic():`")
     if found is None:
