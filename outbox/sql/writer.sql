@@ -16,6 +16,10 @@ FROM unnest(%s::uuid[], %s::text[], %s::bytea[], %s::bytea[], %s::jsonb[], %s::f
     WITH ORDINALITY AS x (e, t, k, p, h, d, n)
 ORDER BY n
 
+-- name: copy_events_text
+-- Many events without delay, streamed with COPY in text format (psycopg2's copy_expert).
+COPY {schema}.events (event_id, topic, key, payload, headers) FROM STDIN
+
 -- name: insert_event_numbered
 -- insert_event with numbered parameters (asyncpg).
 INSERT INTO {schema}.events (event_id, topic, key, payload, headers, available_at)

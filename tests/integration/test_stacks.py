@@ -12,6 +12,7 @@ from typing import Any
 
 import psycopg
 import pytest
+from psycopg import sql
 
 import outbox
 from outbox.config import RelayConfig
@@ -296,27 +297,58 @@ def test_psycopg_enqueue_many_is_one_binary_copy(pg_dsn: str, schema: str) -> No
     assert count(pg_dsn, schema, "events") == 1001
 
 
-def test_psycopg2_enqueue_many_is_one_multi_row_insert(pg_dsn: str, schema: str) -> None:
+def test_psycopg2_enqueue_many_is_one_copy_or_one_insert_and_round_trips(pg_dsn: str, schema: str) -> None:
+    """Without delays: one COPY (text format); with a delay: one INSERT over arrays. Values
+    that COPY's text format must escape (tabs, line breaks, backslashes, bytes that are not
+    text) arrive exactly as psycopg 3 writes them."""
     import psycopg2
     import psycopg2.extensions
 
-    statements: list[str] = []
+    calls: list[str] = []
 
     class Counting(psycopg2.extensions.cursor):
         def execute(self, query: Any, vars: Any = None) -> Any:
-            statements.append(query if isinstance(query, str) else query.decode())
+            calls.append(str(query).split()[0])
             return super().execute(query, vars)
 
+        def copy_expert(self, sql: Any, file: Any, size: int = 8192) -> Any:
+            calls.append("COPY")
+            return super().copy_expert(sql, file, size)
+
+    tricky = [
+        {
+            "topic": "t\tab",
+            "key": b"\x00\xff\t",
+            "payload": b"\x00bin\n",
+            "headers": {"h": "a\tb\\c\nd", "b": b"\xff"},
+        },
+        {"topic": "t", "key": None, "payload": {"text": "line\nbreak \\ back"}},
+        {"topic": "t", "key": "k", "payload": "plain"},
+    ]
     conn = psycopg2.connect(pg_dsn, cursor_factory=Counting)
     try:
         outbox.enqueue(conn, "warm", b"x", schema=schema)
-        statements.clear()
+        calls.clear()
         outbox.enqueue_many(conn, _many("t"), schema=schema)
+        assert calls == ["COPY"]
+        calls.clear()
+        outbox.enqueue_many(conn, [*_many("t", 10), {"topic": "t", "payload": 1, "delay": 60}], schema=schema)
+        assert calls == ["INSERT"]
+        two = outbox.enqueue_many(conn, tricky, schema=schema)
         conn.commit()
     finally:
         conn.close()
-    assert len(statements) == 1 and statements[0].startswith("INSERT INTO"), [s[:40] for s in statements]
-    assert count(pg_dsn, schema, "events") == 1001
+    with psycopg.connect(pg_dsn) as pconn:
+        one = outbox.enqueue_many(pconn, tricky, schema=schema)
+        pconn.commit()
+        table = sql.SQL(
+            "SELECT topic, key, payload, headers FROM {}.events WHERE event_id = ANY(%s) ORDER BY id"
+        )
+        rows = pconn.execute(table.format(sql.Identifier(schema)), (two,)).fetchall()
+        reference = pconn.execute(table.format(sql.Identifier(schema)), (one,)).fetchall()
+    assert rows == reference and len(rows) == 3
+    assert rows[0][:3] == ("t\tab", b"\x00\xff\t", b"\x00bin\n")
+    assert count(pg_dsn, schema, "events") == 1 + 1000 + 11 + 6
 
 
 def test_asyncpg_enqueue_many_is_copy_records_to_table(pg_dsn: str, schema: str) -> None:
