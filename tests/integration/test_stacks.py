@@ -12,6 +12,7 @@ from typing import Any
 
 import psycopg
 import pytest
+from opentelemetry.sdk.trace import TracerProvider
 from psycopg import sql
 
 import outbox
@@ -21,6 +22,13 @@ from tests.helpers import count, read_topic, running_relay, wait_for
 from tests.stacks import ASYNC_STACKS, SYNC_STACKS, AsyncStack, SyncStack, configure_django
 
 MANY = 10_000
+TRACER = TracerProvider().get_tracer("app")  # a span of the app's request: its context goes in the headers
+TRACEPARENTS: dict[str, str] = {}
+
+
+def _traceparent(span: Any) -> str:
+    ctx = span.get_span_context()
+    return f"00-{ctx.trace_id:032x}-{ctx.span_id:016x}-{ctx.trace_flags:02x}"
 
 
 def _drain(dsn: str, schema: str, kafka: str, total: int) -> None:
@@ -65,10 +73,11 @@ def test_sync_stack_delivers_what_commits_and_nothing_else(
     many_topic = f"{topic}-many"
     stack = SyncStack(name, pg_dsn)
     try:
-        with stack.tx() as c:
+        with stack.tx() as c, TRACER.start_as_current_span("POST /orders") as request:
             first = outbox.enqueue(
                 c, topic, {"n": 1, "stack": name}, key="k1", headers={"x-tenant": "t1"}, schema=schema
             )
+            parent = _traceparent(request)
         with stack.rollback_tx() as c:
             outbox.enqueue(c, topic, {"n": 2}, key="k1", schema=schema)
         with stack.tx() as c:
@@ -96,9 +105,9 @@ def test_sync_stack_delivers_what_commits_and_nothing_else(
             str(first): (
                 json.dumps({"n": 1, "stack": name}, separators=(",", ":")).encode(),
                 b"k1",
-                {"content-type": b"application/json", "x-tenant": b"t1"},
+                {"content-type": b"application/json", "x-tenant": b"t1", "traceparent": parent.encode()},
             ),
-            str(second): (b"\x00raw", b"\xffk2", {}),
+            str(second): (b"\x00raw", b"\xffk2", {"traceparent": None}),
             str(third): (b"after the errors", None, {"content-type": None}),
         },
     )
@@ -109,9 +118,16 @@ async def _async_scenario(stack: AsyncStack, topic: str, schema: str) -> dict[st
     out: dict[str, uuid.UUID] = {}
     async with stack.connection() as conn:
         async with stack.tx(conn) as c:
-            out["first"] = await outbox.enqueue_async(
-                c, topic, {"n": 1, "stack": stack.name}, key="k1", headers={"x-tenant": "t1"}, schema=schema
-            )
+            with TRACER.start_as_current_span("POST /orders") as request:
+                out["first"] = await outbox.enqueue_async(
+                    c,
+                    topic,
+                    {"n": 1, "stack": stack.name},
+                    key="k1",
+                    headers={"x-tenant": "t1"},
+                    schema=schema,
+                )
+                TRACEPARENTS[stack.name] = _traceparent(request)
         async with stack.tx(conn, rollback=True) as c:
             await outbox.enqueue_async(c, topic, {"n": 2}, key="k1", schema=schema)
         async with stack.tx(conn) as c:
@@ -174,9 +190,13 @@ def test_async_stack_delivers_what_commits_and_nothing_else(
             str(ids["first"]): (
                 json.dumps({"n": 1, "stack": name}, separators=(",", ":")).encode(),
                 b"k1",
-                {"content-type": b"application/json", "x-tenant": b"t1"},
+                {
+                    "content-type": b"application/json",
+                    "x-tenant": b"t1",
+                    "traceparent": TRACEPARENTS[name].encode(),
+                },
             ),
-            str(ids["second"]): (b"\x00raw", b"\xffk2", {}),
+            str(ids["second"]): (b"\x00raw", b"\xffk2", {"traceparent": None}),
             str(ids["third"]): (b"after the errors", None, {"content-type": None}),
         },
     )
