@@ -303,6 +303,24 @@ def plots(results: dict[str, Any], out: Path) -> list[str]:
         fig.savefig(out / "sinks.png", dpi=110)
         plt.close(fig)
         made.append("sinks.png")
+    if "writer" in s and s["writer"].get("stacks"):
+        w = s["writer"]["stacks"]
+        names = list(w)
+        fig, ax = plt.subplots(figsize=(9, 4.5))
+        xs = range(len(names))
+        for offset, key, label in ((-0.2, "notify_on", "NOTIFY on"), (0.2, "notify_off", "NOTIFY off")):
+            ax.bar([x + offset for x in xs], [w[n][key]["enqueue_overhead_p50_ms"] for n in names], 0.4,
+                   label=label)  # fmt: skip
+        ax.axhline(0.3, color="grey", linestyle="--", linewidth=1, label="target 0.3 ms")
+        ax.set_xticks(list(xs), names, rotation=15)
+        ax.set_ylabel("enqueue overhead, p50 (ms)")
+        ax.set_title("What enqueue adds to a business transaction, per stack")
+        ax.legend()
+        ax.grid(alpha=0.3, axis="y")
+        fig.tight_layout()
+        fig.savefig(out / "writer.png", dpi=110)
+        plt.close(fig)
+        made.append("writer.png")
     return made
 
 
