@@ -399,3 +399,45 @@ def test_asyncpg_enqueue_many_is_copy_records_to_table(pg_dsn: str, schema: str)
     assert len(one) == 1 and one[0].startswith("INSERT INTO"), one
     assert many == []
     assert count(pg_dsn, schema, "events") == 1002
+
+
+# -- the pytest plugin sees every stack --------------------------------------------------
+
+
+@pytest.mark.parametrize("name", SYNC_STACKS)
+def test_outbox_events_fixture_records_sync_stacks(
+    name: str, pg_dsn: str, schema: str, outbox_events: Any
+) -> None:
+    if name == "django":
+        configure_django(pg_dsn, "outbox")
+    stack = SyncStack(name, pg_dsn)
+    try:
+        with stack.tx() as c:
+            outbox.enqueue(
+                c, "orders.created", {"sku": "a-1"}, key="a-1", headers={"tenant": "t1"}, schema=schema
+            )
+            outbox.enqueue_many(
+                c, [{"topic": "orders.paid", "key": b"\xff", "payload": b"raw"}], schema=schema
+            )
+    finally:
+        stack.close()
+    event = outbox_events.assert_enqueued("orders.created", key="a-1", payload={"sku": "a-1"})
+    assert event.headers == {"tenant": "t1", "content-type": "application/json"} and event.schema == schema
+    assert outbox_events.assert_enqueued("orders.paid").key == b"\xff"
+    assert len(outbox_events) == 2
+
+
+@pytest.mark.parametrize("name", ASYNC_STACKS)
+def test_outbox_events_fixture_records_async_stacks(
+    name: str, pg_dsn: str, schema: str, outbox_events: Any
+) -> None:
+    stack = AsyncStack(name, pg_dsn)
+
+    async def scenario() -> None:
+        async with stack.connection() as conn, stack.tx(conn) as c:
+            await outbox.enqueue_async(c, "orders.created", {"sku": "a-1"}, key="a-1", schema=schema)
+            await outbox.enqueue_many_async(c, [{"topic": "orders.paid", "payload": "paid"}], schema=schema)
+
+    asyncio.run(scenario())
+    assert outbox_events.assert_enqueued("orders.created", key="a-1").payload == {"sku": "a-1"}
+    assert outbox_events.assert_enqueued("orders.paid").payload == b"paid"
