@@ -119,6 +119,18 @@ def require_migrated(conn: psycopg.Connection[Any], schema: str, field: str = "-
         )
 
 
+def _applied_already(m: Migration, done: dict[int, str], schema: str) -> bool:
+    """Whether ``m`` is recorded in ``schema``; ConfigError if it was, with other content."""
+    if m.version not in done:
+        return False
+    if done[m.version] != m.checksum:
+        raise ConfigError(
+            f"migration {m.version:04d}_{m.name} was applied to schema {schema!r} "
+            "with different content; migrations must never be edited once released"
+        )
+    return True
+
+
 def migrate(conn: psycopg.Connection[Any], schema: str = DEFAULT_SCHEMA) -> list[Migration]:
     """Apply the migrations ``schema`` lacks; return them. Safe to run again and concurrently."""
     validate_schema(schema)
@@ -129,13 +141,7 @@ def migrate(conn: psycopg.Connection[Any], schema: str = DEFAULT_SCHEMA) -> list
     for m in migrations():
         with conn.transaction():
             conn.execute(query("migrate_lock", schema), (_lock_key(schema),))
-            done = applied_versions(conn, schema)
-            if m.version in done:
-                if done[m.version] != m.checksum:
-                    raise ConfigError(
-                        f"migration {m.version:04d}_{m.name} was applied to schema {schema!r} "
-                        "with different content; migrations must never be edited once released"
-                    )
+            if _applied_already(m, applied_versions(conn, schema), schema):
                 continue
             conn.execute(m.render(schema))
             conn.execute(_record(schema, m))
@@ -154,12 +160,7 @@ def migrate_cursor(cursor: Any, schema: str = DEFAULT_SCHEMA) -> list[Migration]
     done = {int(v): str(c) for v, c in cursor.fetchall()}
     applied: list[Migration] = []
     for m in migrations():
-        if m.version in done:
-            if done[m.version] != m.checksum:
-                raise ConfigError(
-                    f"migration {m.version:04d}_{m.name} was applied to schema {schema!r} "
-                    "with different content; migrations must never be edited once released"
-                )
+        if _applied_already(m, done, schema):
             continue
         cursor.execute(m.render(schema).as_string())
         cursor.execute(_record(schema, m).as_string())

@@ -14,7 +14,8 @@ from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import psycopg
-from psycopg.conninfo import conninfo_to_dict
+
+from outbox.bench.writers import sqlalchemy_url as url
 
 SYNC_STACKS = [
     "psycopg",
@@ -29,14 +30,6 @@ ASYNC_STACKS = [
     "sqlalchemy-asyncsession-asyncpg",
     "sqlalchemy-asyncconnection-psycopg",
 ]
-
-
-def url(dsn: str, driver: str) -> str:
-    """The DSN as an SQLAlchemy URL (``postgresql+<driver>://…``) or a plain ``postgresql://``."""
-    p = conninfo_to_dict(dsn)
-    auth = str(p.get("user", "root")) + (f":{p['password']}" if p.get("password") else "")
-    scheme = "postgresql" if not driver else f"postgresql+{driver}"
-    return f"{scheme}://{auth}@{p.get('host', '127.0.0.1')}:{p.get('port', 5432)}/{p.get('dbname', 'test')}"
 
 
 class SyncStack:
@@ -209,26 +202,7 @@ class AsyncStack:
 
 
 def configure_django(dsn: str, schema: str) -> None:
-    """Django settings for the in-process tests (once per process)."""
-    import django
-    from django.conf import settings
+    """Django settings for the in-process tests (once per process), with the outbox app."""
+    from outbox.bench.writers import configure_django as configure
 
-    if settings.configured:
-        return
-    p = conninfo_to_dict(dsn)
-    settings.configure(
-        DATABASES={
-            "default": {
-                "ENGINE": "django.db.backends.postgresql",
-                "NAME": p.get("dbname", "test"),
-                "USER": p.get("user", "root"),
-                "PASSWORD": p.get("password", ""),
-                "HOST": p.get("host", "127.0.0.1"),
-                "PORT": str(p.get("port", 5432)),
-            }
-        },
-        INSTALLED_APPS=["outbox.contrib.django"],
-        OUTBOX_SCHEMA=schema,
-        USE_TZ=True,
-    )
-    django.setup()
+    configure(dsn, INSTALLED_APPS=["outbox.contrib.django"], OUTBOX_SCHEMA=schema)

@@ -62,7 +62,8 @@ def event(i: int) -> dict[str, Any]:
     }
 
 
-def _url(dsn: str, driver: str) -> str:
+def sqlalchemy_url(dsn: str, driver: str) -> str:
+    """A libpq DSN as a URL: ``postgresql+<driver>://…`` (SQLAlchemy), or ``postgresql://…``."""
     p = conninfo_to_dict(dsn)
     auth = str(p.get("user", "")) + (f":{p['password']}" if p.get("password") else "")
     scheme = f"postgresql+{driver}" if driver else "postgresql"
@@ -113,7 +114,7 @@ class SyncStack:
             from sqlalchemy import text as sa_text
             from sqlalchemy.orm import Session
 
-            engine = create_engine(_url(dsn, "psycopg"))
+            engine = create_engine(sqlalchemy_url(dsn, "psycopg"))
             session = Session(engine)
             self._close += [session.close, engine.dispose]
             statement = sa_text(query("harness_insert_order_named", schema).as_string())
@@ -164,7 +165,7 @@ async def async_stack(name: str, dsn: str, schema: str) -> tuple[AsyncTx, AsyncM
     if name == "asyncpg":
         import asyncpg
 
-        pool = await asyncpg.create_pool(_url(dsn, ""), min_size=1, max_size=1)
+        pool = await asyncpg.create_pool(sqlalchemy_url(dsn, ""), min_size=1, max_size=1)
         text = query("harness_insert_order_numbered", schema).as_string()
 
         async def tx(i: int, with_event: bool) -> None:
@@ -182,7 +183,7 @@ async def async_stack(name: str, dsn: str, schema: str) -> tuple[AsyncTx, AsyncM
         from sqlalchemy import text as sa_text
         from sqlalchemy.ext.asyncio import AsyncSession, create_async_engine
 
-        engine = create_async_engine(_url(dsn, "asyncpg"))
+        engine = create_async_engine(sqlalchemy_url(dsn, "asyncpg"))
         session = AsyncSession(engine)
         statement = sa_text(query("harness_insert_order_named", schema).as_string())
 
@@ -219,7 +220,8 @@ async def async_stack(name: str, dsn: str, schema: str) -> tuple[AsyncTx, AsyncM
     raise ValueError(name)
 
 
-def configure_django(dsn: str) -> None:
+def configure_django(dsn: str, **extra: Any) -> None:
+    """Django settings for ``dsn`` (plus ``extra`` settings), once per process."""
     import django
     from django.conf import settings
 
@@ -238,6 +240,7 @@ def configure_django(dsn: str) -> None:
             }
         },
         USE_TZ=True,
+        **extra,
     )
     django.setup()
 
@@ -301,6 +304,9 @@ def _measure_sync(cfg: BenchConfig, name: str, schema: str) -> dict[str, Any]:
 
 
 async def _measure_async(cfg: BenchConfig, name: str, schema: str) -> dict[str, Any]:
+    # The same loop as _measure_sync, timed inside the event loop. One function for both
+    # would need the sync stacks inside a loop too, which Django refuses (it raises
+    # SynchronousOnlyOperation), or every async transaction through run_until_complete.
     tx, many_tx, close = await async_stack(name, cfg.dsn, schema)
     out: dict[str, Any] = {}
     try:
