@@ -225,12 +225,15 @@ def encode_event_mapping(
 
 
 def decode_headers(raw: object) -> MessageHeaders:
-    """Turn the stored jsonb headers back into Kafka headers; CorruptEvent if malformed.
+    """Turn the stored jsonb headers (as JSON text, or already parsed) back into Kafka
+    headers; CorruptEvent if malformed.
 
     ``None`` stands for no headers (the claim query turns ``{}`` into NULL).
     """
     if raw is None:
         return []
+    if isinstance(raw, str):  # the claim queries send jsonb as text: valid JSON, maybe not an object
+        raw = json.loads(raw)
     if not isinstance(raw, dict):
         raise CorruptEvent(f"headers: expected a JSON object, found {type(raw).__name__}")
     out: MessageHeaders = []

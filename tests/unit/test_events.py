@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import uuid
 
 import pytest
@@ -33,9 +34,14 @@ def test_headers_round_trip_byte_exact() -> None:
     assert decoded["utf8-bytes"] == "\u00e9".encode()
     assert decoded["nul"] == b"a\x00"
     assert decoded["event-id"] == row[1].encode()
+    # As the claim queries send them: the jsonb as JSON text.
+    as_text = (*row[:5], json.dumps(encode_headers(raw)), *row[6:])
+    assert decode_row(as_text).headers == decode_row(row).headers
 
 
-@pytest.mark.parametrize("headers", [[1, 2], {"h": 1}, {"h": {"b64": "!!"}}, {"h": {"x": "y"}}])
+@pytest.mark.parametrize(
+    "headers", [[1, 2], {"h": 1}, {"h": {"b64": "!!"}}, {"h": {"x": "y"}}, "[1, 2]", '{"h": 1}']
+)
 def test_corrupt_rows_are_named(headers: object) -> None:
     row = (1, str(uuid.uuid4()), "t", None, b"p", headers, 1_700_000_000.0, 0)
     with pytest.raises(CorruptEvent, match="headers"):
