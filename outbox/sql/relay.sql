@@ -20,13 +20,17 @@ WHERE e.available_at <= now()
         SELECT p.partition FROM {schema}.partitions AS p
         WHERE p.owner = %(owner)s AND p.expires_at > now() AND NOT p.releasing
           AND (p.fenced_until IS NULL OR p.fenced_until <= now())))
-  -- Each per-key check is guarded by a one-time EXISTS (an init plan): when no
+  -- Each per-key check is guarded by a one-time test (an init plan): when no
   -- event is retrying / no key is parked, the common case, no row pays a probe.
-  AND (NOT EXISTS (SELECT 1 FROM {schema}.events WHERE attempts > 0)
+  -- The test reads the first row of the partial index in its order rather than
+  -- EXISTS: without statistics (a backlog after an outage) the planner sent EXISTS
+  -- through a scan of the whole events table, 100 ms per claim at 300,000 pending;
+  -- an ordered LIMIT 1 takes the partial index with or without them.
+  AND ((SELECT 1 FROM {schema}.events WHERE attempts > 0 ORDER BY key, id LIMIT 1) IS NULL
        OR NOT EXISTS (
             SELECT 1 FROM {schema}.events AS b
             WHERE b.attempts > 0 AND b.key = e.key AND b.id < e.id))
-  AND (NOT EXISTS (SELECT 1 FROM {schema}.dead_letters WHERE parked)
+  AND ((SELECT 1 FROM {schema}.dead_letters WHERE parked ORDER BY key, id LIMIT 1) IS NULL
        OR NOT EXISTS (
             SELECT 1 FROM {schema}.dead_letters AS d
             WHERE d.parked AND d.key = e.key AND d.id < e.id))
