@@ -20,6 +20,10 @@ EXTRAS: dict[str, tuple[str, ...]] = {
     "nats": ("nats",),
     "redis": ("redis",),
     "http": ("aiohttp",),
+    "psycopg2": ("psycopg2",),
+    "asyncpg": ("asyncpg",),
+    "sqlalchemy": ("sqlalchemy",),
+    "django": ("django",),
 }
 
 

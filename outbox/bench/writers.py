@@ -16,7 +16,6 @@ is skipped with one line naming its extra.
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import time
 from collections.abc import Callable, Coroutine
 from typing import Any
@@ -26,6 +25,7 @@ from psycopg.conninfo import conninfo_to_dict
 
 from outbox.bench.config import BenchConfig
 from outbox.bench.measure import percentiles
+from outbox.extras import missing
 from outbox.harness.load import prepare
 from outbox.migrate import migrate
 from outbox.progress import Progress
@@ -35,15 +35,15 @@ from outbox.writer import enqueue, enqueue_async, enqueue_many, enqueue_many_asy
 KEYS = 1000
 MANY = 1000
 
-# stack -> (packages it needs, the extra that installs them)
-STACKS: dict[str, tuple[tuple[str, ...], str]] = {
-    "psycopg": ((), ""),
-    "psycopg2": (("psycopg2",), "psycopg2"),
-    "sqlalchemy": (("sqlalchemy",), "sqlalchemy"),
-    "django": (("django",), "django"),
-    "asyncpg": (("asyncpg",), "asyncpg"),
-    "sqlalchemy-async": (("sqlalchemy", "asyncpg"), "sqlalchemy,asyncpg"),
-    "psycopg-async": ((), ""),
+# stack -> the extras it needs (outbox.extras knows their packages)
+STACKS: dict[str, tuple[str, ...]] = {
+    "psycopg": (),
+    "psycopg2": ("psycopg2",),
+    "sqlalchemy": ("sqlalchemy",),
+    "django": ("django",),
+    "asyncpg": ("asyncpg",),
+    "sqlalchemy-async": ("sqlalchemy", "asyncpg"),
+    "psycopg-async": (),
 }
 
 
@@ -246,10 +246,10 @@ def configure_django(dsn: str, **extra: Any) -> None:
 
 
 def _missing(name: str) -> str | None:
-    packages, extra = STACKS[name]
-    if all(importlib.util.find_spec(p) is not None for p in packages):
+    extras = STACKS[name]
+    if not any(missing(extra) for extra in extras):
         return None
-    return f"pip install 'outbox[{extra}]'"
+    return f"pip install 'outbox[{','.join(extras)}]'"
 
 
 def _summary(plain: list[float], with_event: list[float]) -> dict[str, Any]:

@@ -8,9 +8,6 @@ name to ``enqueue(..., schema=...)`` and to the relay. ``OUTBOX_DATABASE`` (defa
 aliases skip it.
 """
 
-from outbox.errors import MissingExtra
+from outbox.extras import require
 
-try:
-    import django  # noqa: F401
-except ImportError:
-    raise MissingExtra("outbox.contrib.django", "django") from None
+require("django", "outbox.contrib.django")
