@@ -1,8 +1,10 @@
 """NATS JetStream sink: ``nats://host:port`` (``outbox[nats]``).
 
-Client: nats-py, the NATS maintainers' asyncio client. Publishes use its
-asynchronous JetStream publish (``publish_async``): many messages in flight on
-one connection, each acknowledged by the stream (a PubAck) on its own reply.
+Client: nats-py, the NATS maintainers' asyncio client. A JetStream publish is
+a core publish with a reply subject, which the stream answers with a PubAck:
+the sink publishes each event with a reply subject of its own (one wildcard
+subscription per connection takes them all), so many messages are in flight on
+one connection and each is settled by its PubAck.
 
 - Subject: the event's topic. Body: the payload bytes.
 - Headers: the event's headers + ``event-id`` + ``event-key`` (the key, absent
@@ -21,22 +23,33 @@ break, cannot be sent as it is: such an event is dead-lettered
 
 from __future__ import annotations
 
-import asyncio
+import json
 import logging
 from functools import partial
+from itertools import repeat
 from typing import Any
 
 import nats
 import nats.errors
-import nats.js.errors
 
-from outbox.sinks.aio import TIMEOUT, UNAVAILABLE, AsyncSink, Item, Refused, cancel_unfinished, text_headers
+from outbox.sinks.aio import TIMEOUT, UNAVAILABLE, AsyncSink, Item, Refused, text_headers
 from outbox.sinks.base import Dead, Delivered, Outcome, Report, Retry
 
 log = logging.getLogger("outbox.sinks")
 
 LOST = (nats.errors.ConnectionClosedError, nats.errors.StaleConnectionError, ConnectionError)
-MAX_PENDING = 20000  # async publishes awaiting their ack, at most (the relay's own cap is lower)
+NO_RESPONDERS = "503"  # the status of the reply when no stream takes the subject
+
+
+class Connection:
+    """One NATS connection and the publishes awaiting their PubAck on it."""
+
+    def __init__(self, nc: Any, prefix: str) -> None:
+        self.nc = nc
+        self.prefix = prefix  # reply subjects are prefix + a counter
+        self.cut = len(prefix)
+        self.acks: dict[str, tuple[Report, str]] = {}  # token -> (report, topic)
+        self.sent = 0
 
 
 class NatsSink(AsyncSink):
@@ -48,7 +61,7 @@ class NatsSink(AsyncSink):
         async def quiet(_: Exception) -> None:  # errors reach us through the failed sends
             return None
 
-        opened: list[Any] = []
+        opened: list[Connection] = []
 
         async def closed() -> None:
             if opened and self._conn is opened[0]:
@@ -62,78 +75,113 @@ class NatsSink(AsyncSink):
             disconnected_cb=closed,
             max_reconnect_attempts=0,
         )
-        js = nc.jetstream(timeout=self.timeout, publish_async_max_pending=MAX_PENDING)
-        opened.append(js)
-        return js
+        conn = Connection(nc, nc.new_inbox() + ".")
+        try:
+            await nc.subscribe(conn.prefix + "*", cb=partial(self._replied, conn))
+        except BaseException:
+            await nc.close()
+            raise
+        opened.append(conn)
+        return conn
 
     async def disconnect(self, conn: Any) -> None:
-        await conn._nc.close()
+        await conn.nc.close()
+
+    def lost(self, why: str) -> None:
+        conn = self._conn
+        super().lost(why)
+        if isinstance(conn, Connection) and conn.acks:  # their PubAcks can no longer arrive
+            outcome = Retry(UNAVAILABLE, f"cannot reach {self.name}: {why}")
+            self.done_many((report, outcome) for report, _ in conn.acks.values())
+            conn.acks.clear()
 
     def dispatch(self, items: list[Item]) -> None:
-        # One task per burst, not per event: publish_async only writes to the connection's
-        # buffer; each PubAck settles its event through a callback on its future.
+        # One task per burst, not per event: each publish only writes to the connection's
+        # buffer, and each PubAck settles its event from the reply subscription.
         self._loop.create_task(self._burst(items))
 
     async def _burst(self, items: list[Item]) -> None:
         try:
-            js = await self.client()
+            conn = await self.client()
         except Exception as exc:
             outcome = self.failure(exc)
             self.done_many((report, outcome) for _, report in items)
             return
-        acks: list[asyncio.Future[Any]] = []
+        # A JetStream publish is a core publish with a reply subject; the stream answers
+        # on it. Done here rather than with nats-py's publish_async, which per message
+        # draws random bytes from the OS (a system call that hands the GIL to the relay's
+        # thread), waits on a semaphore and builds a future and a PubAck dataclass.
+        publish, max_payload, acks, prefix = conn.nc.publish, conn.nc.max_payload, conn.acks, conn.prefix
+        tokens = []
         for event, report in items:
+            token = ""
             try:
                 headers = text_headers(event)
                 headers["Nats-Msg-Id"] = event.event_id
-                if len(event.payload) > js._nc.max_payload:
+                if len(event.payload) > max_payload:
                     raise Refused(
                         "message_too_large",
-                        f"{len(event.payload)} bytes is larger than the server's max_payload "
-                        f"{js._nc.max_payload}",
+                        f"{len(event.payload)} bytes is larger than the server's max_payload {max_payload}",
                     )
-                ack = await js.publish_async(event.topic, event.payload, headers=headers)
+                conn.sent += 1
+                token = str(conn.sent)
+                acks[token] = (report, event.topic)
+                await publish(event.topic, event.payload, reply=prefix + token, headers=headers)
             except Exception as exc:
-                self.done(report, self._failed(exc, js, event.topic))
+                acks.pop(token, None)
+                self.done(report, self._failed(exc, conn, event.topic))
                 continue
-            ack.add_done_callback(partial(self._acked, report, js, event.topic))
-            acks.append(ack)
-        if acks:
-            self._loop.call_later(self.timeout, cancel_unfinished, acks)
+            tokens.append(token)
+        if tokens:
+            self._loop.call_later(self.timeout, self._expire, conn, tokens)
 
-    def _acked(self, report: Report, js: Any, topic: str, ack: asyncio.Future[Any]) -> None:
-        if ack.cancelled():
-            outcome: Outcome = Retry(TIMEOUT, f"{self.name} did not acknowledge within {self.timeout:g} s")
-        elif (exc := ack.exception()) is not None:
-            outcome = self._failed(exc, js, topic)
+    async def _replied(self, conn: Connection, msg: Any) -> None:
+        """A PubAck (or an error) on a reply subject (loop thread)."""
+        entry = conn.acks.pop(msg.subject[conn.cut :], None)
+        if entry is None:
+            return  # its publish already timed out
+        report, topic = entry
+        if msg.headers and msg.headers.get("Status") == NO_RESPONDERS:
+            outcome: Outcome = Retry(
+                "no_stream", f"no JetStream stream of {self.name} takes subject {topic!r}"
+            )
         else:
-            result = ack.result()
-            self.confirmed()
-            outcome = Delivered(None, result.seq, result.stream)
+            try:
+                reply = json.loads(msg.data)
+                error = reply.get("error")
+                if error is not None:
+                    outcome = self._api_error(error)
+                else:
+                    self.confirmed()
+                    outcome = Delivered(None, reply["seq"], reply["stream"])
+            except (ValueError, KeyError, TypeError, AttributeError) as exc:
+                outcome = Retry("bad_reply", f"{self.name}: unexpected reply to a publish: {exc}")
         self.done(report, outcome)
 
-    def _failed(self, exc: BaseException, js: Any, topic: str) -> Outcome:
-        """The outcome of a publish that failed with ``exc``."""
-        if isinstance(exc, nats.js.errors.NoStreamResponseError):
-            return Retry("no_stream", f"no JetStream stream of {self.name} takes subject {topic!r}")
-        if isinstance(exc, nats.js.errors.APIError):
-            return self._api_error(exc)
+    def _expire(self, conn: Connection, tokens: list[str]) -> None:
+        outcome = Retry(TIMEOUT, f"{self.name} did not acknowledge within {self.timeout:g} s")
+        acks = conn.acks
+        expired = [entry[0] for entry in map(acks.pop, tokens, repeat(None)) if entry is not None]
+        if expired:
+            self.done_many((report, outcome) for report in expired)
+
+    def _failed(self, exc: Exception, conn: Connection, topic: str) -> Outcome:
+        """The outcome of a publish that raised ``exc``."""
         if isinstance(exc, nats.errors.BadSubjectError):
             return Dead("invalid_subject", f"{topic!r} is not a valid NATS subject")
         if isinstance(exc, nats.errors.MaxPayloadError):
             return Dead("message_too_large", f"{self.name}: {self.clean(exc)}")
-        if isinstance(
-            exc, (nats.errors.ConnectionClosedError, nats.errors.StaleConnectionError, ConnectionError)
-        ):
-            if js is self._conn:
+        if isinstance(exc, LOST):
+            if conn is self._conn:
                 self.lost(f"connection lost: {self.clean(exc)}")
             return Retry(UNAVAILABLE, f"cannot reach {self.name}: {self.clean(exc)}")
-        return self.failure(exc) if isinstance(exc, Exception) else Retry(type(exc).__name__, str(exc))
+        return self.failure(exc)
 
-    def _api_error(self, exc: Any) -> Outcome:
-        code = exc.err_code or exc.code or 0
-        text = f"{self.name}: JetStream error {code}: {exc.description}"
+    def _api_error(self, error: dict[str, Any]) -> Outcome:
+        """The outcome of a JetStream error reply (``{"code", "err_code", "description"}``)."""
+        code = error.get("err_code") or error.get("code") or 0
+        text = f"{self.name}: JetStream error {code}: {error.get('description', '')}"
         # 10054: maximum message size exceeded; 10039/10041 (and 400 codes): malformed for the stream.
-        if exc.code in (400, 413) or exc.err_code in (10054,):
+        if error.get("code") in (400, 413) or error.get("err_code") in (10054,):
             return Dead(f"jetstream_{code}", text)
         return Retry(f"jetstream_{code}", text)

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import deque
 from email.utils import parsedate_to_datetime
 from typing import Any
 from urllib.parse import quote
@@ -42,7 +43,7 @@ from yarl import URL
 
 from outbox.events import ClaimedEvent
 from outbox.routes import SinkURL
-from outbox.sinks.aio import AsyncSink, Refused, Unavailable, as_bytes, text_headers
+from outbox.sinks.aio import AsyncSink, Item, Refused, Unavailable, as_bytes, text_headers
 from outbox.sinks.base import Delivered, Outcome, Retry
 from outbox.sinks.signing import signature
 
@@ -79,6 +80,9 @@ class WebhookSink(AsyncSink):
         self._keys = secrets
         self._templated = "{topic}" in url.text or "{key}" in url.text
         self._session: aiohttp.ClientSession | None = None
+        self._fixed_url = None if self._templated else URL(url.text, encoded=True)
+        self._waiting: deque[Item] = deque()  # sent, not yet started (loop thread)
+        self._workers = 0
         super().__init__(url, timeout=timeout)
 
     def _client_session(self) -> aiohttp.ClientSession:
@@ -90,6 +94,30 @@ class WebhookSink(AsyncSink):
                 auto_decompress=False,
             )
         return self._session
+
+    def dispatch(self, items: list[Item]) -> None:
+        """Queue the burst for at most :data:`MAX_CONNECTIONS` workers, one request each at a
+        time: no task per event, and no queue of waiters inside aiohttp's connection pool
+        (with thousands of requests started at once, that queue costs more than the requests).
+        Each request is bounded by the session's timeout."""
+        self._waiting.extend(items)
+        start = min(MAX_CONNECTIONS - self._workers, len(self._waiting))
+        for _ in range(start):
+            self._workers += 1
+            self._loop.create_task(self._work())
+
+    async def _work(self) -> None:
+        waiting = self._waiting
+        try:
+            while waiting:
+                event, report = waiting.popleft()
+                try:
+                    outcome = await self.deliver(event)
+                except Exception as exc:
+                    outcome = self.failure(exc)
+                self.done(report, outcome)
+        finally:
+            self._workers -= 1
 
     def target(self, event: ClaimedEvent) -> str:
         if not self._templated:
@@ -111,7 +139,7 @@ class WebhookSink(AsyncSink):
         session = self._client_session()
         try:
             async with session.post(
-                URL(self.target(event), encoded=True),
+                self._fixed_url or URL(self.target(event), encoded=True),
                 data=event.payload,
                 headers=headers,
                 allow_redirects=False,

@@ -6,8 +6,10 @@ Each test runs on each sink, with a destination of its own (tests/sink_servers.p
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import time
+import uuid
 from collections.abc import Iterator
 from typing import Any
 
@@ -306,3 +308,61 @@ def test_one_sink_down_leaves_the_other_routes_flowing_and_readyz_names_it(
         proxy.stop()
         rabbit.close()
         stream.close()
+
+
+def test_nats_replies_settle_each_event_no_stream_then_a_stream_and_a_stream_limit(
+    pg_dsn: str, schema: str
+) -> None:
+    """The sink reads JetStream's replies itself: a subject no stream takes is retried (503
+    no responders) and delivered once a stream takes it; a stream's own refusal (its
+    max_msg_size, JetStream error 10054) is a dead letter; the stream's sequence is archived."""
+    import nats
+    import nats.js.errors
+
+    from tests.sink_servers import NATS, _run
+
+    prefix = f"q{uuid.uuid4().hex[:10]}"
+    streams = {f"{prefix.upper()}A": f"{prefix}.later", f"{prefix.upper()}B": f"{prefix}.small"}
+
+    async def admin(create: str | None, limit: str | None, drop: bool = False) -> None:
+        nc = await nats.connect(f"nats://{NATS[0]}:{NATS[1]}")
+        js = nc.jetstream()
+        if create:
+            await js.add_stream(name=create, subjects=[streams[create]])
+        if limit:
+            await js.add_stream(name=limit, subjects=[streams[limit]], max_msg_size=1000)
+        if drop:
+            for name in streams:
+                with contextlib.suppress(nats.js.errors.NotFoundError):
+                    await js.delete_stream(name)
+        await nc.close()
+
+    later, small = streams.values()
+    a, b = streams
+    _run(admin(None, b))
+    try:
+        with psycopg.connect(pg_dsn) as conn:
+            waits = [outbox.enqueue(conn, later, f"w{i}".encode(), key="w", schema=schema) for i in range(3)]
+            big = outbox.enqueue(conn, small, b"x" * 2000, key="s", schema=schema)
+            fits = outbox.enqueue(conn, small, b"fits", key="t", schema=schema)
+        config = _config(pg_dsn, schema, retry=RetryPolicy(base=0.05, cap=0.3))
+        with running_relay(config, _factory(config, f"*=nats://{NATS[0]}:{NATS[1]}")):
+            wait_for(lambda: count(pg_dsn, schema, "dead_letters") == 1, timeout=30, what="the dead letter")
+            wait_for(lambda: count(pg_dsn, schema, "delivered") == 1, timeout=30, what="the small one")
+            with psycopg.connect(pg_dsn) as conn:
+                retried = conn.execute(
+                    f'SELECT attempts, last_error FROM "{schema}".events WHERE event_id = %s', [waits[0]]
+                ).fetchone()
+            assert retried is not None and retried[0] >= 1, retried
+            assert f"no JetStream stream of nats://{NATS[0]}:{NATS[1]} takes subject '{later}'" in retried[1]
+            _run(admin(a, None))
+            wait_for(lambda: count(pg_dsn, schema, "delivered") == 4, timeout=30, what="after the stream")
+        with psycopg.connect(pg_dsn) as conn:
+            dead = conn.execute(f'SELECT event_id, error FROM "{schema}".dead_letters').fetchone()
+            archived = conn.execute(
+                f'SELECT event_id, sink_ref, sink_offset FROM "{schema}".delivered ORDER BY id'
+            ).fetchall()
+    finally:
+        _run(admin(None, None, drop=True))
+    assert dead is not None and dead[0] == big and "JetStream error 10054" in dead[1], dead
+    assert [tuple(r) for r in archived] == [*((w, a, i + 1) for i, w in enumerate(waits)), (fits, b, 1)]
