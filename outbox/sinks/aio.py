@@ -36,7 +36,6 @@ import threading
 import time
 from collections import deque
 from collections.abc import Iterable
-from functools import partial
 from typing import Any, ClassVar
 
 from outbox.conditions import Condition
@@ -97,7 +96,7 @@ def text_headers(event: ClaimedEvent) -> dict[str, str]:
     return headers
 
 
-def cancel_unfinished(tasks: list[asyncio.Task[Outcome]] | list[asyncio.Future[Any]]) -> None:
+def cancel_unfinished(tasks: list[asyncio.Task[None]] | list[asyncio.Future[Any]]) -> None:
     for task in tasks:
         if not task.done():
             task.cancel()
@@ -219,20 +218,20 @@ class AsyncSink:
     def dispatch(self, items: list[Item]) -> None:
         """Start sending a burst of events: one task per event, one timer for the burst (what
         is not done when it fires is cancelled and reported as a timeout)."""
-        loop = self._loop
-        tasks = []
-        for event, report in items:
-            task = loop.create_task(self.deliver(event))
-            task.add_done_callback(partial(self._finished, report))
-            tasks.append(task)
-        loop.call_later(self.timeout, cancel_unfinished, tasks)
+        create_task, send = self._loop.create_task, self.send_one
+        tasks = [create_task(send(event, report)) for event, report in items]
+        self._loop.call_later(self.timeout, cancel_unfinished, tasks)
 
-    def _finished(self, report: Report, task: asyncio.Task[Outcome]) -> None:
-        if task.cancelled():
-            outcome: Outcome = Retry(TIMEOUT, f"{self.name} did not confirm within {self.timeout:g} s")
-        else:
-            exc = task.exception()
-            outcome = task.result() if exc is None else self.failure(exc)  # type: ignore[arg-type]
+    async def send_one(self, event: ClaimedEvent, report: Report) -> None:
+        """:meth:`deliver` ``event`` and queue its outcome (a task that reports itself: no
+        done-callback per event). Cancelled, it reports a timeout."""
+        try:
+            outcome = await self.deliver(event)
+        except asyncio.CancelledError:
+            self.done(report, Retry(TIMEOUT, f"{self.name} did not confirm within {self.timeout:g} s"))
+            raise
+        except Exception as exc:
+            outcome = self.failure(exc)
         self.done(report, outcome)
 
     async def attempt(self, sending: Any) -> Any:

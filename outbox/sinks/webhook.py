@@ -110,12 +110,7 @@ class WebhookSink(AsyncSink):
         waiting = self._waiting
         try:
             while waiting:
-                event, report = waiting.popleft()
-                try:
-                    outcome = await self.deliver(event)
-                except Exception as exc:
-                    outcome = self.failure(exc)
-                self.done(report, outcome)
+                await self.send_one(*waiting.popleft())
         finally:
             self._workers -= 1
 

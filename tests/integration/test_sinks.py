@@ -8,6 +8,7 @@ from __future__ import annotations
 import base64
 import contextlib
 import json
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -366,3 +367,41 @@ def test_nats_replies_settle_each_event_no_stream_then_a_stream_and_a_stream_lim
         _run(admin(None, None, drop=True))
     assert dead is not None and dead[0] == big and "JetStream error 10054" in dead[1], dead
     assert [tuple(r) for r in archived] == [*((w, a, i + 1) for i, w in enumerate(waits)), (fits, b, 1)]
+
+
+def test_a_webhook_receiver_that_hangs_is_a_timeout_retried_in_order(pg_dsn: str, schema: str) -> None:
+    """The receiver holds its first request for longer than the delivery timeout: every
+    request in flight then times out (retried, saying so), and once it answers again
+    everything arrives, in order per key."""
+    sink = HttpTarget()
+    held = threading.Event()
+
+    def hang_once(_: Any) -> tuple[int, dict[str, str], bytes]:
+        if not held.is_set():
+            held.set()
+            time.sleep(1.5)  # the receiver's loop is stuck: no request is answered meanwhile
+        return 204, {}, b""
+
+    sink.decide = hang_once
+    try:
+        write_rounds(pg_dsn, schema, sink.topic, 3, 10)
+        config = _config(pg_dsn, schema, delivery_timeout=0.5, retry=RetryPolicy(base=0.05, cap=0.2))
+        errors: list[str] = []
+
+        def timed_out() -> bool:
+            with psycopg.connect(pg_dsn) as conn:
+                rows = conn.execute(
+                    f'SELECT last_error FROM "{schema}".events WHERE last_error IS NOT NULL'
+                ).fetchall()
+            errors[:] = [r[0] for r in rows]
+            return bool(errors)
+
+        with running_relay(config, _factory(config, f"*={sink.url()}")):
+            wait_for(timed_out, timeout=30, what="timeouts")
+            wait_for(lambda: count(pg_dsn, schema, "events") == 0, timeout=30, what="drain")
+        got = sink.read(30)
+    finally:
+        sink.close()
+    assert all("did not answer within 0.5 s" in e for e in errors), errors
+    assert len({m.event_id for m in got}) == 30
+    assert_per_key_order(got)
