@@ -9,12 +9,15 @@ sink runs its client on its own event loop in a daemon thread:
   the loop takes the whole burst: a batch is not split by the loop thread
   waking up half-way through it);
 - the loop hands the burst to :meth:`AsyncSink.dispatch`, which starts one
-  task per event with one timer for the whole burst (RabbitMQ, webhooks: concurrent
-  publishes, confirms in batches), or one task per burst (Redis: a pipeline; NATS:
-  asynchronous publishes settled from their acks);
+  task per event with one timer for the whole burst (RabbitMQ: concurrent
+  publishes, confirms in batches), or a pool of workers (webhooks: at most 100
+  requests at once), or one task per burst (Redis: a pipeline; NATS: publishes
+  settled from their acks on a reply subscription);
 - each outcome goes back through a queue; ``poll`` (relay thread) serves the
   reports and waits on :attr:`AsyncSink.wake`, which a :class:`Router` shares
-  among its sinks.
+  among its sinks. The loop sets it when it has nothing left to report, when
+  :data:`REPORTS_PER_WAKE` outcomes are queued, or :data:`REPORT_DELAY` after
+  the first one, whichever comes first.
 
 Connections: :meth:`AsyncSink.client` opens the connection on first use and
 again after it was lost. While the sink is down, sends fail at once with
@@ -49,6 +52,12 @@ RECONNECT_MIN = 0.5  # seconds before the first reconnect attempt after a failur
 RECONNECT_MAX = 5.0  # seconds, at most, between reconnect attempts
 CLOSE_WAIT = 2.0  # seconds for the client to close and the loop thread to end
 
+# The relay's thread is woken for outcomes when the loop has none left to report, when this
+# many are queued, or this many seconds after the first one: not for every confirm that
+# trickles in (RabbitMQ acks a few messages at a time), since each wake-up hands the GIL
+# over and back and sends the key chains' next events as a burst of a handful.
+REPORTS_PER_WAKE = 500
+REPORT_DELAY = 0.002
 UNAVAILABLE = "unavailable"  # the error kind of a send refused because the sink is down
 TIMEOUT = "timeout"  # ... of a send the sink did not confirm in time
 
@@ -123,6 +132,8 @@ class AsyncSink:
         self._pending = 0  # produced and not yet reported (relay thread only)
         self._lock = threading.Lock()
         self._scheduled = False
+        self._unreported = 0  # taken by the loop and not yet reported (loop thread)
+        self._announcing = False
         self._conn: Any = None
         self._connecting: asyncio.Task[Any] | None = None
         self._reconnect_at = 0.0
@@ -213,6 +224,7 @@ class AsyncSink:
         incoming = self._incoming
         items = [incoming.popleft() for _ in range(len(incoming))]
         if items:
+            self._unreported += len(items)
             self.dispatch(items)
 
     def dispatch(self, items: list[Item]) -> None:
@@ -257,12 +269,27 @@ class AsyncSink:
     def done(self, report: Report, outcome: Outcome) -> None:
         """Queue ``outcome`` for the relay thread (loop thread)."""
         self._reports.append((report, outcome))
-        if not self.wake.is_set():  # after the append: a poll that cleared it first sees the report
-            self.wake.set()
+        self._unreported -= 1
+        self._announce()
 
     def done_many(self, reports: Iterable[tuple[Report, Outcome]]) -> None:
-        self._reports.extend(reports)
-        if not self.wake.is_set():
+        items = list(reports)
+        self._reports.extend(items)
+        self._unreported -= len(items)
+        self._announce()
+
+    def _announce(self) -> None:
+        if self.wake.is_set():
+            return
+        if self._unreported <= 0 or len(self._reports) >= REPORTS_PER_WAKE:
+            self.wake.set()  # after the append: a poll that cleared it first sees the report
+        elif not self._announcing:
+            self._announcing = True
+            self._loop.call_later(REPORT_DELAY, self._announce_late)
+
+    def _announce_late(self) -> None:
+        self._announcing = False
+        if self._reports and not self.wake.is_set():
             self.wake.set()
 
     def confirmed(self) -> None:

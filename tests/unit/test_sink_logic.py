@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import json
+import threading
 import time
 from email.utils import formatdate
 
@@ -11,8 +13,9 @@ import pytest
 
 from outbox.errors import ConfigError
 from outbox.events import ClaimedEvent
-from outbox.routes import parse_route
-from outbox.sinks.aio import Refused, text_headers
+from outbox.routes import parse_route, parse_url
+from outbox.sinks.aio import REPORT_DELAY, AsyncSink, Refused, text_headers
+from outbox.sinks.base import Delivered, Outcome
 from outbox.sinks.redis import fields, headers_json
 from outbox.sinks.signing import parse_secrets, signature
 from outbox.sinks.webhook import retry_after
@@ -95,3 +98,73 @@ def test_bad_route_urls_are_refused_naming_the_problem(route: str, error: str) -
     with pytest.raises(ConfigError) as err:
         parse_route(route)
     assert error in str(err.value)
+
+
+class _CountingEvent(threading.Event):
+    def __init__(self) -> None:
+        super().__init__()
+        self.times_set = 0
+
+    def set(self) -> None:
+        if not self.is_set():
+            self.times_set += 1
+        super().set()
+
+
+class _GatedSink(AsyncSink):
+    """An async sink whose sends finish when the test says (no server)."""
+
+    scheme = "gated"
+
+    def __init__(self) -> None:
+        super().__init__(parse_url("redis://127.0.0.1:1/0", "url"), timeout=30.0)
+        self.wake = _CountingEvent()
+        self.gates: dict[int, asyncio.Future[None]] = {}
+
+    async def deliver(self, event: ClaimedEvent) -> Outcome:
+        gate = self.gates[event.id] = self._loop.create_future()
+        await gate
+        return Delivered()
+
+
+def test_outcomes_trickling_in_wake_the_relay_thread_a_few_times_not_once_each() -> None:
+    """200 confirms, one per loop pass (as RabbitMQ's trickle in), while a consumer
+    thread drains reports as the relay's does: it is woken a handful of times, and the
+    last outcome wakes it at once (nothing is left unreported, so no delay)."""
+    sink = _GatedSink()
+    reported: list[Outcome] = []
+    stop = threading.Event()
+
+    def relay_thread() -> None:
+        while not stop.is_set():
+            sink.poll(0.5)
+
+    consumer = threading.Thread(target=relay_thread)
+    consumer.start()
+    try:
+        for i in range(200):
+            sink.produce(ClaimedEvent(i, f"e-{i}", "t", b"k", b"p", [], 0.0, 0), reported.append)
+        sink.poll(0)  # hands the burst over
+        while len(sink.gates) < 200:
+            time.sleep(0.001)
+
+        def release(i: int) -> None:
+            time.sleep(0.0001)  # the next confirm is a moment away (the GIL is free meanwhile)
+            sink.gates[i].set_result(None)
+            if i + 1 < 200:
+                sink._loop.call_soon(release, i + 1)
+
+        started = time.monotonic()
+        sink._loop.call_soon_threadsafe(release, 0)
+        deadline = started + 10
+        while len(reported) < 200 and time.monotonic() < deadline:
+            time.sleep(0.001)
+        took = time.monotonic() - started
+    finally:
+        stop.set()
+        consumer.join()
+        sink.close(1)
+    assert len(reported) == 200 and all(isinstance(o, Delivered) for o in reported)
+    # At most one wake-up per REPORT_DELAY while they trickle in (woken once per outcome, the
+    # relay's thread would be woken 200 times).
+    assert sink.wake.times_set <= min(100, took / REPORT_DELAY + 10), (sink.wake.times_set, took)
