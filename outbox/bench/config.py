@@ -11,7 +11,8 @@ from outbox.settings import setting
 class BenchConfig:
     dsn: str = setting(help="PostgreSQL", cli=False)
     bootstrap: str = setting(help="the broker", cli=False)
-    events: int = setting(500_000, "drain/scale: pending events")
+    events: int = setting(300_000, "drain/scale: pending events")
+    big_events: int = setting(1_000_000, "drain: pending events of the larger backlog (0: skip it)")
     repeat: int = setting(3, "drain: runs per contender")
     seeds_seconds: float = setting(30.0, "drain: seconds the seeds' loop races (it is slow)")
     rates: list[int] = setting(default_factory=lambda: [1000, 5000, 20000], help="steady: events/s")
@@ -41,6 +42,7 @@ class BenchConfig:
 # --smoke: every scenario in seconds (CI checks that each runs and writes its outputs).
 SMOKE = {
     "events": 3000,
+    "big_events": 6000,
     "repeat": 1,
     "seeds_seconds": 2.0,
     "rates": [200],

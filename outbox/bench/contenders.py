@@ -65,9 +65,11 @@ def run_contender(spec: ContenderSpec, counter: Synchronized[int], stop: Event) 
     if spec.kind == "relay":
         _relay(spec, counter, stop)
     elif spec.kind == "bare":
-        _bare(spec, counter, stop)
+        _loop(spec, "bare_claim", "archive_delivered", counter, stop)
     elif spec.kind == "seeds":
         _seeds(spec, counter, stop)
+    elif spec.kind == "ceiling":
+        _loop(spec, "ceiling_claim", "ceiling_archive", counter, stop)
     elif spec.kind in ("sink_relay", "sink_loop"):
         from outbox.bench import sinks
 
@@ -123,10 +125,16 @@ def _relay(spec: ContenderSpec, counter: Synchronized[int], stop: Event) -> None
         Path(spec.ack_log).write_text(json.dumps(acks))
 
 
-def _bare(spec: ContenderSpec, counter: Synchronized[int], stop: Event) -> None:
+def _loop(
+    spec: ContenderSpec, claim_name: str, archive_name: str, counter: Synchronized[int], stop: Event
+) -> None:
+    """The minimal loop: lock 1,000 rows with SKIP LOCKED, produce each with its headers and
+    event-id, flush, delete + archive in one statement, commit. ``ceiling`` runs it on plain
+    tables of its own; ``bare`` on the outbox's tables."""
     producer = Producer({"bootstrap.servers": spec.bootstrap, **PRODUCER_CONFIG})
-    claim = query("bare_claim", spec.schema)
-    archive = query("archive_delivered", spec.schema)
+    claim = query(claim_name, spec.schema)
+    archive = query(archive_name, spec.schema)
+    outbox_tables = archive_name == "archive_delivered"
     moved = 0
     with psycopg.connect(spec.dsn) as conn:
         while not stop.is_set():
@@ -144,8 +152,11 @@ def _bare(spec: ContenderSpec, counter: Synchronized[int], stop: Event) -> None:
                         producer.poll(0.05)
             producer.flush()
             ids = [r[0] for r in rows]
-            nulls = [None] * len(ids)
-            conn.execute(archive, {"ids": ids, "partitions": nulls, "offsets": nulls, "refs": nulls})
+            if outbox_tables:
+                nulls = [None] * len(ids)
+                conn.execute(archive, {"ids": ids, "partitions": nulls, "offsets": nulls, "refs": nulls})
+            else:
+                conn.execute(archive, {"ids": ids})
             conn.commit()
             moved += len(rows)
             counter.value = moved

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import json
 import multiprocessing as mp
-import random
 import tempfile
 import threading
 import time
 import uuid
+from dataclasses import dataclass
 from multiprocessing.sharedctypes import Synchronized
 from pathlib import Path
 from typing import Any
@@ -21,6 +21,7 @@ from typing import Any
 import psycopg
 from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-defined]
 
+from outbox.bench import events
 from outbox.bench.config import BenchConfig
 from outbox.bench.contenders import ContenderSpec
 from outbox.bench.measure import median, middle_rate, percentiles, race
@@ -31,11 +32,8 @@ from outbox.harness.tap import Tap
 from outbox.migrate import migrate
 from outbox.progress import Progress
 from outbox.queries import query
-from outbox.writer import enqueue_many
 
-PAYLOAD_BYTES = 200
-KEYS = 1000
-FILL_CHUNK = 10_000  # events per enqueue_many/commit while filling
+KEYS = events.KEYS
 TOPIC_PARTITIONS = 4
 
 
@@ -66,25 +64,16 @@ class Workspace:
         with psycopg.connect(self.dsn, autocommit=True) as conn:
             conn.execute(query("harness_drop_schema", self.schema))
 
-    def fill(self, n: int, label: str) -> None:
-        progress = Progress(f"fill {label}", n, " ev")
-        payload = bytes(random.getrandbits(8) for _ in range(PAYLOAD_BYTES))
-        with psycopg.connect(self.dsn) as conn:
-            for start in range(0, n, FILL_CHUNK):
-                end = min(n, start + FILL_CHUNK)
-                enqueue_many(
-                    conn,
-                    [
-                        {"topic": self.topic, "payload": payload, "key": f"key-{i % KEYS}"}
-                        for i in range(start, end)
-                    ],
-                    schema=self.schema,
-                )
-                conn.commit()
-                progress.update(end)
-            conn.autocommit = True
-            conn.execute(query("harness_vacuum_analyze", self.schema))
-        progress.close()
+    def fill(self, n: int, label: str, *, shape: str = "realistic", analyze: bool = False) -> None:
+        events.fill(self.dsn, self.schema, self.topic, n, label, shape=shape, analyze=analyze)
+
+    def plain_tables(self, *, analyze: bool) -> None:
+        """The ceiling's plain tables, holding the events just filled (moved out of the outbox)."""
+        with psycopg.connect(self.dsn, autocommit=True) as conn:
+            conn.execute(query("ceiling_tables", self.schema))
+            conn.execute(query("ceiling_fill", self.schema))
+            if analyze:
+                conn.execute(query("ceiling_analyze", self.schema))
 
     def spec(self, kind: str, **relay_options: Any) -> ContenderSpec:
         return ContenderSpec(kind, self.dsn, self.schema, self.bootstrap, dict(relay_options))
@@ -93,25 +82,78 @@ class Workspace:
 # -- drain --------------------------------------------------------------------------
 
 
-# Contenders of the drain: the relay with and without per-key ordering, and the baselines.
-DRAIN_CONTENDERS = {
-    "relay": ("relay", {}),
+# What the drain races, each in a process of its own (outbox.bench.contenders).
+DRAIN_CONTENDERS: dict[str, tuple[str, dict[str, Any]]] = {
+    "relay": ("relay", {}),  # this project's relay, its defaults: ordering key, archive on
     "relay_unordered": ("relay", {"ordering": "none"}),
-    "bare": ("bare", {}),
-    "seeds": ("seeds", {}),
+    "ceiling": ("ceiling", {}),  # the minimal loop on plain tables of its own, headers forwarded
+    "bare": ("bare", {}),  # the same loop on the outbox's own tables (a second reference)
+    "seeds": ("seeds", {}),  # one row per transaction: the loop most teams start with
 }
 
 
-def drain_once(cfg: BenchConfig, name: str, run: int) -> dict[str, Any]:
+@dataclass(frozen=True)
+class DrainCase:
+    """One set-up of the drain: which events, how many, with or without statistics."""
+
+    name: str
+    title: str
+    shape: str  # outbox.bench.events.SHAPES
+    analyze: bool  # ANALYZE between fill and drain
+    big: bool  # cfg.big_events pending instead of cfg.events
+    contenders: tuple[str, ...]
+
+
+PAIR = ("relay", "ceiling")
+DRAIN_CASES = (
+    DrainCase(
+        "realistic",
+        "realistic events, no statistics",
+        shape="realistic",
+        analyze=False,
+        big=False,
+        contenders=("relay", "relay_unordered", "ceiling", "bare", "seeds"),
+    ),
+    DrainCase(
+        "analyzed",
+        "realistic events, ANALYZE after the fill",
+        "realistic",
+        analyze=True,
+        big=False,
+        contenders=PAIR,
+    ),
+    DrainCase(
+        "bytes",
+        "200-byte payloads, no headers, no statistics",
+        "bytes",
+        analyze=False,
+        big=False,
+        contenders=PAIR,
+    ),
+    DrainCase(
+        "big",
+        "realistic events, larger backlog, no statistics",
+        "realistic",
+        analyze=False,
+        big=True,
+        contenders=PAIR,
+    ),
+)
+
+
+def drain_once(cfg: BenchConfig, case: DrainCase, name: str, run: int) -> dict[str, Any]:
     kind, options = DRAIN_CONTENDERS[name]
-    n = cfg.events
+    n = cfg.big_events if case.big else cfg.events
+    label = f"{case.name} {name} #{run + 1}"
     with Workspace(cfg.dsn, cfg.bootstrap, f"drain_{kind}") as ws:
         if kind == "seeds":
             # About 1.7k/s: fill what it can move in its time budget, with margin.
-            n = min(cfg.events, int(cfg.seeds_seconds * 4000) + 1000)
-        ws.fill(n, f"{name} #{run + 1}")
+            n = min(n, int(cfg.seeds_seconds * 4000) + 1000)
+        ws.fill(n, label, shape=case.shape, analyze=case.analyze and kind != "ceiling")
+        if kind == "ceiling":
+            ws.plain_tables(analyze=case.analyze)
         progress = Progress(
-            f"drain {name} #{run + 1}",
+            f"drain {label}",
             cfg.seeds_seconds if kind == "seeds" else n,
             "s" if kind == "seeds" else " ev",
         )
@@ -135,32 +177,67 @@ def drain_once(cfg: BenchConfig, name: str, run: int) -> dict[str, Any]:
     }
 
 
+def _summary(results: list[dict[str, Any]]) -> dict[str, Any]:
+    rates = [r["events_per_s"] for r in results]
+    mid = sorted(results, key=lambda r: r["events_per_s"])[len(results) // 2]
+    return {
+        "events_per_s_median": round(median(rates), 1),
+        "events_per_s_runs": rates,
+        "relay_cpu_s_per_1k": mid["relay_cpu_s_per_1k"],
+        "postgres_cpu_s_per_1k": mid["postgres_cpu_s_per_1k"],
+        "peak_rss_mb": max(r["peak_rss_mb"] for r in results),
+        "series": mid["series"],
+    }
+
+
+def _ratio(a: float, b: float, digits: int = 3) -> float:
+    return round(a / max(b, 1e-9), digits)
+
+
 def drain(cfg: BenchConfig) -> dict[str, Any]:
-    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in DRAIN_CONTENDERS}
+    """Every case of :data:`DRAIN_CASES`, each contender ``cfg.repeat`` times, interleaved (so
+    that drift hits every contender alike). Rates: events/s over the middle 80 % of each
+    run, by the parent's monotonic clock (see outbox.bench.measure)."""
+    cases = [c for c in DRAIN_CASES if not (c.big and cfg.big_events <= 0)]
+    runs: dict[str, dict[str, list[dict[str, Any]]]] = {c.name: {k: [] for k in c.contenders} for c in cases}
     for run in range(cfg.repeat):
-        for name in runs:  # interleaved, so drift hits every contender alike
-            runs[name].append(drain_once(cfg, name, run))
-    summary: dict[str, Any] = {}
-    for kind, results in runs.items():
-        rates = [r["events_per_s"] for r in results]
-        mid = sorted(results, key=lambda r: r["events_per_s"])[len(results) // 2]
-        summary[kind] = {
-            "events_per_s_median": round(median(rates), 1),
-            "events_per_s_runs": rates,
-            "relay_cpu_s_per_1k": mid["relay_cpu_s_per_1k"],
-            "postgres_cpu_s_per_1k": mid["postgres_cpu_s_per_1k"],
-            "peak_rss_mb": max(r["peak_rss_mb"] for r in results),
-            "series": mid["series"],
+        for case in cases:
+            for name in case.contenders:
+                runs[case.name][name].append(drain_once(cfg, case, name, run))
+    out: dict[str, Any] = {"repeat": cfg.repeat, "events": cfg.events, "cases": {}}
+    for case in cases:
+        summary: dict[str, Any] = {
+            "title": case.title,
+            "events": cfg.big_events if case.big else cfg.events,
+            "contenders": {name: _summary(results) for name, results in runs[case.name].items()},
         }
-    relay = summary["relay"]["events_per_s_median"]
-    summary["ratio_relay_to_bare"] = round(relay / max(summary["bare"]["events_per_s_median"], 1e-9), 3)
-    summary["ratio_relay_to_seeds"] = round(relay / max(summary["seeds"]["events_per_s_median"], 1e-9), 1)
-    summary["ratio_ordered_to_unordered"] = round(
-        relay / max(summary["relay_unordered"]["events_per_s_median"], 1e-9), 3
-    )
-    summary["events"] = cfg.events
-    summary["repeat"] = cfg.repeat
-    return summary
+        c = summary["contenders"]
+        relay = c["relay"]
+        summary["ratio_relay_to_ceiling"] = _ratio(
+            relay["events_per_s_median"], c["ceiling"]["events_per_s_median"]
+        )
+        summary["cpu_ratio_relay_to_ceiling"] = _ratio(
+            relay["relay_cpu_s_per_1k"], c["ceiling"]["relay_cpu_s_per_1k"]
+        )
+        if "bare" in c:
+            summary["ratio_relay_to_bare"] = _ratio(
+                relay["events_per_s_median"], c["bare"]["events_per_s_median"]
+            )
+        if "seeds" in c:
+            summary["ratio_relay_to_seeds"] = _ratio(
+                relay["events_per_s_median"], c["seeds"]["events_per_s_median"], 1
+            )
+        if "relay_unordered" in c:
+            summary["ratio_ordered_to_unordered"] = _ratio(
+                relay["events_per_s_median"], c["relay_unordered"]["events_per_s_median"]
+            )
+        out["cases"][case.name] = summary
+    if "realistic" in out["cases"] and "analyzed" in out["cases"]:
+        out["ratio_no_stats_to_analyzed"] = _ratio(
+            out["cases"]["realistic"]["contenders"]["relay"]["events_per_s_median"],
+            out["cases"]["analyzed"]["contenders"]["relay"]["events_per_s_median"],
+        )
+    return out
 
 
 # -- writers (steady, soak) ------------------------------------------------------------

@@ -1,8 +1,9 @@
 """The ``sinks`` scenario: a drain of each sink beyond Kafka, next to a minimal loop for that sink.
 
 For each sink (RabbitMQ, NATS JetStream, Redis Streams, webhooks), the same events
-(JSON payloads, ``content-type`` and ``traceparent`` headers, 1,000 keys; no VACUUM or
-ANALYZE after the fill) are drained twice per repeat, in child processes, interleaved:
+(:mod:`outbox.bench.events`: JSON orders with ``content-type``, ``traceparent`` and
+``tracestate``, 1,000 keys; no VACUUM or ANALYZE after the fill) are drained twice per
+repeat, in child processes, interleaved:
 
 - ``relay``: this project's relay with its defaults (ordering on, archive on), one route
   ``*=URL``;
@@ -31,6 +32,7 @@ import psycopg
 
 from outbox.bench.config import BenchConfig
 from outbox.bench.contenders import ContenderSpec, drive
+from outbox.bench.events import fill
 from outbox.bench.measure import median, middle_rate, race
 from outbox.config import RelayConfig
 from outbox.harness.sinktaps import Receiver, SinkTap, tap_class
@@ -40,48 +42,8 @@ from outbox.queries import query
 from outbox.relay import Relay
 from outbox.routes import parse_routes
 from outbox.sinks.make import routed
-from outbox.writer import enqueue_many
 
-KEYS = 1000
-FILL_CHUNK = 10_000
 LOOP_BATCH = 1000
-TRACEPARENT = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
-
-
-def _payload(i: int) -> dict[str, Any]:
-    return {
-        "order_id": i,
-        "customer": f"customer-{i % KEYS}",
-        "status": "created",
-        "items": [{"sku": f"sku-{i % 97}", "qty": 1 + i % 3, "price": "19.99"}],
-        "total": "19.99",
-        "currency": "EUR",
-    }
-
-
-def fill(dsn: str, schema: str, topic: str, n: int, label: str) -> None:
-    """``n`` realistic events, as an app commits them (no VACUUM/ANALYZE afterwards)."""
-    progress = Progress(f"fill {label}", n, " ev")
-    h = {"content-type": "application/json", "traceparent": TRACEPARENT}
-    with psycopg.connect(dsn) as conn:
-        for start in range(0, n, FILL_CHUNK):
-            end = min(n, start + FILL_CHUNK)
-            enqueue_many(
-                conn,
-                [
-                    {
-                        "topic": topic,
-                        "key": f"customer-{i % KEYS}",
-                        "payload": _payload(i),
-                        "headers": h,
-                    }
-                    for i in range(start, end)
-                ],
-                schema=schema,
-            )
-            conn.commit()
-            progress.update(end)
-    progress.close()
 
 
 # -- the webhook receiver, in its own process ---------------------------------------------
@@ -261,7 +223,7 @@ def drain_sink_once(dsn: str, sink: str, kind: str, n: int, run: int, max_second
     destination = Destination(sink, topic)
     label = f"{destination.scheme} {kind} #{run + 1}"
     try:
-        fill(dsn, schema, topic, n, label)
+        fill(dsn, schema, topic, n, label)  # realistic events, no ANALYZE
         result = race(
             [ContenderSpec(f"sink_{kind}", dsn, schema, "", sink_url=destination.url)],
             target=n,

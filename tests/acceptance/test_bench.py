@@ -36,9 +36,19 @@ def test_bench_smoke_produces_every_output(pg_dsn: str, kafka: str, tmp_path: Pa
     assert set(results["scenarios"]) == {"drain", "steady", "writer", "soak", "scale", "sinks"}
     assert results["machine"]["cores"] and results["machine"]["postgresql"]
     drain = results["scenarios"]["drain"]
-    for kind in ("relay", "relay_unordered", "bare", "seeds"):
-        assert drain[kind]["events_per_s_median"] > 0
-        assert drain[kind]["series"], "no time series recorded"
+    assert set(drain["cases"]) == {"realistic", "analyzed", "bytes", "big"}
+    assert drain["cases"]["big"]["events"] > drain["cases"]["realistic"]["events"]
+    for case in drain["cases"].values():
+        for kind, r in case["contenders"].items():
+            assert r["events_per_s_median"] > 0, kind
+            assert r["series"], "no time series recorded"
+        ceiling = case["contenders"]["ceiling"]["events_per_s_median"]
+        assert case["ratio_relay_to_ceiling"] == round(
+            case["contenders"]["relay"]["events_per_s_median"] / ceiling, 3
+        )
+    realistic = drain["cases"]["realistic"]["contenders"]
+    assert set(realistic) == {"relay", "relay_unordered", "ceiling", "bare", "seeds"}
+    assert "ratio_no_stats_to_analyzed" in drain
     for run in results["scenarios"]["steady"]["runs"]:
         assert run["acked"] == run["written"] > 0, "steady: an event was not acked"
         assert run["consumed"] == run["written"], "steady: an event was not consumed"
@@ -62,7 +72,8 @@ def test_bench_smoke_produces_every_output(pg_dsn: str, kafka: str, tmp_path: Pa
     for png in ("drain_throughput.png", "steady_latency.png", "soak.png", "scale.png", "sinks.png"):
         assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", png
     table = (out / "results.md").read_text()
-    assert "outbox relay" in table and "bare loop" in table and "seeds' loop" in table
+    assert "outbox relay" in table and "plain tables (ceiling)" in table and "seeds' loop" in table
+    assert "on the outbox's tables" in table and "middle 80 %" in table
     assert "| amqp |" in table and "| http |" in table
     assert "| relay" not in proc.stderr  # progress goes to stderr, the table to stdout
     assert "events/s" in proc.stdout
