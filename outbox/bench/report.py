@@ -16,6 +16,7 @@ TARGETS = {
     "enqueue_overhead_p50_ms": 0.3,
     "enqueue_many_1000_ms": 20.0,
     "relay_rss_mb": 150.0,
+    "relay_vs_best_peer": 10.0,  # the relay >= 10 x the fastest Python peer
     "relay_vs_sink_loop": 0.8,  # each sink: relay drain >= 0.8 x its minimal loop
 }
 
@@ -34,6 +35,9 @@ DRAIN_NAMES = {
     "ceiling": "minimal loop, plain tables (ceiling)",
     "bare": "minimal loop on the outbox's tables",
     "seeds": "seeds' loop",
+    "txoutbox": "txoutbox, strict ordering",
+    "txoutbox_unordered": "txoutbox, strict_ordering=False",
+    "faststream_outbox": "faststream-outbox + FastStream's Kafka publisher",
 }
 
 
@@ -79,6 +83,24 @@ def drain_markdown(d: dict[str, Any]) -> list[str]:
             f"{_verdict(cpu <= cv)}); relay peak RSS {rss:.0f} MB (target ≤ {TARGETS['relay_rss_mb']:.0f}: "
             f"{_verdict(rss <= TARGETS['relay_rss_mb'])})" + "".join(f"; {e}" for e in extra) + "."
         )
+    for case in d["cases"].values():
+        if "ratio_relay_to_peer" not in case:
+            continue
+        versus = {"txoutbox": "relay", "txoutbox_unordered": "relay --ordering none"}
+        parts = [
+            f"{DRAIN_NAMES[p]}: {versus.get(p, 'relay --ordering none')} / peer {x:.1f}×"
+            for p, x in case["ratio_relay_to_peer"].items()
+        ]
+        best = case["best_peer"]
+        x = case["ratio_relay_to_peer"][best]
+        target = TARGETS["relay_vs_best_peer"]
+        lines.append(
+            f"- Peers (a fixed time each, same backlog, rows kept or deleted instead of archived; "
+            f"what each guarantees: docs/performance.md): {'; '.join(parts)}. Against the fastest "
+            f"({DRAIN_NAMES[best]}): **{x:.1f}×** (target ≥ {target:.0f}×: {_verdict(x >= target)})."
+        )
+    for why in d.get("skipped", {}).values():
+        lines.append(f"- Peers skipped: {why}.")
     if "ratio_no_stats_to_analyzed" in d:
         x = d["ratio_no_stats_to_analyzed"]
         lines.append(

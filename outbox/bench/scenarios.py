@@ -21,12 +21,13 @@ from typing import Any
 import psycopg
 from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-defined]
 
-from outbox.bench import events
+from outbox.bench import events, peers
 from outbox.bench.config import BenchConfig
 from outbox.bench.contenders import ContenderSpec
 from outbox.bench.measure import median, middle_rate, percentiles, race
 from outbox.bench.sinks import sinks as sinks  # the sinks scenario, run by name like the others
 from outbox.bench.writers import writer as writer  # the writer scenario, every stack
+from outbox.extras import missing
 from outbox.harness.load import Load, prepare
 from outbox.harness.tap import Tap
 from outbox.migrate import migrate
@@ -142,6 +143,8 @@ DRAIN_CASES = (
 
 
 def drain_once(cfg: BenchConfig, case: DrainCase, name: str, run: int) -> dict[str, Any]:
+    if name in peers.PEERS:
+        return _peer_once(cfg, name, run)
     kind, options = DRAIN_CONTENDERS[name]
     n = cfg.big_events if case.big else cfg.events
     label = f"{case.name} {name} #{run + 1}"
@@ -164,8 +167,31 @@ def drain_once(cfg: BenchConfig, case: DrainCase, name: str, run: int) -> dict[s
             max_seconds=limit,
             progress=progress,
         )
+    return _drained(name, result, result.moved if kind == "seeds" else n)
+
+
+def _peer_once(cfg: BenchConfig, name: str, run: int) -> dict[str, Any]:
+    """A peer drains the same backlog, in its own table, for ``cfg.peer_seconds``."""
+    kind, options, _ = peers.PEERS[name]
+    label = f"realistic {name} #{run + 1}"
+    with Workspace(cfg.dsn, cfg.bootstrap, f"drain_{kind}") as ws:
+        if kind == "txoutbox":
+            peers.tx_fill(cfg.dsn, ws.schema, ws.topic, cfg.events, label)
+        else:
+            peers.fs_fill(cfg.dsn, ws.schema, cfg.events, label)
+        spec = ContenderSpec(kind, cfg.dsn, ws.schema, cfg.bootstrap, dict(options), topic=ws.topic)
+        result = race(
+            [spec],
+            target=cfg.events,
+            max_seconds=cfg.peer_seconds,
+            progress=Progress(f"drain {label}", cfg.events, " ev"),
+        )
+    return _drained(name, result, result.moved)
+
+
+def _drained(name: str, result: Any, total: int) -> dict[str, Any]:
     moved = result.moved
-    rate = middle_rate(result.series, moved if kind == "seeds" else n)
+    rate = middle_rate(result.series, total)
     return {
         "contender": name,
         "events": moved,
@@ -199,12 +225,25 @@ def drain(cfg: BenchConfig) -> dict[str, Any]:
     that drift hits every contender alike). Rates: events/s over the middle 80 % of each
     run, by the parent's monotonic clock (see outbox.bench.measure)."""
     cases = [c for c in DRAIN_CASES if not (c.big and cfg.big_events <= 0)]
+    skipped: dict[str, str] = {}
+    if absent := missing("bench-peers"):
+        skipped["peers"] = f"needs: pip install 'outbox[bench-peers]' (missing {', '.join(absent)})"
+    else:
+        first = cases[0]
+        cases[0] = DrainCase(
+            first.name,
+            first.title,
+            first.shape,
+            first.analyze,
+            first.big,
+            first.contenders + tuple(peers.PEERS),
+        )
     runs: dict[str, dict[str, list[dict[str, Any]]]] = {c.name: {k: [] for k in c.contenders} for c in cases}
     for run in range(cfg.repeat):
         for case in cases:
             for name in case.contenders:
                 runs[case.name][name].append(drain_once(cfg, case, name, run))
-    out: dict[str, Any] = {"repeat": cfg.repeat, "events": cfg.events, "cases": {}}
+    out: dict[str, Any] = {"repeat": cfg.repeat, "events": cfg.events, "cases": {}, "skipped": skipped}
     for case in cases:
         summary: dict[str, Any] = {
             "title": case.title,
@@ -231,6 +270,15 @@ def drain(cfg: BenchConfig) -> dict[str, Any]:
             summary["ratio_ordered_to_unordered"] = _ratio(
                 relay["events_per_s_median"], c["relay_unordered"]["events_per_s_median"]
             )
+        compared = {
+            peer: _ratio(c[versus]["events_per_s_median"], c[peer]["events_per_s_median"], 1)
+            for peer, (_, _, versus) in peers.PEERS.items()
+            if peer in c
+        }
+        if compared:
+            summary["ratio_relay_to_peer"] = compared
+            best = max(compared, key=lambda p: c[p]["events_per_s_median"])
+            summary["best_peer"] = best
         out["cases"][case.name] = summary
     if "realistic" in out["cases"] and "analyzed" in out["cases"]:
         out["ratio_no_stats_to_analyzed"] = _ratio(

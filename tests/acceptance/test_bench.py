@@ -47,7 +47,9 @@ def test_bench_smoke_produces_every_output(pg_dsn: str, kafka: str, tmp_path: Pa
             case["contenders"]["relay"]["events_per_s_median"] / ceiling, 3
         )
     realistic = drain["cases"]["realistic"]["contenders"]
-    assert set(realistic) == {"relay", "relay_unordered", "ceiling", "bare", "seeds"}
+    peers = {"txoutbox", "txoutbox_unordered", "faststream_outbox"}  # the dev extras hold outbox[bench-peers]
+    assert set(realistic) == {"relay", "relay_unordered", "ceiling", "bare", "seeds"} | peers
+    assert set(drain["cases"]["realistic"]["ratio_relay_to_peer"]) == peers
     assert "ratio_no_stats_to_analyzed" in drain
     for run in results["scenarios"]["steady"]["runs"]:
         assert run["acked"] == run["written"] > 0, "steady: an event was not acked"
