@@ -271,14 +271,16 @@ def drain(cfg: BenchConfig) -> dict[str, Any]:
                 relay["events_per_s_median"], c["relay_unordered"]["events_per_s_median"]
             )
         compared = {
-            peer: _ratio(c[versus]["events_per_s_median"], c[peer]["events_per_s_median"], 1)
+            peer: {
+                "versus": versus,
+                "ratio": _ratio(c[versus]["events_per_s_median"], c[peer]["events_per_s_median"], 1),
+            }
             for peer, (_, _, versus) in peers.PEERS.items()
             if peer in c
         }
         if compared:
-            summary["ratio_relay_to_peer"] = compared
-            best = max(compared, key=lambda p: c[p]["events_per_s_median"])
-            summary["best_peer"] = best
+            summary["peers"] = compared
+            summary["best_peer"] = max(compared, key=lambda p: c[p]["events_per_s_median"])
         out["cases"][case.name] = summary
     if "realistic" in out["cases"] and "analyzed" in out["cases"]:
         out["ratio_no_stats_to_analyzed"] = _ratio(

@@ -49,7 +49,9 @@ def test_bench_smoke_produces_every_output(pg_dsn: str, kafka: str, tmp_path: Pa
     realistic = drain["cases"]["realistic"]["contenders"]
     peers = {"txoutbox", "txoutbox_unordered", "faststream_outbox"}  # the dev extras hold outbox[bench-peers]
     assert set(realistic) == {"relay", "relay_unordered", "ceiling", "bare", "seeds"} | peers
-    assert set(drain["cases"]["realistic"]["ratio_relay_to_peer"]) == peers
+    compared = drain["cases"]["realistic"]["peers"]
+    assert set(compared) == peers and drain["cases"]["realistic"]["best_peer"] in peers
+    assert compared["txoutbox"]["versus"] == "relay"  # strict ordering against our default
     assert "ratio_no_stats_to_analyzed" in drain
     for run in results["scenarios"]["steady"]["runs"]:
         assert run["acked"] == run["written"] > 0, "steady: an event was not acked"
