@@ -95,7 +95,7 @@ def drain_markdown(d: dict[str, Any]) -> list[str]:
             ]
             best = case["peers"][case["best_peer"]]["ratio"]
             lines.append(
-                f"- Peers (a fixed time each, same backlog; what each guarantees and skips: "
+                f"- Peers (30 s each by default, same backlog; what each guarantees and skips: "
                 f"docs/performance.md): {'; '.join(parts)}. Against the fastest "
                 f"({DRAIN_NAMES[case['best_peer']]}): **{best:.1f}×** {_against(best, 'relay_vs_best_peer')}."
             )
