@@ -49,7 +49,8 @@ DRAIN_NAMES = {
 
 
 def drain_markdown(d: dict[str, Any]) -> list[str]:
-    lines = [
+    lines = [f"(The drain from a later run: {d['run_at']}, `{d['command']}`.)", ""] if "run_at" in d else []
+    lines += [
         f"**Drain**: events/s over the middle 80 % of each run (from the moment 10 % of the "
         f"events had been moved to the moment 90 % had, on the parent's monotonic clock, which "
         f"reads each contender's shared counter every 50 ms); median of {d['repeat']} runs, "
