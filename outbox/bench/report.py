@@ -240,15 +240,16 @@ def plots(results: dict[str, Any], out: Path) -> list[str]:
     if "drain" in s:
         cases = s["drain"]["cases"]
         fig, axes = plt.subplots(1, len(cases), figsize=(4.5 * len(cases), 4.5), squeeze=False)
+        colours = {kind: f"C{i}" for i, kind in enumerate(DRAIN_NAMES)}  # one colour per contender
         for ax, case in zip(axes[0], cases.values(), strict=True):
             for kind, r in case["contenders"].items():
                 ts, rates = _rate_curve(r["series"])
-                ax.plot(ts, rates, label=DRAIN_NAMES.get(kind, kind))
+                ax.plot(ts, rates, label=DRAIN_NAMES.get(kind, kind), color=colours.get(kind))
             ax.set_xlabel("seconds")
             ax.set_ylabel("events/s (1 s window)")
             ax.set_title(f"{case['title']}, {case['events']:,}", fontsize=9)
             ax.grid(alpha=0.3)
-        axes[0][0].legend(fontsize=8)
+            ax.legend(fontsize=6, loc="lower right")
         fig.tight_layout()
         fig.savefig(out / "drain_throughput.png", dpi=110)
         plt.close(fig)
