@@ -220,9 +220,17 @@ def _ratio(a: float, b: float, digits: int = 3) -> float:
     return round(a / max(b, 1e-9), digits)
 
 
+def rotated(names: tuple[str, ...], run: int) -> tuple[str, ...]:
+    """``names`` in run ``run``'s order: each run starts one contender later, so that no
+    contender always follows the same one (a checkpoint or an autovacuum that the
+    previous drain set off then falls on each in turn)."""
+    k = run % len(names)
+    return names[k:] + names[:k]
+
+
 def drain(cfg: BenchConfig) -> dict[str, Any]:
-    """Every case of :data:`DRAIN_CASES`, each contender ``cfg.repeat`` times, interleaved (so
-    that drift hits every contender alike). Rates: events/s over the middle 80 % of each
+    """Every case of :data:`DRAIN_CASES`, each contender ``cfg.repeat`` times, interleaved and
+    rotated (so that drift hits every contender alike). Rates: events/s over the middle 80 % of each
     run, by the parent's monotonic clock (see outbox.bench.measure)."""
     cases = [c for c in DRAIN_CASES if not (c.big and cfg.big_events <= 0)]
     skipped: dict[str, str] = {}
@@ -241,7 +249,7 @@ def drain(cfg: BenchConfig) -> dict[str, Any]:
     runs: dict[str, dict[str, list[dict[str, Any]]]] = {c.name: {k: [] for k in c.contenders} for c in cases}
     for run in range(cfg.repeat):
         for case in cases:
-            for name in case.contenders:
+            for name in rotated(case.contenders, run):
                 runs[case.name][name].append(drain_once(cfg, case, name, run))
     out: dict[str, Any] = {"repeat": cfg.repeat, "events": cfg.events, "cases": {}, "skipped": skipped}
     for case in cases:
