@@ -31,6 +31,11 @@ class Migration:
     text: str
 
     @property
+    def inbox(self) -> bool:
+        """Part of the consumer inbox (``migrate --inbox-only`` applies only these)."""
+        return self.name.startswith("inbox")
+
+    @property
     def checksum(self) -> str:
         return hashlib.sha256(self.text.encode()).hexdigest()
 
@@ -44,8 +49,8 @@ class Migration:
         )
 
 
-def migrations() -> list[Migration]:
-    """Every migration shipped with the package, in order."""
+def migrations(*, inbox_only: bool = False) -> list[Migration]:
+    """Every migration shipped with the package, in order (``inbox_only``: the inbox's)."""
     found = []
     for entry in importlib.resources.files("outbox.migrations").iterdir():
         m = _FILE.match(entry.name)
@@ -55,7 +60,7 @@ def migrations() -> list[Migration]:
     versions = [m.version for m in found]
     if len(set(versions)) != len(versions):
         raise RuntimeError(f"duplicate migration versions: {versions}")
-    return found
+    return [m for m in found if m.inbox] if inbox_only else found
 
 
 def _preamble(schema: str) -> sql.Composed:
@@ -68,15 +73,16 @@ def _record(schema: str, m: Migration) -> sql.Composed:
     )
 
 
-def render_all(schema: str = DEFAULT_SCHEMA, roles: Roles | None = None) -> str:
-    """All migrations as one SQL script, exactly what ``migrate`` applies (with ``roles``: and grants)."""
+def render_all(schema: str = DEFAULT_SCHEMA, roles: Roles | None = None, *, inbox_only: bool = False) -> str:
+    """All migrations as one SQL script, exactly what ``migrate`` applies (with ``roles``: and
+    grants; with ``inbox_only``: only the inbox's)."""
     validate_schema(schema)
     parts = [
         "-- outbox migrations for schema " + sql.Identifier(schema).as_string(),
         "BEGIN;",
         _preamble(schema).as_string() + ";",
     ]
-    for m in migrations():
+    for m in migrations(inbox_only=inbox_only):
         parts.append(f"\n-- migration {m.version:04d}_{m.name}")
         parts.append(m.render(schema).as_string().rstrip())
         parts.append(_record(schema, m).as_string() + ";")
@@ -131,14 +137,18 @@ def _applied_already(m: Migration, done: dict[int, str], schema: str) -> bool:
     return True
 
 
-def migrate(conn: psycopg.Connection[Any], schema: str = DEFAULT_SCHEMA) -> list[Migration]:
-    """Apply the migrations ``schema`` lacks; return them. Safe to run again and concurrently."""
+def migrate(
+    conn: psycopg.Connection[Any], schema: str = DEFAULT_SCHEMA, *, inbox_only: bool = False
+) -> list[Migration]:
+    """Apply the migrations ``schema`` lacks; return them. Safe to run again and concurrently.
+    ``inbox_only``: only the consumer inbox's (in a consumer's own database); a later full
+    migrate applies the rest and skips what is there."""
     validate_schema(schema)
     applied: list[Migration] = []
     with conn.transaction():
         conn.execute(query("migrate_lock", schema), (_lock_key(schema),))
         conn.execute(_preamble(schema))
-    for m in migrations():
+    for m in migrations(inbox_only=inbox_only):
         with conn.transaction():
             conn.execute(query("migrate_lock", schema), (_lock_key(schema),))
             if _applied_already(m, applied_versions(conn, schema), schema):

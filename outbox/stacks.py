@@ -87,8 +87,8 @@ def unknown_schema(schema: str) -> NotMigrated:
 
 def outside_transaction(stack: str, how: str) -> OutsideTransaction:
     return OutsideTransaction(
-        f"conn: the {stack} connection is not in a transaction (autocommit), so the event would "
-        f"commit on its own, apart from your data; {how}"
+        f"conn: the {stack} connection is not in a transaction (autocommit), so the event (or the "
+        f"inbox record) would commit on its own, apart from your data; {how}"
     )
 
 
@@ -107,6 +107,7 @@ class Writer(Protocol):
     def ensure_schema(self, schema: str) -> None: ...
     def insert(self, schema: str, ev: EncodedEvent) -> None: ...
     def insert_many(self, schema: str, events: Sequence[EncodedEvent]) -> None: ...
+    def flag(self, name: str, schema: str, *params: Any) -> bool: ...
 
 
 class AsyncWriter(Protocol):
@@ -116,6 +117,7 @@ class AsyncWriter(Protocol):
     async def ensure_schema(self, schema: str) -> None: ...
     async def insert(self, schema: str, ev: EncodedEvent) -> None: ...
     async def insert_many(self, schema: str, events: Sequence[EncodedEvent]) -> None: ...
+    async def flag(self, name: str, schema: str, *params: Any) -> bool: ...
 
 
 # -- psycopg 3 ------------------------------------------------------------------------------
@@ -162,6 +164,12 @@ class PsycopgWriter:
                 for ev in events:
                     copy.write_row((ev.event_id, ev.topic, ev.key, ev.payload, Jsonb(ev.headers)))
 
+    def flag(self, name: str, schema: str, *params: Any) -> bool:
+        """Run the named statement; whether it returned a row whose first column is true."""
+        with psycopg.Cursor(self.conn) as cur:
+            row = cur.execute(_sql(name, schema), params).fetchone()
+        return bool(row and row[0])
+
 
 class AsyncPsycopgWriter:
     def __init__(self, conn: psycopg.AsyncConnection[Any], stack: str = "psycopg") -> None:
@@ -195,6 +203,12 @@ class AsyncPsycopgWriter:
                 copy.set_types(["uuid", "text", "bytea", "bytea", "jsonb"])
                 for ev in events:
                     await copy.write_row((ev.event_id, ev.topic, ev.key, ev.payload, Jsonb(ev.headers)))
+
+    async def flag(self, name: str, schema: str, *params: Any) -> bool:
+        async with psycopg.AsyncCursor(self.conn) as cur:
+            await cur.execute(_sql(name, schema), params)
+            row = await cur.fetchone()
+        return bool(row and row[0])
 
 
 # -- psycopg2 -------------------------------------------------------------------------------
@@ -256,6 +270,12 @@ class Psycopg2Writer:
             buffer.seek(0)
             cur.copy_expert(_sql("copy_events_text", schema), buffer)
 
+    def flag(self, name: str, schema: str, *params: Any) -> bool:
+        with self.conn.cursor() as cur:
+            cur.execute(_sql(name, schema), params)
+            row = cur.fetchone()
+        return bool(row and row[0])
+
 
 # -- asyncpg --------------------------------------------------------------------------------
 
@@ -306,6 +326,9 @@ class AsyncpgWriter:
             columns=COPY_COLUMNS,
             records=[(ev.event_id, ev.topic, ev.key, ev.payload, _headers_json(ev)) for ev in events],
         )
+
+    async def flag(self, name: str, schema: str, *params: Any) -> bool:
+        return bool(await self.conn.fetchval(_sql(name + "_numbered", schema), *params))
 
 
 # -- which stack ----------------------------------------------------------------------------

@@ -1,4 +1,5 @@
-"""Operating commands: migrate, status, notify, dead letters (list/redrive/skip, retry), replay, purge."""
+"""Operating commands: migrate, status, notify, dead letters (list/redrive/skip, retry), replay, purge,
+inbox prune."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
-from outbox import archive, dead, status
+from outbox import archive, dead, inbox, status
 from outbox import migrate as migrations
 from outbox.cli import options
 from outbox.cli.common import add_common, add_confirm, confirm, connect, key_arg, schema_of
@@ -23,6 +24,11 @@ def register(sub: Any) -> None:
     p = sub.add_parser("migrate", help="create or upgrade the outbox tables")
     add_common(p)
     p.add_argument("--print", action="store_true", help="print the SQL instead of applying it")
+    p.add_argument(
+        "--inbox-only",
+        action="store_true",
+        help="only the consumer inbox (outbox.inbox), e.g. in a consumer's own database",
+    )
     options.add(p, MigrateOptions)
     p.set_defaults(run=cmd_migrate)
 
@@ -73,6 +79,18 @@ def register(sub: Any) -> None:
     add_confirm(p, "the purge")
     p.set_defaults(run=cmd_purge)
 
+    p = sub.add_parser("inbox", help="the consumer inbox (outbox.inbox)")
+    verbs = p.add_subparsers(dest="inbox_command", required=True)
+    d = verbs.add_parser("prune", help="delete inbox records older than a duration, in chunks")
+    add_common(d)
+    d.add_argument(
+        "--older-than",
+        required=True,
+        help="a duration, e.g. 7d: longer than any redelivery can take (broker retention, replays)",
+    )
+    d.add_argument("--dry-run", action="store_true", help="say how many records would go, delete nothing")
+    d.set_defaults(run=cmd_inbox_prune)
+
 
 # -- migrate ------------------------------------------------------------------------------
 
@@ -116,11 +134,13 @@ def _role_error(exc: ValueError) -> ConfigError:
 def cmd_migrate(args: argparse.Namespace) -> int:
     schema = schema_of(args)
     roles = _roles(args)
+    if args.inbox_only and roles is not None:
+        raise ConfigError("--inbox-only: the roles are the outbox's; grant the inbox to your consumer's role")
     if args.print:
-        sys.stdout.write(migrations.render_all(schema, roles))
+        sys.stdout.write(migrations.render_all(schema, roles, inbox_only=args.inbox_only))
         return 0
     with connect(args) as conn:
-        applied = migrations.migrate(conn, schema)
+        applied = migrations.migrate(conn, schema, inbox_only=args.inbox_only)
         if roles is not None:
             try:
                 migrations.grant_roles(conn, schema, roles)
@@ -285,4 +305,26 @@ def cmd_purge(args: argparse.Namespace) -> int:
         deleted = archive.purge(conn, schema, cutoff, parts, progress=progress.update)
         progress.close()
     print(f"dropped {len(parts)} partitions; deleted {deleted} older rows from delivered_default")
+    return 0
+
+
+# -- inbox ------------------------------------------------------------------------------------
+
+
+def cmd_inbox_prune(args: argparse.Namespace) -> int:
+    schema = schema_of(args)
+    age = archive.parse_duration(args.older_than, "--older-than")
+    with connect(args) as conn:
+        conn.autocommit = True
+        row = conn.execute(query("inbox_table", schema), (schema,)).fetchone()
+        if not row or not row[0]:
+            raise ConfigError(f"--schema: {schema!r} holds no inbox; run `outbox migrate --inbox-only`")
+        total = inbox.count_older(conn, age, schema=schema)
+        if args.dry_run:
+            print(f"would delete {total} inbox records older than {args.older_than}")
+            return 0
+        progress = Progress("inbox prune", max(total, 1), " records")
+        deleted = inbox.prune(conn, age, schema=schema, progress=progress.update)
+        progress.close()
+    print(f"deleted {deleted} inbox records older than {args.older_than}")
     return 0
