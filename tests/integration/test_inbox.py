@@ -81,9 +81,11 @@ def test_a_second_delivery_waits_for_the_first_and_follows_its_outcome(pg_dsn: s
         with psycopg.connect(pg_dsn) as a, psycopg.connect(pg_dsn) as b:
             assert inbox.first_delivery(a, "billing", event, schema=schema) is True
             result: list[bool] = []
-            second = threading.Thread(
-                target=lambda: result.append(inbox.first_delivery(b, "billing", event, schema=schema))
-            )
+
+            def deliver(conn: psycopg.Connection[Any], event: str, result: list[bool]) -> None:
+                result.append(inbox.first_delivery(conn, "billing", event, schema=schema))
+
+            second = threading.Thread(target=deliver, args=(b, event, result))
             second.start()
             second.join(0.5)
             assert second.is_alive(), "the second delivery must wait for the first's transaction"
@@ -113,9 +115,11 @@ def test_bad_input_is_refused_naming_the_argument(pg_dsn: str, schema: str) -> N
         with pytest.raises(UnsupportedConnection, match=r"use `await first_delivery_async\(\.\.\.\)`"):
             asyncio.run(sync_call_on_async_connection())
         conn.rollback()
-    with psycopg.connect(pg_dsn, autocommit=True) as conn:
-        with pytest.raises(OutsideTransaction, match=r"^conn: .* not in a transaction"):
-            inbox.first_delivery(conn, "billing", "e1", schema=schema)
+    with (
+        psycopg.connect(pg_dsn, autocommit=True) as conn,
+        pytest.raises(OutsideTransaction, match=r"^conn: .* not in a transaction"),
+    ):
+        inbox.first_delivery(conn, "billing", "e1", schema=schema)
     assert count(pg_dsn, schema, "inbox") == 0, "nothing recorded by a refused call"
 
 
@@ -124,9 +128,8 @@ def test_inbox_only_in_a_consumers_own_database_then_the_rest(pg_dsn: str, capsy
     outbox's migrations can follow later without touching it."""
     name = f"t_{uuid.uuid4().hex[:12]}"
     try:
-        with psycopg.connect(pg_dsn) as conn:
-            with pytest.raises(NotMigrated, match=r"--inbox-only"):
-                inbox.first_delivery(conn, "billing", "e1", schema=name)
+        with psycopg.connect(pg_dsn) as conn, pytest.raises(NotMigrated, match=r"--inbox-only"):
+            inbox.first_delivery(conn, "billing", "e1", schema=name)
         assert main(["migrate", "--dsn", pg_dsn, "--schema", name, "--inbox-only"]) == 0
         assert "applied 0005_inbox" in capsys.readouterr().out
         with psycopg.connect(pg_dsn) as conn:
@@ -158,7 +161,9 @@ def test_prune_deletes_old_records_in_chunks_and_keeps_recent_ones(
             ).format(sql.Identifier(schema))
         )
         conn.commit()
-    assert main(["inbox", "prune", "--dsn", pg_dsn, "--schema", schema, "--older-than", "7d", "--dry-run"]) == 0
+    assert (
+        main(["inbox", "prune", "--dsn", pg_dsn, "--schema", schema, "--older-than", "7d", "--dry-run"]) == 0
+    )
     assert "would delete 25 inbox records" in capsys.readouterr().out
     assert count(pg_dsn, schema, "inbox") == 30
     with psycopg.connect(pg_dsn, autocommit=True) as conn:
