@@ -25,6 +25,9 @@ MAX_TOPIC_CHARS = 249
 # Keys route events to partitions and order them; a key this large is a bug.
 MAX_KEY_BYTES = 4096
 MAX_HEADER_NAME_CHARS = 256
+# CloudEvents type and subject travel as header values (ce_type, ce-subject): printable text.
+MAX_TYPE_CHARS = 255
+MAX_SUBJECT_CHARS = 1024
 
 EVENT_ID_HEADER = "event-id"
 CONTENT_TYPE_HEADER = "content-type"
@@ -49,6 +52,8 @@ class EncodedEvent:
     payload: bytes
     headers: dict[str, Any]
     delay: float
+    type: str | None = None
+    subject: str | None = None
 
 
 class ClaimedEvent(NamedTuple):
@@ -66,6 +71,8 @@ class ClaimedEvent(NamedTuple):
     headers: MessageHeaders
     created_at: float  # seconds since the epoch (the claim query sends it so: no datetime per event)
     attempts: int
+    type: str | None = None  # enqueue(type=...): the CloudEvents type (the topic when None)
+    subject: str | None = None  # enqueue(subject=...): the CloudEvents subject
 
 
 def _text(value: str, field: str) -> bytes:
@@ -88,6 +95,22 @@ def encode_topic(topic: object) -> str:
         raise InvalidEvent("topic: must not contain NUL characters")
     _text(topic, "topic")
     return topic
+
+
+def encode_attribute(value: object, field: str, limit: int) -> str | None:
+    """``type`` / ``subject``: None, or printable text (it may travel as a header value)."""
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        raise InvalidEventType(f"{field}: expected str or None, got {type(value).__name__}")
+    if not value:
+        raise InvalidEvent(f"{field}: must not be empty (leave it out instead)")
+    if len(value) > limit:
+        raise InvalidEvent(f"{field}: {len(value)} characters long, at most {limit}")
+    if not value.isprintable():
+        raise InvalidEvent(f"{field}: must be printable text (no control characters or line breaks)")
+    _text(value, field)
+    return value
 
 
 def encode_key(key: object) -> bytes | None:
@@ -180,6 +203,8 @@ def encode_event(
     headers: object = None,
     delay: object = None,
     trace_headers: Mapping[str, str] | None = None,
+    type: object = None,
+    subject: object = None,
 ) -> EncodedEvent:
     """Validate and encode one event; raises TypeError/ValueError naming the field."""
     t = encode_topic(topic)
@@ -187,15 +212,17 @@ def encode_event(
     body, is_json = encode_payload(payload)
     h = encode_headers(headers)
     d = encode_delay(delay)
+    ty = encode_attribute(type, "type", MAX_TYPE_CHARS)
+    su = encode_attribute(subject, "subject", MAX_SUBJECT_CHARS)
     if is_json and CONTENT_TYPE_HEADER not in h:
         h[CONTENT_TYPE_HEADER] = JSON_CONTENT_TYPE
     if trace_headers:
         for name, value in trace_headers.items():
             h.setdefault(name, value)  # an explicit header from the caller wins
-    return EncodedEvent(uuid.uuid4(), t, k, body, h, d)
+    return EncodedEvent(uuid.uuid4(), t, k, body, h, d, ty, su)
 
 
-_ALLOWED_EVENT_FIELDS = frozenset({"topic", "payload", "key", "headers", "delay"})
+_ALLOWED_EVENT_FIELDS = frozenset({"topic", "payload", "key", "headers", "delay", "type", "subject"})
 
 
 def encode_event_mapping(
@@ -218,6 +245,8 @@ def encode_event_mapping(
             headers=event.get("headers"),
             delay=event.get("delay"),
             trace_headers=trace_headers,
+            type=event.get("type"),
+            subject=event.get("subject"),
         )
     except InvalidEventType as exc:
         raise InvalidEventType(f"events[{index}].{exc}") from None
@@ -277,7 +306,7 @@ def decode_row(row: tuple[Any, ...]) -> ClaimedEvent:
     Raises CorruptEvent naming what is wrong. This runs once per event on the
     relay's hot path: keep it free of needless conversions.
     """
-    id_, event_id, topic, key, payload, headers, created_at, attempts = row
+    id_, event_id, topic, key, payload, headers, created_at, attempts, type_, subject = row
     if not topic or not isinstance(topic, str):
         raise CorruptEvent("topic: empty or NULL")
     if payload is None:
@@ -286,7 +315,9 @@ def decode_row(row: tuple[Any, ...]) -> ClaimedEvent:
         raise CorruptEvent("event_id: NULL")
     kafka_headers = decode_headers(headers)
     kafka_headers.append((EVENT_ID_HEADER, event_id.encode()))
-    return ClaimedEvent(id_, event_id, topic, key, payload, kafka_headers, created_at, attempts)
+    return ClaimedEvent(
+        id_, event_id, topic, key, payload, kafka_headers, created_at, attempts, type_, subject
+    )
 
 
 def key_text(key: bytes | None) -> str | None:

@@ -53,7 +53,7 @@ ASYNC_STACKS = (
     "AsyncSession or AsyncConnection"
 )
 
-COPY_COLUMNS = ("event_id", "topic", "key", "payload", "headers")
+COPY_COLUMNS = ("event_id", "topic", "key", "payload", "headers", "type", "subject")
 
 # Schemas already known to hold an outbox, per driver connection. Checking costs a round
 # trip, so it happens once per connection and schema; the check keeps an unknown schema
@@ -93,7 +93,19 @@ def outside_transaction(stack: str, how: str) -> OutsideTransaction:
 
 
 def _params(ev: EncodedEvent) -> tuple[Any, ...]:
-    return (ev.event_id, ev.topic, ev.key, ev.payload, Jsonb(ev.headers), ev.delay)
+    return (ev.event_id, ev.topic, ev.key, ev.payload, Jsonb(ev.headers), ev.type, ev.subject, ev.delay)
+
+
+COPY_TYPES = ["uuid", "text", "bytea", "bytea", "jsonb", "text", "text"]
+
+
+def _copy_row(ev: EncodedEvent) -> tuple[Any, ...]:
+    return (ev.event_id, ev.topic, ev.key, ev.payload, Jsonb(ev.headers), ev.type, ev.subject)
+
+
+def _copy_text(value: str | None) -> str:
+    """A nullable text column in COPY's text format."""
+    return "\\N" if value is None else value.translate(_COPY_TEXT)
 
 
 def _headers_json(ev: EncodedEvent) -> str:
@@ -160,9 +172,9 @@ class PsycopgWriter:
                 cur.executemany(_sql("insert_event", schema), [_params(ev) for ev in events])
                 return
             with cur.copy(_sql("copy_events", schema)) as copy:
-                copy.set_types(["uuid", "text", "bytea", "bytea", "jsonb"])
+                copy.set_types(COPY_TYPES)
                 for ev in events:
-                    copy.write_row((ev.event_id, ev.topic, ev.key, ev.payload, Jsonb(ev.headers)))
+                    copy.write_row(_copy_row(ev))
 
     def flag(self, name: str, schema: str, *params: Any) -> bool:
         """Run the named statement; whether it returned a row whose first column is true."""
@@ -200,9 +212,9 @@ class AsyncPsycopgWriter:
                 await cur.executemany(_sql("insert_event", schema), [_params(ev) for ev in events])
                 return
             async with cur.copy(_sql("copy_events", schema)) as copy:
-                copy.set_types(["uuid", "text", "bytea", "bytea", "jsonb"])
+                copy.set_types(COPY_TYPES)
                 for ev in events:
-                    await copy.write_row((ev.event_id, ev.topic, ev.key, ev.payload, Jsonb(ev.headers)))
+                    await copy.write_row(_copy_row(ev))
 
     async def flag(self, name: str, schema: str, *params: Any) -> bool:
         async with psycopg.AsyncCursor(self.conn) as cur:
@@ -247,7 +259,16 @@ class Psycopg2Writer:
 
     @staticmethod
     def _row(ev: EncodedEvent) -> tuple[Any, ...]:
-        return (str(ev.event_id), ev.topic, ev.key, ev.payload, _headers_json(ev), ev.delay)
+        return (
+            str(ev.event_id),
+            ev.topic,
+            ev.key,
+            ev.payload,
+            _headers_json(ev),
+            ev.type,
+            ev.subject,
+            ev.delay,
+        )
 
     def insert(self, schema: str, ev: EncodedEvent) -> None:
         with self.conn.cursor() as cur:
@@ -265,7 +286,7 @@ class Psycopg2Writer:
                 key = "\\N" if ev.key is None else "\\\\x" + ev.key.hex()
                 write(
                     f"{ev.event_id}\t{ev.topic.translate(_COPY_TEXT)}\t{key}\t\\\\x{ev.payload.hex()}\t"
-                    f"{_headers_json(ev).translate(_COPY_TEXT)}\n"
+                    f"{_headers_json(ev).translate(_COPY_TEXT)}\t{_copy_text(ev.type)}\t{_copy_text(ev.subject)}\n"
                 )
             buffer.seek(0)
             cur.copy_expert(_sql("copy_events_text", schema), buffer)
@@ -307,6 +328,8 @@ class AsyncpgWriter:
             ev.key,
             ev.payload,
             _headers_json(ev),
+            ev.type,
+            ev.subject,
             float(ev.delay),
         )
 
@@ -315,7 +338,16 @@ class AsyncpgWriter:
             await self.conn.executemany(
                 _sql("insert_event_numbered", schema),
                 [
-                    (ev.event_id, ev.topic, ev.key, ev.payload, _headers_json(ev), float(ev.delay))
+                    (
+                        ev.event_id,
+                        ev.topic,
+                        ev.key,
+                        ev.payload,
+                        _headers_json(ev),
+                        ev.type,
+                        ev.subject,
+                        float(ev.delay),
+                    )
                     for ev in events
                 ],
             )
@@ -324,7 +356,10 @@ class AsyncpgWriter:
             "events",
             schema_name=schema,
             columns=COPY_COLUMNS,
-            records=[(ev.event_id, ev.topic, ev.key, ev.payload, _headers_json(ev)) for ev in events],
+            records=[
+                (ev.event_id, ev.topic, ev.key, ev.payload, _headers_json(ev), ev.type, ev.subject)
+                for ev in events
+            ],
         )
 
     async def flag(self, name: str, schema: str, *params: Any) -> bool:

@@ -50,9 +50,18 @@ def _encode_one(
     key: str | bytes | None,
     headers: Mapping[str, str | bytes] | None,
     delay: float | timedelta | None,
+    type: str | None,
+    subject: str | None,
 ) -> EncodedEvent:
     return encode_event(
-        topic, payload, key=key, headers=headers, delay=delay, trace_headers=current_trace_headers()
+        topic,
+        payload,
+        key=key,
+        headers=headers,
+        delay=delay,
+        trace_headers=current_trace_headers(),
+        type=type,
+        subject=subject,
     )
 
 
@@ -67,6 +76,8 @@ def enqueue(
     key: str | bytes | None = None,
     headers: Mapping[str, str | bytes] | None = None,
     delay: float | timedelta | None = None,
+    type: str | None = None,
+    subject: str | None = None,
     schema: str | None = None,
 ) -> uuid.UUID:
     """Add one event to the outbox in ``conn``'s current transaction; return its event id.
@@ -78,9 +89,11 @@ def enqueue(
 
     ``payload``: bytes (sent as is), str (UTF-8) or any JSON-serialisable value
     (compact JSON, header ``content-type: application/json``). ``delay``: seconds
-    or a ``timedelta`` before which the event is not delivered.
+    or a ``timedelta`` before which the event is not delivered. ``type`` / ``subject``:
+    the CloudEvents ``type`` (default: the topic) and ``subject`` the relay sends with
+    ``--cloudevents``; stored with the event.
     """
-    ev = _encode_one(topic, payload, key, headers, delay)
+    ev = _encode_one(topic, payload, key, headers, delay, type, subject)
     name = _schema(schema)
     writer = writer_for(conn)
     writer.require_transaction()
@@ -121,11 +134,13 @@ async def enqueue_async(
     key: str | bytes | None = None,
     headers: Mapping[str, str | bytes] | None = None,
     delay: float | timedelta | None = None,
+    type: str | None = None,
+    subject: str | None = None,
     schema: str | None = None,
 ) -> uuid.UUID:
     """``enqueue`` for a psycopg ``AsyncConnection``/``AsyncCursor``, an asyncpg
     ``Connection`` (also from a pool) or an SQLAlchemy ``AsyncSession``/``AsyncConnection``."""
-    ev = _encode_one(topic, payload, key, headers, delay)
+    ev = _encode_one(topic, payload, key, headers, delay, type, subject)
     name = _schema(schema)
     writer = await async_writer_for(conn)
     writer.require_transaction()

@@ -21,6 +21,7 @@ from outbox.retry import RetryPolicy
 from outbox.routes import parse_routes
 from outbox.settings import setting
 from outbox.sinks.base import Sink
+from outbox.sinks.cloudevents import validate_source
 from outbox.sinks.kafka import KafkaSink
 from outbox.sinks.make import require_clients, routed
 from outbox.sinks.signing import parse_secrets
@@ -64,6 +65,18 @@ class WebhookOptions:
 
 
 @dataclass
+class CloudEventsOptions:
+    cloudevents: bool = setting(
+        False,
+        "add the CloudEvents 1.0 attributes (binary content mode) as each sink's headers: "
+        "id, source, specversion, type, time, subject",
+    )
+    cloudevents_source: str | None = setting(
+        None, "the CloudEvents source attribute, a URI-reference such as /orders-service", metavar="URI"
+    )
+
+
+@dataclass
 class CustomSink:
     sink: str = setting(
         "kafka",
@@ -78,6 +91,7 @@ def register(sub: Any) -> None:
     options.add(p, RouteOptions)
     options.add(p, KafkaOptions)
     options.add(p, WebhookOptions)
+    options.add(p, CloudEventsOptions)
     options.add(p, CustomSink)
     options.add(p, RelayConfig)
     options.add(p, RetryPolicy)
@@ -163,6 +177,9 @@ def cmd_relay(args: argparse.Namespace) -> int:
     routes = parse_routes(args.route, args.kafka_bootstrap)
     require_clients(routes)
     secrets = parse_secrets(args.webhook_secret) if args.webhook_secret else []
+    source = validate_source(args.cloudevents_source) if args.cloudevents else None
+    if args.cloudevents_source is not None and not args.cloudevents:
+        raise ConfigError("--cloudevents-source: given without --cloudevents (which switches CloudEvents on)")
     config = relay_config(args)
     from outbox.tracing import configure_from_env
 
@@ -174,11 +191,18 @@ def cmd_relay(args: argparse.Namespace) -> int:
         require_migrated(conn, config.schema)
 
     sink = routed(
-        routes, config, kafka=load_sink_factory(args.sink), kafka_config=kafka_config, webhook_secrets=secrets
+        routes,
+        config,
+        kafka=load_sink_factory(args.sink),
+        kafka_config=kafka_config,
+        webhook_secrets=secrets,
+        cloudevents_source=source,
     )
 
     sink().close(0)  # validates every sink's configuration now, with a clear error
     log.info("routes: %s", ", ".join(r.display for r in routes))
+    if source is not None:
+        log.info("CloudEvents on: binary content mode, source %s", source)
     tune_gc()
     run_until_signal(Relay(config, sink))
     return 0

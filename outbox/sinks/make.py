@@ -34,8 +34,17 @@ class SinkMaker:
     kafka_config: Mapping[str, str] = field(default_factory=dict)
     timeout: float = 15.0  # seconds a sink may take to confirm one event
     webhook_secrets: list[bytes] = field(default_factory=list)
+    cloudevents_source: str | None = None  # set: CloudEvents attributes as headers (binary mode)
 
     def __call__(self, url: SinkURL) -> Sink:
+        sink = self._make(url)
+        if self.cloudevents_source is not None:
+            from outbox.sinks.cloudevents import CloudEventsSink
+
+            return CloudEventsSink(sink, url.scheme, self.cloudevents_source)
+        return sink
+
+    def _make(self, url: SinkURL) -> Sink:
         if url.scheme == "kafka":
             return self.kafka(url.kafka_bootstrap, dict(self.kafka_config), self.timeout)
         module, name = SCHEMES[url.scheme].sink.split(":")
@@ -60,10 +69,18 @@ def routed(
     kafka: Callable[[str, dict[str, str], float], Sink] = default_kafka,
     kafka_config: Mapping[str, str] | None = None,
     webhook_secrets: list[bytes] | None = None,
+    cloudevents_source: str | None = None,
 ) -> Callable[[], Sink]:
     """The relay's sink factory for ``routes``: a Router over one sink per URL, with key
-    chains where the relay's ordering needs them."""
-    make = SinkMaker(kafka, dict(kafka_config or {}), config.delivery_timeout, list(webhook_secrets or []))
+    chains where the relay's ordering needs them; with ``cloudevents_source``, each sink
+    adds the CloudEvents attributes (:mod:`outbox.sinks.cloudevents`)."""
+    make = SinkMaker(
+        kafka,
+        dict(kafka_config or {}),
+        config.delivery_timeout,
+        list(webhook_secrets or []),
+        cloudevents_source,
+    )
 
     def sink() -> Sink:
         return build(routes, make, ordered=config.ordering == "key", parks=config.on_dead == "park")

@@ -15,7 +15,7 @@ WHERE delivered_at >= %(since)s AND delivered_at < %(until)s
 -- a new event-id, and header outbox-replay-of = the original event-id.
 -- Returns how many were queued and where the chunk ended.
 WITH src AS (
-    SELECT id, event_id, topic, key, payload, headers, delivered_at
+    SELECT id, event_id, topic, key, payload, headers, delivered_at, type, subject
     FROM {schema}.delivered
     WHERE delivered_at >= %(since)s AND delivered_at < %(until)s
       AND (%(topic)s::text IS NULL OR topic = %(topic)s)
@@ -24,9 +24,9 @@ WITH src AS (
     ORDER BY delivered_at, id
     LIMIT %(limit)s
 ), queued AS (
-    INSERT INTO {schema}.events (event_id, topic, key, payload, headers)
+    INSERT INTO {schema}.events (event_id, topic, key, payload, headers, type, subject)
     SELECT gen_random_uuid(), topic, key, payload,
-           headers || jsonb_build_object('outbox-replay-of', event_id::text)
+           headers || jsonb_build_object('outbox-replay-of', event_id::text), type, subject
     FROM src
     ORDER BY delivered_at, id
 )

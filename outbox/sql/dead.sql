@@ -26,12 +26,13 @@ ORDER BY d.id
 WITH moved AS (
     DELETE FROM {schema}.dead_letters AS d
     WHERE d.id = ANY(%(ids)s::text::bigint[])
-    RETURNING d.id, d.event_id, d.topic, d.key, d.payload, d.headers, d.created_at
+    RETURNING d.id, d.event_id, d.topic, d.key, d.payload, d.headers, d.created_at, d.type, d.subject
 )
-INSERT INTO {schema}.events (id, event_id, topic, key, payload, headers, created_at, available_at, attempts)
+INSERT INTO {schema}.events
+    (id, event_id, topic, key, payload, headers, created_at, available_at, attempts, type, subject)
 OVERRIDING SYSTEM VALUE
 SELECT id, event_id, topic, key, coalesce(payload, ''::bytea), coalesce(headers, '{{}}'::jsonb),
-       created_at, now(), 0
+       created_at, now(), 0, type, subject
 FROM moved
 
 -- name: dead_skip

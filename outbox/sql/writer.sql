@@ -5,25 +5,25 @@
 
 -- name: insert_event
 -- One event, written by the application inside its own transaction.
-INSERT INTO {schema}.events (event_id, topic, key, payload, headers, available_at)
-VALUES (%s, %s, %s, %s, %s, now() + %s * interval '1 second')
+INSERT INTO {schema}.events (event_id, topic, key, payload, headers, type, subject, available_at)
+VALUES (%s, %s, %s, %s, %s, %s, %s, now() + %s * interval '1 second')
 
 -- name: insert_events_arrays
 -- Many events as one statement (psycopg2): a column per array parameter, rows in list order.
-INSERT INTO {schema}.events (event_id, topic, key, payload, headers, available_at)
-SELECT e, t, k, p, h, now() + d * interval '1 second'
-FROM unnest(%s::uuid[], %s::text[], %s::bytea[], %s::bytea[], %s::jsonb[], %s::float8[])
-    WITH ORDINALITY AS x (e, t, k, p, h, d, n)
+INSERT INTO {schema}.events (event_id, topic, key, payload, headers, type, subject, available_at)
+SELECT e, t, k, p, h, ty, su, now() + d * interval '1 second'
+FROM unnest(%s::uuid[], %s::text[], %s::bytea[], %s::bytea[], %s::jsonb[], %s::text[], %s::text[], %s::float8[])
+    WITH ORDINALITY AS x (e, t, k, p, h, ty, su, d, n)
 ORDER BY n
 
 -- name: copy_events_text
 -- Many events without delay, streamed with COPY in text format (psycopg2's copy_expert).
-COPY {schema}.events (event_id, topic, key, payload, headers) FROM STDIN
+COPY {schema}.events (event_id, topic, key, payload, headers, type, subject) FROM STDIN
 
 -- name: insert_event_numbered
 -- insert_event with numbered parameters (asyncpg).
-INSERT INTO {schema}.events (event_id, topic, key, payload, headers, available_at)
-VALUES ($1, $2, $3, $4, $5::jsonb, now() + $6::float8 * interval '1 second')
+INSERT INTO {schema}.events (event_id, topic, key, payload, headers, type, subject, available_at)
+VALUES ($1, $2, $3, $4, $5::jsonb, $6, $7, now() + $8::float8 * interval '1 second')
 
 -- name: events_table_numbered
 -- events_table with a numbered parameter (asyncpg).
@@ -35,7 +35,7 @@ SELECT 1
 
 -- name: copy_events
 -- Many events without delay, streamed with COPY (binary).
-COPY {schema}.events (event_id, topic, key, payload, headers) FROM STDIN (FORMAT BINARY)
+COPY {schema}.events (event_id, topic, key, payload, headers, type, subject) FROM STDIN (FORMAT BINARY)
 
 -- name: events_table
 -- The events table of a schema, or NULL when the schema has not been migrated.

@@ -14,7 +14,9 @@ class _Conn:  # Batch only stores its connection until finish()
 
 
 def _rows(keys: list[bytes | None]) -> list[tuple[object, ...]]:
-    return [(i, str(uuid.uuid4()), "t", k, b"p", None, 1_700_000_000.0, 0) for i, k in enumerate(keys)]
+    return [
+        (i, str(uuid.uuid4()), "t", k, b"p", None, 1_700_000_000.0, 0, None, None) for i, k in enumerate(keys)
+    ]
 
 
 def test_a_key_is_held_while_any_in_flight_batch_holds_it() -> None:
