@@ -30,6 +30,7 @@ MAX_TYPE_CHARS = 255
 MAX_SUBJECT_CHARS = 1024
 
 EVENT_ID_HEADER = "event-id"
+CLAIM_CHECK_HEADER = "outbox-claim-check"  # a big payload's reference (outbox.claim_check)
 CONTENT_TYPE_HEADER = "content-type"
 JSON_CONTENT_TYPE = "application/json"
 

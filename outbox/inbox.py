@@ -43,13 +43,13 @@ import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import psycopg
 
 from outbox.errors import ConfigError, InvalidType, NotMigrated, UnsupportedConnection
-from outbox.events import EVENT_ID_HEADER
+from outbox.events import CLAIM_CHECK_HEADER, EVENT_ID_HEADER
 from outbox.queries import query
 from outbox.schema import DEFAULT_SCHEMA, validate_schema
 from outbox.stacks import AsyncWriter, Writer, _seen, async_writer_for, writer_for
@@ -246,6 +246,7 @@ def consume_kafka(
     poll_timeout: float = 0.5,
     retry_base: float = 0.5,
     retry_cap: float = 30.0,
+    claim_check: Callable[[str], bytes] | None = None,
 ) -> ConsumeStats:
     """Consume ``topics`` and call ``handler(conn, delivery)`` once per event, effectively.
 
@@ -261,6 +262,10 @@ def consume_kafka(
       skipped. A handler that raises rolls back and the message is tried again
       (backoff from ``retry_base`` doubling to ``retry_cap`` seconds); later
       messages of its partition wait, so per-partition order holds.
+    - A message with an ``outbox-claim-check`` header gets its payload from the store
+      before the handler sees it (``delivery.value``): ``claim_check(reference)``, by
+      default :func:`outbox.claim_check.fetch` on ``dsn`` (``postgres:`` references) or
+      with boto3's settings (``s3://``). A store that cannot answer is a failure: retried.
     - Stops when ``stop`` is set or, in the main thread with ``handle_signals``, on
       SIGTERM/SIGINT: the message in hand finishes, the offsets are committed
       synchronously, the consumer leaves its group.
@@ -273,6 +278,12 @@ def consume_kafka(
     settings["enable.auto.commit"] = False
     settings["enable.auto.offset.store"] = False
     consumer_name = _text(name if name is not None else str(settings["group.id"]), "name", MAX_CONSUMER)
+    if claim_check is None:
+        from outbox.claim_check import fetch
+
+        def claim_check(reference: str) -> bytes:
+            return fetch(reference, dsn=dsn)
+
     schema = _schema(schema)
     stop = stop or threading.Event()
     stats = ConsumeStats()
@@ -295,6 +306,9 @@ def consume_kafka(
                     continue
                 delivery = _delivery(msg)
                 try:
+                    reference = delivery.headers.get(CLAIM_CHECK_HEADER)
+                    if reference:
+                        delivery = replace(delivery, value=claim_check(reference.decode()))
                     if conn is None or conn.closed:
                         conn = psycopg.connect(dsn, autocommit=True)
                     with conn.transaction():

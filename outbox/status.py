@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import psycopg
 
 from outbox.events import key_text
 from outbox.queries import query
 
+if TYPE_CHECKING:
+    from outbox.claim_check import Store
 
-def collect(conn: psycopg.Connection[Any], schema: str) -> dict[str, Any]:
-    """Depth, age, retries, dead letters and recent throughput of the outbox in ``schema``."""
+
+def collect(conn: psycopg.Connection[Any], schema: str, store: Store | None = None) -> dict[str, Any]:
+    """Depth, age, retries, dead letters and recent throughput of the outbox in ``schema``; the
+    payloads the claim-check ``store`` holds (default: the ``postgres:`` store's table)."""
     row = conn.execute(query("status_counts", schema)).fetchone()
     assert row is not None
     pending, retrying, dead, delivered, oldest = row
@@ -23,6 +27,11 @@ def collect(conn: psycopg.Connection[Any], schema: str) -> dict[str, Any]:
     unowned = conn.execute(query("status_unowned", schema)).fetchone()
     health = conn.execute(query("hot_table_stats", schema), {"schema": schema}).fetchone()
     xmin = conn.execute(query("oldest_xmin_age", schema)).fetchone()
+    if store is None:
+        held = conn.execute(query("claim_check_held", schema)).fetchone() or (0, 0)
+        store_name = f"postgres:{schema}"
+    else:
+        held, store_name = store.held(), store.name
     return {
         "schema": schema,
         "pending": int(pending),
@@ -56,6 +65,7 @@ def collect(conn: psycopg.Connection[Any], schema: str) -> dict[str, Any]:
             "bytes": int(health[2]) if health else 0,
             "oldest_xmin_age_seconds": (round(float(xmin[0]), 1) if xmin and xmin[0] is not None else None),
         },
+        "claim_checks": {"store": store_name, "payloads": int(held[0]), "bytes": int(held[1])},
     }
 
 
@@ -89,6 +99,8 @@ def render(report: dict[str, Any]) -> str:
             if report["table"]["oldest_xmin_age_seconds"] is None
             else f"{report['table']['oldest_xmin_age_seconds']:.0f} s (it holds back vacuum)"
         ),
+        f"  claim-check store    {report['claim_checks']['payloads']} payloads, "
+        f"{report['claim_checks']['bytes'] / 2**20:.1f} MiB ({report['claim_checks']['store']})",
     ]
     if report["pending_by_topic"]:
         lines.append("")

@@ -10,7 +10,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
-from outbox import archive, dead, inbox, status
+from outbox import archive, claim_check, dead, inbox, status
 from outbox import migrate as migrations
 from outbox.cli import options
 from outbox.cli.common import add_common, add_confirm, confirm, connect, key_arg, schema_of
@@ -35,6 +35,7 @@ def register(sub: Any) -> None:
     p = sub.add_parser("status", help="depth, age, errors and dead letters")
     add_common(p)
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    options.add(p, StoreOption)
     p.set_defaults(run=cmd_status)
 
     p = sub.add_parser("notify", help="switch the NOTIFY trigger on or off")
@@ -73,8 +74,12 @@ def register(sub: Any) -> None:
     add_confirm(p, "the replay")
     p.set_defaults(run=cmd_replay)
 
-    p = sub.add_parser("purge", help="drop archive partitions older than a duration")
+    p = sub.add_parser(
+        "purge",
+        help="drop archive partitions older than a duration, and the claim-check payloads of those days",
+    )
     add_common(p)
+    options.add(p, StoreOption)
     p.add_argument("--older-than", required=True, help="a duration, e.g. 30d, 12h")
     add_confirm(p, "the purge")
     p.set_defaults(run=cmd_purge)
@@ -90,6 +95,20 @@ def register(sub: Any) -> None:
     )
     d.add_argument("--dry-run", action="store_true", help="say how many records would go, delete nothing")
     d.set_defaults(run=cmd_inbox_prune)
+
+
+@dataclass
+class StoreOption:
+    claim_check_store: str | None = setting(
+        None,
+        "the relay's claim-check store, for its bytes held (status) and its old payloads (purge)",
+        default_text="postgres:",
+        metavar="URL",
+    )
+
+
+def _store(args: argparse.Namespace, schema: str) -> claim_check.Store:
+    return claim_check.open_store(args.claim_check_store or "postgres:", dsn=args.dsn, schema=schema)
 
 
 # -- migrate ------------------------------------------------------------------------------
@@ -162,7 +181,12 @@ def cmd_status(args: argparse.Namespace) -> int:
     schema = schema_of(args)
     with connect(args) as conn:
         migrations.require_migrated(conn, schema)
-        report = status.collect(conn, schema)
+        store = None if args.claim_check_store is None else _store(args, schema)
+        try:
+            report = status.collect(conn, schema, store)
+        finally:
+            if store is not None:
+                store.close()
     print(json.dumps(report) if args.json else status.render(report))
     return 0
 
@@ -298,13 +322,24 @@ def cmd_purge(args: argparse.Namespace) -> int:
         parts = archive.purge_plan(conn, schema, cutoff)
         what = f"{len(parts)} archive partitions before {cutoff.date().isoformat()}"
         if args.dry_run:
-            print(f"would drop {what}: {', '.join(parts) or '-'} (and older rows of delivered_default)")
+            print(
+                f"would drop {what}: {', '.join(parts) or '-'} (and older rows of delivered_default, "
+                "and claim-check payloads stored before the cutoff)"
+            )
             return 0
         confirm(args, f"drop {what}")
         progress = Progress("purge", max(len(parts), 1), " partitions")
         deleted = archive.purge(conn, schema, cutoff, parts, progress=progress.update)
         progress.close()
-    print(f"dropped {len(parts)} partitions; deleted {deleted} older rows from delivered_default")
+    store = _store(args, schema)
+    try:
+        payloads = store.purge(cutoff)
+    finally:
+        store.close()
+    print(
+        f"dropped {len(parts)} partitions; deleted {deleted} older rows from delivered_default "
+        f"and {payloads} claim-check payloads ({store.name})"
+    )
     return 0
 
 

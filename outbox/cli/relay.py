@@ -11,6 +11,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from outbox.claim_check import Store, open_store
 from outbox.cli import options
 from outbox.cli.common import Common, add_common, connect, schema_of
 from outbox.config import RelayConfig
@@ -77,6 +78,23 @@ class CloudEventsOptions:
 
 
 @dataclass
+class ClaimCheckOptions:
+    claim_check_over: int | None = setting(
+        None,
+        "payloads over this many bytes go to the claim-check store; the message carries the "
+        "header outbox-claim-check and an empty body",
+        default_text="off",
+        metavar="BYTES",
+    )
+    claim_check_store: str | None = setting(
+        None,
+        "postgres: (a table of the outbox schema) or s3://BUCKET/PREFIX?endpoint=URL&region=R "
+        "(boto3, outbox[s3]; credentials from AWS_* or the role)",
+        metavar="URL",
+    )
+
+
+@dataclass
 class CustomSink:
     sink: str = setting(
         "kafka",
@@ -92,6 +110,7 @@ def register(sub: Any) -> None:
     options.add(p, KafkaOptions)
     options.add(p, WebhookOptions)
     options.add(p, CloudEventsOptions)
+    options.add(p, ClaimCheckOptions)
     options.add(p, CustomSink)
     options.add(p, RelayConfig)
     options.add(p, RetryPolicy)
@@ -173,6 +192,26 @@ def run_until_signal(relay: Relay) -> None:
         raise RelayFailed(f"the relay failed: {failure[0]}")
 
 
+def claim_check_of(args: argparse.Namespace, config: RelayConfig) -> tuple[Store, int] | None:
+    """(store, threshold) from --claim-check-over/--claim-check-store, or None when off."""
+    over, url = args.claim_check_over, args.claim_check_store
+    if over is None and url is None:
+        return None
+    if over is None or url is None:
+        given, missing = (
+            ("--claim-check-over", "--claim-check-store")
+            if url is None
+            else (
+                "--claim-check-store",
+                "--claim-check-over",
+            )
+        )
+        raise ConfigError(f"{given}: needs {missing} too")
+    if over < 1:
+        raise ConfigError(f"--claim-check-over: must be >= 1 byte, got {over}")
+    return open_store(url, dsn=config.dsn, schema=config.schema), over
+
+
 def cmd_relay(args: argparse.Namespace) -> int:
     routes = parse_routes(args.route, args.kafka_bootstrap)
     require_clients(routes)
@@ -181,6 +220,7 @@ def cmd_relay(args: argparse.Namespace) -> int:
     if args.cloudevents_source is not None and not args.cloudevents:
         raise ConfigError("--cloudevents-source: given without --cloudevents (which switches CloudEvents on)")
     config = relay_config(args)
+    claim_check = claim_check_of(args, config)
     from outbox.tracing import configure_from_env
 
     if configure_from_env():
@@ -197,12 +237,15 @@ def cmd_relay(args: argparse.Namespace) -> int:
         kafka_config=kafka_config,
         webhook_secrets=secrets,
         cloudevents_source=source,
+        claim_check=claim_check,
     )
 
     sink().close(0)  # validates every sink's configuration now, with a clear error
     log.info("routes: %s", ", ".join(r.display for r in routes))
     if source is not None:
         log.info("CloudEvents on: binary content mode, source %s", source)
+    if claim_check is not None:
+        log.info("claim-check on: payloads over %d bytes go to %s", claim_check[1], claim_check[0].name)
     tune_gc()
     run_until_signal(Relay(config, sink))
     return 0

@@ -9,12 +9,16 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from outbox.config import RelayConfig
 from outbox.extras import require
 from outbox.routes import SCHEMES, Route, SinkURL
 from outbox.sinks.base import Sink
 from outbox.sinks.router import build
+
+if TYPE_CHECKING:
+    from outbox.claim_check import Store
 
 
 def require_clients(routes: list[Route]) -> None:
@@ -35,13 +39,18 @@ class SinkMaker:
     timeout: float = 15.0  # seconds a sink may take to confirm one event
     webhook_secrets: list[bytes] = field(default_factory=list)
     cloudevents_source: str | None = None  # set: CloudEvents attributes as headers (binary mode)
+    claim_check: tuple[Store, int] | None = None  # (store, over): big payloads by reference
 
     def __call__(self, url: SinkURL) -> Sink:
         sink = self._make(url)
         if self.cloudevents_source is not None:
             from outbox.sinks.cloudevents import CloudEventsSink
 
-            return CloudEventsSink(sink, url.scheme, self.cloudevents_source)
+            sink = CloudEventsSink(sink, url.scheme, self.cloudevents_source)
+        if self.claim_check is not None:
+            from outbox.claim_check import ClaimCheckSink
+
+            sink = ClaimCheckSink(sink, *self.claim_check)
         return sink
 
     def _make(self, url: SinkURL) -> Sink:
@@ -70,16 +79,19 @@ def routed(
     kafka_config: Mapping[str, str] | None = None,
     webhook_secrets: list[bytes] | None = None,
     cloudevents_source: str | None = None,
+    claim_check: tuple[Store, int] | None = None,
 ) -> Callable[[], Sink]:
     """The relay's sink factory for ``routes``: a Router over one sink per URL, with key
     chains where the relay's ordering needs them; with ``cloudevents_source``, each sink
-    adds the CloudEvents attributes (:mod:`outbox.sinks.cloudevents`)."""
+    adds the CloudEvents attributes (:mod:`outbox.sinks.cloudevents`); with ``claim_check``
+    (a store and a size), payloads over the size go to the store (:mod:`outbox.claim_check`)."""
     make = SinkMaker(
         kafka,
         dict(kafka_config or {}),
         config.delivery_timeout,
         list(webhook_secrets or []),
         cloudevents_source,
+        claim_check,
     )
 
     def sink() -> Sink:
