@@ -86,6 +86,7 @@ class Batch:
         self.events: list[ClaimedEvent | None] = []
         self.outcomes: list[Outcome | None] = [None] * len(rows)
         self.waiting = len(rows)
+        self.claimed_at = time.monotonic()
         self.abandoned = False
         # OpenTelemetry "send <topic>" spans of this batch (empty when tracing is off).
         self.spans: dict[str, Any] = {}

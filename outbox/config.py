@@ -24,6 +24,8 @@ LEASE = 30.0  # seconds a stalled worker keeps its batch before PostgreSQL ends 
 DELIVERY_TIMEOUT = 15.0  # seconds the sink may take to ack; must be well under LEASE
 POLL_INTERVAL = 1.0  # seconds between polls when idle (jittered ±50%); NOTIFY wakes sooner
 GRACE = 20.0  # seconds to finish in-flight batches at shutdown
+NET_TIMEOUT = 10.0  # seconds before a silent connection counts as dead
+STALL_TIMEOUT = 10.0  # seconds without progress before /readyz reports a stall
 
 
 def _default_name() -> str:
@@ -73,6 +75,16 @@ class RelayConfig:
         None, "serve /metrics, /livez, /readyz on this port", default_text="off"
     )
     metrics_host: str = setting("127.0.0.1", "address to bind the metrics/health port")
+    net_timeout: float = setting(
+        NET_TIMEOUT,
+        "seconds before a silent PostgreSQL connection counts as dead (keepalives, tcp_user_timeout; "
+        "a DSN's own settings win) and the Kafka socket timeout",
+    )
+    stall_timeout: float = setting(
+        STALL_TIMEOUT,
+        "seconds without a completed claim or heartbeat, or with batches in flight and no delivery "
+        "report, before /readyz says the relay is stalled",
+    )
 
     def __post_init__(self) -> None:
         validate_schema(self.schema)
@@ -88,6 +100,10 @@ class RelayConfig:
             raise ConfigError(f"batches in flight: must be >= 1, got {self.max_batches_in_flight}")
         if not self.poll_interval > 0:
             raise ConfigError(f"poll interval: must be > 0 seconds, got {self.poll_interval}")
+        if not self.net_timeout >= 2:
+            raise ConfigError(f"net timeout: must be >= 2 seconds, got {self.net_timeout}")
+        if not self.stall_timeout > 0:
+            raise ConfigError(f"stall timeout: must be > 0 seconds, got {self.stall_timeout}")
         if self.grace < 0:
             raise ConfigError(f"grace: must be >= 0 seconds, got {self.grace}")
         # The sink must answer before PostgreSQL ends the batch's session.

@@ -49,3 +49,26 @@ def secrets_in_argv(argv: list[str]) -> list[str]:
         if sep and value and any(word in key.lower() for word in ("password", "secret", "pem", "token")):
             found.append(value)
     return found
+
+
+# libpq settings that make a dead peer (a blackhole, a half-open connection) an error within
+# seconds instead of the kernel's two hours: keepalive probes on idle connections, and
+# tcp_user_timeout on data (or probes) left unacknowledged. A DSN that sets one keeps its own.
+KEEPALIVE_IDLE = 5  # seconds of silence before the first probe
+KEEPALIVE_INTERVAL = 2  # seconds between probes
+
+
+def with_net_timeouts(dsn: str, timeout: float) -> str:
+    """``dsn`` plus connect_timeout, keepalives and tcp_user_timeout for a dead peer to be
+    noticed within about ``timeout`` seconds; settings the DSN already has are left alone."""
+    given = conninfo_to_dict(dsn)
+    wanted: dict[str, str] = {
+        "connect_timeout": str(max(2, round(timeout))),
+        "keepalives": "1",
+        "keepalives_idle": str(KEEPALIVE_IDLE),
+        "keepalives_interval": str(KEEPALIVE_INTERVAL),
+        "keepalives_count": str(max(1, round((timeout - KEEPALIVE_IDLE) / KEEPALIVE_INTERVAL))),
+        "tcp_user_timeout": str(int(timeout * 1000)),
+    }
+    missing = {k: v for k, v in wanted.items() if k not in given}
+    return make_conninfo(dsn, **missing) if missing else dsn

@@ -36,6 +36,7 @@ from outbox import tracing
 from outbox.batch import Batch, BatchResult
 from outbox.conditions import Condition
 from outbox.config import RelayConfig
+from outbox.dsn import with_net_timeouts
 from outbox.errors import FencingError
 from outbox.hygiene import Hygiene
 from outbox.listener import Listener
@@ -98,7 +99,9 @@ class Relay:
         self._sink: Sink | None = None
         self._stop = threading.Event()
         self._wakeup = threading.Event()
-        self.sessions = Sessions(config.dsn, lease=config.lease, stop=self._stop)
+        # Every connection of the relay notices a dead peer within net_timeout seconds.
+        self._dsn = with_net_timeouts(config.dsn, config.net_timeout)
+        self.sessions = Sessions(self._dsn, lease=config.lease, stop=self._stop)
         self._in_flight: list[Batch] = []
         self._more_work = True  # claim at once on start
         self._next_poll = 0.0
@@ -120,6 +123,11 @@ class Relay:
         self._health: HealthServer | None = None
         # Retries batch after batch are one problem, not a line per batch.
         self.delivery = Condition(log, "delivery", "deliveries failing")
+        # The watchdog behind /readyz: when the loop last completed a claim or a heartbeat,
+        # and when a sink last reported on a batch (monotonic seconds).
+        self._loop_progress = time.monotonic()
+        self._sink_progress = time.monotonic()
+        self._waiting = 0  # events in flight awaiting a report, at the last loop step
 
     # -- public -----------------------------------------------------------------
 
@@ -175,11 +183,39 @@ class Relay:
             return False, "database unreachable" + detail
         if trouble:
             return False, f"sink down: {trouble[0]}" + detail
+        stalled = self.stalled()
+        if stalled:
+            return False, stalled + detail
         return True, "ready" + detail
+
+    def stalled(self) -> str | None:
+        """Why the relay is making no progress though nothing reported an error, or None.
+
+        The loop completes a claim or a heartbeat (every ownership lease / 5) at least every
+        few seconds; a statement that hangs on a silent network stops both. With batches in
+        flight, a sink reports on one at least every delivery timeout; a silent broker stops
+        that."""
+        now = time.monotonic()
+        limit = self.config.stall_timeout
+        loop_age = now - self._loop_progress
+        if loop_age > max(limit, 2 * self.config.poll_interval):
+            return f"stalled: no claim or heartbeat completed for {loop_age:.0f} s"
+        if self._in_flight:
+            oldest = min(b.claimed_at for b in self._in_flight)
+            quiet = now - max(self._sink_progress, oldest)
+            if quiet > limit:
+                return (
+                    f"stalled: {len(self._in_flight)} batches in flight, no delivery report for {quiet:.0f} s"
+                )
+        return None
 
     # -- the loop ---------------------------------------------------------------
 
     def _step(self) -> None:
+        waiting = sum(b.waiting for b in self._in_flight)
+        if waiting != self._waiting:  # a sink reported (or a batch came or went)
+            self._waiting = waiting
+            self._sink_progress = time.monotonic()
         self._finish_complete_batches()
         if self._sink is None or not self._sink.healthy():
             self._replace_sink()
@@ -226,6 +262,7 @@ class Relay:
             self.sessions.lost(conn, f"claim failed: {self.sessions.clean(exc)}")
             return 0
         self.sessions.database.ok()  # the claim went through, empty or not
+        self._loop_progress = time.monotonic()
         self.stats.claims += 1
         if not rows:
             self.sessions.give_back(conn)
@@ -386,6 +423,8 @@ class Relay:
         lost_before = self.ordering.lost_partitions
         if self.ordering.tick(pids, (id(b) for b in self._in_flight)):
             self._wakeup.set()  # new partitions: there may be work right now
+        if not self.ordering.heartbeat.active:
+            self._loop_progress = time.monotonic()
         self.metrics.owned_partitions.set(len(self.ordering.owned))
         self.metrics.partitions_lost.inc((), self.ordering.lost_partitions - lost_before)
 
@@ -415,7 +454,7 @@ class Relay:
     def _start(self) -> None:
         config = self.config
         if config.metrics_port is not None:
-            gauges = DatabaseGauges(config.dsn, config.schema, self.metrics)
+            gauges = DatabaseGauges(self._dsn, config.schema, self.metrics)
             self._health = HealthServer(
                 config.metrics_host, config.metrics_port, self.metrics, gauges, self.ready
             ).start()
@@ -423,10 +462,10 @@ class Relay:
         self._sink = self._new_sink()
         self._heartbeat()  # join and take a share of the partitions before the first claim
         if config.vacuum:
-            self._hygiene = Hygiene(config.dsn, config.schema, self._stop, threshold=config.vacuum_threshold)
+            self._hygiene = Hygiene(self._dsn, config.schema, self._stop, threshold=config.vacuum_threshold)
             self._hygiene.start()
         if config.notify:
-            self._listener = Listener(config.dsn, config.schema, self._wakeup, self._stop)
+            self._listener = Listener(self._dsn, config.schema, self._wakeup, self._stop)
             self._listener.start()
         log.info(
             "relay %s started: schema=%s ordering=%s on-dead=%s batch=%d in-flight batches=%d "

@@ -60,6 +60,11 @@ DEFAULT_CONFIG: dict[str, Any] = {
     "batch.num.messages": 10000,
     "queue.buffering.max.messages": 500000,
     "queue.buffering.max.kbytes": 1048576,
+    # A silent broker (a blackhole, a half-open connection) is an error in 10 s, not 60:
+    # librdkafka then reports the broker down and the relay's readiness follows.
+    "socket.timeout.ms": 10000,
+    "socket.keepalive.enable": True,
+    "socket.connection.setup.timeout.ms": 10000,
 }
 
 BUFFER_FULL_WAIT = 0.05  # seconds between polls while the client's queue is full

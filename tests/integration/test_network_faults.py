@@ -1,0 +1,83 @@
+"""A network that fails silently: the relay's PostgreSQL traffic frozen by a loopback proxy
+(sockets open, no bytes, no reset) while writers keep committing straight to PostgreSQL.
+/readyz must turn 503 within 15 s and say why, /livez stay 200; when the network heals the
+relay is ready again and drains the backlog, and nothing is lost or archived twice."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import psycopg
+from psycopg import sql
+from psycopg.conninfo import conninfo_to_dict, make_conninfo
+
+import outbox
+from outbox.config import RelayConfig
+from outbox.harness.proxy import Proxy
+from tests.helpers import count, http_get, running_relay, wait_for
+
+READY_WITHIN = 15.0  # seconds from the blackhole to /readyz 503 (the issue's target)
+FROZEN = 25.0  # seconds the network stays silent
+
+
+def _writer(dsn: str, schema: str, topic: str, stop: threading.Event, written: list[int]) -> None:
+    """About 50 transactions a second, straight to PostgreSQL (not through the proxy)."""
+    with psycopg.connect(dsn) as conn:
+        i = 0
+        while not stop.is_set():
+            outbox.enqueue(conn, topic, {"i": i}, key=f"k{i % 10}", schema=schema)
+            conn.commit()
+            written.append(i)
+            i += 1
+            time.sleep(0.02)
+
+
+def test_a_postgres_blackhole_turns_readyz_503_in_time_and_heals_without_loss(
+    pg_dsn: str, schema: str, kafka: str, topic: str
+) -> None:
+    target = conninfo_to_dict(pg_dsn)
+    proxy = Proxy(str(target.get("host") or "127.0.0.1"), int(target.get("port") or 5432)).start()
+    relay_dsn = make_conninfo(pg_dsn, host="127.0.0.1", port=str(proxy.port))
+    config = RelayConfig(relay_dsn, schema=schema, metrics_port=0, poll_interval=0.2)
+    stop = threading.Event()
+    written: list[int] = []
+    writer = threading.Thread(target=_writer, args=(pg_dsn, schema, topic, stop, written))
+    try:
+        with running_relay(config, bootstrap=kafka) as relay:
+            writer.start()
+            wait_for(lambda: relay.stats.delivered > 50, timeout=30, what="flowing")
+            port = relay._health.port  # type: ignore[union-attr]
+            assert http_get(port, "/readyz")[0] == 200
+
+            proxy.freeze()
+            frozen_at = time.monotonic()
+            _, body = wait_for(
+                lambda: (lambda r: r if r[0] == 503 else None)(http_get(port, "/readyz")),
+                timeout=READY_WITHIN + 5,
+                what="/readyz 503",
+            )
+            not_ready_after = time.monotonic() - frozen_at
+            assert not_ready_after <= READY_WITHIN, f"/readyz 503 after {not_ready_after:.1f} s"
+            assert body.startswith(("stalled:", "database unreachable")), body
+            assert http_get(port, "/livez")[0] == 200, "waiting for the network is not a reason to restart"
+            time.sleep(max(0.0, FROZEN - (time.monotonic() - frozen_at)))
+
+            proxy.heal()
+            healed_at = time.monotonic()
+            wait_for(lambda: http_get(port, "/readyz")[0] == 200, timeout=60, what="/readyz 200 again")
+            stop.set()
+            writer.join(10)
+            wait_for(lambda: count(pg_dsn, schema, "events") == 0, timeout=90, what="backlog drained")
+            drained_after = time.monotonic() - healed_at
+    finally:
+        stop.set()
+        proxy.stop()
+    with psycopg.connect(pg_dsn) as conn:
+        row = conn.execute(
+            sql.SQL("SELECT count(*), count(DISTINCT event_id) FROM {}.delivered").format(
+                sql.Identifier(schema)
+            )
+        ).fetchone()
+    assert row == (len(written), len(written)), "every committed event archived exactly once"
+    print(f"readyz 503 after {not_ready_after:.1f} s; drained {drained_after:.1f} s after healing")
