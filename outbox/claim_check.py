@@ -31,7 +31,7 @@ from urllib.parse import parse_qs, urlsplit
 
 import psycopg
 
-from outbox.dsn import redact
+from outbox.dsn import redact, scrub, secrets_of
 from outbox.errors import ConfigError, OutboxError
 from outbox.events import CLAIM_CHECK_HEADER, ClaimedEvent
 from outbox.queries import query
@@ -77,7 +77,8 @@ class PostgresStore:
                     self._dsn, autocommit=True, application_name="outbox-claim-check"
                 )
             except psycopg.OperationalError as exc:
-                raise StoreUnavailable(f"cannot connect to {redact(self._dsn)}: {_first_line(exc)}") from None
+                why = scrub(_first_line(exc), secrets_of(self._dsn))
+                raise StoreUnavailable(f"cannot connect to {redact(self._dsn)}: {why}") from None
         return self._conn
 
     def _run(self, name: str, params: Any) -> psycopg.Cursor[Any]:
@@ -86,7 +87,7 @@ class PostgresStore:
             return conn.execute(query(name, self.schema), params)
         except psycopg.OperationalError as exc:
             conn.close()
-            raise StoreUnavailable(_first_line(exc)) from None
+            raise StoreUnavailable(scrub(_first_line(exc), secrets_of(self._dsn))) from None
         except psycopg.errors.UndefinedTable:
             raise ConfigError(
                 f"--claim-check-store: schema {self.schema!r} has no claim_checks table; run `outbox migrate`"

@@ -15,6 +15,7 @@ from outbox.claim_check import Store, open_store
 from outbox.cli import options
 from outbox.cli.common import Common, add_common, connect, schema_of
 from outbox.config import RelayConfig
+from outbox.dsn import with_net_timeouts
 from outbox.errors import ConfigError, RelayFailed
 from outbox.migrate import require_migrated
 from outbox.relay import Relay, tune_gc
@@ -209,7 +210,7 @@ def claim_check_of(args: argparse.Namespace, config: RelayConfig) -> tuple[Store
         raise ConfigError(f"{given}: needs {missing} too")
     if over < 1:
         raise ConfigError(f"--claim-check-over: must be >= 1 byte, got {over}")
-    return open_store(url, dsn=config.dsn, schema=config.schema), over
+    return open_store(url, dsn=with_net_timeouts(config.dsn, config.net_timeout), schema=config.schema), over
 
 
 def cmd_relay(args: argparse.Namespace) -> int:
