@@ -29,7 +29,10 @@ a SIGKILL: the connections close) or at most its batch lease has passed (a
 stalled process: PostgreSQL ends its idle transaction). Until then no one
 claims from it, so a stale row lock can never make the new owner skip ahead of
 an undelivered event. The claim query checks the lease itself, so a relay
-whose lease expired claims nothing even before it notices.
+whose lease expired claims nothing even before it notices. A relay that takes
+back its *own* partitions after a network outage is fenced only by the sessions
+it lost (pid + start time, from :class:`~outbox.sessions.Sessions`), which it
+ends itself: it does not wait out the batch lease behind sessions it knows.
 
 Key holds
 ---------
@@ -44,6 +47,7 @@ counts, per key, the in-flight batches that hold it.
 
 from __future__ import annotations
 
+import datetime as dt
 import logging
 import time
 import uuid
@@ -141,14 +145,21 @@ class Ordering:
     def seconds_until_due(self) -> float:
         return max(0.0, self._next - time.monotonic())
 
-    def tick(self, backend_pids: Iterable[int], in_flight: Iterable[int]) -> bool:
+    def tick(
+        self,
+        backend_pids: Iterable[int],
+        in_flight: Iterable[int],
+        stale: list[tuple[int, dt.datetime]] | None = None,
+    ) -> bool:
         """Heartbeat: membership, renewals, hand-overs, acquisitions. Never raises.
 
+        ``stale``: this relay's lost sessions (pid, start), which may live on in the server
+        with row locks; they are ended, and the list is emptied once they are gone.
         Returns True when partitions were acquired (there may be work at once).
         """
         self._next = time.monotonic() + self.interval
         try:
-            acquired = self._tick(list(backend_pids), set(in_flight))
+            acquired = self._tick(list(backend_pids), set(in_flight), stale if stale is not None else [])
         except psycopg.Error as exc:
             self.heartbeat.fail(str(exc))
             if self._conn is not None:
@@ -158,13 +169,21 @@ class Ordering:
         self.heartbeat.ok()
         return acquired
 
-    def _tick(self, pids: list[int], in_flight: set[int]) -> bool:
+    def _tick(self, pids: list[int], in_flight: set[int], stale: list[tuple[int, dt.datetime]]) -> bool:
         if self._conn is None or self._conn.closed:
             self._conn = self._connect()
             self._conn.autocommit = True
         conn = self._conn
         s = self.schema
         ttl = self.lease
+        lost = {
+            "stale_pids": int_array(pid for pid, _ in stale),
+            "stale_starts": [started for _, started in stale],
+        }
+        if stale:
+            row = conn.execute(query("end_stale_sessions", s), lost).fetchone()
+            if row is not None and row[0]:
+                log.info("ended %d of this relay's sessions lost in a network outage", row[0])
         conn.execute(
             query("relay_heartbeat", s),
             {
@@ -179,12 +198,12 @@ class Ordering:
         if self.ordering != "key":
             return False
         renewed = conn.execute(query("renew_partitions", s), {"me": self.id, "ttl": ttl}).fetchall()
-        lost = self.owned - {p for p, _ in renewed}
-        if lost:
-            self.lost_partitions += len(lost)
+        taken = self.owned - {p for p, _ in renewed}
+        if taken:
+            self.lost_partitions += len(taken)
             log.warning(
                 "lost ownership of partitions %s (lease expired)",
-                sorted(lost),
+                sorted(taken),
                 extra={"event": "ownership.lost"},
             )
         self.owned = {p for p, _ in renewed}
@@ -197,7 +216,7 @@ class Ordering:
             for p in ready:
                 self._releasing.pop(p, None)
             log.info("handed over partitions %s", sorted(ready))
-        conn.execute(query("unfence_partitions", s), {"me": self.id})
+        conn.execute(query("unfence_partitions", s), {"me": self.id, **lost})
         live = [r[0] for r in conn.execute(query("live_relays", s)).fetchall()]
         share = fair_share(PARTITIONS, live, self.id)
         keeping = self.owned - releasing
@@ -211,12 +230,22 @@ class Ordering:
         elif len(self.owned) < share:
             got = conn.execute(
                 query("acquire_partitions", s),
-                {"me": self.id, "ttl": ttl, "count": share - len(self.owned), "max_lease": self.batch_lease},
+                {
+                    "me": self.id,
+                    "ttl": ttl,
+                    "count": share - len(self.owned),
+                    "max_lease": self.batch_lease,
+                    **lost,
+                },
             ).fetchall()
             if got:
                 self.owned |= {r[0] for r in got}
                 log.info("acquired partitions %s", sorted(r[0] for r in got))
         conn.execute(query("forget_relays", s))
+        if stale:
+            row = conn.execute(query("stale_sessions_alive", s), lost).fetchone()
+            if row is not None and not row[0]:
+                stale.clear()  # all gone: nothing of ours can hold a row lock any more
         return bool(got)
 
     def release_all(self) -> None:

@@ -421,7 +421,7 @@ class Relay:
         conns = [b.conn for b in self._in_flight] + ([extra] if extra is not None else [])
         pids = self.sessions.idle_pids() + [c.info.backend_pid for c in conns if not c.closed]
         lost_before = self.ordering.lost_partitions
-        if self.ordering.tick(pids, (id(b) for b in self._in_flight)):
+        if self.ordering.tick(pids, (id(b) for b in self._in_flight), self.sessions.stale):
             self._wakeup.set()  # new partitions: there may be work right now
         if not self.ordering.heartbeat.active:
             self._loop_progress = time.monotonic()

@@ -17,8 +17,10 @@ connecting starts failing, a summary a minute, one line when it works again.
 from __future__ import annotations
 
 import contextlib
+import datetime as dt
 import logging
 import threading
+import weakref
 from typing import Any
 
 import psycopg
@@ -26,6 +28,7 @@ from tenacity import Retrying, retry_if_exception_type, stop_when_event_set, wai
 
 from outbox.conditions import Condition
 from outbox.dsn import scrub, secrets_of
+from outbox.queries import query
 
 log = logging.getLogger("outbox.relay")
 
@@ -42,6 +45,12 @@ class Sessions:
         self._lease_ms = int(lease * 1000)
         self._stop = stop
         self._idle: list[psycopg.Connection[Any]] = []
+        # connection -> (backend pid, backend start) of every open session; lost ones move to
+        # ``stale`` (pid + start identify a backend: pids are reused).
+        self._started: weakref.WeakKeyDictionary[psycopg.Connection[Any], tuple[int, dt.datetime]] = (
+            weakref.WeakKeyDictionary()
+        )
+        self.stale: list[tuple[int, dt.datetime]] = []
         self.database = Condition(log, "database", "cannot reach PostgreSQL")
 
     def clean(self, exc: BaseException | None) -> str:
@@ -51,12 +60,21 @@ class Sessions:
     def connect(self) -> psycopg.Connection[Any]:
         """A new session with the relay's settings (raises on failure)."""
         ms = self._lease_ms
-        return psycopg.connect(
+        conn = psycopg.connect(
             self._dsn,
             autocommit=False,
             application_name=APPLICATION_NAME,
             options=f"-c idle_in_transaction_session_timeout={ms} -c statement_timeout={ms} -c jit=off",
         )
+        try:
+            row = conn.execute(query("backend_start", "public")).fetchone()
+            conn.rollback()
+        except psycopg.Error:
+            conn.close()
+            raise
+        if row is not None:
+            self._started[conn] = (conn.info.backend_pid, row[0])
+        return conn
 
     def take(self) -> tuple[psycopg.Connection[Any] | None, bool]:
         """A free session and whether it is new; (None, False) if stopping while reconnecting."""
@@ -84,17 +102,26 @@ class Sessions:
         """The one place a session returns to the idle list (a closed one is dropped)."""
         if not conn.closed:
             self._idle.append(conn)
+        else:
+            self._forget(conn)
 
     def lost(self, conn: psycopg.Connection[Any], error: str) -> None:
         """A session failed while the database was needed: close it, count it toward the outage."""
         self.database.fail(error)
         self.discard(conn)
 
-    @staticmethod
-    def discard(conn: psycopg.Connection[Any]) -> None:
+    def discard(self, conn: psycopg.Connection[Any]) -> None:
         """Close a session that cannot be used again (ended by the server, broken)."""
         with contextlib.suppress(psycopg.Error):
             conn.close()
+        self._forget(conn)
+
+    def _forget(self, conn: psycopg.Connection[Any]) -> None:
+        """A closed session may live on in the server (its end never arrived: a blackhole),
+        idle in a transaction with row locks: remember it until it is seen gone."""
+        started = self._started.pop(conn, None)
+        if started is not None:
+            self.stale.append(started)
 
     def idle_pids(self) -> list[int]:
         return [c.info.backend_pid for c in self._idle if not c.closed]
@@ -103,4 +130,5 @@ class Sessions:
         for conn in self._idle:
             with contextlib.suppress(psycopg.Error):
                 conn.close()
+            self._started.pop(conn, None)
         self._idle = []

@@ -42,6 +42,13 @@ SET owner = %(me)s,
     previous_owner = f.previous,
     fenced_until = CASE
         WHEN f.previous IS NULL THEN NULL
+        -- Its own partitions back (its lease lapsed in an outage): only the sessions it lost
+        -- may hold row locks; it has just ended them, and its live sessions are its own.
+        WHEN f.previous = %(me)s THEN CASE WHEN EXISTS (
+            SELECT 1 FROM pg_stat_activity AS a
+            JOIN unnest(%(stale_pids)s::text::integer[], %(stale_starts)s::timestamptz[]) AS st(pid, started)
+              ON a.pid = st.pid AND a.backend_start = st.started)
+            THEN now() + %(max_lease)s * interval '1 second' END
         WHEN NOT EXISTS (
             SELECT 1 FROM {schema}.relays AS r JOIN pg_stat_activity AS a ON a.pid = ANY(r.backend_pids)
             WHERE r.id = f.previous) THEN NULL
@@ -53,12 +60,38 @@ WHERE p.partition = f.partition
 RETURNING p.partition
 
 -- name: unfence_partitions
--- Lift the fence early once the previous owner's sessions are all gone.
+-- Lift the fence early once the previous owner's sessions are all gone (this relay's own:
+-- the sessions it lost).
 UPDATE {schema}.partitions AS p SET fenced_until = NULL
 WHERE p.owner = %(me)s AND p.fenced_until > now()
-  AND NOT EXISTS (
+  AND CASE WHEN p.previous_owner = %(me)s
+      THEN NOT EXISTS (
+        SELECT 1 FROM pg_stat_activity AS a
+        JOIN unnest(%(stale_pids)s::text::integer[], %(stale_starts)s::timestamptz[]) AS st(pid, started)
+          ON a.pid = st.pid AND a.backend_start = st.started)
+      ELSE NOT EXISTS (
         SELECT 1 FROM {schema}.relays AS r JOIN pg_stat_activity AS a ON a.pid = ANY(r.backend_pids)
-        WHERE r.id = p.previous_owner)
+        WHERE r.id = p.previous_owner) END
+
+-- name: end_stale_sessions
+-- End this relay's sessions that it lost (a blackhole, a half-open connection) but that the
+-- server still runs, maybe idle in a transaction with row locks; identified by pid and start
+-- time, so a reused pid is never touched. Returns how many it signalled.
+SELECT count(*) FILTER (WHERE pg_terminate_backend(a.pid))
+FROM pg_stat_activity AS a
+JOIN unnest(%(stale_pids)s::text::integer[], %(stale_starts)s::timestamptz[]) AS st(pid, started)
+  ON a.pid = st.pid AND a.backend_start = st.started
+
+-- name: stale_sessions_alive
+-- How many of this relay's lost sessions the server still runs.
+SELECT count(*)
+FROM pg_stat_activity AS a
+JOIN unnest(%(stale_pids)s::text::integer[], %(stale_starts)s::timestamptz[]) AS st(pid, started)
+  ON a.pid = st.pid AND a.backend_start = st.started
+
+-- name: backend_start
+-- This session's start time (with its pid, identifies it if it is ever lost).
+SELECT backend_start FROM pg_stat_activity WHERE pid = pg_backend_pid()
 
 -- name: mark_releasing
 -- Stop claiming from some partitions (handed over once in-flight batches finish).
