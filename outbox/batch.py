@@ -137,6 +137,7 @@ class Batch:
         retry_ids: list[int] = []
         retry_delays: list[float] = []
         retry_errors: list[str] = []
+        retry_kinds: list[str] = []
         dead_ids: list[int] = []
         dead_errors: list[str] = []
         for i, outcome in enumerate(self.outcomes):
@@ -165,6 +166,7 @@ class Batch:
                         delay = max(delay, min(outcome.delay, policy.cap))
                     retry_delays.append(delay)
                     retry_errors.append(cap_error(outcome.reason))
+                    retry_kinds.append(outcome.kind)
                     tr.retried += 1
                     continue
                 reason = cap_error(f"gave up after {made} attempts: {outcome.reason}")
@@ -192,7 +194,12 @@ class Batch:
             if retry_ids:
                 cur = conn.execute(
                     query("schedule_retry", schema),
-                    {"ids": int_array(retry_ids), "delays": retry_delays, "errors": retry_errors},
+                    {
+                        "ids": int_array(retry_ids),
+                        "delays": retry_delays,
+                        "errors": retry_errors,
+                        "kinds": retry_kinds,
+                    },
                 )
                 _check_rows(cur.rowcount, len(retry_ids), "retry")
             if dead_ids:

@@ -49,9 +49,11 @@ def tansu_binary() -> str:
 class Broker:
     """A Tansu broker on a loopback port. ``stop()`` and ``start()`` keep the port."""
 
-    def __init__(self, port: int | None = None) -> None:
+    def __init__(self, port: int | None = None, *, advertised_port: int | None = None) -> None:
+        """``advertised_port``: the port clients are told to use (a proxy in front of it)."""
         self.port = port or free_port()
-        self.bootstrap = f"127.0.0.1:{self.port}"
+        self.advertised_port = advertised_port or self.port
+        self.bootstrap = f"127.0.0.1:{self.advertised_port}"
         self._proc: subprocess.Popen[bytes] | None = None
         self._log: Any = None
 
@@ -65,7 +67,7 @@ class Broker:
                 "--listener-url",
                 url,
                 "--advertised-listener-url",
-                url,
+                f"tcp://127.0.0.1:{self.advertised_port}",
                 "--storage-engine",
                 "memory://tansu/",
             ],

@@ -45,7 +45,7 @@ from outbox.ordering import Ordering
 from outbox.queries import query
 from outbox.sessions import Sessions
 from outbox.sinks import router
-from outbox.sinks.base import Sink
+from outbox.sinks.base import UNREACHABLE_KINDS, Sink
 from outbox.sinks.chains import KeyChains
 
 __all__ = ["Relay", "RelayConfig", "RelayStats"]
@@ -128,6 +128,7 @@ class Relay:
         self._loop_progress = time.monotonic()
         self._sink_progress = time.monotonic()
         self._waiting = 0  # events in flight awaiting a report, at the last loop step
+        self._sinks_were_down = False  # a sink was down since the last "retry now"
 
     # -- public -----------------------------------------------------------------
 
@@ -221,6 +222,7 @@ class Relay:
             self._replace_sink()
         if self.ordering.due():
             self._heartbeat()
+            self._sinks_back()
         now = time.monotonic()
         if now >= self._next_maintenance:
             self._maintain_partitions()
@@ -427,6 +429,41 @@ class Relay:
             self._loop_progress = time.monotonic()
         self.metrics.owned_partitions.set(len(self.ordering.owned))
         self.metrics.partitions_lost.inc((), self.ordering.lost_partitions - lost_before)
+
+    def _sinks_back(self) -> None:
+        """With each heartbeat of the loop: probe the sinks counted down; when every sink answers again after
+        an outage, the events that failed only for that are due at once, not after their backoff."""
+        sink = self._sink
+        if sink is None:
+            return
+        down = False
+        for each in router.sinks_of(sink):
+            inner = router.unwrap(each)
+            if getattr(inner, "trouble", None) is not None and inner.trouble():
+                if hasattr(inner, "probe"):
+                    inner.probe()
+                down = down or bool(inner.trouble())
+        if down:
+            self._sinks_were_down = True
+            return
+        if not self._sinks_were_down:
+            return
+        conn = self._session()
+        if conn is None:
+            return
+        try:
+            n = conn.execute(
+                query("retry_unreachable_now", self.config.schema), {"kinds": sorted(UNREACHABLE_KINDS)}
+            ).rowcount
+            conn.commit()
+        except psycopg.Error as exc:
+            self.sessions.lost(conn, f"retrying after the outage failed: {self.sessions.clean(exc)}")
+            return
+        self.sessions.give_back(conn)
+        self._sinks_were_down = False
+        if n > 0:
+            log.info("sinks answer again: %d events that failed to reach them are due now", n)
+            self._wakeup.set()
 
     def _maintain_partitions(self) -> None:
         self._next_maintenance = time.monotonic() + PARTITION_MAINTENANCE

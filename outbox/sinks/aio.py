@@ -34,6 +34,7 @@ False and the router wraps them in :class:`~outbox.sinks.chains.KeyChains`.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import threading
 import time
@@ -139,6 +140,7 @@ class AsyncSink:
         self._reconnect_at = 0.0
         self._backoff = RECONNECT_MIN
         self._down_reason = ""
+        self._probe: concurrent.futures.Future[None] | None = None  # a reconnect while down
         self.condition = Condition(log, self.scheme, f"cannot reach {self.name}")
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(
@@ -195,6 +197,22 @@ class AsyncSink:
 
     def healthy(self) -> bool:
         return self._thread.is_alive()
+
+    def probe(self) -> None:
+        """While the sink counts as down, connect again (on its loop, not waiting): a connection
+        that opens ends the outage before any event is due again."""
+        if not self.condition.active or not self._loop.is_running():
+            return
+        if self._probe is not None and self._probe.done():
+            if not self._probe.cancelled() and self._probe.exception() is None and self.condition.active:
+                self._loop.call_soon_threadsafe(self.confirmed)
+            self._probe = None
+        if self._probe is None:
+            self._probe = asyncio.run_coroutine_threadsafe(self._reachable(), self._loop)
+
+    async def _reachable(self) -> None:
+        self._reconnect_at = 0.0  # a probe does not wait out the reconnect backoff
+        await self.client()
 
     def trouble(self) -> str | None:
         """Why the sink is down now, or None (for /readyz)."""

@@ -82,6 +82,23 @@ Report = Callable[[Outcome], None]
 # Kinds the relay itself assigns (sinks add their own).
 CORRUPT_EVENT = "corrupt_event"
 
+# Retry kinds that mean "the sink could not be reached", not "it refused this event": when the
+# sink answers again, events that last failed so are retried at once (Relay._sinks_back).
+UNREACHABLE_KINDS = frozenset(
+    {
+        "unavailable",  # an asyncio sink's connection is down (sinks/aio.py)
+        "timeout",  # no confirmation in time (asyncio sinks, webhooks)
+        "_MSG_TIMED_OUT",  # Kafka: not acknowledged within the delivery timeout
+        "_TIMED_OUT",
+        "_TRANSPORT",
+        "_ALL_BROKERS_DOWN",
+        "_RESOLVE",
+        "NETWORK_EXCEPTION",
+        "REQUEST_TIMED_OUT",
+        "claim_check_store",  # the claim-check store was unreachable
+    }
+)
+
 
 class Sink(Protocol):
     def produce(self, event: ClaimedEvent, report: Report) -> Outcome | None:

@@ -68,6 +68,7 @@ DEFAULT_CONFIG: dict[str, Any] = {
 }
 
 BUFFER_FULL_WAIT = 0.05  # seconds between polls while the client's queue is full
+PROBE_TIMEOUT = 0.5  # seconds a metadata request may take when probing brokers counted down
 
 # Secret-bearing librdkafka settings: never logged.
 SECRET_KEYS = frozenset(
@@ -265,6 +266,17 @@ class KafkaSink:
             return
         self._fatal = f"{err.name()}: {err.str()}" if err is not None else str(exc)
         log.error("kafka producer fatal error: %s", self._fatal, extra={"event": "kafka.fatal"})
+
+    def probe(self) -> None:
+        """While the brokers count as unreachable, ask one for metadata (at most
+        PROBE_TIMEOUT): an answer ends the outage before any event is due again."""
+        if not self.broker.active or self._fatal is not None:
+            return
+        try:
+            self._producer.list_topics(timeout=PROBE_TIMEOUT)
+        except KafkaException:
+            return
+        self.broker.ok()
 
     def trouble(self) -> str | None:
         """Why the sink cannot deliver now, or None (for /readyz)."""

@@ -145,6 +145,11 @@ def shape_of(sink: Sink, topic: str) -> tuple[str, dict[str, Any]]:
     return sink.span_shape(topic) if isinstance(sink, Router) else span_shape(sink, topic)
 
 
+def sinks_of(sink: Sink) -> list[Sink]:
+    """The sinks behind ``sink``: a Router's, or itself."""
+    return list(sink.sinks) if isinstance(sink, Router) else [sink]
+
+
 def health(sink: Sink) -> list[tuple[str, str | None]]:
     """(name, why it is down now or None) of each sink behind ``sink`` (a Router's, or itself)."""
     out = []

@@ -77,9 +77,18 @@ UPDATE {schema}.events AS e
 SET attempts = e.attempts + 1,
     available_at = clock_timestamp() + r.delay * interval '1 second',
     last_error = r.error,
+    last_error_kind = r.kind,
     first_failed_at = coalesce(e.first_failed_at, clock_timestamp())
-FROM unnest(%(ids)s::text::bigint[], %(delays)s::float8[], %(errors)s::text[]) AS r(id, delay, error)
+FROM unnest(%(ids)s::text::bigint[], %(delays)s::float8[], %(errors)s::text[], %(kinds)s::text[])
+     AS r(id, delay, error, kind)
 WHERE e.id = r.id
+
+-- name: retry_unreachable_now
+-- The sinks answer again: events whose last attempt failed only because a sink could not be
+-- reached are due now, not at the end of their backoff. Returns how many.
+UPDATE {schema}.events
+SET available_at = now()
+WHERE attempts > 0 AND available_at > now() AND last_error_kind = ANY(%(kinds)s::text[])
 
 -- name: dead_letter
 -- Move events that can never be delivered to dead_letters with their reason;

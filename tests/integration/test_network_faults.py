@@ -1,7 +1,8 @@
-"""A network that fails silently: the relay's PostgreSQL traffic frozen by a loopback proxy
-(sockets open, no bytes, no reset) while writers keep committing straight to PostgreSQL.
-/readyz must turn 503 within 15 s and say why, /livez stay 200; when the network heals the
-relay is ready again and drains the backlog, and nothing is lost or archived twice."""
+"""A network that fails silently: the relay's PostgreSQL traffic, or its broker's, frozen by a
+loopback proxy (sockets open, no bytes, no reset) while writers keep committing straight to
+PostgreSQL. /readyz must turn 503 within 15 s and say why, /livez stay 200; when the network
+heals the relay is ready again and drains the backlog (for the broker: without waiting out the
+failed events' backoff), and nothing is lost or archived twice."""
 
 from __future__ import annotations
 
@@ -14,7 +15,9 @@ from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 import outbox
 from outbox.config import RelayConfig
+from outbox.embedded import Broker, free_port
 from outbox.harness.proxy import Proxy
+from outbox.retry import RetryPolicy
 from tests.helpers import count, http_get, running_relay, wait_for
 
 READY_WITHIN = 15.0  # seconds from the blackhole to /readyz 503 (the issue's target)
@@ -73,6 +76,67 @@ def test_a_postgres_blackhole_turns_readyz_503_in_time_and_heals_without_loss(
     finally:
         stop.set()
         proxy.stop()
+    with psycopg.connect(pg_dsn) as conn:
+        row = conn.execute(
+            sql.SQL("SELECT count(*), count(DISTINCT event_id) FROM {}.delivered").format(
+                sql.Identifier(schema)
+            )
+        ).fetchone()
+    assert row == (len(written), len(written)), "every committed event archived exactly once"
+    print(f"readyz 503 after {not_ready_after:.1f} s; drained {drained_after:.1f} s after healing")
+
+
+def test_a_broker_blackhole_turns_readyz_503_and_retries_resume_when_it_answers(
+    pg_dsn: str, schema: str, topic: str
+) -> None:
+    """The broker behind a proxy that freezes (clients are told the proxy's port). Events that
+    fail because the broker cannot be reached have a 30 s backoff here; once the broker answers
+    again they are due at once, so the backlog drains well before that backoff would end."""
+    broker_port = free_port()
+    proxy = Proxy("127.0.0.1", broker_port).start()
+    broker = Broker(broker_port, advertised_port=proxy.port).start()
+    slow = RetryPolicy(base=30.0, cap=60.0, max_attempts=100)
+    config = RelayConfig(
+        pg_dsn, schema=schema, metrics_port=0, poll_interval=0.2, delivery_timeout=4.0, lease=10.0, retry=slow
+    )
+    stop = threading.Event()
+    written: list[int] = []
+    writer = threading.Thread(target=_writer, args=(pg_dsn, schema, topic, stop, written))
+    try:
+        with running_relay(config, bootstrap=broker.bootstrap) as relay:
+            writer.start()
+            wait_for(lambda: relay.stats.delivered > 50, timeout=30, what="flowing")
+            port = relay._health.port  # type: ignore[union-attr]
+
+            proxy.freeze()
+            frozen_at = time.monotonic()
+            _, body = wait_for(
+                lambda: (lambda r: r if r[0] == 503 else None)(http_get(port, "/readyz")),
+                timeout=READY_WITHIN + 5,
+                what="/readyz 503",
+            )
+            not_ready_after = time.monotonic() - frozen_at
+            assert not_ready_after <= READY_WITHIN, f"/readyz 503 after {not_ready_after:.1f} s"
+            assert body.startswith(("stalled:", "sink down:")), body
+            wait_for(
+                lambda: count(pg_dsn, schema, "events", "last_error_kind = '_MSG_TIMED_OUT'") > 0,
+                timeout=30,
+                what="events failed for the unreachable broker",
+            )
+            time.sleep(max(0.0, 20.0 - (time.monotonic() - frozen_at)))
+            stop.set()
+            writer.join(10)
+
+            proxy.heal()
+            healed_at = time.monotonic()
+            wait_for(lambda: count(pg_dsn, schema, "events") == 0, timeout=28, what="backlog drained")
+            drained_after = time.monotonic() - healed_at
+            assert drained_after < 20, f"drained {drained_after:.1f} s after healing"
+            wait_for(lambda: http_get(port, "/readyz")[0] == 200, timeout=30, what="/readyz 200 again")
+    finally:
+        stop.set()
+        proxy.stop()
+        broker.stop()
     with psycopg.connect(pg_dsn) as conn:
         row = conn.execute(
             sql.SQL("SELECT count(*), count(DISTINCT event_id) FROM {}.delivered").format(
