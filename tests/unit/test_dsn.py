@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import pytest
+from psycopg.conninfo import conninfo_to_dict
 
-from outbox.dsn import redact, scrub, secrets_in_argv, secrets_of
+from outbox.dsn import redact, scrub, secrets_in_argv, secrets_of, with_net_timeouts
 
 
 @pytest.mark.parametrize(
@@ -24,3 +25,25 @@ def test_dsn_password_is_redacted(dsn: str) -> None:
 def test_secret_settings_on_the_command_line_are_found() -> None:
     argv = ["relay", "--kafka-config", "sasl.password=hunter2", "--dsn", "postgresql://u:pw@h/db"]
     assert set(secrets_in_argv(argv)) == {"hunter2", "pw"}
+
+
+def test_net_timeouts_are_added_where_the_dsn_is_silent_and_its_own_win() -> None:
+    plain = conninfo_to_dict(with_net_timeouts("host=db dbname=app", 10))
+    assert plain == {
+        "host": "db",
+        "dbname": "app",
+        "connect_timeout": "10",
+        "keepalives": "1",
+        "keepalives_idle": "5",
+        "keepalives_interval": "2",
+        "keepalives_count": "2",
+        "tcp_user_timeout": "10000",
+    }
+    own = conninfo_to_dict(
+        with_net_timeouts("postgresql://app:pw@db/app?keepalives_idle=30&connect_timeout=3", 10)
+    )
+    assert (own["keepalives_idle"], own["connect_timeout"], own["password"]) == ("30", "3", "pw")
+    assert own["tcp_user_timeout"] == "10000"
+    assert (
+        conninfo_to_dict(with_net_timeouts("", 20))["tcp_user_timeout"] == "20000"
+    )  # libpq's PG* still apply
