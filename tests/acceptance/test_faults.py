@@ -61,8 +61,9 @@ SINK_URLS = {
 @pytest.mark.slow
 @pytest.mark.parametrize("sink", SINK_URLS)
 def test_fault_scenarios_on_every_sink_lose_nothing(sink: str, pg_dsn: str, tmp_path: Path) -> None:
-    """Relays SIGKILLed in turn, and the sink taken away and given back, on each sink."""
-    chosen = ("kill", "sink-outage")
+    """Relays SIGKILLed in turn, the sink taken away and given back, and the sink's traffic
+    frozen (a blackhole: /readyz must turn 503, the backlog drain once healed), on each sink."""
+    chosen = ("kill", "sink-outage", "blackhole-sink")
     out = subprocess.run(
         [sys.executable, "-m", "outbox", "bench", "faults", "--short", "--dsn", pg_dsn,
          "--sink", SINK_URLS[sink], "--scenarios", ",".join(chosen), "--out", str(tmp_path)],

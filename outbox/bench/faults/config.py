@@ -30,6 +30,7 @@ class FaultConfig:
     kill_window: float = 60.0  # seconds of the SIGKILL loop
     kill_every: float = 4.0  # seconds between kills (jittered)
     broker_outage: float = 30.0  # seconds
+    blackhole_seconds: float = 45.0  # seconds a blackhole (traffic frozen, sockets open) lasts
     snapshot_seconds: float = 60.0
     poison_window: float = 20.0  # seconds
     soak_seconds: float = 600.0
@@ -50,6 +51,7 @@ SHORT: dict[str, Any] = {
     "kill_window": 6.0,
     "kill_every": 1.5,
     "broker_outage": 4.0,
+    "blackhole_seconds": 18.0,  # long enough for /readyz to turn (stall timeout 10 s)
     "snapshot_seconds": 4.0,
     "poison_window": 3.0,
     "soak_seconds": 16.0,

@@ -61,8 +61,10 @@ class Relays:
         extra: list[str],
         env: dict[str, str],
         route: str | None = None,
+        dsn: str | None = None,
     ) -> None:
         self.cfg, self.schema, self.name, self.extra = cfg, schema, name, extra
+        self.dsn = dsn or cfg.dsn  # the blackhole-pg scenario: through a proxy
         # --route GLOB=URL for a sink other than Kafka, else the run's Kafka cluster.
         self.sink_args = ["--route", route] if route else ["--kafka-bootstrap", cfg.bootstrap]
         self.env = {**{k: v for k, v in os.environ.items() if not k.startswith("OUTBOX_")}, **env}
@@ -81,7 +83,7 @@ class Relays:
             self.procs[index] = subprocess.Popen(
                 [
                     sys.executable, "-m", "outbox", "relay",
-                    "--dsn", cfg.dsn, "--schema", self.schema, *self.sink_args,
+                    "--dsn", self.dsn, "--schema", self.schema, *self.sink_args,
                     "--name", f"{self.name}-{index}",
                     "--lease", str(cfg.lease), "--delivery-timeout", str(cfg.delivery_timeout),
                     "--ownership-lease", str(cfg.ownership_lease),

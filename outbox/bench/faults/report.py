@@ -29,6 +29,12 @@ def _note(name: str, r: dict[str, Any]) -> str:
         parts.append(
             f"table peak {r['table_peak_mib']} MiB, end {r['table_end_mib']} MiB (heap {r['heap_end_mib']})"
         )
+    if name.startswith("blackhole"):
+        drained = _fmt_recover(r.get("drained_seconds"))
+        parts.append(
+            f"/readyz 503 after {_fmt_recover(r.get('not_ready_seconds'))} (every relay), /livez 200 "
+            f"throughout: {r.get('livez_200_throughout')}; backlog < 100 {drained} after healing"
+        )
     if r.get("stale_acks_refused"):
         parts.append(f"{r['stale_acks_refused']} stale acks refused")
     if r.get("producers_recreated"):

@@ -11,6 +11,7 @@ from typing import Any
 
 import psycopg
 from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-defined]
+from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 from outbox.bench.faults.config import FaultConfig
 from outbox.bench.faults.relays import Relays, poll_until
@@ -80,7 +81,15 @@ class Run:
         else:
             self.tap = Tap(cfg.bootstrap, self.topic)
         self.monitor = Monitor(cfg.dsn, self.schema)
-        self.relays = Relays(cfg, self.schema, name, extra or [], env or {}, route=route)
+        # The blackhole-pg scenario puts a proxy between the relays and PostgreSQL (only them:
+        # the writers, the monitor and the accounting keep their direct connections).
+        self.pg_proxy: Proxy | None = None
+        relay_dsn = None
+        if name == "blackhole-pg":
+            target = conninfo_to_dict(cfg.dsn)
+            self.pg_proxy = Proxy(str(target.get("host") or "127.0.0.1"), int(target.get("port") or 5432))
+            relay_dsn = make_conninfo(cfg.dsn, host="127.0.0.1", port=str(self.pg_proxy.port))
+        self.relays = Relays(cfg, self.schema, name, extra or [], env or {}, route=route, dsn=relay_dsn)
         self.events: list[tuple[float, str]] = []  # (time, what was done)
         self.fault_end: float | None = None
         self.expected_dead: list[Written] = []
@@ -94,6 +103,8 @@ class Run:
         with psycopg.connect(self.cfg.dsn, autocommit=True) as conn:
             migrate(conn, self.schema)
         prepare(self.cfg.dsn, self.schema)
+        if self.pg_proxy is not None:
+            self.pg_proxy.start()
         if isinstance(self.tap, SinkTap):
             self.tap.setup()
             assert self.proxy is not None
@@ -115,6 +126,8 @@ class Run:
         """Release what outlives a failed run too (the proxy, a webhook receiver)."""
         if self.proxy is not None:
             self.proxy.stop()
+        if self.pg_proxy is not None:
+            self.pg_proxy.stop()
         if isinstance(self.tap, SinkTap) and self.tap.scheme == "http":
             self.tap.teardown()
 

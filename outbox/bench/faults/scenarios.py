@@ -16,10 +16,12 @@ import psycopg
 from outbox.bench.faults.config import FaultConfig
 from outbox.bench.faults.relays import poll_until
 from outbox.bench.faults.run import MiB, Run
+from outbox.harness.proxy import Proxy
 from outbox.progress import Progress
 from outbox.queries import query
 
 Body = Callable[[Run, Progress], None]
+BACKLOG_DRAINED = 100  # pending events under which a healed blackhole counts as drained
 
 
 def _kill(run: Run, p: Progress) -> None:
@@ -157,6 +159,57 @@ def _sink_outage(run: Run, p: Progress) -> None:
     run.sleep(cfg.tail * 2, p)
 
 
+def _blackhole(run: Run, p: Progress, proxy: Proxy, what: str) -> None:
+    """Traffic frozen (sockets open, no bytes, no reset), then healed: each relay's /readyz must
+    turn 503 and /livez stay 200; measured: time to not-ready, time to drained after healing."""
+    cfg = run.cfg
+    run.sleep(cfg.warmup, p)
+    proxy.freeze()
+    frozen = time.time()
+    run.mark(f"{what} blackholed")
+    not_ready: dict[int, float] = {}
+    live = True
+    end = time.monotonic() + cfg.blackhole_seconds
+    while time.monotonic() < end:
+        for i in range(cfg.relays):
+            if i not in not_ready and run.relays.get(i, "/readyz")[0] == 503:
+                not_ready[i] = time.time() - frozen
+                run.mark(f"relay {i} /readyz 503 after {not_ready[i]:.1f} s")
+            live = live and run.relays.get(i, "/livez")[0] == 200
+        run.sleep(0.5, p)
+    proxy.heal()
+    healed = time.time()
+    run.mark(f"{what} healed")
+    pending = [run.monitor.samples[-1][1] if run.monitor.samples else -1]
+
+    def drained() -> bool:
+        samples = [s for s in run.monitor.samples if s[0] > healed]
+        pending[0] = samples[-1][1] if samples else -1
+        return 0 <= pending[0] < BACKLOG_DRAINED
+
+    ok = poll_until(drained, cfg.drain_timeout, interval=0.25)
+    run.fault_end = time.time()
+    run.mark(f"backlog under {BACKLOG_DRAINED}: {ok}")
+    run.notes.update(
+        not_ready_seconds=round(max(not_ready.values()), 1) if len(not_ready) == cfg.relays else None,
+        livez_200_throughout=live,
+        drained_seconds=round(run.fault_end - healed, 1) if ok else None,
+    )
+    run.sleep(cfg.tail, p)
+
+
+def _blackhole_pg(run: Run, p: Progress) -> None:
+    """The relays' PostgreSQL traffic frozen (writers still commit), then healed."""
+    assert run.pg_proxy is not None
+    _blackhole(run, p, run.pg_proxy, "PostgreSQL")
+
+
+def _blackhole_sink(run: Run, p: Progress) -> None:
+    """The sink's traffic frozen (sockets open, nothing moves), then healed."""
+    assert run.proxy is not None
+    _blackhole(run, p, run.proxy, f"sink {run.tap.scheme}")
+
+
 def _sigstop(run: Run, p: Progress) -> None:
     """One relay frozen past its batch and ownership leases, then resumed.
 
@@ -279,6 +332,17 @@ SCENARIOS: dict[str, Scenario] = {
         _sigstop,
         lambda c: c.warmup + max(c.lease, c.ownership_lease) + 3 + 2 * c.tail,
         lambda r: r["ownership_lost"] >= 1,  # the resumed relay found its partitions taken
+    ),
+    "blackhole-pg": Scenario(
+        _blackhole_pg,
+        lambda c: c.warmup + c.blackhole_seconds + 20 + c.tail,
+        lambda r: r["not_ready_seconds"] is not None and r["drained_seconds"] is not None,
+    ),
+    "blackhole-sink": Scenario(
+        _blackhole_sink,
+        lambda c: c.warmup + c.blackhole_seconds + 20 + c.tail,
+        lambda r: r["not_ready_seconds"] is not None and r["drained_seconds"] is not None,
+        sinks="other",
     ),
     "soak": Scenario(
         _soak,
