@@ -119,6 +119,7 @@ class AsyncSink:
 
     scheme: ClassVar[str] = ""
     system: ClassVar[str] = ""  # the system as OpenTelemetry names it
+    probes: ClassVar[bool] = True  # while down, ask whether it answers again (see probe())
     default_port: ClassVar[int] = 0  # the port when the URL names none
     keeps_key_order = False
 
@@ -141,6 +142,7 @@ class AsyncSink:
         self._backoff = RECONNECT_MIN
         self._down_reason = ""
         self._probe: concurrent.futures.Future[None] | None = None  # a reconnect while down
+        self._confirmed_at = time.monotonic()  # the last confirmed send (loop thread)
         self.condition = Condition(log, self.scheme, f"cannot reach {self.name}")
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(
@@ -201,7 +203,7 @@ class AsyncSink:
     def probe(self) -> None:
         """While the sink counts as down, connect again (on its loop, not waiting): a connection
         that opens ends the outage before any event is due again."""
-        if not self.condition.active or not self._loop.is_running():
+        if not self.probes or not self.condition.active or not self._loop.is_running():
             return
         if self._probe is not None and self._probe.done():
             if not self._probe.cancelled() and self._probe.exception() is None and self.condition.active:
@@ -212,6 +214,11 @@ class AsyncSink:
 
     async def _reachable(self) -> None:
         self._reconnect_at = 0.0  # a probe does not wait out the reconnect backoff
+        await asyncio.wait_for(self.reachable(), self.timeout)
+
+    async def reachable(self) -> None:
+        """Raise unless the sink answers now (a probe while it counts as down): a connection
+        that opens, by default; a sink whose client connects lazily asks something."""
         await self.client()
 
     def trouble(self) -> str | None:
@@ -259,6 +266,7 @@ class AsyncSink:
             outcome = await self.deliver(event)
         except asyncio.CancelledError:
             self.done(report, Retry(TIMEOUT, f"{self.name} did not confirm within {self.timeout:g} s"))
+            self.timed_out()
             raise
         except Exception as exc:
             outcome = self.failure(exc)
@@ -276,6 +284,7 @@ class AsyncSink:
         if isinstance(exc, Unavailable):
             return Retry(UNAVAILABLE, str(exc))
         if isinstance(exc, asyncio.TimeoutError):
+            self.timed_out()
             return Retry(TIMEOUT, f"{self.name} did not confirm within {self.timeout:g} s")
         if isinstance(exc, Refused):
             return Dead(exc.kind, str(exc))
@@ -312,8 +321,16 @@ class AsyncSink:
 
     def confirmed(self) -> None:
         """A send succeeded: the sink is up (loop thread)."""
+        self._confirmed_at = time.monotonic()
         if self.condition.active:
             self.condition.ok()
+
+    def timed_out(self) -> None:
+        """A send got no answer in time (loop thread). If nothing at all was confirmed for as
+        long, the connection is silent (a blackhole, a half-open connection): drop it and count
+        the sink down, rather than send into it again."""
+        if time.monotonic() - self._confirmed_at >= self.timeout and not self.condition.active:
+            self.lost(f"nothing confirmed for {self.timeout:g} s: the connection is silent")
 
     async def client(self) -> Any:
         """The open connection: opened now if needed, or Unavailable while reconnecting waits."""

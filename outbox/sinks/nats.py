@@ -164,6 +164,7 @@ class NatsSink(AsyncSink):
         expired = [entry[0] for entry in map(acks.pop, tokens, repeat(None)) if entry is not None]
         if expired:
             self.done_many((report, outcome) for report in expired)
+            self.timed_out()
 
     def _failed(self, exc: Exception, conn: Connection, topic: str) -> Outcome:
         """The outcome of a publish that raised ``exc``."""

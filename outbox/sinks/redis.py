@@ -91,6 +91,9 @@ class RedisSink(AsyncSink):
     async def disconnect(self, conn: Any) -> None:
         await conn.aclose()
 
+    async def reachable(self) -> None:
+        await (await self.client()).ping()  # the client connects lazily: ask something
+
     def dispatch(self, items: list[Item]) -> None:
         for start in range(0, len(items), PIPELINE):
             self._loop.create_task(self._pipeline(items[start : start + PIPELINE]))

@@ -74,6 +74,9 @@ def retry_after(value: str | None) -> float | None:
 
 class WebhookSink(AsyncSink):
     scheme = "http"
+    # A receiver cannot be asked whether it is up without sending it something: while it
+    # counts as down, its events wait out their backoff (capped by --retry-cap).
+    probes = False
 
     def __init__(self, url: SinkURL, *, timeout: float, secrets: list[bytes]) -> None:
         self._template = url.text
@@ -146,6 +149,7 @@ class WebhookSink(AsyncSink):
                 body = (await response.content.read(BODY_KEPT)).decode("utf-8", "replace")
                 wait = retry_after(response.headers.get("retry-after"))
         except asyncio.TimeoutError:
+            self.timed_out()
             return Retry("timeout", f"{self.name} did not answer within {self.timeout:g} s")
         except (aiohttp.ClientError, OSError) as exc:
             why = f"{type(exc).__name__}: {self.clean(exc)}"
