@@ -201,13 +201,12 @@ class Relay:
         loop_age = now - self._loop_progress
         if loop_age > max(limit, 2 * self.config.poll_interval):
             return f"stalled: no claim or heartbeat completed for {loop_age:.0f} s"
-        if self._in_flight:
-            oldest = min(b.claimed_at for b in self._in_flight)
+        flights = list(self._in_flight)  # read from the health server's thread: a copy
+        if flights:
+            oldest = min(b.claimed_at for b in flights)
             quiet = now - max(self._sink_progress, oldest)
             if quiet > limit:
-                return (
-                    f"stalled: {len(self._in_flight)} batches in flight, no delivery report for {quiet:.0f} s"
-                )
+                return f"stalled: {len(flights)} batches in flight, no delivery report for {quiet:.0f} s"
         return None
 
     # -- the loop ---------------------------------------------------------------
