@@ -320,9 +320,9 @@ class AsyncpgWriter:
             raise unknown_schema(schema)
         seen.add(schema)
 
-    async def insert(self, schema: str, ev: EncodedEvent) -> None:
-        await self.conn.execute(
-            _sql("insert_event_numbered", schema),
+    @staticmethod
+    def _row(ev: EncodedEvent) -> tuple[Any, ...]:
+        return (
             ev.event_id,
             ev.topic,
             ev.key,
@@ -333,23 +333,13 @@ class AsyncpgWriter:
             float(ev.delay),
         )
 
+    async def insert(self, schema: str, ev: EncodedEvent) -> None:
+        await self.conn.execute(_sql("insert_event_numbered", schema), *self._row(ev))
+
     async def insert_many(self, schema: str, events: Sequence[EncodedEvent]) -> None:
         if any(ev.delay for ev in events):
             await self.conn.executemany(
-                _sql("insert_event_numbered", schema),
-                [
-                    (
-                        ev.event_id,
-                        ev.topic,
-                        ev.key,
-                        ev.payload,
-                        _headers_json(ev),
-                        ev.type,
-                        ev.subject,
-                        float(ev.delay),
-                    )
-                    for ev in events
-                ],
+                _sql("insert_event_numbered", schema), [self._row(ev) for ev in events]
             )
             return
         await self.conn.copy_records_to_table(

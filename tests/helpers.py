@@ -143,40 +143,19 @@ def running_relay(
         raise errors[0]
 
 
-class RelayProcess:
-    """``outbox relay`` as a real process (for SIGKILL/SIGTERM tests); output to a temp file."""
+class ModuleProcess:
+    """``python -m MODULE ARGS`` as a real process (for SIGKILL/SIGTERM tests), without the
+    caller's OUTBOX_* variables, with ``tests`` importable; output to a temp file."""
 
-    def __init__(
-        self,
-        dsn: str,
-        schema: str,
-        bootstrap: str | None,
-        *extra: str,
-        env: dict[str, str] | None = None,
-        module: str = "outbox",
-    ) -> None:
-        """``bootstrap`` None: no --kafka-bootstrap (routes come in ``extra``). ``module``: what
-        ``python -m`` runs (tests.flaky_relay injects sink failures)."""
+    def __init__(self, module: str, *args: str, env: dict[str, str] | None = None) -> None:
         base = {k: v for k, v in os.environ.items() if not k.startswith("OUTBOX_")}
         # tests.sinks must be importable for --sink tests.sinks:...
         root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         base["PYTHONPATH"] = os.pathsep.join(filter(None, [root, base.get("PYTHONPATH")]))
-        env = {**base, **(env or {})}
         self._log = tempfile.TemporaryFile()
         self.proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                module,
-                "relay",
-                "--dsn",
-                dsn,
-                "--schema",
-                schema,
-                *(("--kafka-bootstrap", bootstrap) if bootstrap else ()),
-                *extra,
-            ],
-            env=env,
+            [sys.executable, "-m", module, *args],
+            env={**base, **(env or {})},
             stdout=self._log,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
@@ -197,11 +176,32 @@ class RelayProcess:
             self.proc.wait()
         self._log.close()
 
-    def __enter__(self) -> RelayProcess:
+    def __enter__(self) -> ModuleProcess:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class RelayProcess(ModuleProcess):
+    """``outbox relay`` as a real process."""
+
+    def __init__(
+        self,
+        dsn: str,
+        schema: str,
+        bootstrap: str | None,
+        *extra: str,
+        env: dict[str, str] | None = None,
+        module: str = "outbox",
+    ) -> None:
+        """``bootstrap`` None: no --kafka-bootstrap (routes come in ``extra``). ``module``: what
+        ``python -m`` runs (tests.flaky_relay injects sink failures)."""
+        kafka = ("--kafka-bootstrap", bootstrap) if bootstrap else ()
+        super().__init__(module, "relay", "--dsn", dsn, "--schema", schema, *kafka, *extra, env=env)
+
+    def __enter__(self) -> RelayProcess:
+        return self
 
 
 # Relay options for tests of ownership and ordering: short leases, quick retries.

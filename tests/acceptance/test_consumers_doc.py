@@ -92,6 +92,13 @@ def _assert_once(pg_dsn: str, schema: str, calls: int) -> None:
     assert count(pg_dsn, schema, "inbox") == N
 
 
+async def _every_copy(calls: list[int]) -> None:
+    """Until the recipe has seen every copy (N + AGAIN deliveries), at most 30 s."""
+    deadline = time.monotonic() + 30
+    while len(calls) < N + AGAIN and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+
+
 def _async_handle(schema: str) -> Any:
     async def handle(db: psycopg.AsyncConnection[Any], body: bytes) -> None:
         event = json.loads(body)
@@ -106,10 +113,9 @@ def test_rabbitmq_recipe(pg_dsn: str, schema: str) -> None:
     try:
         _deliver_twice(pg_dsn, schema, target)
         handle = _async_handle(schema)
-        calls = 0
+        calls: list[int] = []
 
         async def consume() -> None:
-            nonlocal calls
             db = await psycopg.AsyncConnection.connect(pg_dsn, autocommit=True)
             amqp = await aiormq.connect(f"amqp://guest:guest@{RABBIT[0]}:{RABBIT[1]}/")
             channel = await amqp.channel()
@@ -117,19 +123,16 @@ def test_rabbitmq_recipe(pg_dsn: str, schema: str) -> None:
             lock = asyncio.Lock()
 
             async def callback(message: Any) -> None:
-                nonlocal calls
                 await on_message(db, lock, channel, message, handle)
-                calls += 1
+                calls.append(1)
 
             await channel.basic_consume(target.queue, callback)  # type: ignore[attr-defined]
-            deadline = time.monotonic() + 30
-            while calls < N + AGAIN and time.monotonic() < deadline:
-                await asyncio.sleep(0.05)
+            await _every_copy(calls)
             await amqp.close()
             await db.close()
 
         asyncio.run(consume())
-        _assert_once(pg_dsn, schema, calls)
+        _assert_once(pg_dsn, schema, len(calls))
     finally:
         target.close()
 
@@ -148,28 +151,24 @@ def test_nats_recipe(pg_dsn: str, schema: str) -> None:
         asyncio.run(short_window())
         _deliver_twice(pg_dsn, schema, target)
         handle = _async_handle(schema)
-        calls = 0
+        calls: list[int] = []
 
         async def consume() -> None:
-            nonlocal calls
             db = await psycopg.AsyncConnection.connect(pg_dsn, autocommit=True)
             nc = await nats.connect(target.url())
             js = nc.jetstream()
 
             async def callback(msg: Any) -> None:
-                nonlocal calls
                 await on_message(db, msg, handle)
-                calls += 1
+                calls.append(1)
 
             await js.subscribe(target.topic, durable="billing", manual_ack=True, cb=callback)
-            deadline = time.monotonic() + 30
-            while calls < N + AGAIN and time.monotonic() < deadline:
-                await asyncio.sleep(0.05)
+            await _every_copy(calls)
             await nc.close()
             await db.close()
 
         asyncio.run(consume())
-        _assert_once(pg_dsn, schema, calls)
+        _assert_once(pg_dsn, schema, len(calls))
     finally:
         target.close()
 

@@ -7,11 +7,7 @@ again; two consumer names see every event independently; a signal stops it clean
 from __future__ import annotations
 
 import json
-import os
 import signal
-import subprocess
-import sys
-import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -27,7 +23,7 @@ from psycopg import sql
 
 import outbox
 from outbox.inbox import ConsumeStats, Delivery, consume_kafka
-from tests.helpers import Message, RelayProcess, count, read_topic, wait_for
+from tests.helpers import Message, ModuleProcess, RelayProcess, count, read_topic, wait_for
 from tests.inbox_consumer import GROUP_SETTINGS
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -74,27 +70,9 @@ def _committed(bootstrap: str, topic: str, group: str) -> int:
         c.close()
 
 
-class ConsumerProcess:
-    def __init__(self, *args: str) -> None:
-        env = {**os.environ, "PYTHONPATH": str(ROOT)}
-        self._log = tempfile.TemporaryFile()
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tests.inbox_consumer", *args],
-            env=env,
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-        )
-
-    def output(self) -> str:
-        self._log.seek(0)
-        return self._log.read().decode(errors="replace")
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
-        self._log.close()
+def consumer_process(*args: str) -> ModuleProcess:
+    """tests.inbox_consumer (consume_kafka as an app writes it) as a real process."""
+    return ModuleProcess("tests.inbox_consumer", *args)
 
 
 def _effects(dsn: str, schema: str) -> list[tuple[str, str, int]]:
@@ -156,7 +134,7 @@ def test_relay_and_consumer_killed_every_effect_happens_once(
     marker = tmp_path / "stalled"
     group = f"g-{topic}"
     args = (pg_dsn, schema, kafka, topic, group)
-    stalled = ConsumerProcess(*args, "300", str(marker))
+    stalled = consumer_process(*args, "300", str(marker))
     try:
         wait_for(marker.exists, timeout=90, what="the consumer inside its 300th handler")
         stalled.proc.send_signal(signal.SIGKILL)
@@ -172,7 +150,7 @@ def test_relay_and_consumer_killed_every_effect_happens_once(
     messages = read_topic(kafka, topic, n + produced_before_restart)
     assert len(messages) == n + produced_before_restart, "the broker holds the duplicates"
     end = _end_offsets(messages)
-    consumer = ConsumerProcess(*args)
+    consumer = consumer_process(*args)
     try:
         wait_for(lambda: _committed(kafka, topic, group) >= end, timeout=120, what="every offset consumed")
         consumer.proc.send_signal(signal.SIGTERM)

@@ -22,7 +22,9 @@ def test_metrics_pass_promtool_check_metrics(pg_dsn: str, schema: str, kafka: st
     assert promtool, "promtool is missing: ./scripts/bootstrap installs the Debian package prometheus"
     with psycopg.connect(pg_dsn) as conn:
         outbox.enqueue_many(
-            conn, [{"topic": topic, "payload": {"i": i}, "key": f"k{i % 5}"} for i in range(200)], schema=schema
+            conn,
+            [{"topic": topic, "payload": {"i": i}, "key": f"k{i % 5}"} for i in range(200)],
+            schema=schema,
         )
         outbox.enqueue(conn, "not a valid topic!", b"x", key="poison", schema=schema)  # dead at once
         conn.commit()

@@ -36,6 +36,31 @@ def _writer(dsn: str, schema: str, topic: str, stop: threading.Event, written: l
             time.sleep(0.02)
 
 
+def _freeze_until_not_ready(proxy: Proxy, port: int) -> tuple[float, str]:
+    """Freeze the proxy; (seconds until /readyz said 503, its body). /livez must stay 200."""
+    proxy.freeze()
+    frozen_at = time.monotonic()
+    _, body = wait_for(
+        lambda: (lambda r: r if r[0] == 503 else None)(http_get(port, "/readyz")),
+        timeout=READY_WITHIN + 5,
+        what="/readyz 503",
+    )
+    not_ready_after = time.monotonic() - frozen_at
+    assert not_ready_after <= READY_WITHIN, f"/readyz 503 after {not_ready_after:.1f} s"
+    assert http_get(port, "/livez")[0] == 200, "waiting for the network is not a reason to restart"
+    return not_ready_after, body
+
+
+def _archived_once(dsn: str, schema: str, written: int) -> None:
+    with psycopg.connect(dsn) as conn:
+        row = conn.execute(
+            sql.SQL("SELECT count(*), count(DISTINCT event_id) FROM {}.delivered").format(
+                sql.Identifier(schema)
+            )
+        ).fetchone()
+    assert row == (written, written), "every committed event archived exactly once"
+
+
 def test_a_postgres_blackhole_turns_readyz_503_in_time_and_heals_without_loss(
     pg_dsn: str, schema: str, kafka: str, topic: str
 ) -> None:
@@ -53,17 +78,9 @@ def test_a_postgres_blackhole_turns_readyz_503_in_time_and_heals_without_loss(
             port = relay._health.port  # type: ignore[union-attr]
             assert http_get(port, "/readyz")[0] == 200
 
-            proxy.freeze()
             frozen_at = time.monotonic()
-            _, body = wait_for(
-                lambda: (lambda r: r if r[0] == 503 else None)(http_get(port, "/readyz")),
-                timeout=READY_WITHIN + 5,
-                what="/readyz 503",
-            )
-            not_ready_after = time.monotonic() - frozen_at
-            assert not_ready_after <= READY_WITHIN, f"/readyz 503 after {not_ready_after:.1f} s"
+            not_ready_after, body = _freeze_until_not_ready(proxy, port)
             assert body.startswith(("stalled:", "database unreachable")), body
-            assert http_get(port, "/livez")[0] == 200, "waiting for the network is not a reason to restart"
             time.sleep(max(0.0, FROZEN - (time.monotonic() - frozen_at)))
 
             proxy.heal()
@@ -76,13 +93,7 @@ def test_a_postgres_blackhole_turns_readyz_503_in_time_and_heals_without_loss(
     finally:
         stop.set()
         proxy.stop()
-    with psycopg.connect(pg_dsn) as conn:
-        row = conn.execute(
-            sql.SQL("SELECT count(*), count(DISTINCT event_id) FROM {}.delivered").format(
-                sql.Identifier(schema)
-            )
-        ).fetchone()
-    assert row == (len(written), len(written)), "every committed event archived exactly once"
+    _archived_once(pg_dsn, schema, len(written))
     print(f"readyz 503 after {not_ready_after:.1f} s; drained {drained_after:.1f} s after healing")
 
 
@@ -108,15 +119,8 @@ def test_a_broker_blackhole_turns_readyz_503_and_retries_resume_when_it_answers(
             wait_for(lambda: relay.stats.delivered > 50, timeout=30, what="flowing")
             port = relay._health.port  # type: ignore[union-attr]
 
-            proxy.freeze()
             frozen_at = time.monotonic()
-            _, body = wait_for(
-                lambda: (lambda r: r if r[0] == 503 else None)(http_get(port, "/readyz")),
-                timeout=READY_WITHIN + 5,
-                what="/readyz 503",
-            )
-            not_ready_after = time.monotonic() - frozen_at
-            assert not_ready_after <= READY_WITHIN, f"/readyz 503 after {not_ready_after:.1f} s"
+            not_ready_after, body = _freeze_until_not_ready(proxy, port)
             assert body.startswith(("stalled:", "sink down:")), body
             wait_for(
                 lambda: count(pg_dsn, schema, "events", "last_error_kind = '_MSG_TIMED_OUT'") > 0,
@@ -137,11 +141,5 @@ def test_a_broker_blackhole_turns_readyz_503_and_retries_resume_when_it_answers(
         stop.set()
         proxy.stop()
         broker.stop()
-    with psycopg.connect(pg_dsn) as conn:
-        row = conn.execute(
-            sql.SQL("SELECT count(*), count(DISTINCT event_id) FROM {}.delivered").format(
-                sql.Identifier(schema)
-            )
-        ).fetchone()
-    assert row == (len(written), len(written)), "every committed event archived exactly once"
+    _archived_once(pg_dsn, schema, len(written))
     print(f"readyz 503 after {not_ready_after:.1f} s; drained {drained_after:.1f} s after healing")
