@@ -66,6 +66,7 @@ class Receiver:
 
     def close(self) -> None:
         self.server.shutdown()
+        self.server.server_close()
 
 
 def _attrs(span: Span) -> dict[str, Any]:
