@@ -129,6 +129,8 @@ class Relay:
         self._sink_progress = time.monotonic()
         self._waiting = 0  # events in flight awaiting a report, at the last loop step
         self._sinks_were_down = False  # a sink was down since the last "retry now"
+        # Since when every finished batch had only failed attempts (0: the last one delivered).
+        self._failing_since = 0.0
 
     # -- public -----------------------------------------------------------------
 
@@ -195,12 +197,15 @@ class Relay:
         The loop completes a claim or a heartbeat (every ownership lease / 5) at least every
         few seconds; a statement that hangs on a silent network stops both. With batches in
         flight, a sink reports on one at least every delivery timeout; a silent broker stops
-        that."""
+        that, or answers every event with a timeout: no event delivered (or dead-lettered)
+        since the first batch that only failed."""
         now = time.monotonic()
         limit = self.config.stall_timeout
         loop_age = now - self._loop_progress
         if loop_age > max(limit, 2 * self.config.poll_interval):
             return f"stalled: no claim or heartbeat completed for {loop_age:.0f} s"
+        if self._failing_since and now - self._failing_since > limit:
+            return f"stalled: every delivery attempt failed for {now - self._failing_since:.0f} s"
         flights = list(self._in_flight)  # read from the health server's thread: a copy
         if flights:
             oldest = min(b.claimed_at for b in flights)
@@ -377,6 +382,11 @@ class Relay:
         for event_id, reason in result.dead_events:
             log.warning("event %d dead-lettered: %s", event_id, reason, extra={"event": "event.dead"})
         retried = sum(r.retried for r in result.topics.values())
+        settled = sum(r.delivered + r.dead for r in result.topics.values())
+        if settled:
+            self._failing_since = 0.0
+        elif retried and not self._failing_since:
+            self._failing_since = batch.claimed_at  # every attempt of the batch failed
         if retried:
             kinds = sorted({kind for r in result.topics.values() for kind in r.errors})
             self.delivery.fail(f"{retried} events of the last batch will be retried ({', '.join(kinds)})")
