@@ -42,8 +42,10 @@ def _reset(sock: socket.socket) -> None:
 class Proxy:
     """Forwards ``127.0.0.1:<port>`` to ``target``; ``refuse``/``freeze``/``heal`` change that."""
 
-    def __init__(self, target_host: str, target_port: int) -> None:
+    def __init__(self, target_host: str, target_port: int, *, unix_path: str | None = None) -> None:
+        """``unix_path``: forward to this Unix socket instead (a PostgreSQL on a socket dir)."""
         self.target = (target_host, target_port)
+        self.unix_path = unix_path
         self._listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self._listener.bind(("127.0.0.1", 0))
@@ -110,15 +112,28 @@ class Proxy:
                 _reset(client)
                 continue
             try:
-                upstream = socket.create_connection(self.target, timeout=5)
+                upstream = self._connect_upstream()
             except OSError:
                 _reset(client)
                 continue
             for s in (client, upstream):
                 s.setblocking(False)
-                s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                if s.family != socket.AF_UNIX:
+                    s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             with self._lock:
                 self._pairs.append(_Pair(client, upstream))
+
+    def _connect_upstream(self) -> socket.socket:
+        if self.unix_path is None:
+            return socket.create_connection(self.target, timeout=5)
+        upstream = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        upstream.settimeout(5)
+        try:
+            upstream.connect(self.unix_path)
+        except OSError:
+            upstream.close()
+            raise
+        return upstream
 
     def _run(self) -> None:
         while not self._stop.is_set():

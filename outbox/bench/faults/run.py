@@ -87,7 +87,10 @@ class Run:
         relay_dsn = None
         if name == "blackhole-pg":
             target = conninfo_to_dict(cfg.dsn)
-            self.pg_proxy = Proxy(str(target.get("host") or "127.0.0.1"), int(target.get("port") or 5432))
+            host, port = str(target.get("host") or "127.0.0.1"), int(target.get("port") or 5432)
+            # The embedded server listens on a socket directory: the proxy forwards to its socket.
+            unix = f"{host}/.s.PGSQL.{port}" if host.startswith("/") else None
+            self.pg_proxy = Proxy(host, port, unix_path=unix)
             relay_dsn = make_conninfo(cfg.dsn, host="127.0.0.1", port=str(self.pg_proxy.port))
         self.relays = Relays(cfg, self.schema, name, extra or [], env or {}, route=route, dsn=relay_dsn)
         self.events: list[tuple[float, str]] = []  # (time, what was done)
