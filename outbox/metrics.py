@@ -199,11 +199,37 @@ class RelayMetrics:
             "outbox_owned_partitions", "Key partitions this relay owns (ordered mode)."
         )
         self.up = Gauge("outbox_database_up", "1 if the last database reading succeeded.")
+        self.ready = Gauge("outbox_ready", "1 if /readyz answers 200 (the relay can make progress), else 0.")
+        self.not_ready_seconds = Gauge(
+            "outbox_not_ready_seconds", "How long the relay has not been ready, in seconds (0 when ready)."
+        )
+        self.not_ready = Gauge(
+            "outbox_not_ready",
+            "1 for why the relay is not ready: database, sink, stalled or lifecycle.",
+            ["reason"],
+        )
+        self._not_ready_since = 0.0
         self._all: list[_Metric] = [
             self.delivered, self.errors, self.dead, self.latency, self.batch_size, self.leases_lost,
             self.sinks_replaced, self.partitions_lost, self.pending, self.oldest_age, self.dead_tuples,
-            self.table_bytes, self.oldest_xmin, self.owned_partitions, self.up,
+            self.table_bytes, self.oldest_xmin, self.owned_partitions, self.up, self.ready,
+            self.not_ready_seconds, self.not_ready,
         ]  # fmt: skip
+
+    def note_readiness(self, ok: bool, why: str) -> None:
+        """Readiness as metrics (each /readyz or /metrics request computes it)."""
+        now = time.monotonic()
+        if ok:
+            self._not_ready_since = 0.0
+            self.ready.set(1)
+            self.not_ready_seconds.set(0)
+            self.not_ready.replace({})
+            return
+        if not self._not_ready_since:
+            self._not_ready_since = now
+        self.ready.set(0)
+        self.not_ready_seconds.set(round(now - self._not_ready_since, 1))
+        self.not_ready.replace({(_readiness_reason(why),): 1})
 
     def render(self) -> str:
         lines: list[str] = []
@@ -261,6 +287,18 @@ class DatabaseGauges:
             return self.ok
 
 
+def _readiness_reason(why: str) -> str:
+    """The kind of a /readyz reason: database, sink, stalled or lifecycle (starting, draining)."""
+    first = why.split("\n", 1)[0]
+    if first.startswith("database"):
+        return "database"
+    if first.startswith("sink"):
+        return "sink"
+    if first.startswith("stalled"):
+        return "stalled"
+    return "lifecycle"
+
+
 class HealthServer:
     """``/metrics``, ``/livez``, ``/readyz`` on ``host:port`` in a daemon thread."""
 
@@ -279,11 +317,13 @@ class HealthServer:
                 path = self.path.split("?", 1)[0]
                 if path == "/metrics":
                     gauges.refresh()
+                    metrics.note_readiness(*outer._ready())
                     self._send(200, metrics.render(), "text/plain; version=0.0.4; charset=utf-8")
                 elif path == "/livez":
                     self._send(200, "ok\n")
                 elif path == "/readyz":
                     ok, why = outer._ready()
+                    metrics.note_readiness(ok, why)
                     self._send(200 if ok else 503, why + "\n")
                 else:
                     self._send(404, "not found\n")

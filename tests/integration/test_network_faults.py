@@ -81,11 +81,23 @@ def test_a_postgres_blackhole_turns_readyz_503_in_time_and_heals_without_loss(
             frozen_at = time.monotonic()
             not_ready_after, body = _freeze_until_not_ready(proxy, port)
             assert body.startswith(("stalled:", "database unreachable")), body
+            time.sleep(2)
+            metrics = http_get(port, "/metrics")[1]  # the condition and its duration, as metrics
+            assert "\noutbox_ready 0\n" in metrics, metrics[-800:]
+            not_ready_for = float(metrics.split("\noutbox_not_ready_seconds ", 1)[1].split()[0])
+            assert not_ready_for >= 1.5, metrics[-800:]
+            assert (
+                'outbox_not_ready{reason="stalled"} 1' in metrics
+                or 'outbox_not_ready{reason="database"} 1' in metrics
+            )
             time.sleep(max(0.0, FROZEN - (time.monotonic() - frozen_at)))
 
             proxy.heal()
             healed_at = time.monotonic()
             wait_for(lambda: http_get(port, "/readyz")[0] == 200, timeout=60, what="/readyz 200 again")
+            metrics = http_get(port, "/metrics")[1]
+            assert "\noutbox_ready 1\n" in metrics and "\noutbox_not_ready_seconds 0\n" in metrics
+            assert "outbox_not_ready{" not in metrics
             stop.set()
             writer.join(10)
             wait_for(lambda: count(pg_dsn, schema, "events") == 0, timeout=90, what="backlog drained")
