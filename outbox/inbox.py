@@ -51,7 +51,7 @@ import psycopg
 from outbox.errors import ConfigError, InvalidType, NotMigrated, UnsupportedConnection
 from outbox.events import CLAIM_CHECK_HEADER, EVENT_ID_HEADER
 from outbox.queries import query
-from outbox.schema import DEFAULT_SCHEMA, validate_schema
+from outbox.schema import schema_or_default
 from outbox.stacks import AsyncWriter, Writer, _seen, async_writer_for, writer_for
 
 log = logging.getLogger("outbox.inbox")
@@ -59,10 +59,6 @@ log = logging.getLogger("outbox.inbox")
 MAX_CONSUMER = 200  # characters of a consumer name
 MAX_EVENT_ID = 255  # characters of an event id
 PRUNE_CHUNK = 10_000  # rows deleted per transaction by prune
-
-
-def _schema(schema: str | None) -> str:
-    return DEFAULT_SCHEMA if schema is None else validate_schema(schema)
 
 
 def _text(value: object, field: str, limit: int) -> str:
@@ -105,7 +101,7 @@ def first_delivery(
     transaction or rolls back with it. ``event_id``: the message's ``event-id`` (str,
     its UTF-8 bytes as a Kafka header carries it, or a UUID).
     """
-    schema = _schema(schema)
+    schema = schema_or_default(schema)
     name = _text(consumer, "consumer", MAX_CONSUMER)
     key = _text(event_id, "event_id", MAX_EVENT_ID)
     try:
@@ -125,7 +121,7 @@ async def first_delivery_async(
     conn: object, consumer: str, event_id: str | bytes | uuid.UUID, *, schema: str | None = None
 ) -> bool:
     """:func:`first_delivery` on an async connection or session (psycopg, asyncpg, SQLAlchemy)."""
-    schema = _schema(schema)
+    schema = schema_or_default(schema)
     name = _text(consumer, "consumer", MAX_CONSUMER)
     key = _text(event_id, "event_id", MAX_EVENT_ID)
     try:
@@ -151,7 +147,7 @@ def prune(
 ) -> int:
     """Delete inbox rows received more than ``older_than`` ago, ``chunk`` rows per transaction
     (writers are never blocked for long); return how many. ``conn`` must not be in a transaction."""
-    schema = _schema(schema)
+    schema = schema_or_default(schema)
     before = dt.datetime.now(dt.timezone.utc) - older_than
     statement = query("inbox_prune", schema)
     deleted = 0
@@ -167,7 +163,7 @@ def prune(
 
 def count_older(conn: psycopg.Connection[Any], older_than: dt.timedelta, *, schema: str | None = None) -> int:
     """How many inbox rows :func:`prune` would delete now."""
-    schema = _schema(schema)
+    schema = schema_or_default(schema)
     before = dt.datetime.now(dt.timezone.utc) - older_than
     row = conn.execute(query("inbox_count_before", schema), {"before": before}).fetchone()
     return int(row[0]) if row else 0
@@ -284,7 +280,7 @@ def consume_kafka(
         def claim_check(reference: str) -> bytes:
             return fetch(reference, dsn=dsn)
 
-    schema = _schema(schema)
+    schema = schema_or_default(schema)
     stop = stop or threading.Event()
     stats = ConsumeStats()
     consumer = Consumer(settings)

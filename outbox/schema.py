@@ -50,3 +50,8 @@ def validate_schema(schema: object, field: str = "schema") -> str:
 def channel_name(schema: str) -> str:
     """The LISTEN/NOTIFY channel on which inserts into ``schema.events`` are announced."""
     return f"{schema}_events"
+
+
+def schema_or_default(schema: str | None) -> str:
+    """``schema`` validated, or the default schema when None (the writer's and the inbox's ``schema=``)."""
+    return DEFAULT_SCHEMA if schema is None else validate_schema(schema)

@@ -18,7 +18,7 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 
 from outbox.errors import InvalidEventType
 from outbox.events import EncodedEvent, encode_event, encode_event_mapping
-from outbox.schema import DEFAULT_SCHEMA, validate_schema
+from outbox.schema import schema_or_default
 from outbox.stacks import async_writer_for, writer_for
 
 _PROPAGATOR = TraceContextTextMapPropagator()
@@ -31,10 +31,6 @@ def current_trace_headers() -> dict[str, str]:
     carrier: dict[str, str] = {}
     _PROPAGATOR.inject(carrier)
     return carrier
-
-
-def _schema(schema: str | None) -> str:
-    return DEFAULT_SCHEMA if schema is None else validate_schema(schema)
 
 
 def _encode_many(events: Iterable[Mapping[str, Any]]) -> list[EncodedEvent]:
@@ -94,7 +90,7 @@ def enqueue(
     ``--cloudevents``; stored with the event.
     """
     ev = _encode_one(topic, payload, key, headers, delay, type, subject)
-    name = _schema(schema)
+    name = schema_or_default(schema)
     writer = writer_for(conn)
     writer.require_transaction()
     writer.ensure_schema(name)
@@ -113,7 +109,7 @@ def enqueue_many(
     multi-row ``INSERT`` on psycopg2 (and Django or SQLAlchemy over it).
     """
     encoded = _encode_many(events)
-    name = _schema(schema)
+    name = schema_or_default(schema)
     writer = writer_for(conn)
     writer.require_transaction()
     writer.ensure_schema(name)
@@ -141,7 +137,7 @@ async def enqueue_async(
     """``enqueue`` for a psycopg ``AsyncConnection``/``AsyncCursor``, an asyncpg
     ``Connection`` (also from a pool) or an SQLAlchemy ``AsyncSession``/``AsyncConnection``."""
     ev = _encode_one(topic, payload, key, headers, delay, type, subject)
-    name = _schema(schema)
+    name = schema_or_default(schema)
     writer = await async_writer_for(conn)
     writer.require_transaction()
     await writer.ensure_schema(name)
@@ -155,7 +151,7 @@ async def enqueue_many_async(
 ) -> list[uuid.UUID]:
     """``enqueue_many`` for the async stacks (asyncpg: ``copy_records_to_table``)."""
     encoded = _encode_many(events)
-    name = _schema(schema)
+    name = schema_or_default(schema)
     writer = await async_writer_for(conn)
     writer.require_transaction()
     await writer.ensure_schema(name)
