@@ -1,7 +1,8 @@
 """Deploy files: they parse, and every flag, variable, port and path they use exists.
 
-Docker and Helm cannot run on the test machines, so this checks what can be
-checked without them.
+This is our own check of what the tools cannot know (the CLI's real flags and variables);
+tests/unit/test_deploy_checkers.py runs the outside checkers (hadolint, kubernetes-validate,
+helm, docker-compose).
 """
 
 from __future__ import annotations

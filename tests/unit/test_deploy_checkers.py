@@ -1,6 +1,9 @@
 """The deploy files, checked by tools we did not write: hadolint for the Dockerfile (findings
-we disagree with are ignored inline, with the reason), kubernetes-validate (strict: no unknown
-fields) for the Kubernetes manifests against a stated Kubernetes version."""
+we disagree with are ignored inline, with the reason); kubernetes-validate (strict: no unknown
+fields) for the Kubernetes manifests against a stated Kubernetes version; helm (lint, and the
+chart rendered with its default values and with a second values file, each rendering then
+through kubernetes-validate); docker-compose's own `config` for the compose file. Each checker
+is also shown a broken input, so a checker that accepts anything fails here."""
 
 from __future__ import annotations
 
@@ -9,14 +12,27 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+import yaml
+
 ROOT = Path(__file__).resolve().parents[2]
 KUBERNETES = "1.31.0"  # the version the manifests are validated against (README, deploy/)
+CHART = ROOT / "deploy" / "helm" / "outbox-relay"
+SECOND_VALUES = CHART / "ci" / "production-values.yaml"
 
 
 def _tool(name: str) -> str:
-    found = shutil.which(name, path=str(Path(sys.executable).parent))
-    assert found, f"{name} is missing: ./scripts/bootstrap installs it (dev extra)"
+    found = shutil.which(name, path=str(Path(sys.executable).parent)) or shutil.which(name)
+    assert found, f"{name} is missing: ./scripts/bootstrap installs it"
     return found
+
+
+def _validate(paths: list[str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [_tool("kubernetes-validate"), "--strict", "-k", KUBERNETES, *paths],
+        capture_output=True,
+        text=True,
+    )
 
 
 def test_the_dockerfile_passes_hadolint() -> None:
@@ -26,13 +42,97 @@ def test_the_dockerfile_passes_hadolint() -> None:
     assert done.returncode == 0, done.stdout + done.stderr
 
 
+def test_hadolint_refuses_an_untagged_base_image(tmp_path: Path) -> None:
+    broken = tmp_path / "Dockerfile"
+    broken.write_text("FROM python\nRUN pip install outbox\n")
+    done = subprocess.run([_tool("hadolint"), str(broken)], capture_output=True, text=True)
+    assert done.returncode != 0 and "DL3006" in done.stdout, done.stdout
+
+
 def test_the_kubernetes_manifests_pass_kubernetes_validate_strict() -> None:
     manifests = sorted(str(p) for p in (ROOT / "deploy" / "k8s").glob("*.yaml"))
     assert len(manifests) >= 3
-    done = subprocess.run(
-        [_tool("kubernetes-validate"), "--strict", "-k", KUBERNETES, *manifests],
-        capture_output=True,
-        text=True,
-    )
+    done = _validate(manifests)
     assert done.returncode == 0, done.stdout + done.stderr
     assert done.stdout.count(" passed for resource ") >= 4, done.stdout
+
+
+def test_kubernetes_validate_refuses_an_unknown_field(tmp_path: Path) -> None:
+    (doc,) = [
+        d
+        for d in yaml.safe_load_all((ROOT / "deploy/k8s/relay-deployment.yaml").read_text())
+        if d and d["kind"] == "Deployment"
+    ]
+    doc["spec"]["template"]["spec"]["containers"][0]["readinesProbe"] = {"path": "/readyz"}
+    broken = tmp_path / "broken.yaml"
+    broken.write_text(yaml.safe_dump(doc))
+    done = _validate([str(broken)])
+    assert done.returncode != 0 and "readinesProbe" in done.stdout + done.stderr
+
+
+def _render(values: Path | None) -> str:
+    extra = ["--values", str(values)] if values else []
+    lint = subprocess.run(
+        [_tool("helm"), "lint", "--strict", str(CHART), *extra], capture_output=True, text=True
+    )
+    assert lint.returncode == 0, lint.stdout + lint.stderr
+    done = subprocess.run(
+        [_tool("helm"), "template", "orders", str(CHART), *extra], capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+@pytest.mark.parametrize("values", [None, SECOND_VALUES], ids=["default-values", "second-values"])
+def test_the_helm_chart_renders_and_each_manifest_passes_kubernetes_validate(
+    values: Path | None, tmp_path: Path
+) -> None:
+    rendered = _render(values)
+    docs = [d for d in yaml.safe_load_all(rendered) if d]
+    assert sorted(d["kind"] for d in docs) == ["Deployment", "Service"]
+    out = tmp_path / "rendered.yaml"
+    out.write_text(rendered)
+    done = _validate([str(out)])
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.count(" passed for resource ") == 2, done.stdout
+    wanted = yaml.safe_load((values or CHART / "values.yaml").read_text())
+    (deployment,) = [d for d in docs if d["kind"] == "Deployment"]
+    (relay,) = deployment["spec"]["template"]["spec"]["containers"]
+    env = {e["name"]: e for e in relay["env"]}
+    assert deployment["spec"]["replicas"] == wanted["replicaCount"]
+    assert env["OUTBOX_DSN"]["valueFrom"]["secretKeyRef"]["name"] == wanted["dsnSecret"]["name"]
+    assert relay["ports"][0]["containerPort"] == wanted["metrics"]["port"]
+    if values:  # the second file turns on every optional branch, each from a Secret
+        for var in ("OUTBOX_KAFKA_CONFIG", "OUTBOX_ROUTES", "OUTBOX_WEBHOOK_SECRET"):
+            assert "secretKeyRef" in env[var]["valueFrom"], var
+        assert env["OTEL_EXPORTER_OTLP_ENDPOINT"]["value"] == wanted["otel"]["endpoint"]
+
+
+def test_helm_refuses_a_broken_template(tmp_path: Path) -> None:
+    chart = tmp_path / "outbox-relay"
+    shutil.copytree(CHART, chart)
+    deployment = chart / "templates" / "deployment.yaml"
+    deployment.write_text(
+        deployment.read_text().replace("{{ .Values.replicaCount }}", "{{ .Values.replicaCount ")
+    )
+    done = subprocess.run([_tool("helm"), "template", "x", str(chart)], capture_output=True, text=True)
+    assert done.returncode != 0 and "deployment.yaml" in done.stderr
+
+
+def _compose_config(path: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [_tool("docker-compose"), "-f", str(path), "config", "-q"], capture_output=True, text=True
+    )
+
+
+def test_the_compose_file_passes_docker_compose_config() -> None:
+    done = _compose_config(ROOT / "deploy" / "docker-compose.yml")
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_docker_compose_config_refuses_a_bad_condition(tmp_path: Path) -> None:
+    broken = tmp_path / "docker-compose.yml"
+    text = (ROOT / "deploy" / "docker-compose.yml").read_text()
+    broken.write_text(text.replace("service_healthy", "service_ready"))
+    done = _compose_config(broken)
+    assert done.returncode != 0 and "service_ready" in done.stderr
