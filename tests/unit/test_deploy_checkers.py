@@ -22,7 +22,13 @@ SECOND_VALUES = CHART / "ci" / "production-values.yaml"
 
 
 def _tool(name: str) -> str:
-    found = shutil.which(name, path=str(Path(sys.executable).parent)) or shutil.which(name)
+    # This interpreter's environment, then the main .venv (bootstrap puts helm there; the
+    # py-matrix environments have none), then PATH (Debian's docker-compose).
+    found = (
+        shutil.which(name, path=str(Path(sys.executable).parent))
+        or shutil.which(name, path=str(ROOT / ".venv" / "bin"))
+        or shutil.which(name)
+    )
     assert found, f"{name} is missing: ./scripts/bootstrap installs it"
     return found
 
