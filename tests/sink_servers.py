@@ -222,7 +222,7 @@ class HttpTarget(Target):
 
         def recording(request: Request) -> tuple[int, dict[str, str], bytes]:
             answer = self.decide(request) if self.decide else inner(request)
-            if 200 <= answer[0] < 300:
+            if 200 <= answer[0] < 300 and request.method == "POST":  # not the relay's probes
                 with self.receiver.lock:
                     self.accepted.append(request)
             return answer

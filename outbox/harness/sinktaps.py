@@ -235,6 +235,7 @@ class Request:
     path: str
     headers: dict[str, str]
     body: bytes
+    method: str = "POST"
 
 
 @dataclass
@@ -273,14 +274,14 @@ class Receiver:
             while True:
                 head = await reader.readuntil(b"\r\n\r\n")
                 lines = head.decode("latin-1").split("\r\n")
-                path = lines[0].split(" ")[1]
+                method, path = lines[0].split(" ")[:2]
                 headers = {}
                 for line in lines[1:]:
                     if ":" in line:
                         name, value = line.split(":", 1)
                         headers[name.strip().lower()] = value.strip()
                 body = await reader.readexactly(int(headers.get("content-length", "0")))
-                request = Request(path, headers, body)
+                request = Request(path, headers, body, method)
                 if self.keep:
                     with self.lock:
                         self.requests.append(request)
@@ -318,6 +319,8 @@ class HttpTap(SinkTap):
         super().__init__(f"http://127.0.0.1:{self.receiver.port}/faults/{{topic}}", topic)
 
     def _accept(self, request: Request) -> tuple[int, dict[str, str], bytes]:
+        if request.method != "POST":  # the relay's probe while the receiver counts as down
+            return 204, {}, b""
         with self.lock:
             self.position += 1
             position = self.position

@@ -119,7 +119,6 @@ class AsyncSink:
 
     scheme: ClassVar[str] = ""
     system: ClassVar[str] = ""  # the system as OpenTelemetry names it
-    probes: ClassVar[bool] = True  # while down, ask whether it answers again (see probe())
     default_port: ClassVar[int] = 0  # the port when the URL names none
     keeps_key_order = False
 
@@ -203,7 +202,7 @@ class AsyncSink:
     def probe(self) -> None:
         """While the sink counts as down, connect again (on its loop, not waiting): a connection
         that opens ends the outage before any event is due again."""
-        if not self.probes or not self.condition.active or not self._loop.is_running():
+        if not self.condition.active or not self._loop.is_running():
             return
         if self._probe is not None and self._probe.done():
             if not self._probe.cancelled() and self._probe.exception() is None and self.condition.active:

@@ -74,9 +74,6 @@ def retry_after(value: str | None) -> float | None:
 
 class WebhookSink(AsyncSink):
     scheme = "http"
-    # A receiver cannot be asked whether it is up without sending it something: while it
-    # counts as down, its events wait out their backoff (capped by --retry-cap).
-    probes = False
 
     def __init__(self, url: SinkURL, *, timeout: float, secrets: list[bytes]) -> None:
         self._template = url.text
@@ -116,6 +113,14 @@ class WebhookSink(AsyncSink):
                 await self.send_one(*waiting.popleft())
         finally:
             self._workers -= 1
+
+    async def reachable(self) -> None:
+        """The probe while the receiver counts as down: an unsigned ``OPTIONS`` request with no
+        body to the route's URL (its origin when the URL is a template). Any HTTP answer, 405 or
+        401 included, means the receiver is back; no answer within the timeout, it is not."""
+        url = self._fixed_url or URL(self._template, encoded=True).origin()
+        async with self._client_session().options(url, allow_redirects=False) as response:
+            await response.release()
 
     def target(self, event: ClaimedEvent) -> str:
         if not self._templated:

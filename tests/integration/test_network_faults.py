@@ -18,7 +18,10 @@ from outbox.config import RelayConfig
 from outbox.embedded import Broker, free_port
 from outbox.harness.proxy import Proxy
 from outbox.retry import RetryPolicy
+from outbox.routes import parse_routes
+from outbox.sinks.make import routed
 from tests.helpers import count, http_get, running_relay, wait_for
+from tests.sink_servers import HttpTarget
 
 READY_WITHIN = 15.0  # seconds from the blackhole to /readyz 503 (the issue's target)
 FROZEN = 25.0  # seconds the network stays silent
@@ -154,4 +157,59 @@ def test_a_broker_blackhole_turns_readyz_503_and_retries_resume_when_it_answers(
         proxy.stop()
         broker.stop()
     _archived_once(pg_dsn, schema, len(written))
+    print(f"readyz 503 after {not_ready_after:.1f} s; drained {drained_after:.1f} s after healing")
+
+
+def test_a_webhook_blackhole_turns_readyz_503_and_retries_resume_when_the_receiver_answers_a_probe(
+    pg_dsn: str, schema: str
+) -> None:
+    """The receiver behind a proxy that freezes. Requests time out; with nothing confirmed for a
+    whole timeout the sink counts as down, and the relay probes it (an unsigned OPTIONS request)
+    with each heartbeat. Failed events have a 60 s backoff here; the first probe answered after
+    healing makes them due at once. The probes are not events: the receiver sees no extra POST."""
+    sink = HttpTarget()
+    proxy = Proxy(*sink.server).start()
+    slow = RetryPolicy(base=60.0, cap=120.0, max_attempts=100)
+    config = RelayConfig(
+        pg_dsn, schema=schema, metrics_port=0, poll_interval=0.2, delivery_timeout=4.0, lease=10.0, retry=slow
+    )
+    factory = routed(parse_routes([f"*={sink.url('127.0.0.1', proxy.port)}"], None), config)
+    stop = threading.Event()
+    written: list[int] = []
+    writer = threading.Thread(target=_writer, args=(pg_dsn, schema, sink.topic, stop, written))
+    try:
+        with running_relay(config, factory) as relay:
+            writer.start()
+            wait_for(lambda: relay.stats.delivered > 50, timeout=30, what="flowing")
+            port = relay._health.port  # type: ignore[union-attr]
+
+            frozen_at = time.monotonic()
+            not_ready_after, body = _freeze_until_not_ready(proxy, port)
+            assert body.startswith(("stalled:", "sink down:")), body
+            wait_for(
+                lambda: count(pg_dsn, schema, "events", "last_error_kind = 'timeout'") > 0,
+                timeout=30,
+                what="events failed for the silent receiver",
+            )
+            stop.set()
+            writer.join(10)
+            # Every key now has a failed event and waits behind it; what was in flight times out.
+            time.sleep(max(3 * config.delivery_timeout, 20.0 - (time.monotonic() - frozen_at)))
+
+            proxy.heal()
+            healed_at = time.monotonic()
+            wait_for(lambda: count(pg_dsn, schema, "events") == 0, timeout=28, what="backlog drained")
+            drained_after = time.monotonic() - healed_at
+            assert drained_after < 20, f"drained {drained_after:.1f} s after healing"
+            wait_for(lambda: http_get(port, "/readyz")[0] == 200, timeout=30, what="/readyz 200 again")
+        with sink.receiver.lock:
+            methods = [r.method for r in sink.receiver.requests]
+    finally:
+        stop.set()
+        proxy.stop()
+        sink.close()
+    assert "OPTIONS" in methods, "the relay probed the receiver"
+    _archived_once(pg_dsn, schema, len(written))
+    delivered_ids = {m.event_id for m in sink.read(len(written))}
+    assert len(delivered_ids) == len(written), "every committed event reached the receiver"
     print(f"readyz 503 after {not_ready_after:.1f} s; drained {drained_after:.1f} s after healing")
