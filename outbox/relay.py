@@ -239,6 +239,13 @@ class Relay:
             self._more_work = claimed == self.config.batch_size
             if not self._more_work:
                 self._next_poll = time.monotonic() + self._jittered_poll()
+            if claimed == 0 and self._in_flight:
+                # Serve the reports of the batches in flight before the next claim: when every
+                # pending key waits behind them (after an outage) and writers keep notifying,
+                # claims come back empty one after another, and without this the loop would
+                # never read the reports that finish those batches (until their lease ran out).
+                assert self._sink is not None
+                self._sink.poll(REPORT_WAIT)
         elif self._in_flight:
             assert self._sink is not None
             self._sink.poll(REPORT_WAIT if slot_free else REPORT_WAIT_FULL)

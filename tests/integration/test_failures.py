@@ -12,7 +12,8 @@ import outbox
 from outbox.embedded import Broker
 from outbox.events import ClaimedEvent
 from outbox.relay import RelayConfig
-from outbox.sinks.base import Outcome, Report, SinkWrapper
+from outbox.retry import RetryPolicy
+from outbox.sinks.base import Delivered, Outcome, Report, Retry, SinkWrapper
 from outbox.sinks.kafka import KafkaSink
 from tests.helpers import count, read_topic, running_relay, wait_for
 
@@ -242,3 +243,91 @@ def test_a_producer_that_delivers_nothing_for_long_is_replaced() -> None:
         sink.poll(0.5)
     assert not sink.healthy()
     sink.close(0)
+
+
+class _ReportsOnPoll:
+    """A sink whose confirmations, like a broker's delivery reports, arrive only from ``poll()``,
+    50 ms after the send. Every event's first attempt fails as unreachable, so every key always
+    has an event retrying: what an outage leaves behind."""
+
+    def __init__(self) -> None:
+        self.tried: set[str] = set()
+        self.pending: list[tuple[float, Report]] = []
+
+    def produce(self, event: ClaimedEvent, report: Report) -> Outcome | None:
+        if event.event_id not in self.tried:
+            self.tried.add(event.event_id)
+            return Retry("unavailable", "first attempt: the sink could not be reached")
+        self.pending.append((time.monotonic() + 0.05, report))
+        return None
+
+    def poll(self, timeout: float) -> int:
+        now = time.monotonic()
+        due = [r for at, r in self.pending if at <= now]
+        self.pending = [(at, r) for at, r in self.pending if at > now]
+        for report in due:
+            report(Delivered())
+        if not due and timeout > 0:
+            time.sleep(min(timeout, 0.005))
+        return len(due)
+
+    def flush(self, timeout: float) -> int:
+        deadline = time.monotonic() + timeout
+        while self.pending and time.monotonic() < deadline:
+            self.poll(0.01)
+        return len(self.pending)
+
+    def healthy(self) -> bool:
+        return True
+
+    def close(self, timeout: float) -> None:
+        self.flush(timeout)
+
+
+def test_reports_are_served_while_every_key_waits_and_writers_keep_notifying(
+    pg_dsn: str, schema: str
+) -> None:
+    """After an outage every key has an event retrying; those are the only claimable events, and
+    they are in flight. Each commit of the writers wakes the relay, whose claims come back empty
+    one after another (20,000 blocked events make each claim take a while). The relay must still
+    read the reports that finish the batch in flight: found by the Kafka blackhole scenario of
+    the fault harness, where deliveries stopped for two minutes, until the writers stopped,
+    while each batch's lease ran out and its events were sent again."""
+    keys = [f"k{i}" for i in range(20)]
+    with psycopg.connect(pg_dsn) as conn:
+        outbox.enqueue_many(
+            conn,
+            [{"topic": "t", "payload": {"i": i}, "key": keys[i % 20]} for i in range(20_000)],
+            schema=schema,
+        )
+        conn.commit()
+    stop = threading.Event()
+
+    def writer() -> None:
+        with psycopg.connect(pg_dsn) as conn:
+            i = 0
+            while not stop.is_set():
+                outbox.enqueue(conn, "t", {"w": i}, key=keys[i % 20], schema=schema)
+                conn.commit()
+                i += 1
+
+    config = RelayConfig(
+        pg_dsn, schema=schema, lease=4.0, delivery_timeout=2.0, poll_interval=0.5,
+        retry=RetryPolicy(base=0.02, cap=0.05, max_attempts=100),
+    )  # fmt: skip
+    threads = [threading.Thread(target=writer, daemon=True) for _ in range(2)]
+    try:
+        with running_relay(config, _ReportsOnPoll) as relay:
+            for thread in threads:
+                thread.start()
+            # Claimed, failed once, claimed again: the first retries are in flight.
+            wait_for(lambda: relay.stats.retried >= 20, timeout=20, what="every key retrying")
+            wait_for(
+                lambda: relay.stats.delivered >= 200, timeout=10, what="deliveries while the writers write"
+            )
+            assert all(thread.is_alive() for thread in threads)
+            assert relay.stats.leases_lost == 0, "a batch in flight outlived its lease"
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join(10)

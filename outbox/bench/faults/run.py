@@ -16,6 +16,7 @@ from psycopg.conninfo import conninfo_to_dict, make_conninfo
 from outbox.bench.faults.config import FaultConfig
 from outbox.bench.faults.relays import Relays, poll_until
 from outbox.bench.faults.tally import tally
+from outbox.embedded import Broker, free_port
 from outbox.harness.load import Load, Written, prepare
 from outbox.harness.proxy import Proxy
 from outbox.harness.sinktaps import SinkTap, open_tap
@@ -74,12 +75,22 @@ class Run:
         self.proxy: Proxy | None = None
         self.tap: Tap | SinkTap
         route = None
+        # Kafka's blackhole needs a broker that tells its clients a proxy's port (or they would
+        # connect straight to it after the first metadata answer): a broker of this run's own.
+        self.broker: Broker | None = None
+        self.bootstrap = cfg.bootstrap
         if cfg.sink:
             self.tap = open_tap(cfg.sink, self.topic)
             self.proxy = Proxy(*self.tap.server)
             route = f"*={self.tap.route('127.0.0.1', self.proxy.port)}"
         else:
-            self.tap = Tap(cfg.bootstrap, self.topic)
+            if name == "blackhole-sink":
+                broker_port = free_port()
+                self.proxy = Proxy("127.0.0.1", broker_port)
+                self.broker = Broker(broker_port, advertised_port=self.proxy.port)
+                self.bootstrap = self.broker.bootstrap
+                route = f"*=kafka://{self.bootstrap}"
+            self.tap = Tap(self.bootstrap, self.topic)
         self.monitor = Monitor(cfg.dsn, self.schema)
         # The blackhole-pg scenario puts a proxy between the relays and PostgreSQL (only them:
         # the writers, the monitor and the accounting keep their direct connections).
@@ -113,7 +124,11 @@ class Run:
             assert self.proxy is not None
             self.proxy.start()
             return
-        admin = AdminClient({"bootstrap.servers": self.cfg.bootstrap})
+        if self.broker is not None:
+            self.broker.start()
+            assert self.proxy is not None
+            self.proxy.start()
+        admin = AdminClient({"bootstrap.servers": self.bootstrap})
         for fut in admin.create_topics(
             [NewTopic(self.topic, num_partitions=TOPIC_PARTITIONS, replication_factor=1)]
         ).values():
@@ -126,9 +141,11 @@ class Run:
             self.tap.teardown()
 
     def close(self) -> None:
-        """Release what outlives a failed run too (the proxy, a webhook receiver)."""
+        """Release what outlives a failed run too (the proxies, a broker of its own, a webhook receiver)."""
         if self.proxy is not None:
             self.proxy.stop()
+        if self.broker is not None:
+            self.broker.stop()
         if self.pg_proxy is not None:
             self.pg_proxy.stop()
         if isinstance(self.tap, SinkTap) and self.tap.scheme == "http":

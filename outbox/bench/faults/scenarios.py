@@ -338,11 +338,10 @@ SCENARIOS: dict[str, Scenario] = {
         lambda c: c.warmup + c.blackhole_seconds + 20 + c.tail,
         lambda r: r["not_ready_seconds"] is not None and r["drained_seconds"] is not None,
     ),
-    "blackhole-sink": Scenario(
+    "blackhole-sink": Scenario(  # Kafka: a broker of the run's own, behind the proxy (run.py)
         _blackhole_sink,
         lambda c: c.warmup + c.blackhole_seconds + 20 + c.tail,
         lambda r: r["not_ready_seconds"] is not None and r["drained_seconds"] is not None,
-        sinks="other",
     ),
     "soak": Scenario(
         _soak,
