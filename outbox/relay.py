@@ -5,6 +5,7 @@ One loop, readable top to bottom::
     while not stopping:
         finish the batches whose every event has an outcome   (ack/retry/dead + commit)
         if a connection is free and there may be work:       claim a batch, produce it
+                                                              (empty, with batches out: serve reports)
         else:                                                 serve delivery reports, or sleep
                                                               until NOTIFY / the poll timer
 
