@@ -48,8 +48,17 @@ DRAIN_NAMES = {
 }
 
 
+def later_run(name: str, d: dict[str, Any]) -> list[str]:
+    """The line that says a scenario comes from a later run than the file's (scripts/merge-drain)."""
+    if "run_at" not in d:
+        return []
+    m = d.get("machine")
+    on = f" on {m['cpu_model']}, {m['cores']} cores, PostgreSQL {m['postgresql']}" if m else ""
+    return [f"(The {name} from a later run: {d['run_at']}{on}, `{d['command']}`.)", ""]
+
+
 def drain_markdown(d: dict[str, Any]) -> list[str]:
-    lines = [f"(The drain from a later run: {d['run_at']}, `{d['command']}`.)", ""] if "run_at" in d else []
+    lines = later_run("drain", d)
     lines += [
         f"**Drain**: events/s over the middle 80 % of each run (from the moment 10 % of the "
         f"events had been moved to the moment 90 % had, on the parent's monotonic clock, which "
@@ -124,6 +133,7 @@ def markdown(results: dict[str, Any]) -> str:
     if "drain" in s:
         lines += drain_markdown(s["drain"])
     if "steady" in s:
+        lines += later_run("steady scenario", s["steady"])
         lines += [
             f"**Steady** writers commit an order + its event per transaction for "
             f"{s['steady']['seconds_per_rate']:.0f} s per rate; latency in ms.",
