@@ -17,6 +17,7 @@ import outbox
 from outbox.config import RelayConfig
 from outbox.embedded import Broker, free_port
 from outbox.harness.proxy import Proxy
+from outbox.relay import Relay
 from outbox.retry import RetryPolicy
 from outbox.routes import parse_routes
 from outbox.sinks.make import routed
@@ -112,16 +113,54 @@ def test_a_postgres_blackhole_turns_readyz_503_in_time_and_heals_without_loss(
     print(f"readyz 503 after {not_ready_after:.1f} s; drained {drained_after:.1f} s after healing")
 
 
+def _blackhole_then_heal(
+    relay: Relay,
+    proxy: Proxy,
+    pg_dsn: str,
+    schema: str,
+    failed_kind: str,
+    stop: threading.Event,
+    writer: threading.Thread,
+    delivery_timeout: float,
+) -> tuple[float, float]:
+    """Flowing, then frozen until /readyz says 503 (a sink's reason); once events have failed
+    with ``failed_kind`` the writer stops, and the network stays frozen until nothing can be in
+    flight (20 s from the freeze, and at least three delivery timeouts): after healing, the
+    only way back before the failed events' backoff ends is a probe the sink answers. Returns
+    (seconds to not ready, seconds from healing to an empty backlog, which must be < 20)."""
+    writer.start()
+    wait_for(lambda: relay.stats.delivered > 50, timeout=30, what="flowing")
+    port = relay._health.port  # type: ignore[union-attr]
+    frozen_at = time.monotonic()
+    not_ready_after, body = _freeze_until_not_ready(proxy, port)
+    assert body.startswith(("stalled:", "sink down:")), body
+    wait_for(
+        lambda: count(pg_dsn, schema, "events", f"last_error_kind = '{failed_kind}'") > 0,
+        timeout=30,
+        what=f"events failed ({failed_kind})",
+    )
+    stop.set()
+    writer.join(10)
+    time.sleep(max(3 * delivery_timeout, 20.0 - (time.monotonic() - frozen_at)))
+    proxy.heal()
+    healed_at = time.monotonic()
+    wait_for(lambda: count(pg_dsn, schema, "events") == 0, timeout=28, what="backlog drained")
+    drained_after = time.monotonic() - healed_at
+    assert drained_after < 20, f"drained {drained_after:.1f} s after healing"
+    wait_for(lambda: http_get(port, "/readyz")[0] == 200, timeout=30, what="/readyz 200 again")
+    return not_ready_after, drained_after
+
+
 def test_a_broker_blackhole_turns_readyz_503_and_retries_resume_when_it_answers(
     pg_dsn: str, schema: str, topic: str
 ) -> None:
     """The broker behind a proxy that freezes (clients are told the proxy's port). Events that
-    fail because the broker cannot be reached have a 30 s backoff here; once the broker answers
-    again they are due at once, so the backlog drains well before that backoff would end."""
+    fail because the broker cannot be reached have a 60 s backoff here; once the broker answers
+    a probe (a metadata request) they are due at once, well before that backoff would end."""
     broker_port = free_port()
     proxy = Proxy("127.0.0.1", broker_port).start()
     broker = Broker(broker_port, advertised_port=proxy.port).start()
-    slow = RetryPolicy(base=30.0, cap=60.0, max_attempts=100)
+    slow = RetryPolicy(base=60.0, cap=120.0, max_attempts=100)
     config = RelayConfig(
         pg_dsn, schema=schema, metrics_port=0, poll_interval=0.2, delivery_timeout=4.0, lease=10.0, retry=slow
     )
@@ -130,28 +169,9 @@ def test_a_broker_blackhole_turns_readyz_503_and_retries_resume_when_it_answers(
     writer = threading.Thread(target=_writer, args=(pg_dsn, schema, topic, stop, written))
     try:
         with running_relay(config, bootstrap=broker.bootstrap) as relay:
-            writer.start()
-            wait_for(lambda: relay.stats.delivered > 50, timeout=30, what="flowing")
-            port = relay._health.port  # type: ignore[union-attr]
-
-            frozen_at = time.monotonic()
-            not_ready_after, body = _freeze_until_not_ready(proxy, port)
-            assert body.startswith(("stalled:", "sink down:")), body
-            wait_for(
-                lambda: count(pg_dsn, schema, "events", "last_error_kind = '_MSG_TIMED_OUT'") > 0,
-                timeout=30,
-                what="events failed for the unreachable broker",
+            not_ready_after, drained_after = _blackhole_then_heal(
+                relay, proxy, pg_dsn, schema, "_MSG_TIMED_OUT", stop, writer, config.delivery_timeout
             )
-            time.sleep(max(0.0, 20.0 - (time.monotonic() - frozen_at)))
-            stop.set()
-            writer.join(10)
-
-            proxy.heal()
-            healed_at = time.monotonic()
-            wait_for(lambda: count(pg_dsn, schema, "events") == 0, timeout=28, what="backlog drained")
-            drained_after = time.monotonic() - healed_at
-            assert drained_after < 20, f"drained {drained_after:.1f} s after healing"
-            wait_for(lambda: http_get(port, "/readyz")[0] == 200, timeout=30, what="/readyz 200 again")
     finally:
         stop.set()
         proxy.stop()
@@ -179,29 +199,9 @@ def test_a_webhook_blackhole_turns_readyz_503_and_retries_resume_when_the_receiv
     writer = threading.Thread(target=_writer, args=(pg_dsn, schema, sink.topic, stop, written))
     try:
         with running_relay(config, factory) as relay:
-            writer.start()
-            wait_for(lambda: relay.stats.delivered > 50, timeout=30, what="flowing")
-            port = relay._health.port  # type: ignore[union-attr]
-
-            frozen_at = time.monotonic()
-            not_ready_after, body = _freeze_until_not_ready(proxy, port)
-            assert body.startswith(("stalled:", "sink down:")), body
-            wait_for(
-                lambda: count(pg_dsn, schema, "events", "last_error_kind = 'timeout'") > 0,
-                timeout=30,
-                what="events failed for the silent receiver",
+            not_ready_after, drained_after = _blackhole_then_heal(
+                relay, proxy, pg_dsn, schema, "timeout", stop, writer, config.delivery_timeout
             )
-            stop.set()
-            writer.join(10)
-            # Every key now has a failed event and waits behind it; what was in flight times out.
-            time.sleep(max(3 * config.delivery_timeout, 20.0 - (time.monotonic() - frozen_at)))
-
-            proxy.heal()
-            healed_at = time.monotonic()
-            wait_for(lambda: count(pg_dsn, schema, "events") == 0, timeout=28, what="backlog drained")
-            drained_after = time.monotonic() - healed_at
-            assert drained_after < 20, f"drained {drained_after:.1f} s after healing"
-            wait_for(lambda: http_get(port, "/readyz")[0] == 200, timeout=30, what="/readyz 200 again")
         with sink.receiver.lock:
             methods = [r.method for r in sink.receiver.requests]
     finally:
