@@ -107,4 +107,8 @@ def int_array(values: Iterable[int | None]) -> str:
     psycopg would otherwise dump a list element by element in Python, a
     measurable cost per acknowledged event.
     """
+    if not isinstance(values, list):
+        values = list(values)
+    if None not in values:  # the common case: map(str) runs in C, a generator per element does not
+        return "{" + ",".join(map(str, values)) + "}"
     return "{" + ",".join("NULL" if v is None else str(v) for v in values) + "}"

@@ -18,8 +18,11 @@ from __future__ import annotations
 import logging
 import re
 import time
-from collections.abc import Mapping
+from collections import deque
+from collections.abc import Callable, Mapping, Sequence
 from functools import partial
+from itertools import repeat
+from operator import itemgetter, length_hint
 from typing import Any
 
 from confluent_kafka import KafkaError, KafkaException
@@ -56,7 +59,7 @@ PERMANENT_ERRORS = frozenset(
 REQUIRED_CONFIG = {"enable.idempotence": "true", "acks": "all"}
 
 DEFAULT_CONFIG: dict[str, Any] = {
-    "linger.ms": 1,  # milliseconds: small enough for latency, large enough to batch
+    "linger.ms": 3,  # milliseconds: small enough for latency, large enough to batch
     "batch.num.messages": 10000,
     "queue.buffering.max.messages": 500000,
     "queue.buffering.max.kbytes": 1048576,
@@ -67,6 +70,7 @@ DEFAULT_CONFIG: dict[str, Any] = {
     "socket.connection.setup.timeout.ms": 10000,
 }
 
+UNASSIGNED = -1  # librdkafka's RD_KAFKA_PARTITION_UA: the partitioner picks by key
 BUFFER_FULL_WAIT = 0.05  # seconds between polls while the client's queue is full
 PROBE_TIMEOUT = 0.5  # seconds a metadata request may take when probing brokers counted down
 
@@ -152,7 +156,19 @@ def broker_condition(bootstrap: str) -> Condition:
     return _BROKERS.setdefault(bootstrap, Condition(log, "kafka", "cannot reach the Kafka brokers"))
 
 
+# ClaimedEvent fields by position (a NamedTuple): map() with these runs in C.
+_TOPIC, _KEY, _PAYLOAD, _HEADERS = itemgetter(2), itemgetter(3), itemgetter(4), itemgetter(5)
+
+# tuple.__new__ directly: Delivered's own __new__ is one more Python call per delivered event.
+_new_delivered: Callable[[type[Delivered], tuple[Any, ...]], Delivered] = tuple.__new__
+
 LEGAL_TOPIC = re.compile(r"[a-zA-Z0-9._-]{1,249}")  # Kafka's own rule for topic names
+
+
+def _legal_topic(topic: str) -> bool:
+    return LEGAL_TOPIC.fullmatch(topic) is not None and topic not in (".", "..")
+
+
 STUCK_FACTOR = 3.0  # delivery timeouts without one success before the producer is recreated
 STUCK_MIN = 5.0  # seconds, at least
 
@@ -199,7 +215,7 @@ class KafkaSink:
         if event.topic not in self._topics_ok:
             # A name Kafka can never accept is refused here, at the first attempt,
             # not after a metadata round trip that may time out under load.
-            if not LEGAL_TOPIC.fullmatch(event.topic) or event.topic in (".", ".."):
+            if not _legal_topic(event.topic):
                 return Dead(
                     "invalid_topic",
                     f"invalid topic name {event.topic!r}: Kafka allows 1-249 of [a-zA-Z0-9._-]",
@@ -209,12 +225,11 @@ class KafkaSink:
         on_delivery = partial(self._on_delivery, report)
         while True:
             try:
+                # Positional: confluent-kafka parses keyword arguments by name on every call
+                # (measured: 1.32 -> 0.87 µs per call). Its order: topic, value, key,
+                # partition, callback, on_delivery (an alias), timestamp, headers.
                 self._producer.produce(
-                    event.topic,
-                    value=event.payload,
-                    key=event.key,
-                    headers=event.headers,
-                    on_delivery=on_delivery,
+                    event.topic, event.payload, event.key, UNASSIGNED, on_delivery, None, 0, event.headers
                 )
                 return None
             except BufferError:
@@ -228,12 +243,56 @@ class KafkaSink:
             except (TypeError, ValueError) as exc:
                 return Dead("client_rejected", f"rejected by the Kafka client: {exc}")
 
+    def produce_many(self, events: Sequence[ClaimedEvent], reports: Sequence[Report]) -> int:
+        """Queue ``events`` in order, as :meth:`produce` would, until one is not taken as it is;
+        returns how many were queued (``len(events)`` in the common case).
+
+        The client's ``produce()`` runs in one C-level loop (``map``), so no Python runs between
+        two messages: a batch is queued in about a microsecond per event, inside one
+        ``linger.ms`` window. Queued message by message with Python in between, the linger
+        expires while the batch is still being queued, and librdkafka's broker thread then
+        wakes up about once per message (measured on the bench: 500,000-1,000,000 wake-ups per
+        300,000 events, with the relay's Kafka thread at three times the loop's CPU).
+
+        It stops before the first event the client refuses (or when its queue is full): the
+        caller goes on event by event from there, so that a refused event's key can hold that
+        key's later events. With the producer failed, or an illegal topic name in the batch, it
+        queues nothing.
+        """
+        if self._fatal is not None:
+            return 0
+        new = set(map(_TOPIC, events)).difference(self._topics_ok)
+        if new:
+            if not all(map(_legal_topic, new)):
+                return 0  # produce() refuses the illegal name, event by event
+            self._topics_ok.update(new)
+        pending = iter(list(map(_TOPIC, events)))
+        try:
+            deque(
+                map(
+                    self._producer.produce,
+                    pending,
+                    map(_PAYLOAD, events),
+                    map(_KEY, events),
+                    repeat(UNASSIGNED),
+                    map(partial, repeat(self._on_delivery), reports),
+                    repeat(None),
+                    repeat(0),
+                    map(_HEADERS, events),
+                ),
+                maxlen=0,
+            )
+        except (BufferError, KafkaException, TypeError, ValueError):
+            # map() took the failing event's arguments before the call that raised.
+            return len(events) - 1 - length_hint(pending)
+        return len(events)
+
     def _on_delivery(self, report: Report, err: KafkaError | None, msg: Any) -> None:
         if err is None:
             self._failing_since = 0.0
             if self.broker.since is not None:
                 self.broker.ok()
-            report(Delivered(msg.partition(), msg.offset()))
+            report(_new_delivered(Delivered, (msg.partition(), msg.offset(), None)))
         elif err.fatal():
             self._fatal = f"{err.name()}: {err.str()}"
             report(Retry(err.name(), self._fatal))

@@ -50,7 +50,8 @@ FOR UPDATE OF e SKIP LOCKED
 
 -- name: archive_delivered
 -- Move acked events to the archive with their sink coordinates, in one statement.
--- Integer arrays arrive as text literals ('{{1,2,NULL}}'), parsed by PostgreSQL.
+-- Integer arrays arrive as text literals ('{{1,2,NULL}}'), parsed by PostgreSQL. refs may be
+-- empty (a sink without references): unnest pads the shorter arrays with NULLs.
 WITH done AS (
     DELETE FROM {schema}.events AS e
     USING unnest(%(ids)s::text::bigint[], %(partitions)s::text::integer[], %(offsets)s::text::bigint[],
