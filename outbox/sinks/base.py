@@ -21,6 +21,13 @@ spans report as ``error.type``. The reason is the full text kept on the row.
 example a message the client rejects synchronously) and otherwise ``None``,
 calling ``report`` from inside a later ``poll``/``flush``. The relay owns
 ordering: it never calls ``produce`` for an event whose key is held back.
+
+A sink may also have ``produce_many(events, reports) -> int``: queue a batch in
+order, as ``produce`` would each event, and stop before the first one it cannot
+take as it is, returning how many it queued; the relay calls it when no key of
+the batch is held and goes on with ``produce`` from where it stopped
+(:meth:`~outbox.sinks.kafka.KafkaSink.produce_many`). A wrapper that overrides
+``produce`` does not inherit it, so the relay never bypasses the wrapper.
 """
 
 from __future__ import annotations

@@ -16,6 +16,8 @@ PACKAGE = Path(queries.__file__).parent
 def test_int_arrays_as_literals() -> None:
     assert queries.int_array([1, None, 3]) == "{1,NULL,3}"
     assert queries.int_array([]) == "{}"
+    assert queries.int_array([7, -2, 10**12]) == "{7,-2,1000000000000}"  # no NULL: the map(str) path
+    assert queries.int_array(iter([None, 5])) == "{NULL,5}"  # any iterable, read once
 
 
 def test_every_named_query_binds_its_placeholders() -> None:
