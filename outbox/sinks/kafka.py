@@ -22,7 +22,7 @@ from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from functools import partial
 from itertools import repeat
-from operator import itemgetter, length_hint
+from operator import length_hint
 from typing import Any
 
 from confluent_kafka import KafkaError, KafkaException
@@ -34,7 +34,7 @@ from confluent_kafka.cimpl import Producer
 
 from outbox.conditions import Condition
 from outbox.errors import ConfigError
-from outbox.events import ClaimedEvent
+from outbox.events import HEADERS_OF, KEY_OF, PAYLOAD_OF, TOPIC_OF, ClaimedEvent
 from outbox.sinks.base import Dead, Delivered, Outcome, Report, Retry
 
 log = logging.getLogger("outbox.kafka")
@@ -156,9 +156,6 @@ def broker_condition(bootstrap: str) -> Condition:
     return _BROKERS.setdefault(bootstrap, Condition(log, "kafka", "cannot reach the Kafka brokers"))
 
 
-# ClaimedEvent fields by position (a NamedTuple): map() with these runs in C.
-_TOPIC, _KEY, _PAYLOAD, _HEADERS = itemgetter(2), itemgetter(3), itemgetter(4), itemgetter(5)
-
 # tuple.__new__ directly: Delivered's own __new__ is one more Python call per delivered event.
 _new_delivered: Callable[[type[Delivered], tuple[Any, ...]], Delivered] = tuple.__new__
 
@@ -261,24 +258,25 @@ class KafkaSink:
         """
         if self._fatal is not None:
             return 0
-        new = set(map(_TOPIC, events)).difference(self._topics_ok)
+        topics = list(map(TOPIC_OF, events))
+        new = set(topics).difference(self._topics_ok)
         if new:
             if not all(map(_legal_topic, new)):
                 return 0  # produce() refuses the illegal name, event by event
             self._topics_ok.update(new)
-        pending = iter(list(map(_TOPIC, events)))
+        pending = iter(topics)
         try:
             deque(
                 map(
                     self._producer.produce,
                     pending,
-                    map(_PAYLOAD, events),
-                    map(_KEY, events),
+                    map(PAYLOAD_OF, events),
+                    map(KEY_OF, events),
                     repeat(UNASSIGNED),
                     map(partial, repeat(self._on_delivery), reports),
                     repeat(None),
                     repeat(0),
-                    map(_HEADERS, events),
+                    map(HEADERS_OF, events),
                 ),
                 maxlen=0,
             )
