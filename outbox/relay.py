@@ -318,7 +318,13 @@ class Relay:
             if outcome is not None:
                 batch.settle(i, outcome)
         self._in_flight.append(batch)
-        self._sink.poll(0)  # sinks that queue what they were given send it now, as one burst
+        send_now = getattr(self._sink, "send_now", None)
+        if send_now is not None and len(batch) < self.config.batch_size:
+            # No backlog behind this batch, nothing to batch it with: send it without waiting
+            # out the client's linger (Kafka). A full batch lingers, and batches on the wire.
+            send_now()
+        else:
+            self._sink.poll(0)  # sinks that queue what they were given send it now, as one burst
         return len(batch)
 
     def _finish_complete_batches(self) -> None:

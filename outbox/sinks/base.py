@@ -28,6 +28,11 @@ take as it is, returning how many it queued; the relay calls it when no key of
 the batch is held and goes on with ``produce`` from where it stopped
 (:meth:`~outbox.sinks.kafka.KafkaSink.produce_many`). A wrapper that overrides
 ``produce`` does not inherit it, so the relay never bypasses the wrapper.
+
+And ``send_now()``: send what is queued at once rather than wait to batch it
+with more (Kafka's ``linger.ms``). The relay calls it after a batch that was
+not full, when there is no backlog to batch with and waiting only adds latency;
+after a full batch it lets the client batch. Wrappers and the router pass it on.
 """
 
 from __future__ import annotations
@@ -144,6 +149,11 @@ class SinkWrapper:
 
     def flush(self, timeout: float) -> int:
         return self.inner.flush(timeout)
+
+    def send_now(self) -> None:
+        send_now = getattr(self.inner, "send_now", None)
+        if send_now is not None:
+            send_now()
 
     def healthy(self) -> bool:
         return self.inner.healthy()

@@ -59,7 +59,9 @@ PERMANENT_ERRORS = frozenset(
 REQUIRED_CONFIG = {"enable.idempotence": "true", "acks": "all"}
 
 DEFAULT_CONFIG: dict[str, Any] = {
-    "linger.ms": 3,  # milliseconds: small enough for latency, large enough to batch
+    # Milliseconds a partition's messages wait to be sent together. Only under a backlog: after
+    # a batch that was not full the relay calls send_now(), which skips the wait.
+    "linger.ms": 5,
     "batch.num.messages": 10000,
     "queue.buffering.max.messages": 500000,
     "queue.buffering.max.kbytes": 1048576,
@@ -72,6 +74,7 @@ DEFAULT_CONFIG: dict[str, Any] = {
 
 UNASSIGNED = -1  # librdkafka's RD_KAFKA_PARTITION_UA: the partitioner picks by key
 BUFFER_FULL_WAIT = 0.05  # seconds between polls while the client's queue is full
+SEND_NOW_WAIT = 0.005  # seconds send_now() may wait (serving reports); it returns at the ack
 PROBE_TIMEOUT = 0.5  # seconds a metadata request may take when probing brokers counted down
 
 # Secret-bearing librdkafka settings: never logged.
@@ -308,6 +311,16 @@ class KafkaSink:
         except KafkaException as exc:  # a fatal error surfaces here too (e.g. UNKNOWN_PRODUCER_ID)
             self._raised(exc)
             return 0
+
+    def send_now(self) -> None:
+        """Send what is queued without waiting out ``linger.ms`` (the relay calls this after a
+        batch that was not full: no backlog behind it to batch with, so waiting only adds latency).
+
+        librdkafka has no call for this but ``flush()``, which makes every broker thread treat
+        the linger as expired while it runs; it runs here for :data:`SEND_NOW_WAIT` at most
+        (long enough for the broker threads to wake), serving delivery reports meanwhile.
+        """
+        self.flush(SEND_NOW_WAIT)
 
     def flush(self, timeout: float) -> int:
         try:

@@ -113,6 +113,12 @@ class Router:
             else:  # every sink signals the shared wake-up
                 self.wake.wait(left)
 
+    def send_now(self) -> None:
+        for sink in self.sinks:
+            send_now = getattr(sink, "send_now", None)
+            if send_now is not None:
+                send_now()
+
     def flush(self, timeout: float) -> int:
         deadline = time.monotonic() + timeout
         return sum(sink.flush(max(0.0, deadline - time.monotonic())) for sink in self.sinks)

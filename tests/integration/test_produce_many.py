@@ -4,15 +4,20 @@ refused event, and a refusal in the middle of a batch still holds its key's late
 from __future__ import annotations
 
 import json
+import time
+from collections.abc import Callable
 from functools import partial
 
 import psycopg
+import pytest
 
 import outbox
 from outbox.events import ClaimedEvent
 from outbox.relay import RelayConfig
-from outbox.sinks.base import Delivered, Outcome
+from outbox.routes import parse_routes
+from outbox.sinks.base import Delivered, Outcome, Sink, SinkWrapper
 from outbox.sinks.kafka import KafkaSink
+from outbox.sinks.router import Router
 from tests.helpers import count, first_occurrences, read_topic, running_relay, wait_for
 
 
@@ -84,3 +89,55 @@ def test_an_event_refused_mid_batch_holds_its_keys_later_events_of_the_batch(
         body = json.loads(m.value)
         sent[body["k"]].append(body["seq"])
     assert sent == {"K": [0, 1], "A": list(range(6)), "B": list(range(6))}
+
+
+LINGER_MS = 3000  # twice the waits below: only send_now() gets a message out sooner
+
+
+def _long_linger_sink(kafka: str, wrap: str) -> Callable[[], Sink]:
+    def plain() -> Sink:
+        return KafkaSink(kafka, {"linger.ms": LINGER_MS}, delivery_timeout=30)
+
+    if wrap == "plain":
+        return plain
+    if wrap == "wrapper":
+        return lambda: SinkWrapper(plain())
+    routes = parse_routes([], kafka)
+    return lambda: Router(routes, lambda url: plain(), ordered=True, parks=False)
+
+
+def _warm_up(pg_dsn: str, schema: str, topic: str) -> None:
+    """One event acked first: the first message of a topic the client has no metadata for waits
+    out the whole linger whatever the relay does."""
+    with psycopg.connect(pg_dsn) as conn:
+        outbox.enqueue(conn, topic, {"warm": "up"}, key="w", schema=schema)
+    wait_for(lambda: count(pg_dsn, schema, "delivered") == 1, timeout=30, what="the first ack")
+
+
+@pytest.mark.parametrize("wrap", ["plain", "wrapper", "router"])
+def test_a_batch_that_is_not_full_is_sent_without_waiting_for_the_linger(
+    pg_dsn: str, schema: str, kafka: str, topic: str, wrap: str
+) -> None:
+    """No backlog: the relay's send_now() gets the batch out at once, through wrappers and the
+    router alike, instead of after linger.ms."""
+    config = RelayConfig(pg_dsn, schema=schema, poll_interval=0.1, batch_size=100)
+    with running_relay(config, _long_linger_sink(kafka, wrap)):
+        _warm_up(pg_dsn, schema, topic)
+        with psycopg.connect(pg_dsn) as conn:
+            outbox.enqueue(conn, topic, {"n": 1}, key="k", schema=schema)
+        wait_for(lambda: count(pg_dsn, schema, "delivered") == 2, timeout=LINGER_MS / 2000, what="the ack")
+
+
+def test_a_full_batch_is_left_to_the_linger(pg_dsn: str, schema: str, kafka: str, topic: str) -> None:
+    """A full batch means a backlog: the client batches it with what follows (no send_now), so
+    nothing of it is acked before the linger runs out; then all of it is."""
+    config = RelayConfig(pg_dsn, schema=schema, poll_interval=0.1, batch_size=5)
+    with running_relay(config, _long_linger_sink(kafka, "plain")) as relay:
+        _warm_up(pg_dsn, schema, topic)
+        rows = [{"topic": topic, "payload": {"n": i}, "key": "k"} for i in range(5)]
+        with psycopg.connect(pg_dsn) as conn:
+            outbox.enqueue_many(conn, rows, schema=schema)
+        wait_for(lambda: relay.stats.claimed == 6, timeout=10, what="the claim")
+        time.sleep(LINGER_MS / 2000)
+        assert count(pg_dsn, schema, "delivered") == 1
+        wait_for(lambda: count(pg_dsn, schema, "delivered") == 6, timeout=30, what="the lingered acks")
