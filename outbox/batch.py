@@ -41,14 +41,12 @@ CORRUPT_TOPIC = "(corrupt)"  # the topic results of rows that could not be decod
 class TopicResult:
     """What a finished batch did with its events of one topic."""
 
+    delivered: int = 0
     retried: int = 0
     dead: int = 0
     errors: dict[str, int] = field(default_factory=dict)  # error kind -> failed attempts
-    latencies: list[float] = field(default_factory=list)  # seconds from creation to ack, per delivery
-
-    @property
-    def delivered(self) -> int:
-        return len(self.latencies)
+    # Seconds from creation to ack, per delivery; only when asked for (metrics are on).
+    latencies: list[float] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -88,31 +86,40 @@ class Batch:
         self._parks = parks  # ... and so does a dead letter (--on-dead park)
         self.ids: list[int] = list(map(_ID, rows))
         self.attempts: list[int] = list(map(_ATTEMPTS, rows))
-        self.events: list[ClaimedEvent | None] = []
+        # One slot per event, None until its outcome is known. A sink may store a Delivered
+        # straight into its slot (KafkaSink.produce_many); every other outcome goes through
+        # settle(), which also holds the event's key.
         self.outcomes: list[Outcome | None] = [None] * len(rows)
-        self.waiting = len(rows)
         self.claimed_at = time.monotonic()
         self.abandoned = False
         # OpenTelemetry "send <topic>" spans of this batch (empty when tracing is off).
         self.spans: dict[str, Any] = {}
         self.corrupt = 0  # rows that could not be decoded (settled as dead at once)
-        for i, row in enumerate(rows):
-            try:
-                self.events.append(decode_row(row))
-            except CorruptEvent as exc:
-                self.events.append(None)
-                self.corrupt += 1
-                self.settle(i, Dead(CORRUPT_EVENT, f"corrupt event row: {exc}"))
+        try:
+            self.events: list[ClaimedEvent | None] = list(map(decode_row, rows))
+        except CorruptEvent:  # at least one: decode row by row, settling each corrupt one
+            self.events = []
+            for i, row in enumerate(rows):
+                try:
+                    self.events.append(decode_row(row))
+                except CorruptEvent as exc:
+                    self.events.append(None)
+                    self.corrupt += 1
+                    self.settle(i, Dead(CORRUPT_EVENT, f"corrupt event row: {exc}"))
 
     def __len__(self) -> int:
         return len(self.ids)
+
+    @property
+    def waiting(self) -> int:
+        """Events whose outcome is not known yet."""
+        return self.outcomes.count(None)
 
     def settle(self, index: int, outcome: Outcome) -> None:
         """Record the outcome of event ``index`` (called once per event)."""
         if self.abandoned or self.outcomes[index] is not None:
             return
         self.outcomes[index] = outcome
-        self.waiting -= 1
         if type(outcome) is Delivered or self._holds is None or outcome is HELD:  # hot path first
             return
         if isinstance(outcome, Retry) or self._parks:
@@ -126,10 +133,13 @@ class Batch:
 
     @property
     def complete(self) -> bool:
-        return self.waiting == 0
+        return None not in self.outcomes
 
-    def finish(self, schema: str, policy: RetryPolicy, *, archive: bool) -> BatchResult:
-        """Write every outcome in one transaction (one statement per kind) and commit.
+    def finish(
+        self, schema: str, policy: RetryPolicy, *, archive: bool, latencies: bool = True
+    ) -> BatchResult:
+        """Write every outcome in one transaction (one statement per kind) and commit;
+        ``latencies``: list each delivery's creation-to-ack time in the result.
 
         Raises FencingError (after rolling back) if a statement changed other
         rows than expected, and psycopg.OperationalError if the lease was lost.
@@ -159,13 +169,17 @@ class Batch:
             ok_refs = list(map(_REF, delivered))
             names = set(map(TOPIC_OF, events))
             if len(names) == 1:
-                topics[names.pop()] = TopicResult(latencies=[now - e.created_at for e in events])
+                only = topics[names.pop()] = TopicResult(delivered=len(events))
+                if latencies:
+                    only.latencies = [now - e.created_at for e in events]
             else:
                 for e in events:
                     tr = topics.get(e.topic)
                     if tr is None:
                         tr = topics[e.topic] = TopicResult()
-                    tr.latencies.append(now - e.created_at)
+                    tr.delivered += 1
+                    if latencies:
+                        tr.latencies.append(now - e.created_at)
             outcomes = []  # nothing left for the loop below
         for i, outcome in enumerate(outcomes):
             if outcome is None or outcome is HELD:  # held: left pending, untouched
@@ -180,7 +194,9 @@ class Batch:
                 ok_parts.append(outcome.partition)
                 ok_offsets.append(outcome.offset)
                 ok_refs.append(outcome.ref)
-                tr.latencies.append(now - event.created_at)  # type: ignore[union-attr]
+                tr.delivered += 1
+                if latencies:
+                    tr.latencies.append(now - event.created_at)  # type: ignore[union-attr]
                 continue
             assert isinstance(outcome, (Retry, Dead))
             tr.errors[outcome.kind] = tr.errors.get(outcome.kind, 0) + 1

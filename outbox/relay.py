@@ -29,7 +29,6 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
-from itertools import repeat
 from typing import Any
 
 import psycopg
@@ -305,7 +304,7 @@ class Relay:
         if produce_many is not None and not held and not batch.corrupt:
             # Nothing held, nothing corrupt: the batch goes to the sink in one call
             # (KafkaSink.produce_many), up to the first event the sink does not take as it is.
-            start = produce_many(events, list(map(partial, repeat(batch.settle), range(len(events)))))
+            start = produce_many(events, batch.outcomes, batch.settle)
         produce = self._sink.produce
         for i in range(start, len(events)):
             event = events[i]
@@ -334,7 +333,12 @@ class Relay:
     def _finish(self, batch: Batch) -> None:
         ack_start = time.time_ns()
         try:
-            result = batch.finish(self.config.schema, self.config.retry, archive=self.config.archive)
+            result = batch.finish(
+                self.config.schema,
+                self.config.retry,
+                archive=self.config.archive,
+                latencies=self._health is not None,  # for the latency histogram only
+            )
         except FencingError as exc:
             self._lease_lost(batch, str(exc), ack_start)
             self._done(batch)
@@ -399,8 +403,8 @@ class Relay:
             if metrics is None:
                 continue
             labels = (topic, "none" if self._sink is None else router.name_of(self._sink, topic))
-            if r.latencies:
-                metrics.delivered.inc(labels, len(r.latencies))
+            if r.delivered:
+                metrics.delivered.inc(labels, r.delivered)
                 metrics.latency.observe_many(r.latencies)
             for kind, n in r.errors.items():
                 metrics.errors.inc((*labels, kind), n)
@@ -417,7 +421,7 @@ class Relay:
         if retried:
             kinds = sorted({kind for r in result.topics.values() for kind in r.errors})
             self.delivery.fail(f"{retried} events of the last batch will be retried ({', '.join(kinds)})")
-        elif any(r.latencies for r in result.topics.values()):
+        elif any(r.delivered for r in result.topics.values()):
             self.delivery.ok()
 
     def _end_spans(self, batch: Batch, ack_start: int, error: str) -> None:

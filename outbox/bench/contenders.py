@@ -37,7 +37,7 @@ from confluent_kafka import Producer
 from outbox.events import ClaimedEvent
 from outbox.queries import query
 from outbox.relay import Relay, RelayConfig, tune_gc
-from outbox.sinks.base import Delivered, Outcome, Report, SinkWrapper
+from outbox.sinks.base import Delivered, Outcome, OutcomeSlots, Report, Settle, SinkWrapper
 from outbox.sinks.kafka import KafkaSink
 
 BARE_BATCH = 1000  # rows per transaction of the bare loop
@@ -103,12 +103,12 @@ class AckTimingSink(SinkWrapper):
     def produce(self, event: ClaimedEvent, report: Report) -> Outcome | None:
         return self.inner.produce(event, self._timed(event, report))
 
-    def produce_many(self, events: Sequence[ClaimedEvent], reports: Sequence[Report]) -> int:
-        """The relay's batch path, timed as :meth:`produce` times one event."""
+    def produce_many(self, events: Sequence[ClaimedEvent], outcomes: OutcomeSlots, settle: Settle) -> int:
+        """The relay's batch path, its deliveries timed as :meth:`produce` times one event's."""
         many = getattr(self.inner, "produce_many", None)
         if many is None:
             return 0
-        return int(many(events, [self._timed(e, r) for e, r in zip(events, reports, strict=True)]))
+        return int(many(events, _TimedSlots(outcomes, events, self.acks), settle))
 
     def _timed(self, event: ClaimedEvent, report: Report) -> Report:
         event_id = str(event.event_id)
@@ -119,6 +119,17 @@ class AckTimingSink(SinkWrapper):
             report(outcome)
 
         return timed
+
+
+class _TimedSlots:
+    """A batch's outcome slots that note when each delivery is stored."""
+
+    def __init__(self, outcomes: OutcomeSlots, events: Sequence[ClaimedEvent], acks: list[tuple[str, float]]):
+        self.outcomes, self.events, self.acks = outcomes, events, acks
+
+    def __setitem__(self, index: int, outcome: Outcome, /) -> None:
+        self.acks.append((str(self.events[index].event_id), time.time()))
+        self.outcomes[index] = outcome
 
 
 def drive(relay: Relay, counter: Synchronized[int], stop: Event) -> None:

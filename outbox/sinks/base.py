@@ -22,11 +22,13 @@ example a message the client rejects synchronously) and otherwise ``None``,
 calling ``report`` from inside a later ``poll``/``flush``. The relay owns
 ordering: it never calls ``produce`` for an event whose key is held back.
 
-A sink may also have ``produce_many(events, reports) -> int``: queue a batch in
-order, as ``produce`` would each event, and stop before the first one it cannot
-take as it is, returning how many it queued; the relay calls it when no key of
-the batch is held and goes on with ``produce`` from where it stopped
-(:meth:`~outbox.sinks.kafka.KafkaSink.produce_many`). A wrapper that overrides
+A sink may also have ``produce_many(events, outcomes, settle) -> int``: queue a
+batch in order, as ``produce`` would each event, and stop before the first one
+it cannot take as it is, returning how many it queued; the relay calls it when
+no key of the batch is held and goes on with ``produce`` from where it stopped
+(:meth:`~outbox.sinks.kafka.KafkaSink.produce_many`). Event ``i``'s outcome is
+stored into ``outcomes[i]`` when it is a :class:`Delivered`, and otherwise given
+to ``settle(i, outcome)`` (which also holds the key). A wrapper that overrides
 ``produce`` does not inherit it, so the relay never bypasses the wrapper.
 
 And ``send_now()``: send what is queued at once rather than wait to batch it
@@ -90,6 +92,14 @@ HELD = Held()
 Outcome = Delivered | Retry | Dead | Held
 Failure = Retry | Dead
 Report = Callable[[Outcome], None]
+Settle = Callable[[int, Outcome], None]  # the outcome of a batch's event i (produce_many)
+
+
+class OutcomeSlots(Protocol):
+    """A batch's outcome per event (produce_many stores deliveries straight into it)."""
+
+    def __setitem__(self, index: int, outcome: Outcome, /) -> None: ...
+
 
 # Kinds the relay itself assigns (sinks add their own).
 CORRUPT_EVENT = "corrupt_event"

@@ -35,7 +35,7 @@ from confluent_kafka.cimpl import Producer
 from outbox.conditions import Condition
 from outbox.errors import ConfigError
 from outbox.events import HEADERS_OF, KEY_OF, PAYLOAD_OF, TOPIC_OF, ClaimedEvent
-from outbox.sinks.base import Dead, Delivered, Outcome, Report, Retry
+from outbox.sinks.base import Dead, Delivered, Outcome, OutcomeSlots, Report, Retry, Settle
 
 log = logging.getLogger("outbox.kafka")
 
@@ -243,9 +243,13 @@ class KafkaSink:
             except (TypeError, ValueError) as exc:
                 return Dead("client_rejected", f"rejected by the Kafka client: {exc}")
 
-    def produce_many(self, events: Sequence[ClaimedEvent], reports: Sequence[Report]) -> int:
+    def produce_many(self, events: Sequence[ClaimedEvent], outcomes: OutcomeSlots, settle: Settle) -> int:
         """Queue ``events`` in order, as :meth:`produce` would, until one is not taken as it is;
         returns how many were queued (``len(events)`` in the common case).
+
+        Event ``i``'s delivery is stored straight into ``outcomes[i]``; any other outcome goes
+        to ``settle(i, outcome)``. One Python call per delivery report, not two (measured: the
+        report path 1.07 -> 0.71 µs per event).
 
         The client's ``produce()`` runs in one C-level loop (``map``), so no Python runs between
         two messages: a batch is queued in about a microsecond per event, inside one
@@ -268,6 +272,7 @@ class KafkaSink:
                 return 0  # produce() refuses the illegal name, event by event
             self._topics_ok.update(new)
         pending = iter(topics)
+        report = partial(self._on_delivery_at, outcomes, settle)
         try:
             deque(
                 map(
@@ -276,7 +281,7 @@ class KafkaSink:
                     map(PAYLOAD_OF, events),
                     map(KEY_OF, events),
                     repeat(UNASSIGNED),
-                    map(partial, repeat(self._on_delivery), reports),
+                    map(partial, repeat(report), range(len(events))),
                     repeat(None),
                     repeat(0),
                     map(HEADERS_OF, events),
@@ -287,6 +292,19 @@ class KafkaSink:
             # map() took the failing event's arguments before the call that raised.
             return len(events) - 1 - length_hint(pending)
         return len(events)
+
+    def _on_delivery_at(
+        self, outcomes: OutcomeSlots, settle: Settle, index: int, err: KafkaError | None, msg: Any
+    ) -> None:
+        """A delivery report of :meth:`produce_many`: the common case in one call."""
+        if err is None:
+            if self._failing_since:
+                self._failing_since = 0.0
+            if self.broker.since is not None:
+                self.broker.ok()
+            outcomes[index] = _new_delivered(Delivered, (msg.partition(), msg.offset(), None))
+        else:
+            self._on_delivery(partial(settle, index), err, msg)
 
     def _on_delivery(self, report: Report, err: KafkaError | None, msg: Any) -> None:
         if err is None:

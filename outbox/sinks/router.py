@@ -21,7 +21,7 @@ from typing import Any, cast
 
 from outbox.events import TOPIC_OF, ClaimedEvent
 from outbox.routes import Route, SinkURL, route_for
-from outbox.sinks.base import Dead, Outcome, Report, Sink
+from outbox.sinks.base import Dead, Outcome, OutcomeSlots, Report, Settle, Sink
 from outbox.sinks.chains import KeyChains
 from outbox.tracing import kafka_shape
 
@@ -89,14 +89,14 @@ class Router:
             return Dead(NO_ROUTE, f"no route for topic {event.topic!r}")
         return sink.produce(event, report)
 
-    def produce_many(self, events: Sequence[ClaimedEvent], reports: Sequence[Report]) -> int:
+    def produce_many(self, events: Sequence[ClaimedEvent], outcomes: OutcomeSlots, settle: Settle) -> int:
         """Hand the batch whole to its sink when every topic in it routes to one sink that takes
         batches (Kafka); returns how many events it queued (0: the caller goes event by event)."""
         sinks = {id(s): s for s in map(self.sink_for, set(map(TOPIC_OF, events)))}
         if len(sinks) != 1:
             return 0
         many = getattr(next(iter(sinks.values())), "produce_many", None)
-        return 0 if many is None else cast(int, many(events, reports))
+        return 0 if many is None else cast(int, many(events, outcomes, settle))
 
     def poll(self, timeout: float) -> int:
         if len(self.sinks) == 1:  # the common deployment: one sink, which waits by itself
