@@ -322,8 +322,7 @@ class Relay:
             # No backlog behind this batch, nothing to batch it with: send it without waiting
             # out the client's linger (Kafka). A full batch lingers, and batches on the wire.
             send_now()
-        else:
-            self._sink.poll(0)  # sinks that queue what they were given send it now, as one burst
+        self._sink.poll(0)  # sinks that queue what they were given send it now, as one burst
         return len(batch)
 
     def _finish_complete_batches(self) -> None:
