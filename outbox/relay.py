@@ -46,7 +46,7 @@ from outbox.ordering import Ordering
 from outbox.queries import query
 from outbox.sessions import Sessions
 from outbox.sinks import router
-from outbox.sinks.base import UNREACHABLE_KINDS, Sink
+from outbox.sinks.base import UNREACHABLE_KINDS, Sink, send_now
 from outbox.sinks.chains import KeyChains
 
 __all__ = ["Relay", "RelayConfig", "RelayStats"]
@@ -317,11 +317,10 @@ class Relay:
             if outcome is not None:
                 batch.settle(i, outcome)
         self._in_flight.append(batch)
-        send_now = getattr(self._sink, "send_now", None)
-        if send_now is not None and len(batch) < self.config.batch_size:
+        if len(batch) < self.config.batch_size:
             # No backlog behind this batch, nothing to batch it with: send it without waiting
             # out the client's linger (Kafka). A full batch lingers, and batches on the wire.
-            send_now()
+            send_now(self._sink)
         self._sink.poll(0)  # sinks that queue what they were given send it now, as one burst
         return len(batch)
 

@@ -141,6 +141,13 @@ class Sink(Protocol):
         """Flush within ``timeout`` and release resources; pending reports are dropped."""
 
 
+def send_now(sink: Sink) -> None:
+    """``sink.send_now()`` when the sink has it (the optional method above); else nothing."""
+    method = getattr(sink, "send_now", None)
+    if method is not None:
+        method()
+
+
 class SinkWrapper:
     """A sink that delegates to ``inner``; override ``produce`` to observe or alter sends.
 
@@ -161,9 +168,7 @@ class SinkWrapper:
         return self.inner.flush(timeout)
 
     def send_now(self) -> None:
-        send_now = getattr(self.inner, "send_now", None)
-        if send_now is not None:
-            send_now()
+        send_now(self.inner)
 
     def healthy(self) -> bool:
         return self.inner.healthy()

@@ -21,7 +21,7 @@ from typing import Any, cast
 
 from outbox.events import TOPIC_OF, ClaimedEvent
 from outbox.routes import Route, SinkURL, route_for
-from outbox.sinks.base import Dead, Outcome, OutcomeSlots, Report, Settle, Sink
+from outbox.sinks.base import Dead, Outcome, OutcomeSlots, Report, Settle, Sink, send_now
 from outbox.sinks.chains import KeyChains
 from outbox.tracing import kafka_shape
 
@@ -115,9 +115,7 @@ class Router:
 
     def send_now(self) -> None:
         for sink in self.sinks:
-            send_now = getattr(sink, "send_now", None)
-            if send_now is not None:
-                send_now()
+            send_now(sink)
 
     def flush(self, timeout: float) -> int:
         deadline = time.monotonic() + timeout
