@@ -18,9 +18,19 @@ SQLAlchemy async       the driver connection under the ``AsyncSession``'s (or
 
 A :class:`Writer` (sync) or :class:`AsyncWriter` knows one driver: how to tell
 whether a transaction is open, how to insert one event, and its fast path for
-many (binary COPY on psycopg 3, ``copy_records_to_table`` on asyncpg, one
-multi-row ``INSERT`` on psycopg2). Validation and encoding happen once, before,
-in :mod:`outbox.writer`, for every stack alike.
+many (binary COPY on psycopg 3, text COPY on psycopg2 and asyncpg; with delays,
+one ``INSERT … SELECT FROM unnest(arrays)``). Validation and encoding happen once,
+before, in :mod:`outbox.writer`, for every stack alike.
+
+No statement of the outbox relies on a server-side prepared statement, whatever the
+caller's connection is set to do, so that ``enqueue`` and ``first_delivery`` work behind
+PgBouncer in transaction mode (where the next transaction may run on another server
+connection, which never saw the statement): psycopg 3 executes with ``prepare=False``
+(its ``executemany`` always prepares, so many delayed events go as one statement of
+arrays); asyncpg prepares each statement *unnamed* (``prepare(name="")``, used at once in
+the caller's transaction, which PgBouncer keeps on one server connection) instead of
+through its statement cache, and writes many with ``COPY`` (``copy_records_to_table``
+would prepare its introspection query through that cache); psycopg2 never prepares.
 
 Optional packages are recognised by the module of the object's type, so the
 core package imports none of them: an object from a package that is installed is
@@ -103,13 +113,36 @@ def _copy_row(ev: EncodedEvent) -> tuple[Any, ...]:
     return (ev.event_id, ev.topic, ev.key, ev.payload, Jsonb(ev.headers), ev.type, ev.subject)
 
 
-def _copy_text(value: str | None) -> str:
+def _copy_nullable(value: str | None) -> str:
     """A nullable text column in COPY's text format."""
     return "\\N" if value is None else value.translate(_COPY_TEXT)
 
 
 def _headers_json(ev: EncodedEvent) -> str:
     return json.dumps(ev.headers, separators=(",", ":"))
+
+
+def _text_row(ev: EncodedEvent) -> tuple[Any, ...]:
+    """An event as ``insert_events_arrays`` takes it, a value per column (psycopg 3, psycopg2)."""
+    return (str(ev.event_id), ev.topic, ev.key, ev.payload, _headers_json(ev), ev.type, ev.subject, ev.delay)
+
+
+def _columns(events: Sequence[EncodedEvent]) -> list[list[Any]]:
+    """``insert_events_arrays``'s parameters: one list per column, rows in order."""
+    return [list(column) for column in zip(*map(_text_row, events), strict=True)]
+
+
+def _copy_text(events: Sequence[EncodedEvent]) -> str:
+    """Events without delay as ``COPY … FROM STDIN`` text (bytea as hex): psycopg2, asyncpg."""
+    buffer = io.StringIO()
+    write = buffer.write
+    for ev in events:
+        key = "\\N" if ev.key is None else "\\\\x" + ev.key.hex()
+        write(
+            f"{ev.event_id}\t{ev.topic.translate(_COPY_TEXT)}\t{key}\t\\\\x{ev.payload.hex()}\t"
+            f"{_headers_json(ev).translate(_COPY_TEXT)}\t{_copy_nullable(ev.type)}\t{_copy_nullable(ev.subject)}\n"
+        )
+    return buffer.getvalue()
 
 
 class Writer(Protocol):
@@ -154,22 +187,21 @@ class PsycopgWriter:
         seen = _seen(self.conn)
         if schema in seen:
             return
-        row = self.conn.execute(_sql("events_table", schema), (schema,)).fetchone()
+        row = self.conn.execute(_sql("events_table", schema), (schema,), prepare=False).fetchone()
         if not row or not row[0]:
             raise unknown_schema(schema)
         seen.add(schema)
 
     def insert(self, schema: str, ev: EncodedEvent) -> None:
         # A server-side binding cursor whatever the connection's cursor_factory (Django's is
-        # client-side binding: measured 20 us slower per event); prepared statements follow
-        # the connection's prepare_threshold (None under PgBouncer-minded settings).
+        # client-side binding: measured 20 us slower per event); never prepared (PgBouncer).
         with psycopg.Cursor(self.conn) as cur:
-            cur.execute(_sql("insert_event", schema), _params(ev))
+            cur.execute(_sql("insert_event", schema), _params(ev), prepare=False)
 
     def insert_many(self, schema: str, events: Sequence[EncodedEvent]) -> None:
         with self.conn.cursor() as cur:
             if any(ev.delay for ev in events):
-                cur.executemany(_sql("insert_event", schema), [_params(ev) for ev in events])
+                cur.execute(_sql("insert_events_arrays", schema), _columns(events), prepare=False)
                 return
             with cur.copy(_sql("copy_events", schema)) as copy:
                 copy.set_types(COPY_TYPES)
@@ -179,7 +211,7 @@ class PsycopgWriter:
     def flag(self, name: str, schema: str, *params: Any) -> bool:
         """Run the named statement; whether it returned a row whose first column is true."""
         with psycopg.Cursor(self.conn) as cur:
-            row = cur.execute(_sql(name, schema), params).fetchone()
+            row = cur.execute(_sql(name, schema), params, prepare=False).fetchone()
         return bool(row and row[0])
 
 
@@ -196,7 +228,7 @@ class AsyncPsycopgWriter:
         seen = _seen(self.conn)
         if schema in seen:
             return
-        cur = await self.conn.execute(_sql("events_table", schema), (schema,))
+        cur = await self.conn.execute(_sql("events_table", schema), (schema,), prepare=False)
         row = await cur.fetchone()
         if not row or not row[0]:
             raise unknown_schema(schema)
@@ -204,12 +236,12 @@ class AsyncPsycopgWriter:
 
     async def insert(self, schema: str, ev: EncodedEvent) -> None:
         async with psycopg.AsyncCursor(self.conn) as cur:  # server-side binding, as above
-            await cur.execute(_sql("insert_event", schema), _params(ev))
+            await cur.execute(_sql("insert_event", schema), _params(ev), prepare=False)
 
     async def insert_many(self, schema: str, events: Sequence[EncodedEvent]) -> None:
         async with self.conn.cursor() as cur:
             if any(ev.delay for ev in events):
-                await cur.executemany(_sql("insert_event", schema), [_params(ev) for ev in events])
+                await cur.execute(_sql("insert_events_arrays", schema), _columns(events), prepare=False)
                 return
             async with cur.copy(_sql("copy_events", schema)) as copy:
                 copy.set_types(COPY_TYPES)
@@ -218,7 +250,7 @@ class AsyncPsycopgWriter:
 
     async def flag(self, name: str, schema: str, *params: Any) -> bool:
         async with psycopg.AsyncCursor(self.conn) as cur:
-            await cur.execute(_sql(name, schema), params)
+            await cur.execute(_sql(name, schema), params, prepare=False)
             row = await cur.fetchone()
         return bool(row and row[0])
 
@@ -231,10 +263,11 @@ _COPY_TEXT = str.maketrans({"\\": "\\\\", "\n": "\\n", "\r": "\\r", "\t": "\\t"}
 
 
 class Psycopg2Writer:
-    """psycopg2: the same ``%s`` statements as psycopg 3, as text. Many events: one ``COPY``
-    in text format (bytea as hex); with delays, one ``INSERT … SELECT FROM unnest(arrays)``.
-    Measured for 1,000 events with encoding and commit: COPY 20 ms, unnest 39 ms, and
-    ``execute_values``'s multi-row ``VALUES`` about 55."""
+    """psycopg2: the same ``%s`` statements as psycopg 3, as text (psycopg2 binds on the
+    client and never prepares). Many events: one ``COPY`` in text format (bytea as hex); with
+    delays, one ``INSERT … SELECT FROM unnest(arrays)``. Measured for 1,000 events with
+    encoding and commit: COPY 20 ms, unnest 39 ms, and ``execute_values``'s multi-row
+    ``VALUES`` about 55."""
 
     def __init__(self, conn: Any, stack: str = "psycopg2") -> None:
         self.conn = conn
@@ -257,39 +290,16 @@ class Psycopg2Writer:
             raise unknown_schema(schema)
         seen.add(schema)
 
-    @staticmethod
-    def _row(ev: EncodedEvent) -> tuple[Any, ...]:
-        return (
-            str(ev.event_id),
-            ev.topic,
-            ev.key,
-            ev.payload,
-            _headers_json(ev),
-            ev.type,
-            ev.subject,
-            ev.delay,
-        )
-
     def insert(self, schema: str, ev: EncodedEvent) -> None:
         with self.conn.cursor() as cur:
-            cur.execute(_sql("insert_event", schema), self._row(ev))
+            cur.execute(_sql("insert_event", schema), _text_row(ev))
 
     def insert_many(self, schema: str, events: Sequence[EncodedEvent]) -> None:
         with self.conn.cursor() as cur:
             if any(ev.delay for ev in events):
-                columns = [list(column) for column in zip(*map(self._row, events), strict=True)]
-                cur.execute(_sql("insert_events_arrays", schema), columns)
+                cur.execute(_sql("insert_events_arrays", schema), _columns(events))
                 return
-            buffer = io.StringIO()
-            write = buffer.write
-            for ev in events:
-                key = "\\N" if ev.key is None else "\\\\x" + ev.key.hex()
-                write(
-                    f"{ev.event_id}\t{ev.topic.translate(_COPY_TEXT)}\t{key}\t\\\\x{ev.payload.hex()}\t"
-                    f"{_headers_json(ev).translate(_COPY_TEXT)}\t{_copy_text(ev.type)}\t{_copy_text(ev.subject)}\n"
-                )
-            buffer.seek(0)
-            cur.copy_expert(_sql("copy_events_text", schema), buffer)
+            cur.copy_expert(_sql("copy_events_text", schema), io.StringIO(_copy_text(events)))
 
     def flag(self, name: str, schema: str, *params: Any) -> bool:
         with self.conn.cursor() as cur:
@@ -301,8 +311,15 @@ class Psycopg2Writer:
 # -- asyncpg --------------------------------------------------------------------------------
 
 
+async def _unnamed(conn: Any, statement: str) -> Any:
+    """``statement`` prepared unnamed on an asyncpg connection, whatever its statement cache:
+    a named one would stay behind on a server connection that PgBouncer (transaction mode)
+    hands to another client, and a cached one be looked for on the wrong one."""
+    return await conn.prepare(statement, name="")
+
+
 class AsyncpgWriter:
-    """asyncpg: numbered parameters; many events with ``copy_records_to_table`` (binary COPY)."""
+    """asyncpg: numbered parameters, unnamed statements; many events with ``COPY`` in text."""
 
     def __init__(self, conn: Any, stack: str = "asyncpg") -> None:
         self.conn = conn
@@ -316,7 +333,7 @@ class AsyncpgWriter:
         seen = _seen(self.conn)
         if schema in seen:
             return
-        if not await self.conn.fetchval(_sql("events_table_numbered", schema), schema):
+        if not await (await _unnamed(self.conn, _sql("events_table_numbered", schema))).fetchval(schema):
             raise unknown_schema(schema)
         seen.add(schema)
 
@@ -334,26 +351,27 @@ class AsyncpgWriter:
         )
 
     async def insert(self, schema: str, ev: EncodedEvent) -> None:
-        await self.conn.execute(_sql("insert_event_numbered", schema), *self._row(ev))
+        await (await _unnamed(self.conn, _sql("insert_event_numbered", schema))).fetch(*self._row(ev))
 
     async def insert_many(self, schema: str, events: Sequence[EncodedEvent]) -> None:
         if any(ev.delay for ev in events):
-            await self.conn.executemany(
-                _sql("insert_event_numbered", schema), [self._row(ev) for ev in events]
-            )
+            rows = [
+                (str(e.event_id), e.topic, e.key and e.key.hex(), e.payload.hex(), _headers_json(e), e.type,
+                 e.subject, str(e.delay))
+                for e in events
+            ]  # fmt: skip
+            columns = [list(column) for column in zip(*rows, strict=True)]
+            await (await _unnamed(self.conn, _sql("insert_events_arrays_numbered", schema))).fetch(*columns)
             return
-        await self.conn.copy_records_to_table(
+        await self.conn.copy_to_table(
             "events",
             schema_name=schema,
             columns=COPY_COLUMNS,
-            records=[
-                (ev.event_id, ev.topic, ev.key, ev.payload, _headers_json(ev), ev.type, ev.subject)
-                for ev in events
-            ],
+            source=io.BytesIO(_copy_text(events).encode()),
         )
 
     async def flag(self, name: str, schema: str, *params: Any) -> bool:
-        return bool(await self.conn.fetchval(_sql(name + "_numbered", schema), *params))
+        return bool(await (await _unnamed(self.conn, _sql(name + "_numbered", schema))).fetchval(*params))
 
 
 # -- which stack ----------------------------------------------------------------------------

@@ -1,13 +1,18 @@
 """Shared fixtures: a real PostgreSQL and a real Kafka-protocol broker.
 
 PostgreSQL: ``OUTBOX_TEST_DSN``, else the server on 127.0.0.1:5432 (database
-``test``), else an embedded one. Each test gets its own migrated schema.
-Kafka: ``OUTBOX_TEST_KAFKA``, else a Tansu broker spawned on a free port. Each
-test gets its own topic names.
+``test``), else an embedded one. Under pytest-xdist each worker gets a database of its
+own on that server (``outbox_test_<run>_<worker>``, made afresh), so a test that looks at
+database-wide state (every table, every relay session) sees only its worker's, and one
+that ends "every relay session" ends only its own. Each test gets its own migrated schema.
+Kafka: ``OUTBOX_TEST_KAFKA``, else a Tansu broker spawned on a free port (one per worker:
+session fixtures are per worker). Each test gets its own topic names, and the other sinks'
+fixtures their own exchanges, streams, key prefixes and paths.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import uuid
 from collections.abc import Iterator
@@ -16,6 +21,7 @@ from typing import Any
 import psycopg
 import pytest
 from psycopg import sql
+from psycopg.conninfo import make_conninfo
 
 from outbox.embedded import Broker, embedded_postgres
 from outbox.migrate import migrate
@@ -35,19 +41,38 @@ for _name in list(os.environ):
 LOCAL_DSN = "host=127.0.0.1 port=5432 dbname=test user=root connect_timeout=3"
 
 
-@pytest.fixture(scope="session")
-def pg_dsn() -> Iterator[str]:
-    dsn = os.environ.get("OUTBOX_TEST_DSN")
-    if dsn:
+@contextlib.contextmanager
+def _worker_database(dsn: str) -> Iterator[str]:
+    """``dsn`` itself when not under xdist; else a database of this worker's, made afresh."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    if not worker:
         yield dsn
         return
+    # The run's id too: two suites at once (a developer's and a matrix) must not share one.
+    dbname = f"outbox_test_{os.environ.get('PYTEST_XDIST_TESTRUNUID', '')[:8]}_{worker}"
+    name = sql.Identifier(dbname)
+    drop = sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(name)
+    with psycopg.connect(dsn, autocommit=True) as admin:
+        admin.execute(drop)
+        admin.execute(sql.SQL("CREATE DATABASE {}").format(name))
     try:
-        psycopg.connect(LOCAL_DSN).close()
-    except psycopg.OperationalError:
-        with embedded_postgres() as embedded:
-            yield embedded
-        return
-    yield LOCAL_DSN
+        yield make_conninfo(dsn, dbname=dbname)
+    finally:
+        with psycopg.connect(dsn, autocommit=True) as admin:
+            admin.execute(drop)
+
+
+@pytest.fixture(scope="session")
+def pg_dsn() -> Iterator[str]:
+    with contextlib.ExitStack() as stack:
+        dsn = os.environ.get("OUTBOX_TEST_DSN")
+        if not dsn:
+            try:
+                psycopg.connect(LOCAL_DSN).close()
+                dsn = LOCAL_DSN
+            except psycopg.OperationalError:
+                dsn = stack.enter_context(embedded_postgres())
+        yield stack.enter_context(_worker_database(dsn))
 
 
 @pytest.fixture

@@ -11,16 +11,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from outbox.bench.config import BenchConfig
+from outbox.bench.config import SCENARIOS, BenchConfig
 from outbox.bench.faults import cli as faults_cli
+from outbox.bench.servers import add_servers
 from outbox.cli import options
-from outbox.cli.common import add_common
-from outbox.cli.relay import KafkaOptions
 from outbox.errors import ConfigError
 from outbox.extras import require
 from outbox.settings import setting
-
-SCENARIOS = ("drain", "steady", "writer", "soak", "scale", "sinks")
 
 
 @dataclass
@@ -37,12 +34,6 @@ class PerfOptions:
         env="OUTBOX_BENCH_SMOKE",
         aliases=("--short",),
     )
-
-
-def add_servers(parser: argparse.ArgumentParser) -> None:
-    """Connection and log options; without --dsn / --kafka-bootstrap, embedded servers are started."""
-    add_common(parser)
-    options.add(parser, KafkaOptions)
 
 
 def _add_perf(parser: argparse.ArgumentParser) -> None:

@@ -40,6 +40,9 @@ class BenchConfig:
     max_race_seconds: float = setting(600.0, "longest a race may run", cli=False)
 
 
+# What `outbox bench` (perf) can run, in the order it runs them.
+SCENARIOS = ("drain", "steady", "writer", "soak", "scale", "sinks")
+
 # --smoke: every scenario in seconds (CI checks that each runs and writes its outputs).
 SMOKE = {
     "events": 3000,

@@ -17,6 +17,10 @@ stops when the parent sets ``stop``.
 - ``txoutbox`` / ``faststream``: the Python peers (:mod:`outbox.bench.peers`).
 - ``sink_relay`` / ``sink_loop``: the relay and the minimal loop for a sink beyond
   Kafka (:mod:`outbox.bench.sinks`).
+
+The peers and the sink contenders live in modules above this one: their specs carry
+their own ``entry`` function, so this module (and :mod:`outbox.bench.measure`, which
+spawns every contender) imports neither.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from __future__ import annotations
 import json
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from multiprocessing.sharedctypes import Synchronized
 from multiprocessing.synchronize import Event
@@ -55,6 +59,12 @@ class ContenderSpec:
     sink_url: str = ""  # sink_relay / sink_loop: the route URL (outbox.bench.sinks)
     topic: str = ""  # faststream: the Kafka topic its publisher writes to
     ack_log: str | None = None  # steady scenario: where the relay writes event-id -> ack time
+    # The child's entry for the contenders defined above this module (peers, sinks); spawned
+    # processes receive it by its qualified name.
+    entry: Contender | None = None
+
+
+Contender = Callable[[ContenderSpec, "Synchronized[int]", Event], None]
 
 
 def _headers(event_id: Any, headers: Any) -> list[tuple[str, str | bytes | None]]:
@@ -68,7 +78,9 @@ def _headers(event_id: Any, headers: Any) -> list[tuple[str, str | bytes | None]
 def run_contender(spec: ContenderSpec, counter: Synchronized[int], stop: Event) -> None:
     """Child-process entry point: every contender with the garbage collector ``outbox relay`` sets."""
     tune_gc()
-    if spec.kind == "relay":
+    if spec.entry is not None:
+        spec.entry(spec, counter, stop)
+    elif spec.kind == "relay":
         _relay(spec, counter, stop)
     elif spec.kind == "bare":
         _loop(spec, "bare_claim", "archive_delivered", counter, stop)
@@ -76,19 +88,6 @@ def run_contender(spec: ContenderSpec, counter: Synchronized[int], stop: Event) 
         _seeds(spec, counter, stop)
     elif spec.kind == "ceiling":
         _loop(spec, "ceiling_claim", "ceiling_archive", counter, stop)
-    elif spec.kind in ("txoutbox", "faststream"):
-        from outbox.bench import peers
-
-        if spec.kind == "txoutbox":
-            strict = bool(spec.relay_options["strict"])
-            peers.tx_contender(spec.dsn, spec.schema, spec.bootstrap, strict, counter, stop)
-        else:
-            peers.fs_contender(spec.dsn, spec.schema, spec.bootstrap, spec.topic, counter, stop)
-    elif spec.kind in ("sink_relay", "sink_loop"):
-        from outbox.bench import sinks
-
-        run = sinks.relay_contender if spec.kind == "sink_relay" else sinks.loop_contender
-        run(spec.dsn, spec.schema, spec.sink_url, counter, stop)
     else:
         raise ValueError(f"contender: unknown kind {spec.kind!r}")
 

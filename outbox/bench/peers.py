@@ -35,7 +35,7 @@ from multiprocessing.sharedctypes import Synchronized
 from multiprocessing.synchronize import Event
 from typing import Any
 
-from outbox.bench.contenders import PRODUCER_CONFIG
+from outbox.bench.contenders import PRODUCER_CONFIG, ContenderSpec
 from outbox.bench.events import FILL_CHUNK, KEYS, order, trace_headers
 from outbox.bench.writers import sqlalchemy_url
 from outbox.progress import Progress
@@ -87,9 +87,8 @@ def tx_fill(dsn: str, schema: str, topic: str, n: int, label: str) -> None:
     asyncio.run(fill())
 
 
-def tx_contender(
-    dsn: str, schema: str, bootstrap: str, strict: bool, counter: Synchronized[int], stop: Event
-) -> None:
+def tx_contender(spec: ContenderSpec, counter: Synchronized[int], stop: Event) -> None:
+    dsn, schema, bootstrap, strict = spec.dsn, spec.schema, spec.bootstrap, bool(spec.relay_options["strict"])
     from confluent_kafka import KafkaException, Producer
     from txoutbox import Hooks, OutboxMessage, Relay
 
@@ -187,9 +186,8 @@ def fs_fill(dsn: str, schema: str, n: int, label: str) -> None:
     asyncio.run(fill())
 
 
-def fs_contender(
-    dsn: str, schema: str, bootstrap: str, topic: str, counter: Synchronized[int], stop: Event
-) -> None:
+def fs_contender(spec: ContenderSpec, counter: Synchronized[int], stop: Event) -> None:
+    dsn, schema, bootstrap, topic = spec.dsn, spec.schema, spec.bootstrap, spec.topic
     from faststream.kafka import KafkaBroker
     from faststream_outbox import OutboxBroker
     from sqlalchemy.ext.asyncio import create_async_engine

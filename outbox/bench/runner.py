@@ -10,8 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from outbox.bench import report, scenarios
-from outbox.bench.cli import SCENARIOS
-from outbox.bench.config import SMOKE, BenchConfig
+from outbox.bench.config import SCENARIOS, SMOKE, BenchConfig
 from outbox.bench.measure import machine
 from outbox.errors import ConfigError
 from outbox.harness.infra import infrastructure

@@ -179,7 +179,10 @@ def _peer_once(cfg: BenchConfig, name: str, run: int) -> dict[str, Any]:
             peers.tx_fill(cfg.dsn, ws.schema, ws.topic, cfg.events, label)
         else:
             peers.fs_fill(cfg.dsn, ws.schema, cfg.events, label)
-        spec = ContenderSpec(kind, cfg.dsn, ws.schema, cfg.bootstrap, dict(options), topic=ws.topic)
+        entry = peers.tx_contender if kind == "txoutbox" else peers.fs_contender
+        spec = ContenderSpec(
+            kind, cfg.dsn, ws.schema, cfg.bootstrap, dict(options), topic=ws.topic, entry=entry
+        )
         result = race(
             [spec],
             target=cfg.events,

@@ -31,7 +31,7 @@ from typing import Any, cast
 import psycopg
 
 from outbox.bench.config import BenchConfig
-from outbox.bench.contenders import ContenderSpec, drive
+from outbox.bench.contenders import Contender, ContenderSpec, drive
 from outbox.bench.events import fill
 from outbox.bench.measure import median, middle_rate, race
 from outbox.config import RelayConfig
@@ -91,13 +91,13 @@ class Destination:
 # -- contenders (child processes) ------------------------------------------------------------
 
 
-def relay_contender(dsn: str, schema: str, url: str, counter: Synchronized[int], stop: Event) -> None:
-    config = RelayConfig(dsn, schema=schema)
-    drive(Relay(config, routed(parse_routes([f"*={url}"], None), config)), counter, stop)
+def relay_contender(spec: ContenderSpec, counter: Synchronized[int], stop: Event) -> None:
+    config = RelayConfig(spec.dsn, schema=spec.schema)
+    drive(Relay(config, routed(parse_routes([f"*={spec.sink_url}"], None), config)), counter, stop)
 
 
-def loop_contender(dsn: str, schema: str, url: str, counter: Synchronized[int], stop: Event) -> None:
-    asyncio.run(_loop(dsn, schema, url, counter, stop))
+def loop_contender(spec: ContenderSpec, counter: Synchronized[int], stop: Event) -> None:
+    asyncio.run(_loop(spec.dsn, spec.schema, spec.sink_url, counter, stop))
 
 
 def _text_headers(event_id: str, key: bytes | None, headers: dict[str, str] | None) -> dict[str, str]:
@@ -215,6 +215,9 @@ async def _publisher(scheme: str, url: str) -> Any:
 # -- the scenario --------------------------------------------------------------------------
 
 
+CONTENDERS: dict[str, Contender] = {"relay": relay_contender, "loop": loop_contender}
+
+
 def drain_sink_once(dsn: str, sink: str, kind: str, n: int, run: int, max_seconds: float) -> dict[str, Any]:
     tag = uuid.uuid4().hex[:8]
     schema, topic = f"bench_sink_{kind}_{tag}", f"bench.sinks.{tag}"
@@ -224,8 +227,10 @@ def drain_sink_once(dsn: str, sink: str, kind: str, n: int, run: int, max_second
     label = f"{destination.scheme} {kind} #{run + 1}"
     try:
         fill(dsn, schema, topic, n, label)  # realistic events, no ANALYZE
+        entry = CONTENDERS[kind]
+        spec = ContenderSpec(f"sink_{kind}", dsn, schema, "", sink_url=destination.url, entry=entry)
         result = race(
-            [ContenderSpec(f"sink_{kind}", dsn, schema, "", sink_url=destination.url)],
+            [spec],
             target=n,
             max_seconds=max_seconds,
             progress=Progress(f"drain {label}", n, " ev"),

@@ -50,9 +50,9 @@ SELECT event_id::text, count(*) FROM {schema}.delivered GROUP BY 1
 SELECT event_id::text, attempts FROM {schema}.dead_letters
 
 -- name: harness_terminate_relays
--- End every relay session (pg_terminate_backend), reporting the state each was in.
+-- End every relay session of this database (pg_terminate_backend), reporting the state each was in.
 SELECT pg_terminate_backend(pid), state FROM pg_stat_activity
-WHERE application_name LIKE 'outbox-%%' AND pid <> pg_backend_pid()
+WHERE application_name LIKE 'outbox-%%' AND datname = current_database() AND pid <> pg_backend_pid()
 
 -- name: harness_drop_schema
 -- Remove a scenario's schema and everything in it.

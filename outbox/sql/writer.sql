@@ -9,7 +9,8 @@ INSERT INTO {schema}.events (event_id, topic, key, payload, headers, type, subje
 VALUES (%s, %s, %s, %s, %s, %s, %s, now() + %s * interval '1 second')
 
 -- name: insert_events_arrays
--- Many events as one statement (psycopg2): a column per array parameter, rows in list order.
+-- Many events as one statement (psycopg 3 and psycopg2, with delays): a column per array
+-- parameter, rows in list order. One statement, never prepared, unlike executemany.
 INSERT INTO {schema}.events (event_id, topic, key, payload, headers, type, subject, available_at)
 SELECT e, t, k, p, h, ty, su, now() + d * interval '1 second'
 FROM unnest(%s::uuid[], %s::text[], %s::bytea[], %s::bytea[], %s::jsonb[], %s::text[], %s::text[], %s::float8[])
@@ -17,13 +18,23 @@ FROM unnest(%s::uuid[], %s::text[], %s::bytea[], %s::bytea[], %s::jsonb[], %s::t
 ORDER BY n
 
 -- name: copy_events_text
--- Many events without delay, streamed with COPY in text format (psycopg2's copy_expert).
+-- Many events without delay, streamed with COPY in text format (psycopg2's copy_expert;
+-- asyncpg's copy_to_table writes the same statement itself).
 COPY {schema}.events (event_id, topic, key, payload, headers, type, subject) FROM STDIN
 
 -- name: insert_event_numbered
 -- insert_event with numbered parameters (asyncpg).
 INSERT INTO {schema}.events (event_id, topic, key, payload, headers, type, subject, available_at)
 VALUES ($1, $2, $3, $4, $5::jsonb, $6, $7, now() + $8::float8 * interval '1 second')
+
+-- name: insert_events_arrays_numbered
+-- insert_events_arrays with numbered parameters (asyncpg), every array text[] (bytes as hex):
+-- asyncpg knows text[] but looks any other array type up with statements of its own.
+INSERT INTO {schema}.events (event_id, topic, key, payload, headers, type, subject, available_at)
+SELECT e::uuid, t, decode(k, 'hex'), decode(p, 'hex'), h::jsonb, ty, su, now() + d::float8 * interval '1 second'
+FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::text[], $6::text[], $7::text[], $8::text[])
+    WITH ORDINALITY AS x (e, t, k, p, h, ty, su, d, n)
+ORDER BY n
 
 -- name: events_table_numbered
 -- events_table with a numbered parameter (asyncpg).

@@ -1,4 +1,8 @@
-"""`outbox bench --smoke`: every scenario runs and writes its outputs. No timing is asserted."""
+"""`outbox bench --smoke`: every scenario runs and writes its outputs. No timing is asserted.
+
+The scenarios run in four groups, each its own `outbox bench` process, so that a parallel
+suite spreads them over its workers; together they cover every scenario.
+"""
 
 from __future__ import annotations
 
@@ -6,35 +10,43 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from outbox.bench.config import SCENARIOS
 
-@pytest.mark.slow
-def test_bench_smoke_produces_every_output(pg_dsn: str, kafka: str, tmp_path: Path) -> None:
-    out = tmp_path / "bench"
+GROUPS = [("drain",), ("steady", "writer"), ("soak", "scale"), ("sinks",)]
+
+
+def test_the_groups_cover_every_scenario_once() -> None:
+    assert sorted(s for g in GROUPS for s in g) == sorted(SCENARIOS)
+
+
+def _bench(pg_dsn: str, kafka: str, out: Path, scenarios: tuple[str, ...]) -> tuple[dict[str, Any], str]:
     proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "outbox",
-            "bench",
-            "--smoke",
-            "--dsn",
-            pg_dsn,
-            "--kafka-bootstrap",
-            kafka,
-            "--out",
-            str(out),
-        ],
+        [sys.executable, "-m", "outbox", "bench", "--smoke", "--scenarios", ",".join(scenarios),
+         "--dsn", pg_dsn, "--kafka-bootstrap", kafka, "--out", str(out)],
         capture_output=True,
         text=True,
         timeout=600,
-    )
+    )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "| relay" not in proc.stderr  # progress goes to stderr, the table to stdout
+    assert "events/s" in proc.stdout
     results = json.loads((out / "results.json").read_text())
-    assert set(results["scenarios"]) == {"drain", "steady", "writer", "soak", "scale", "sinks"}
+    assert set(results["scenarios"]) == set(scenarios)
     assert results["machine"]["cores"] and results["machine"]["postgresql"]
+    return results, (out / "results.md").read_text()
+
+
+def _png(path: Path) -> None:
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", path.name
+
+
+@pytest.mark.slow
+def test_bench_smoke_drain(pg_dsn: str, kafka: str, tmp_path: Path) -> None:
+    results, table = _bench(pg_dsn, kafka, tmp_path, ("drain",))
     drain = results["scenarios"]["drain"]
     assert set(drain["cases"]) == {"realistic", "analyzed", "bytes", "big"}
     assert drain["cases"]["big"]["events"] > drain["cases"]["realistic"]["events"]
@@ -53,9 +65,24 @@ def test_bench_smoke_produces_every_output(pg_dsn: str, kafka: str, tmp_path: Pa
     assert set(compared) == peers and drain["cases"]["realistic"]["best_peer"] in peers
     assert compared["txoutbox"]["versus"] == "relay"  # strict ordering against our default
     assert "ratio_no_stats_to_analyzed" in drain
+    _png(tmp_path / "drain_throughput.png")
+    assert "outbox relay" in table and "plain tables (ceiling)" in table and "seeds' loop" in table
+    assert "on the outbox's tables" in table and "middle 80 %" in table
+
+
+@pytest.mark.slow
+def test_bench_smoke_steady_and_writer(pg_dsn: str, kafka: str, tmp_path: Path) -> None:
+    results, _ = _bench(pg_dsn, kafka, tmp_path, ("steady", "writer"))
     for run in results["scenarios"]["steady"]["runs"]:
         assert run["acked"] == run["written"] > 0, "steady: an event was not acked"
         assert run["consumed"] == run["written"], "steady: an event was not consumed"
+    assert results["scenarios"]["writer"]["stacks"], "writer: no stack measured"
+    _png(tmp_path / "steady_latency.png")
+
+
+@pytest.mark.slow
+def test_bench_smoke_soak_and_scale(pg_dsn: str, kafka: str, tmp_path: Path) -> None:
+    results, _ = _bench(pg_dsn, kafka, tmp_path, ("soak", "scale"))
     soak = results["scenarios"]["soak"]
     assert soak["delivered"] == soak["written"] > 0
     assert soak["samples"]
@@ -66,6 +93,13 @@ def test_bench_smoke_produces_every_output(pg_dsn: str, kafka: str, tmp_path: Pa
         (1, "none"),
         (2, "none"),
     ]
+    _png(tmp_path / "soak.png")
+    _png(tmp_path / "scale.png")
+
+
+@pytest.mark.slow
+def test_bench_smoke_sinks(pg_dsn: str, kafka: str, tmp_path: Path) -> None:
+    results, table = _bench(pg_dsn, kafka, tmp_path, ("sinks",))
     sinks = results["scenarios"]["sinks"]["sinks"]
     assert set(sinks) == {"amqp", "nats", "redis", "http"}
     for r in sinks.values():  # every sink drained by both, the ratio computed from the same run
@@ -73,11 +107,5 @@ def test_bench_smoke_produces_every_output(pg_dsn: str, kafka: str, tmp_path: Pa
         assert r["ratio_relay_to_loop"] == round(
             r["relay_events_per_s_median"] / r["loop_events_per_s_median"], 3
         )
-    for png in ("drain_throughput.png", "steady_latency.png", "soak.png", "scale.png", "sinks.png"):
-        assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", png
-    table = (out / "results.md").read_text()
-    assert "outbox relay" in table and "plain tables (ceiling)" in table and "seeds' loop" in table
-    assert "on the outbox's tables" in table and "middle 80 %" in table
+    _png(tmp_path / "sinks.png")
     assert "| amqp |" in table and "| http |" in table
-    assert "| relay" not in proc.stderr  # progress goes to stderr, the table to stdout
-    assert "events/s" in proc.stdout

@@ -175,6 +175,7 @@ def test_relay_reconnects_after_its_connections_are_killed(
                 rows = admin.execute(
                     "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
                     "WHERE application_name IN ('outbox-relay', 'outbox-listener') "
+                    "AND datname = current_database() "
                     "AND pid <> pg_backend_pid()"
                 ).fetchall()
                 killed += len(rows)

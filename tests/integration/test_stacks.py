@@ -371,14 +371,14 @@ def test_psycopg2_enqueue_many_is_one_copy_or_one_insert_and_round_trips(pg_dsn:
     assert count(pg_dsn, schema, "events") == 1 + 1000 + 11 + 6
 
 
-def test_asyncpg_enqueue_many_is_copy_records_to_table(pg_dsn: str, schema: str) -> None:
-    """asyncpg's query logger sees every statement but COPY: one enqueue is logged as an INSERT,
-    a thousand through enqueue_many arrive with no statement logged at all."""
+def test_asyncpg_enqueue_many_is_one_copy(pg_dsn: str, schema: str) -> None:
+    """asyncpg's query logger sees every statement run through its statement API but COPY: a
+    thousand events through enqueue_many arrive with no such statement at all."""
     import asyncpg
 
     from tests.stacks import url
 
-    async def scenario() -> tuple[list[str], list[str]]:
+    async def scenario() -> list[str]:
         seen: list[str] = []
         conn = await asyncpg.connect(url(pg_dsn, ""))
         try:
@@ -386,19 +386,73 @@ def test_asyncpg_enqueue_many_is_copy_records_to_table(pg_dsn: str, schema: str)
                 await outbox.enqueue_async(conn, "warm", b"x", schema=schema)  # the schema check
             conn.add_query_logger(lambda record: seen.append(record.query))
             async with conn.transaction():
-                await outbox.enqueue_async(conn, "one", b"x", schema=schema)
-            one = [q for q in seen if not q.startswith(("BEGIN", "COMMIT"))]
-            seen.clear()
-            async with conn.transaction():
                 await outbox.enqueue_many_async(conn, _many("t"), schema=schema)
         finally:
             await conn.close()
-        return one, [q for q in seen if not q.startswith(("BEGIN", "COMMIT"))]
+        return [q for q in seen if not q.startswith(("BEGIN", "COMMIT"))]
 
-    one, many = asyncio.run(scenario())
-    assert len(one) == 1 and one[0].startswith("INSERT INTO"), one
-    assert many == []
-    assert count(pg_dsn, schema, "events") == 1002
+    assert asyncio.run(scenario()) == []
+    assert count(pg_dsn, schema, "events") == 1001
+
+
+# What the tests below ask the server: the named prepared statements of the session, less the
+# one asking (which the driver may itself prepare).
+PREPARED = "SELECT name, statement FROM pg_prepared_statements WHERE statement NOT LIKE '%pg_prepared%'"
+
+
+def _writes(n: int = 6) -> list[tuple[str, list[dict[str, Any]]]]:
+    """Every kind of write, each more often than a driver's prepare threshold."""
+    delayed = [{"topic": "d", "payload": {"i": i}, "key": "k", "delay": 30} for i in range(3)]
+    return [("one", []), ("many", _many("m", 20)), ("delayed", delayed)] * n
+
+
+def test_psycopg_writes_prepare_nothing_whatever_the_threshold(pg_dsn: str, schema: str) -> None:
+    """PgBouncer in transaction mode runs each transaction on whichever server connection is
+    free: a prepared statement is not there. psycopg 3 prepares what runs prepare_threshold
+    times; at 0 it prepares every statement at once. The outbox's own prepare none."""
+    with psycopg.connect(pg_dsn, prepare_threshold=0) as conn:
+        for kind, events in _writes():
+            with conn.transaction():
+                if kind == "one":
+                    outbox.enqueue(conn, "one", {"a": 1}, key="k", schema=schema)
+                else:
+                    outbox.enqueue_many(conn, events, schema=schema)
+                assert outbox.inbox.first_delivery(conn, "c", uuid.uuid4(), schema=schema)
+        assert conn.execute(PREPARED).fetchall() == []
+        conn.execute("SELECT %s::int", (1,))  # the check itself: this one is prepared
+        assert [r[1] for r in conn.execute(PREPARED.replace("NOT LIKE", "NOT ILIKE")).fetchall()] == [
+            "SELECT $1::int"
+        ]
+
+
+def test_asyncpg_writes_prepare_nothing_named_whatever_the_cache(pg_dsn: str, schema: str) -> None:
+    """asyncpg's statement cache (on by default) names every statement it prepares; with
+    statement_cache_size=0 it prepares them unnamed. The outbox's own are unnamed either way."""
+    import asyncpg
+
+    from tests.stacks import url
+
+    async def scenario() -> tuple[list[Any], list[Any]]:
+        conn = await asyncpg.connect(url(pg_dsn, ""))  # the default cache
+        try:
+            for kind, events in _writes():
+                async with conn.transaction():
+                    if kind == "one":
+                        await outbox.enqueue_async(conn, "one", {"a": 1}, key="k", schema=schema)
+                    else:
+                        await outbox.enqueue_many_async(conn, events, schema=schema)
+                    assert await outbox.inbox.first_delivery_async(conn, "c", uuid.uuid4(), schema=schema)
+            ours = await conn.fetch(PREPARED)
+            await conn.fetchval("SELECT $1::int", 1)  # the check itself: the cache names this one
+            app = await conn.fetch(PREPARED)
+        finally:
+            await conn.close()
+        return [tuple(r) for r in ours], [r[1] for r in app]
+
+    ours, app = asyncio.run(scenario())
+    assert ours == []
+    assert app == ["SELECT $1::int"]
+    assert count(pg_dsn, schema, "events") == 6 * (1 + 20 + 3)
 
 
 # -- the pytest plugin sees every stack --------------------------------------------------

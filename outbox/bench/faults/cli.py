@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from outbox.bench.faults.scenarios import SCENARIOS
+from outbox.bench.servers import add_servers
 from outbox.cli import options
 from outbox.errors import ConfigError, OutboxError
 from outbox.extras import require
@@ -53,8 +54,6 @@ class ScenariosFailed(OutboxError):
 
 
 def register(suites: Any) -> None:
-    from outbox.bench.cli import add_servers
-
     p = suites.add_parser("faults", help="break things under load and count what was lost")
     add_servers(p)
     options.add(p, FaultOptions)
