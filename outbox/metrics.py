@@ -262,8 +262,8 @@ class DatabaseGauges:
                     autocommit=True,
                     connect_timeout=3,
                     application_name="outbox-metrics",
-                    options="-c statement_timeout=3000",
                 ) as conn:
+                    conn.execute(query("metrics_session", s))
                     rows = conn.execute(query("status_by_topic", s)).fetchall()
                     m.pending.replace({(t,): float(n) for t, n, _ in rows})
                     m.oldest_age.set(max((float(a) for _, _, a in rows), default=0.0))

@@ -448,6 +448,9 @@ class Relay:
             )
             self._release_in_flight("")
             self._sink.close(0)
+            # Events that failed only because this sink could not deliver are due again as soon
+            # as its replacement answers (_sinks_back), not after their backoff.
+            self._sinks_were_down = True
         self._sink = self._new_sink()
 
     def _new_sink(self) -> Sink:
@@ -459,7 +462,9 @@ class Relay:
 
     def _heartbeat(self, extra: psycopg.Connection[Any] | None = None) -> None:
         conns = [b.conn for b in self._in_flight] + ([extra] if extra is not None else [])
-        pids = self.sessions.idle_pids() + [c.info.backend_pid for c in conns if not c.closed]
+        pids = self.sessions.idle_pids() + [
+            pid for c in conns if not c.closed and (pid := self.sessions.pid(c)) is not None
+        ]
         lost_before = self.ordering.lost_partitions
         if self.ordering.tick(pids, (id(b) for b in self._in_flight), self.sessions.stale):
             self._wakeup.set()  # new partitions: there may be work right now

@@ -112,3 +112,13 @@ def own_broker() -> Iterator[Broker]:
 @pytest.fixture
 def topic() -> str:
     return f"t-{uuid.uuid4().hex[:12]}"
+
+
+@pytest.fixture(scope="session")
+def pgbouncer(pg_dsn: str) -> Iterator[Any]:
+    """A real PgBouncer in front of this worker's database (tests/pgbouncer.py)."""
+    from tests.pgbouncer import PgBouncer
+
+    bouncer = PgBouncer(pg_dsn).start()
+    yield bouncer
+    bouncer.stop()

@@ -18,6 +18,7 @@ from outbox.config import RelayConfig
 from outbox.dsn import with_net_timeouts
 from outbox.errors import ConfigError, RelayFailed
 from outbox.migrate import require_migrated
+from outbox.pooling import require_own_sessions
 from outbox.relay import Relay, tune_gc
 from outbox.retry import RetryPolicy
 from outbox.routes import parse_routes
@@ -227,9 +228,10 @@ def cmd_relay(args: argparse.Namespace) -> int:
     if configure_from_env():
         log.info("tracing on (OTEL_* environment)")
     kafka_config = parse_kafka_config(args.kafka_config)
-    # Fail fast on a bad DSN or an unmigrated schema, before starting anything.
+    # Fail fast on a bad DSN, a transaction pooler or an unmigrated schema, before starting anything.
     with connect(args) as conn:
         require_migrated(conn, config.schema)
+    require_own_sessions(args.dsn)
 
     sink = routed(
         routes,

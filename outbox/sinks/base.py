@@ -118,6 +118,7 @@ UNREACHABLE_KINDS = frozenset(
         "NETWORK_EXCEPTION",
         "REQUEST_TIMED_OUT",
         "claim_check_store",  # the claim-check store was unreachable
+        "producer_failed",  # Kafka: the producer was fenced or failed, and is being replaced
     }
 )
 

@@ -128,6 +128,26 @@ def redacted(config: Mapping[str, Any]) -> dict[str, Any]:
 CONNECTION_FACILITIES = frozenset({"FAIL", "ERROR", "BROKERFAIL", "CONNECT"})
 # Error callback codes that mean "cannot reach the brokers" (not a fatal error).
 CONNECTION_ERRORS = frozenset({KafkaError._TRANSPORT, KafkaError._ALL_BROKERS_DOWN, KafkaError._RESOLVE})
+# Errors after which this producer can deliver nothing more, fatal or not to librdkafka: its
+# id or epoch is no longer the broker's (after a long network freeze a broker may answer every
+# retry with PRODUCER_FENCED). The producer is replaced at once rather than when the stuck
+# detector notices no delivery for STUCK_MIN seconds.
+PRODUCER_LOST = frozenset(
+    {
+        KafkaError.PRODUCER_FENCED,
+        KafkaError.INVALID_PRODUCER_EPOCH,
+        KafkaError.UNKNOWN_PRODUCER_ID,
+        KafkaError._FENCED,
+    }
+)
+# The retry kind of an event whose producer was lost: a failure of the sink's client, not of the
+# event; retried at once when the sinks answer again (sinks.base.UNREACHABLE_KINDS).
+PRODUCER_FAILED = "producer_failed"
+
+
+def producer_lost(err: KafkaError) -> bool:
+    """Whether the producer that reported ``err`` must be replaced."""
+    return bool(err.fatal()) or err.code() in PRODUCER_LOST
 
 
 class _ClientLog(logging.Logger):
@@ -201,9 +221,8 @@ class KafkaSink:
         )
 
     def _on_error(self, err: KafkaError) -> None:
-        if err.fatal():
-            self._fatal = f"{err.name()}: {err.str()}"
-            log.error("kafka producer fatal error: %s", self._fatal, extra={"event": "kafka.fatal"})
+        if producer_lost(err):
+            self._lose(err)
         elif err.code() in CONNECTION_ERRORS:
             self.broker.fail(f"{err.name()}: {err.str()}")
         else:
@@ -211,7 +230,7 @@ class KafkaSink:
 
     def produce(self, event: ClaimedEvent, report: Report) -> Outcome | None:
         if self._fatal is not None:
-            return Retry("producer_failed", f"producer failed: {self._fatal}")
+            return Retry(PRODUCER_FAILED, f"producer failed: {self._fatal}")
         if event.topic not in self._topics_ok:
             # A name Kafka can never accept is refused here, at the first attempt,
             # not after a metadata round trip that may time out under load.
@@ -238,7 +257,7 @@ class KafkaSink:
             except KafkaException as exc:
                 if exc.args[0].fatal():
                     self._raised(exc)
-                    return Retry("producer_failed", f"producer failed: {self._fatal}")
+                    return Retry(PRODUCER_FAILED, f"producer failed: {self._fatal}")
                 return classify(exc.args[0])
             except (TypeError, ValueError) as exc:
                 return Dead("client_rejected", f"rejected by the Kafka client: {exc}")
@@ -312,9 +331,9 @@ class KafkaSink:
             if self.broker.since is not None:
                 self.broker.ok()
             report(_new_delivered(Delivered, (msg.partition(), msg.offset(), None)))
-        elif err.fatal():
-            self._fatal = f"{err.name()}: {err.str()}"
-            report(Retry(err.name(), self._fatal))
+        elif producer_lost(err):
+            self._lose(err)
+            report(Retry(PRODUCER_FAILED, f"producer failed: {self._fatal}"))
         else:
             outcome = classify(err)
             if isinstance(outcome, Retry):
@@ -349,11 +368,20 @@ class KafkaSink:
 
     def _raised(self, exc: KafkaException) -> None:
         err = exc.args[0] if exc.args and isinstance(exc.args[0], KafkaError) else None
-        if err is not None and not err.fatal():
+        if err is None:
+            self._fatal = self._fatal or str(exc)
+            log.error("kafka producer fatal error: %s", self._fatal, extra={"event": "kafka.fatal"})
+        elif producer_lost(err):
+            self._lose(err)
+        else:
             log.warning("kafka client error: %s: %s", err.name(), err.str())
-            return
-        self._fatal = f"{err.name()}: {err.str()}" if err is not None else str(exc)
-        log.error("kafka producer fatal error: %s", self._fatal, extra={"event": "kafka.fatal"})
+
+    def _lose(self, err: KafkaError) -> None:
+        """This producer can deliver nothing more: healthy() says so and the relay replaces it
+        at its next step. Logged once per producer (a fenced one answers every retry so)."""
+        if self._fatal is None:
+            self._fatal = f"{err.name()}: {err.str()}"
+            log.error("kafka producer lost, replacing it: %s", self._fatal, extra={"event": "kafka.fatal"})
 
     def probe(self) -> None:
         """While the brokers count as unreachable, ask one for metadata (at most

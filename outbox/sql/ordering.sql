@@ -90,8 +90,16 @@ JOIN unnest(%(stale_pids)s::text::integer[], %(stale_starts)s::timestamptz[]) AS
   ON a.pid = st.pid AND a.backend_start = st.started
 
 -- name: backend_start
--- This session's start time (with its pid, identifies it if it is ever lost).
-SELECT backend_start FROM pg_stat_activity WHERE pid = pg_backend_pid()
+-- This session's server pid and start time (which identify it if it is ever lost), read from the
+-- server: behind PgBouncer, the pid the client library was told is the pooler's, not the
+-- server's. It also gives the session its settings (see outbox.sessions): as statements, not
+-- as the startup packet's `options`, which PgBouncer refuses.
+SELECT pid, backend_start,
+       set_config('idle_in_transaction_session_timeout', %(lease_ms)s, false),
+       set_config('statement_timeout', %(lease_ms)s, false),
+       set_config('jit', 'off', false),
+       set_config('enable_sort', 'off', false)
+FROM pg_stat_activity WHERE pid = pg_backend_pid()
 
 -- name: mark_releasing
 -- Stop claiming from some partitions (handed over once in-flight batches finish).

@@ -112,3 +112,7 @@ FROM dead
 -- name: ensure_partitions
 -- Create the archive's day partitions from yesterday to a few days ahead.
 SELECT {schema}.ensure_delivered_partitions()
+
+-- name: server_pid
+-- The server process of this session (outbox.pooling: does a session keep its own?).
+SELECT pg_backend_pid()

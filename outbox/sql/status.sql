@@ -71,3 +71,7 @@ LEFT JOIN pg_stat_user_tables AS s ON s.schemaname = %(schema)s AND s.relname = 
 SELECT extract(epoch FROM now() - min(xact_start))::float8
 FROM pg_stat_activity
 WHERE backend_xmin IS NOT NULL AND pid <> pg_backend_pid() AND datname = current_database()
+
+-- name: metrics_session
+-- The metrics reader's statement timeout, as a statement (PgBouncer refuses `options`).
+SELECT set_config('statement_timeout', '3000', false)

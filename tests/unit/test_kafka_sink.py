@@ -52,3 +52,43 @@ def test_librdkafka_connection_failures_feed_one_condition(caplog: pytest.LogCap
     lines = [r.getMessage() for r in caplog.records]
     assert len([line for line in lines if "Connection refused" in line]) == 1  # one line, not fifty
     assert any("something else" in line for line in lines)  # other lines pass through
+
+
+@pytest.mark.parametrize(
+    "code",
+    [
+        KafkaError.PRODUCER_FENCED,
+        KafkaError.INVALID_PRODUCER_EPOCH,
+        KafkaError.UNKNOWN_PRODUCER_ID,
+        KafkaError._FENCED,
+    ],
+)
+def test_a_fenced_producer_is_unhealthy_at_once_and_its_events_retry_as_unreachable(
+    code: int, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A producer fenced after a network freeze answers every retry with PRODUCER_FENCED (not
+    fatal to librdkafka for an idempotent producer): it is given up at the first such report,
+    not STUCK_MIN seconds later, once in the log, and the event waits for the new producer."""
+    from outbox.sinks.base import UNREACHABLE_KINDS
+    from outbox.sinks.kafka import KafkaSink
+
+    sink = KafkaSink("127.0.0.1:9", delivery_timeout=5.0)  # no broker is contacted here
+    try:
+        assert sink.healthy()
+        reports: list[object] = []
+        for _ in range(3):
+            sink._on_delivery(reports.append, KafkaError(code), None)
+        assert not sink.healthy() and "producer failed" in (sink.trouble() or "")
+        assert all(isinstance(r, Retry) and r.kind in UNREACHABLE_KINDS for r in reports), reports
+        assert len([r for r in caplog.records if "producer lost" in r.getMessage()]) == 1
+    finally:
+        sink._producer.purge()
+
+
+def test_an_ordinary_retry_keeps_the_producer() -> None:
+    from outbox.sinks.kafka import KafkaSink
+
+    sink = KafkaSink("127.0.0.1:9", delivery_timeout=5.0)
+    reports: list[object] = []
+    sink._on_delivery(reports.append, KafkaError(KafkaError._MSG_TIMED_OUT), None)
+    assert sink.healthy() and isinstance(reports[0], Retry)

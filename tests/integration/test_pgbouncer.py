@@ -1,0 +1,149 @@
+"""Behind a real PgBouncer (tests/pgbouncer.py): every writer stack and the inbox through
+transaction pooling, the relay refused there and working in session mode."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from typing import Any
+
+import psycopg
+import pytest
+from psycopg import sql
+
+import outbox
+from outbox.config import RelayConfig
+from tests.helpers import RelayProcess, count, read_topic, running_relay, wait_for
+from tests.pgbouncer_writers import STACKS
+from tests.stacks import url
+
+CLIENTS = 8  # concurrent connections, more than the pool's server connections
+TRANSACTIONS = 500  # per connection
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stack", STACKS)
+def test_every_writer_stack_through_transaction_pooling_delivers_each_event_once(
+    stack: str, pg_dsn: str, schema: str, kafka: str, topic: str, pgbouncer: Any
+) -> None:
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        conn.execute(
+            sql.SQL("CREATE TABLE {}.orders (id bigserial PRIMARY KEY, n int)").format(sql.Identifier(schema))
+        )
+    proc = subprocess.run(
+        [sys.executable, "-m", "tests.pgbouncer_writers", stack, pgbouncer.dsn("transaction"), schema, topic,
+         str(TRANSACTIONS), str(CLIENTS)],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    committed = json.loads(proc.stdout)
+    n = CLIENTS * TRANSACTIONS
+    assert len(committed) == len(set(committed)) == n
+    assert count(pg_dsn, schema, "orders") == n
+    with running_relay(RelayConfig(pg_dsn, schema=schema, poll_interval=0.2), bootstrap=kafka):
+        wait_for(lambda: count(pg_dsn, schema, "events") == 0, timeout=120, what="drain")
+    messages = read_topic(kafka, topic, n, timeout=60)
+    assert sorted(m.event_id for m in messages) == sorted(committed), "lost or delivered twice"
+    assert count(pg_dsn, schema, "delivered") == n
+
+
+def test_the_inbox_through_transaction_pooling_records_each_event_once(
+    pg_dsn: str, schema: str, pgbouncer: Any
+) -> None:
+    """Eight consumers race on the same event ids through transaction pooling, on the drivers'
+    defaults (psycopg prepares after 5 runs, asyncpg caches named statements): the inbox's
+    statements are the only ones they run, and they work; each id is first exactly once."""
+    ids = [uuid.uuid4() for _ in range(300)]
+    firsts: list[uuid.UUID] = []
+    errors: list[BaseException] = []
+    dsn = pgbouncer.dsn("transaction")
+
+    def sync_consumer() -> None:
+        try:
+            with psycopg.connect(dsn) as conn:
+                for event_id in ids:
+                    with conn.transaction():
+                        if outbox.inbox.first_delivery(conn, "billing", event_id, schema=schema):
+                            firsts.append(event_id)
+        except BaseException as exc:
+            errors.append(exc)
+
+    def async_consumer() -> None:
+        async def main() -> None:
+            import asyncpg
+
+            conn = await asyncpg.connect(url(dsn, ""))
+            try:
+                for event_id in reversed(ids):
+                    async with conn.transaction():
+                        if await outbox.inbox.first_delivery_async(conn, "billing", event_id, schema=schema):
+                            firsts.append(event_id)
+            finally:
+                await conn.close()
+
+        try:
+            asyncio.run(main())
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=sync_consumer if i % 2 else async_consumer) for i in range(CLIENTS)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    assert sorted(firsts) == sorted(ids)
+    assert count(pg_dsn, schema, "inbox") == len(ids)
+
+
+def test_the_relay_refuses_a_transaction_pooling_dsn_in_one_line(schema: str, pgbouncer: Any) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "outbox", "relay", "--dsn", pgbouncer.dsn("transaction"), "--schema", schema,
+         "--kafka-bootstrap", "127.0.0.1:9"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert proc.returncode != 0
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert (
+        "pool_mode=transaction" in lines[0] and "direct DSN" in lines[0] and "pool_mode=session" in lines[0]
+    )
+
+
+def test_the_relay_works_through_session_pooling_and_wakes_on_notify(
+    pg_dsn: str, schema: str, kafka: str, topic: str, pgbouncer: Any
+) -> None:
+    """The relay behind PgBouncer in session mode: it starts (no `options` startup parameter,
+    which PgBouncer refuses), a NOTIFY wakes it long before its 30 s poll, and the pids it
+    records for fencing are the server's own (not the ones PgBouncer tells its clients)."""
+    dsn = pgbouncer.dsn("session")
+    with RelayProcess(dsn, schema, kafka, "--poll-interval", "30") as relay:
+        wait_for(lambda: count(pg_dsn, schema, "relays") == 1, timeout=30, what="the relay registered")
+        wait_for(lambda: count(pg_dsn, schema, "partitions", "owner IS NOT NULL") == 64, timeout=30)
+        time.sleep(1)  # past its first claim: from here only a NOTIFY (or the 30 s poll) wakes it
+        with psycopg.connect(dsn) as conn:  # the writer through the same pooler
+            sent = [outbox.enqueue(conn, topic, {"i": i}, key=f"k{i}", schema=schema) for i in range(20)]
+        started = time.monotonic()
+        wait_for(lambda: count(pg_dsn, schema, "delivered") == 20, timeout=15, what="delivery")
+        woke_after = time.monotonic() - started
+        with psycopg.connect(pg_dsn, autocommit=True) as conn:
+            pids = conn.execute(
+                sql.SQL("SELECT unnest(backend_pids) FROM {}.relays").format(sql.Identifier(schema))
+            ).fetchall()
+            relay_sessions = {
+                pid
+                for (pid,) in conn.execute(
+                    "SELECT pid FROM pg_stat_activity WHERE application_name = 'outbox-relay' "
+                    "AND datname = current_database()"
+                ).fetchall()
+            }
+        assert relay.stop() == 0
+    assert woke_after < 10, f"not woken by NOTIFY: delivered {woke_after:.1f} s after the commit"
+    assert pids and {p for (p,) in pids} <= set(relay_sessions), "recorded pids are not the server's"
+    messages = read_topic(kafka, topic, 20)
+    assert sorted(m.event_id for m in messages) == sorted(map(str, sent))
