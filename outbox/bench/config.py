@@ -48,8 +48,10 @@ SMOKE = {
     "events": 3000,
     "big_events": 6000,
     "repeat": 1,
-    "seeds_seconds": 2.0,
-    "peer_seconds": 4.0,
+    # Time-boxed races count from the spawn: long enough that a loaded machine (a parallel
+    # test suite) still leaves a few seconds of work after the child's start-up.
+    "seeds_seconds": 6.0,
+    "peer_seconds": 8.0,
     "rates": [200],
     "steady_seconds": 3.0,
     "writer_iterations": 100,
