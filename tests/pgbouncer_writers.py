@@ -169,27 +169,12 @@ def main() -> None:
 
 def _configure_django(dsn: str) -> None:
     """docs/writers.md's settings: no server-side cursors; on psycopg 3, no prepared statements."""
-    import django
-    from django.conf import settings
     from django.db.backends.postgresql.psycopg_any import is_psycopg3
-    from psycopg.conninfo import conninfo_to_dict
 
-    p = conninfo_to_dict(dsn)
-    settings.configure(
-        DATABASES={
-            "default": {
-                "ENGINE": "django.db.backends.postgresql",
-                "NAME": p.get("dbname", ""),
-                "USER": p.get("user", ""),
-                "HOST": p.get("host", ""),
-                "PORT": str(p.get("port", "")),
-                "DISABLE_SERVER_SIDE_CURSORS": True,
-                "OPTIONS": {"prepare_threshold": None} if is_psycopg3 else {},
-            }
-        },
-        USE_TZ=True,
-    )
-    django.setup()
+    from outbox.bench.writers import configure_django
+
+    options = {"prepare_threshold": None} if is_psycopg3 else {}
+    configure_django(dsn, {"DISABLE_SERVER_SIDE_CURSORS": True, "OPTIONS": options})
 
 
 if __name__ == "__main__":

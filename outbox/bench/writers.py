@@ -220,8 +220,9 @@ async def async_stack(name: str, dsn: str, schema: str) -> tuple[AsyncTx, AsyncM
     raise ValueError(name)
 
 
-def configure_django(dsn: str, **extra: Any) -> None:
-    """Django settings for ``dsn`` (plus ``extra`` settings), once per process."""
+def configure_django(dsn: str, database: dict[str, Any] | None = None, **extra: Any) -> None:
+    """Django settings for ``dsn`` (``database``: more keys of its DATABASES entry; plus
+    ``extra`` settings), once per process."""
     import django
     from django.conf import settings
 
@@ -237,6 +238,7 @@ def configure_django(dsn: str, **extra: Any) -> None:
                 "PASSWORD": p.get("password", ""),
                 "HOST": p.get("host", ""),
                 "PORT": str(p.get("port", "")),
+                **(database or {}),
             }
         },
         USE_TZ=True,
