@@ -88,6 +88,7 @@ def read_topic(bootstrap: str, topic: str, expected: int, timeout: float = 30.0)
     )
     consumer.assign([TopicPartition(topic, p, OFFSET_BEGINNING) for p in parts])
     out: list[Message] = []
+    seen: set[tuple[int, int]] = set()
     quiet_until: float | None = None
     try:
         while time.monotonic() < deadline:
@@ -100,6 +101,11 @@ def read_topic(bootstrap: str, topic: str, expected: int, timeout: float = 30.0)
                 continue
             if msg.error():
                 continue
+            # A message read twice at the same coordinates is one message (librdkafka fetches
+            # again from the start after an offset reset); a duplicate has an offset of its own.
+            if (msg.partition(), msg.offset()) in seen:
+                continue
+            seen.add((msg.partition(), msg.offset()))
             out.append(
                 Message(
                     msg.key(),

@@ -381,7 +381,7 @@ class KafkaSink:
         at its next step. Logged once per producer (a fenced one answers every retry so)."""
         if self._fatal is None:
             self._fatal = f"{err.name()}: {err.str()}"
-            log.error("kafka producer lost, replacing it: %s", self._fatal, extra={"event": "kafka.fatal"})
+            log.error("kafka producer lost, replacing it: %s", self._fatal, extra={"event": "kafka.lost"})
 
     def probe(self) -> None:
         """While the brokers count as unreachable, ask one for metadata (at most

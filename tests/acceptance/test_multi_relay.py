@@ -202,10 +202,11 @@ def test_ordering_none_four_processes_no_loss_no_duplicates(
         wait_for(lambda: count(pg_dsn, schema, "events") == 0, timeout=60, what="drain")
         for r in relays:
             assert r.stop() == 0
+        logs = "\n".join(line for r in relays for line in r.output().splitlines() if " INFO " not in line)
     finally:
         for r in relays:
             r.close()
     messages = read_topic(kafka, topic, n, timeout=60)
-    assert len(messages) == n, "duplicates without a crash"
+    assert len(messages) == n, f"duplicates without a crash; the relays said:\n{logs[-4000:]}"
     assert len({m.event_id for m in messages}) == n
     assert count(pg_dsn, schema, "delivered") == n

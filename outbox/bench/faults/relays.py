@@ -29,6 +29,10 @@ from outbox.embedded import free_port
 COUNTED_EVENTS = {
     "lease.lost": "stale_acks_refused",
     "sink.replaced": "producers_recreated",
+    # Why a Kafka producer was replaced: it could deliver no more (fenced, its epoch or id
+    # unknown to the broker), or no delivery succeeded for 3 delivery timeouts.
+    "kafka.lost": "producers_lost",
+    "kafka.stuck": "producers_stuck",
     "database.started": "reconnects",
     "ownership.lost": "ownership_lost",
     # A sink beyond Kafka found unreachable (its outage condition started).

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
+# Why producers were replaced (counted from the relays' logs): fenced by the broker, or stuck.
+REPLACED_BECAUSE = (("producers_lost", "fenced"), ("producers_stuck", "stuck"))
+
 
 def _fmt_recover(v: float | None) -> str:
     return "—" if v is None else f"{v:.1f} s"
@@ -38,7 +41,10 @@ def _note(name: str, r: dict[str, Any]) -> str:
     if r.get("stale_acks_refused"):
         parts.append(f"{r['stale_acks_refused']} stale acks refused")
     if r.get("producers_recreated"):
-        parts.append(f"{r['producers_recreated']} producers recreated")
+        why = ", ".join(f"{r[k]} {w}" for k, w in REPLACED_BECAUSE if r.get(k))
+        parts.append(f"{r['producers_recreated']} producers recreated" + (f" ({why})" if why else ""))
+    if r.get("drain_target_seconds") is not None:
+        parts.append(f"drain target {r['drain_target_seconds']:.0f} s")
     if r.get("consumer_gaps"):
         parts.append(
             f"the live consumer's fetch skipped {r['consumer_gaps']} offsets, read again from the broker "
