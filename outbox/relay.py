@@ -46,7 +46,7 @@ from outbox.ordering import Ordering
 from outbox.queries import query
 from outbox.sessions import Sessions
 from outbox.sinks import router
-from outbox.sinks.base import UNREACHABLE_KINDS, Sink, send_now
+from outbox.sinks.base import SINK_REPLACED, UNREACHABLE_KINDS, Retry, Sink, send_now
 from outbox.sinks.chains import KeyChains
 
 __all__ = ["Relay", "RelayConfig", "RelayStats"]
@@ -442,14 +442,22 @@ class Relay:
             self.stats.sinks_replaced += 1
             self.metrics.sinks_replaced.inc()
             log.error(
-                "sink unhealthy, replacing it; releasing %d in-flight batches",
+                "sink unhealthy, replacing it; settling %d in-flight batches",
                 len(self._in_flight),
                 extra={"event": "sink.replaced"},
             )
-            self._release_in_flight("")
+            # The old client reports what it can (Kafka: what was acked, and its purged messages
+            # as failed) and goes. The in-flight batches are then finished, not rolled back: what
+            # was delivered is archived once, not sent again by the next claim; the rest counts
+            # as failed for an unreachable sink (the key holds its later events, per-key order),
+            # due again as soon as the replacement answers (_sinks_back), not after a backoff.
             self._sink.close(0)
-            # Events that failed only because this sink could not deliver are due again as soon
-            # as its replacement answers (_sinks_back), not after their backoff.
+            unreported = Retry(SINK_REPLACED, "the sink's client was replaced before it reported")
+            for batch in list(self._in_flight):
+                for i, outcome in enumerate(batch.outcomes):
+                    if outcome is None:
+                        batch.settle(i, unreported)
+                self._finish(batch)
             self._sinks_were_down = True
         self._sink = self._new_sink()
 

@@ -103,6 +103,7 @@ class OutcomeSlots(Protocol):
 
 # Kinds the relay itself assigns (sinks add their own).
 CORRUPT_EVENT = "corrupt_event"
+SINK_REPLACED = "sink_replaced"  # in flight when the relay replaced an unhealthy sink, unreported
 
 # Retry kinds that mean "the sink could not be reached", not "it refused this event": when the
 # sink answers again, events that last failed so are retried at once (Relay._sinks_back).
@@ -119,6 +120,7 @@ UNREACHABLE_KINDS = frozenset(
         "REQUEST_TIMED_OUT",
         "claim_check_store",  # the claim-check store was unreachable
         "producer_failed",  # Kafka: the producer was fenced or failed, and is being replaced
+        SINK_REPLACED,
     }
 )
 

@@ -331,7 +331,9 @@ class KafkaSink:
             if self.broker.since is not None:
                 self.broker.ok()
             report(_new_delivered(Delivered, (msg.partition(), msg.offset(), None)))
-        elif producer_lost(err):
+        elif self._fatal is not None or producer_lost(err):
+            # A lost producer's reports, its purged messages' included, all say the same: retried
+            # as soon as its replacement answers, not after a backoff.
             self._lose(err)
             report(Retry(PRODUCER_FAILED, f"producer failed: {self._fatal}"))
         else:

@@ -7,6 +7,7 @@ import time
 from typing import Any
 
 import psycopg
+from psycopg import sql
 
 import outbox
 from outbox.embedded import Broker
@@ -332,3 +333,78 @@ def test_reports_are_served_while_every_key_waits_and_writers_keep_notifying(
         stop.set()
         for thread in threads:
             thread.join(10)
+
+
+class _LostMidBatch:
+    """A sink client that, like a Kafka producer fenced mid-batch, confirms the first half of its
+    first batch, reports nothing for the rest, and calls itself unhealthy; its replacements
+    deliver everything. ``sent`` counts every event a client confirmed, across clients."""
+
+    def __init__(self, sent: list[str], first: bool) -> None:
+        self.sent, self.first = sent, first
+        self.produced = 0
+        self.pending: list[tuple[str, Report]] = []
+
+    def produce(self, event: ClaimedEvent, report: Report) -> Outcome | None:
+        self.produced += 1
+        if self.first and self.produced > 100:
+            return None  # in flight for ever: no report will come
+        self.pending.append((event.event_id, report))
+        return None
+
+    def poll(self, timeout: float) -> int:
+        due, self.pending = self.pending, []
+        for event_id, report in due:
+            self.sent.append(event_id)
+            report(Delivered())
+        if not due and timeout > 0:
+            time.sleep(min(timeout, 0.005))
+        return len(due)
+
+    def flush(self, timeout: float) -> int:
+        self.poll(0)
+        return 0
+
+    def healthy(self) -> bool:
+        return not (self.first and self.produced >= 200 and not self.pending)
+
+    def close(self, timeout: float) -> None:
+        self.flush(timeout)
+
+
+def test_a_sink_replaced_mid_batch_settles_the_batch_instead_of_sending_it_again(
+    pg_dsn: str, schema: str
+) -> None:
+    """What the old client confirmed is archived once and never sent again; what it left
+    unreported is retried (kind sink_replaced) through the new client at once, in key order.
+    Rolling the batch back instead sent the confirmed half a second time."""
+    n = 200
+    with psycopg.connect(pg_dsn) as conn:
+        outbox.enqueue_many(
+            conn, [{"topic": "t", "payload": {"i": i}, "key": f"k{i % 10}"} for i in range(n)], schema=schema
+        )
+        conn.commit()
+    sent: list[str] = []
+    clients: list[_LostMidBatch] = []
+
+    def factory() -> _LostMidBatch:
+        clients.append(_LostMidBatch(sent, first=not clients))
+        return clients[-1]
+
+    # A retry of any other kind would wait a 60 s backoff: only "due again at once" drains in time.
+    config = RelayConfig(
+        pg_dsn, schema=schema, batch_size=n, poll_interval=0.1,
+        retry=RetryPolicy(base=60, cap=60, max_attempts=10),
+    )  # fmt: skip
+    with running_relay(config, factory) as relay:
+        wait_for(lambda: count(pg_dsn, schema, "events") == 0, timeout=20, what="drain")
+        assert relay.stats.sinks_replaced == 1
+    assert len(clients) == 2
+    assert len(sent) == n == len(set(sent)), f"{len(sent) - len(set(sent))} events sent twice"
+    with psycopg.connect(pg_dsn) as conn:
+        rows = conn.execute(
+            sql.SQL("SELECT attempts, count(*) FROM {}.delivered GROUP BY 1 ORDER BY 1").format(
+                sql.Identifier(schema)
+            )
+        ).fetchall()
+    assert rows == [(1, 100), (2, 100)], rows  # archived once each; the unreported half retried once
