@@ -147,3 +147,53 @@ def test_the_relay_works_through_session_pooling_and_wakes_on_notify(
     assert pids and {p for (p,) in pids} <= set(relay_sessions), "recorded pids are not the server's"
     messages = read_topic(kafka, topic, 20)
     assert sorted(m.event_id for m in messages) == sorted(map(str, sent))
+
+
+def test_enqueue_through_transaction_pooling_on_the_drivers_defaults(
+    pg_dsn: str, schema: str, pgbouncer: Any
+) -> None:
+    """The app's connections as the drivers make them (psycopg 3 prepares a statement run 5
+    times, asyncpg caches named prepared statements): the outbox's own statements are never
+    prepared server-side, so enqueue and enqueue_many work whatever the app's settings. Run on
+    a prepared statement, 8 clients over 3 server connections fail within a few transactions."""
+    dsn = pgbouncer.dsn("transaction")
+    rounds = 300
+    errors: list[BaseException] = []
+
+    def sync_writer() -> None:
+        try:
+            with psycopg.connect(dsn) as conn:
+                for i in range(rounds):
+                    with conn.transaction():
+                        outbox.enqueue(conn, "t", {"i": i}, key=f"k{i % 7}", schema=schema)
+                        outbox.enqueue_many(conn, [{"topic": "t", "payload": {"j": i}}] * 2, schema=schema)
+        except BaseException as exc:
+            errors.append(exc)
+
+    def async_writer() -> None:
+        async def main() -> None:
+            import asyncpg
+
+            conn = await asyncpg.connect(url(dsn, ""))
+            try:
+                for i in range(rounds):
+                    async with conn.transaction():
+                        await outbox.enqueue_async(conn, "t", {"i": i}, key=f"k{i % 7}", schema=schema)
+                        await outbox.enqueue_many_async(
+                            conn, [{"topic": "t", "payload": {"j": i}}] * 2, schema=schema
+                        )
+            finally:
+                await conn.close()
+
+        try:
+            asyncio.run(main())
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=sync_writer if i % 2 else async_writer) for i in range(CLIENTS)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == [], errors[:1]
+    assert count(pg_dsn, schema, "events") == CLIENTS * rounds * 3
