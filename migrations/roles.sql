@@ -26,5 +26,7 @@ GRANT SELECT, INSERT ON {schema}.dead_letters TO {relay};
 GRANT SELECT, INSERT, UPDATE, DELETE ON {schema}.relays TO {relay};
 GRANT SELECT, UPDATE ON {schema}.partitions TO {relay};
 GRANT EXECUTE ON FUNCTION {schema}.ensure_delivered_partitions(integer) TO {relay};
+-- The audit trail of operators' actions: read by `outbox audit` and `outbox status`.
+GRANT SELECT ON {schema}.audit TO {relay};
 -- The claim-check store (--claim-check-store postgres:): store, read, and purge old payloads.
 GRANT SELECT, INSERT, UPDATE, DELETE ON {schema}.claim_checks TO {relay};

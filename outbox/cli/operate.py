@@ -1,5 +1,5 @@
 """Operating commands: migrate, status, notify, dead letters (list/redrive/skip, retry), replay, purge,
-inbox prune."""
+inbox prune, and the audit trail of those that change events."""
 
 from __future__ import annotations
 
@@ -10,11 +10,12 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
-from outbox import archive, claim_check, dead, inbox, status
+from outbox import archive, audit, claim_check, dead, inbox, status
 from outbox import migrate as migrations
 from outbox.cli import options
 from outbox.cli.common import add_common, add_confirm, confirm, connect, key_arg, schema_of
 from outbox.errors import ConfigError, NothingMatched
+from outbox.events import key_text
 from outbox.progress import Progress
 from outbox.queries import query
 from outbox.settings import setting
@@ -83,6 +84,12 @@ def register(sub: Any) -> None:
     p.add_argument("--older-than", required=True, help="a duration, e.g. 30d, 12h")
     add_confirm(p, "the purge")
     p.set_defaults(run=cmd_purge)
+
+    p = sub.add_parser("audit", help="who redrove, skipped, replayed or purged what, and when")
+    add_common(p)
+    p.add_argument("--limit", type=int, default=50, help="the latest this many [default 50]")
+    p.add_argument("--json", action="store_true", help="print one JSON array")
+    p.set_defaults(run=cmd_audit)
 
     p = sub.add_parser("inbox", help="the consumer inbox (outbox.inbox)")
     verbs = p.add_subparsers(dest="inbox_command", required=True)
@@ -261,14 +268,39 @@ def _chosen(args: argparse.Namespace, verb: str, conn: Any, schema: str) -> list
     return ids
 
 
-def cmd_redrive(args: argparse.Namespace) -> int:
+def _audited(args: argparse.Namespace, ids: list[int]) -> dict[str, Any]:
+    """The audit trail's selector of a dead-letter action: the filters as given, the ids if
+    given, and the high-water mark of the ids it acted on."""
+    chosen = _selector(args)
+    selector: dict[str, Any] = {
+        "key": None if chosen.key is None else key_text(chosen.key),
+        "topic": chosen.topic,
+        "error_like": chosen.error_like,
+        "high_water": max(ids),
+    }
+    if chosen.ids:
+        selector["ids"] = list(chosen.ids)
+    return {k: v for k, v in selector.items() if v is not None}
+
+
+def _dead_action(args: argparse.Namespace, action: str) -> int | None:
+    """Choose, confirm, act and record it in the audit trail, in one transaction; how many."""
     schema = schema_of(args)
     with connect(args) as conn:
-        ids = _chosen(args, args.verb, conn, schema)
+        ids = _chosen(args, args.verb if action == "redrive" else action, conn, schema)
         if ids is None:
-            return 0
-        n = dead.redrive(conn, schema, ids)
+            return None
+        entry = audit.begin(conn, schema, action=action, selector=_audited(args, ids), planned=len(ids))
+        n = (dead.redrive if action == "redrive" else dead.skip)(conn, schema, ids)
+        audit.done(conn, schema, entry, n)
         conn.commit()
+    return n
+
+
+def cmd_redrive(args: argparse.Namespace) -> int:
+    n = _dead_action(args, "redrive")
+    if n is None:
+        return 0
     print(
         f"redrove {n} dead letters (attempts reset); they are delivered first, "
         "then the events parked behind them"
@@ -277,13 +309,9 @@ def cmd_redrive(args: argparse.Namespace) -> int:
 
 
 def cmd_skip(args: argparse.Namespace) -> int:
-    schema = schema_of(args)
-    with connect(args) as conn:
-        ids = _chosen(args, "skip", conn, schema)
-        if ids is None:
-            return 0
-        n = dead.skip(conn, schema, ids)
-        conn.commit()
+    n = _dead_action(args, "skip")
+    if n is None:
+        return 0
     print(f"skipped {n} dead letters; the events parked behind them are released")
     return 0
 
@@ -306,11 +334,19 @@ def cmd_replay(args: argparse.Namespace) -> int:
             print(f"would replay {n} archived events delivered {window}")
             return 0
         confirm(args, f"replay {n} archived events delivered {window}")
+        chosen = {"since": since.isoformat(), "until": until.isoformat()}
+        chosen |= {"topic": args.topic, "key": args.key}
+        entry = audit.begin(
+            conn, schema, action="replay", selector={k: v for k, v in chosen.items() if v}, planned=n
+        )
+        conn.commit()
         progress = Progress("replay", n, " ev")
         done = archive.replay(
             conn, schema, since=since, until=until, topic=args.topic, key=key, progress=progress.update
         )
         progress.close()
+        audit.done(conn, schema, entry, done)
+        conn.commit()
     print(f"queued {done} events again, with new event-ids and header outbox-replay-of")
     return 0
 
@@ -328,9 +364,14 @@ def cmd_purge(args: argparse.Namespace) -> int:
             )
             return 0
         confirm(args, f"drop {what}")
+        chosen = {"older_than": args.older_than, "cutoff": cutoff.isoformat(), "partitions": parts}
+        entry = audit.begin(conn, schema, action="purge", selector=chosen, planned=len(parts))
+        conn.commit()
         progress = Progress("purge", max(len(parts), 1), " partitions")
         deleted = archive.purge(conn, schema, cutoff, parts, progress=progress.update)
         progress.close()
+        audit.done(conn, schema, entry, len(parts))
+        conn.commit()
     store = _store(args, schema)
     try:
         payloads = store.purge(cutoff)
@@ -362,4 +403,16 @@ def cmd_inbox_prune(args: argparse.Namespace) -> int:
         deleted = inbox.prune(conn, age, schema=schema, progress=progress.update)
         progress.close()
     print(f"deleted {deleted} inbox records older than {args.older_than}")
+    return 0
+
+
+# -- the audit trail -----------------------------------------------------------------------------
+
+
+def cmd_audit(args: argparse.Namespace) -> int:
+    if args.limit < 1:
+        raise ConfigError(f"--limit: must be >= 1, got {args.limit}")
+    with connect(args) as conn:
+        rows = audit.recent(conn, schema_of(args), args.limit)
+    print(json.dumps(rows) if args.json else audit.render(rows))
     return 0

@@ -6,6 +6,7 @@ import datetime as dt
 import json
 import subprocess
 import sys
+from typing import Any
 
 import psycopg
 
@@ -22,6 +23,13 @@ def _outbox(*args: str) -> subprocess.CompletedProcess[str]:
         timeout=60,
         stdin=subprocess.DEVNULL,
     )
+
+
+def _trail(dsn: str, schema: str) -> list[dict[str, Any]]:
+    """The audit trail as `outbox audit --json` prints it, newest first."""
+    out = _outbox("audit", "--dsn", dsn, "--schema", schema, "--json")
+    assert out.returncode == 0, out.stderr
+    return list(json.loads(out.stdout))
 
 
 def _dead(dsn: str, schema: str, topic: str, error: str, n: int) -> None:
@@ -45,10 +53,16 @@ def test_retry_filters_dry_run_and_confirmation(pg_dsn: str, schema: str) -> Non
     out = _outbox("retry", *common, "--error-like", "%timed out%")  # no terminal, no --yes
     assert out.returncode == 2 and "--yes" in out.stderr
     assert count(pg_dsn, schema, "dead_letters") == 5
+    assert _trail(pg_dsn, schema) == [], "a dry run or a refusal is not an action"
     out = _outbox("retry", *common, "--error-like", "%timed out%", "--yes")
     assert out.returncode == 0, out.stderr
     assert count(pg_dsn, schema, "dead_letters") == 2
     assert count(pg_dsn, schema, "events", "attempts = 0") == 3
+    [entry] = _trail(pg_dsn, schema)
+    assert entry["via"] == "cli" and entry["action"] == "redrive" and "@" in entry["actor"]
+    assert entry["planned"] == entry["done"] == 3 and entry["finished_at"] is not None
+    assert entry["selector"] == {"error_like": "%timed out%", "high_water": 1_000_002}
+    assert entry["command"] == "outbox dead redrive --error-like '%timed out%' --yes"
 
 
 def test_dead_redrive_and_skip_take_the_same_selector_dry_run_and_confirmation(
@@ -70,6 +84,21 @@ def test_dead_redrive_and_skip_take_the_same_selector_dry_run_and_confirmation(
     out = _outbox("dead", "redrive", *common, "--topic", "orders", "--yes")
     assert out.returncode == 0, out.stderr
     assert count(pg_dsn, schema, "dead_letters") == 0 and count(pg_dsn, schema, "events") == 2
+    _dead(pg_dsn, schema, "payments", "TOPIC_AUTHORIZATION_FAILED: denied", 1)
+    out = _outbox("dead", "skip", *common, "--key", "k0", "--ids", "1000500", "--yes")
+    assert out.returncode == 0, out.stderr
+    skip, redrive = _trail(pg_dsn, schema)
+    assert (redrive["action"], redrive["selector"], redrive["done"]) == (
+        "redrive",
+        {"topic": "orders", "high_water": 1_000_001},
+        2,
+    )
+    assert (skip["action"], skip["selector"], skip["planned"]) == (
+        "skip",
+        {"key": "k0", "ids": [1_000_500], "high_water": 1_000_500},
+        1,
+    )
+    assert skip["command"] == "outbox dead skip --key k0 --ids 1000500 --yes"
 
 
 def test_replay_resends_archived_events_with_new_ids(
@@ -88,6 +117,14 @@ def test_replay_resends_archived_events_with_new_ids(
         out = _outbox("replay", *common, "--yes")
         assert out.returncode == 0, out.stderr
         wait_for(lambda: count(pg_dsn, schema, "delivered") == 100)
+    [entry] = _trail(pg_dsn, schema)
+    assert (entry["action"], entry["planned"], entry["done"], entry["selector"]["topic"]) == (
+        "replay",
+        50,
+        50,
+        topic,
+    )
+    assert entry["command"].startswith("outbox replay --since ") and f"--topic {topic}" in entry["command"]
     messages = read_topic(kafka, topic, 100)
     replayed = [m for m in messages if "outbox-replay-of" in m.headers]
     assert len(replayed) == 50
@@ -131,5 +168,9 @@ def test_purge_drops_old_partitions_only(pg_dsn: str, schema: str) -> None:
     today = f"delivered_p{dt.datetime.now(dt.timezone.utc):%Y%m%d}"
     assert today in left and "delivered_default" in left
     assert count(pg_dsn, schema, "delivered") == 0
+    [entry] = _trail(pg_dsn, schema)
+    assert (entry["action"], entry["planned"], entry["done"]) == ("purge", 1, 1)
+    assert entry["selector"]["partitions"] == [name]
+    assert entry["command"] == "outbox purge --older-than 30d --yes"
     out = _outbox("purge", *common, "--older-than", "soon")
     assert out.returncode == 2 and "--older-than" in out.stderr

@@ -1,0 +1,19 @@
+-- Named queries of the audit trail (outbox.audit): operators' redrives, skips, replays, purges.
+-- {schema} is the schema as an identifier (psycopg.sql); every value is a bound parameter.
+
+-- name: audit_begin
+-- One action: who, through what, the selector and how many it will act on; its id.
+INSERT INTO {schema}.audit (actor, via, action, selector, planned)
+VALUES (%(actor)s, %(via)s, %(action)s, %(selector)s::jsonb, %(planned)s)
+RETURNING id
+
+-- name: audit_done
+-- How many the action did, once it has done them.
+UPDATE {schema}.audit SET done = %(done)s, finished_at = now() WHERE id = %(id)s
+
+-- name: audit_list
+-- The latest actions, newest first.
+SELECT id, at, actor, db_user, via, action, selector::text, planned, done, finished_at
+FROM {schema}.audit
+ORDER BY id DESC
+LIMIT %(limit)s
