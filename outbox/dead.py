@@ -17,6 +17,7 @@ from typing import Any
 
 import psycopg
 
+from outbox import audit
 from outbox.errors import ConfigError
 from outbox.events import key_text
 from outbox.queries import int_array, query
@@ -91,3 +92,24 @@ def redrive(conn: psycopg.Connection[Any], schema: str, ids: list[int]) -> int:
 def skip(conn: psycopg.Connection[Any], schema: str, ids: list[int]) -> int:
     """Release the events parked behind these dead letters; returns how many were parked."""
     return conn.execute(query("dead_skip", schema), {"ids": int_array(ids)}).rowcount
+
+
+def act(
+    conn: psycopg.Connection[Any],
+    schema: str,
+    action: str,
+    ids: list[int],
+    selector: dict[str, Any],
+    *,
+    via: str = "cli",
+    actor: str | None = None,
+) -> int:
+    """Redrive or skip ``ids`` and record it in the audit trail, in the caller's transaction:
+    the one code path of ``outbox dead redrive/skip``, ``outbox retry`` and the console."""
+    do = {"redrive": redrive, "skip": skip}[action]
+    entry = audit.begin(
+        conn, schema, action=action, selector=selector, planned=len(ids), via=via, actor=actor
+    )
+    n = do(conn, schema, ids)
+    audit.done(conn, schema, entry, n)
+    return n

@@ -26,6 +26,7 @@ EXTRAS: dict[str, tuple[str, ...]] = {
     "asyncpg": ("asyncpg",),
     "sqlalchemy": ("sqlalchemy",),
     "django": ("django",),
+    "console": ("starlette", "jinja2", "uvicorn", "multipart", "psycopg_pool"),
 }
 
 

@@ -6,8 +6,8 @@ neither ``--dsn`` nor ``OUTBOX_DSN`` is set. Options are made from the
 settings they configure (``outbox.cli.options``), so they are declared once.
 
 Each command group registers itself: ``cli.relay`` (relay), ``cli.operate``
-(migrate, status, notify, dead, retry, replay, purge, inbox), ``cli.demo``
-(demo), and ``outbox.bench.cli`` (bench, bench faults). An expected error
+(migrate, status, notify, dead, retry, replay, purge, inbox, audit), ``cli.demo``
+(demo), ``cli.console`` (console), and ``outbox.bench.cli`` (bench, bench faults). An expected error
 (:class:`~outbox.errors.OutboxError`) is one line on stderr and an exit code;
 anything else is a bug and keeps its traceback.
 """
@@ -72,7 +72,7 @@ def setup_logging(fmt: str, level: str) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     from outbox.bench import cli as bench_cli
-    from outbox.cli import demo, operate, relay
+    from outbox.cli import console, demo, operate, relay
 
     parser = Parser(
         prog="outbox",
@@ -84,6 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
     operate.register(sub)
     relay.register(sub)
     demo.register(sub)
+    console.register(sub)
     bench_cli.register(sub)
     return parser
 

@@ -290,9 +290,7 @@ def _dead_action(args: argparse.Namespace, action: str) -> int | None:
         ids = _chosen(args, args.verb if action == "redrive" else action, conn, schema)
         if ids is None:
             return None
-        entry = audit.begin(conn, schema, action=action, selector=_audited(args, ids), planned=len(ids))
-        n = (dead.redrive if action == "redrive" else dead.skip)(conn, schema, ids)
-        audit.done(conn, schema, entry, n)
+        n = dead.act(conn, schema, action, ids, _audited(args, ids))
         conn.commit()
     return n
 

@@ -1,0 +1,82 @@
+"""``outbox console``: the operator console, served standalone (extra ``outbox[console]``)."""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from outbox.cli import options
+from outbox.cli.common import add_common, schema_of
+from outbox.errors import ConfigError
+from outbox.extras import require
+from outbox.settings import setting
+
+log = logging.getLogger("outbox.console")
+
+ENV_PREFIX = "OUTBOX_CONSOLE_"
+PASSWORD_ENV = "OUTBOX_CONSOLE_PASSWORD"  # only from the environment: argv is visible to every user
+
+
+@dataclass
+class ConsoleOptions:
+    host: str = setting("127.0.0.1", "address to listen on (without a password: loopback only)")
+    port: int = setting(8000, "port to listen on")
+    read_only: bool = setting(False, "show everything, change nothing (enforced on the server)")
+    hide_payloads: bool = setting(False, "show payloads only after a click")
+    trace_url: str | None = setting(
+        None, "link each traceparent to your tracing UI, e.g. https://jaeger.example/trace/{trace_id}",
+        metavar="TEMPLATE",
+    )  # fmt: skip
+    user: str = setting("outbox", f"HTTP basic user (with the password in {PASSWORD_ENV})")
+
+
+def register(sub: Any) -> None:
+    p = sub.add_parser("console", help="the operator console in a browser (outbox[console])")
+    add_common(p)
+    options.add(p, ConsoleOptions, env_prefix=ENV_PREFIX)
+    p.set_defaults(run=cmd_console)
+
+
+def _loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def cmd_console(args: argparse.Namespace) -> int:
+    require("console", "outbox console")
+    import uvicorn
+
+    from outbox.console.web import app, basic_auth
+
+    password = os.environ.get(PASSWORD_ENV, "")
+    if not password and not _loopback(args.host):
+        raise ConfigError(
+            f"--host {args.host}: without a password ({PASSWORD_ENV}) the console listens on loopback only"
+        )
+    if args.trace_url is not None and "{trace_id}" not in args.trace_url:
+        raise ConfigError(f"--trace-url: must contain {{trace_id}}, got {args.trace_url!r}")
+    level = "read" if args.read_only else "write"
+    authorize = basic_auth(args.user, password, level=level) if password else None
+    application = app(
+        args.dsn, schema=schema_of(args), read_only=args.read_only, authorize=authorize,
+        hide_payloads=args.hide_payloads, trace_url=args.trace_url,
+    )  # fmt: skip
+    if not password:
+        log.warning(
+            "no password (%s): anyone who can reach %s:%d can use the console; listening on loopback only",
+            PASSWORD_ENV, args.host, args.port,
+        )  # fmt: skip
+    log.info(
+        "console on http://%s:%d/ (schema %s%s)",
+        args.host, args.port, schema_of(args), ", read-only" if args.read_only else "",
+    )  # fmt: skip
+    uvicorn.run(application, host=args.host, port=args.port, log_level="warning", access_log=False)
+    return 0

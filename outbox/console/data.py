@@ -1,0 +1,258 @@
+"""What the console reads and does, on one connection at a time: each page's queries (named
+SQL in ``sql/console.sql``, and ``outbox status``'s own for the numbers both show) and the
+dead-letter actions, through the same code path as the CLI (:func:`outbox.dead.act`)."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+import psycopg
+
+from outbox import audit, dead, status
+from outbox.events import key_text
+from outbox.queries import int_array, query
+
+CHART_MINUTES = 60
+TIMELINE_LIMIT = 200  # events per part of a key's timeline (pending, dead, latest delivered)
+SNAPSHOT_WARN_SECONDS = 300.0  # an older snapshot holds back vacuum long enough to see bloat
+ACTIONS = ("redrive", "skip")
+
+
+def key_bytes(text: str | None) -> bytes | None:
+    """A key as the console and the CLI take it: UTF-8 text, or ``0x…`` for bytes."""
+    if not text:
+        return None
+    if text.startswith("0x"):
+        try:
+            return bytes.fromhex(text[2:])
+        except ValueError:
+            return text.encode("utf-8")
+    return text.encode("utf-8")
+
+
+@dataclass(frozen=True)
+class DeadFilter:
+    """The dead-letter page's filters, and an action's selector (with a group's fingerprint or
+    chosen ids), always bounded by the high-water mark of the page that showed them."""
+
+    high_water: int
+    topic: str | None = None
+    key: str | None = None
+    error: str | None = None  # a substring of the error, case-insensitive
+    since: dt.datetime | None = None
+    until: dt.datetime | None = None
+    fingerprint: str | None = None
+    ids: tuple[int, ...] = field(default_factory=tuple)
+
+    def params(self) -> dict[str, Any]:
+        return {
+            "high_water": self.high_water,
+            "topic": self.topic,
+            "key": key_bytes(self.key),
+            "error": self.error,
+            "since": self.since,
+            "until": self.until,
+            "fingerprint": self.fingerprint,
+            "ids": int_array(self.ids) if self.ids else None,
+        }
+
+    def audited(self) -> dict[str, Any]:
+        """The selector as the audit trail keeps it (what was given, and the high-water mark)."""
+        chosen: dict[str, Any] = {
+            "topic": self.topic,
+            "key": self.key,
+            "error": self.error,
+            "since": None if self.since is None else self.since.isoformat(),
+            "until": None if self.until is None else self.until.isoformat(),
+            "fingerprint": self.fingerprint,
+            "ids": list(self.ids) or None,
+            "high_water": self.high_water,
+        }
+        return {k: v for k, v in chosen.items() if v is not None}
+
+
+def overview(conn: psycopg.Connection[Any], schema: str) -> dict[str, Any]:
+    """Per topic counts, the relay fleet and table health (``outbox status``'s own numbers)."""
+    report = status.collect(conn, schema)
+    topics = [
+        {
+            "topic": t,
+            "pending": int(p),
+            "retrying": int(r),
+            "dead": int(d),
+            "parked_keys": int(k),
+            "oldest_age_seconds": None if age is None else round(float(age), 1),
+        }
+        for t, p, r, d, k, age in conn.execute(query("console_topics", schema)).fetchall()
+    ]
+    now = dt.datetime.now(dt.timezone.utc)
+    for relay in report["relays"]:
+        heartbeat = dt.datetime.fromisoformat(relay["heartbeat_at"])
+        relay["heartbeat_age_seconds"] = round((now - heartbeat).total_seconds(), 1)
+    snapshot = report["table"]["oldest_xmin_age_seconds"]
+    report["table"]["snapshot_warning"] = snapshot is not None and snapshot > SNAPSHOT_WARN_SECONDS
+    return {"topics": topics, "status": report}
+
+
+def chart(conn: psycopg.Connection[Any], schema: str) -> dict[str, Any]:
+    """Delivered per minute and topic over the last hour: uPlot's data (x: minutes, one series
+    per topic, zero where nothing was delivered)."""
+    rows = conn.execute(query("console_delivered_per_minute", schema)).fetchall()
+    now = int(dt.datetime.now(dt.timezone.utc).timestamp()) // 60 * 60
+    minutes = [now - 60 * (CHART_MINUTES - 1 - i) for i in range(CHART_MINUTES)]
+    index = {m: i for i, m in enumerate(minutes)}
+    series: dict[str, list[int]] = {}
+    for topic, minute, n in rows:
+        i = index.get(int(minute))
+        if i is not None:
+            series.setdefault(topic, [0] * CHART_MINUTES)[i] = int(n)
+    return {"x": minutes, "series": series}
+
+
+def high_water(conn: psycopg.Connection[Any], schema: str) -> int:
+    row = conn.execute(query("console_dead_high_water", schema)).fetchone()
+    return int(row[0]) if row else 0
+
+
+def dead_groups(conn: psycopg.Connection[Any], schema: str, chosen: DeadFilter) -> list[dict[str, Any]]:
+    """Dead letters grouped by topic and error fingerprint, filtered."""
+    rows = conn.execute(query("console_dead_groups", schema), chosen.params()).fetchall()
+    return [
+        {
+            "topic": t,
+            "fingerprint": f,
+            "kind": kind,
+            "count": int(n),
+            "first": first,
+            "last": last,
+            "parked_keys": int(parked),
+            "high_water": int(top),
+            "keys": [key_text(k) for k in (keys or [])],
+        }
+        for t, f, kind, n, first, last, parked, top, keys in rows
+    ]
+
+
+def chosen_ids(conn: psycopg.Connection[Any], schema: str, chosen: DeadFilter) -> list[int]:
+    return [int(r[0]) for r in conn.execute(query("console_dead_select", schema), chosen.params())]
+
+
+def preview(conn: psycopg.Connection[Any], schema: str, chosen: DeadFilter) -> dict[str, int]:
+    """What an action on ``chosen`` would touch: dead letters, their keys, the parked events after them."""
+    ids = chosen_ids(conn, schema, chosen)
+    row = conn.execute(query("console_preview", schema), {"ids": int_array(ids)}).fetchone()
+    assert row is not None
+    return {"dead_letters": int(row[0]), "keys": int(row[1]), "parked_events": int(row[2])}
+
+
+def act(conn: psycopg.Connection[Any], schema: str, action: str, chosen: DeadFilter, actor: str) -> int:
+    """Redrive or skip what ``chosen`` selects (nothing above its high-water mark), audited, committed."""
+    if action not in ACTIONS:
+        raise ValueError(f"action: one of {ACTIONS}, got {action!r}")
+    with conn.transaction():
+        ids = chosen_ids(conn, schema, chosen)
+        if not ids:
+            return 0
+        return dead.act(conn, schema, action, ids, chosen.audited(), via="console", actor=actor)
+
+
+def timeline(conn: psycopg.Connection[Any], schema: str, key: str) -> dict[str, Any]:
+    """A key's events in order: the latest delivered (oldest first), its dead letters, then
+    what is pending, each with what the page shows of it."""
+    params = {"key": key_bytes(key), "limit": TIMELINE_LIMIT}
+    delivered = [
+        {
+            "state": "delivered",
+            "id": int(i),
+            "event_id": e,
+            "topic": t,
+            "attempts": int(a),
+            "at": at,
+            "partition": part,
+            "offset": off,
+            "ref": ref,
+            "created_at": c,
+            "type": ty,
+        }
+        for i, e, t, a, at, part, off, ref, c, ty in conn.execute(
+            query("console_key_delivered", schema), params
+        ).fetchall()
+    ]
+    delivered.reverse()
+    dead_letters = [
+        {
+            "state": "dead",
+            "id": int(i),
+            "event_id": e,
+            "topic": t,
+            "attempts": int(a),
+            "error": err,
+            "at": at,
+            "parked": bool(p),
+            "created_at": c,
+            "type": ty,
+        }
+        for i, e, t, a, err, at, p, c, ty in conn.execute(query("console_key_dead", schema), params)
+    ]
+    pending = [
+        {
+            "state": "retrying" if int(a) else "pending",
+            "id": int(i),
+            "event_id": e,
+            "topic": t,
+            "attempts": int(a),
+            "error": err,
+            "at": at,
+            "created_at": c,
+            "type": ty,
+        }
+        for i, e, t, a, err, at, c, ty in conn.execute(query("console_key_pending", schema), params)
+    ]
+    parked_by = next((d for d in dead_letters if d["parked"]), None)
+    if parked_by is not None:
+        for p in pending:
+            p["parked"] = p["id"] > parked_by["id"]
+    return {
+        "key": key,
+        "delivered": delivered,
+        "dead": dead_letters,
+        "pending": pending,
+        "parked_by": parked_by,
+        "limit": TIMELINE_LIMIT,
+    }
+
+
+def event(conn: psycopg.Connection[Any], schema: str, event_id: str) -> list[dict[str, Any]]:
+    """Every row of ``event_id``: pending, dead, or archived (a replayed one has a new id)."""
+    rows = conn.execute(query("console_event", schema), {"event_id": event_id}).fetchall()
+    out = []
+    for state, i, e, t, k, payload, headers, ty, subj, a, c, err, at, part, off, ref, parked in rows:
+        out.append(
+            {
+                "state": state,
+                "id": int(i),
+                "event_id": e,
+                "topic": t,
+                "key": key_text(k),
+                "payload": bytes(payload),
+                "headers": json.loads(headers) if headers else {},
+                "type": ty,
+                "subject": subj,
+                "attempts": int(a),
+                "created_at": c,
+                "error": err,
+                "at": at,
+                "partition": part,
+                "offset": off,
+                "ref": ref,
+                "parked": parked,
+            }
+        )
+    return out
+
+
+def trail(conn: psycopg.Connection[Any], schema: str, limit: int = 100) -> list[dict[str, Any]]:
+    return audit.recent(conn, schema, limit)
