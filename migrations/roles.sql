@@ -2,7 +2,8 @@
 --
 -- Applied by `outbox migrate --roles` after the numbered migrations (again on
 -- every run, so a new table's grants follow an upgrade). Placeholders: {schema},
--- {writer} and {relay} are identifiers, {sequence} the events id sequence.
+-- {writer}, {relay} and {console} are identifiers, {sequence} the events id sequence,
+-- {audit_sequence} the audit trail's.
 -- The roles themselves are created (NOLOGIN) by `migrate` when they do not
 -- exist, unless --no-create-roles; grant them to the login roles that apps and
 -- relays connect as: GRANT outbox_writer TO orders_app;
@@ -30,3 +31,16 @@ GRANT EXECUTE ON FUNCTION {schema}.ensure_delivered_partitions(integer) TO {rela
 GRANT SELECT ON {schema}.audit TO {relay};
 -- The claim-check store (--claim-check-store postgres:): store, read, and purge old payloads.
 GRANT SELECT, INSERT, UPDATE, DELETE ON {schema}.claim_checks TO {relay};
+
+-- The console (outbox console): read every table; redrive (a dead letter moves back into events
+-- under its own id: DELETE from dead_letters, INSERT into events), skip (dead_letters.parked),
+-- replay (archived events queued again under new ids: the sequence); each recorded in the audit
+-- trail. It cannot change or delete a pending event or the archive, purge, or run DDL.
+GRANT USAGE ON SCHEMA {schema} TO {console};
+GRANT SELECT ON {schema}.schema_migrations, {schema}.events, {schema}.delivered, {schema}.dead_letters,
+    {schema}.relays, {schema}.partitions, {schema}.claim_checks TO {console};
+GRANT INSERT ON {schema}.events TO {console};
+GRANT USAGE ON SEQUENCE {sequence} TO {console};
+GRANT DELETE, UPDATE (parked) ON {schema}.dead_letters TO {console};
+GRANT SELECT, INSERT, UPDATE (done, finished_at) ON {schema}.audit TO {console};
+GRANT USAGE ON SEQUENCE {audit_sequence} TO {console};

@@ -92,6 +92,8 @@ def render_all(schema: str = DEFAULT_SCHEMA, roles: Roles | None = None, *, inbo
             + sql.Identifier(roles.writer).as_string()
             + ", relay "
             + sql.Identifier(roles.relay).as_string()
+            + ", console "
+            + sql.Identifier(roles.console).as_string()
         )
         parts.extend(statement.as_string() + ";" for statement in render_roles(schema, roles))
     parts.append("COMMIT;")
@@ -181,6 +183,7 @@ def migrate_cursor(cursor: Any, schema: str = DEFAULT_SCHEMA) -> list[Migration]
 # Least-privilege roles (``migrate --roles``): see migrations/roles.sql.
 DEFAULT_WRITER_ROLE = "outbox_writer"
 DEFAULT_RELAY_ROLE = "outbox_relay"
+DEFAULT_CONSOLE_ROLE = "outbox_console"
 MAX_ROLE_BYTES = 63
 
 
@@ -194,19 +197,28 @@ def validate_role(role: object, field: str) -> str:
 
 @dataclass(frozen=True)
 class Roles:
-    """The writer and relay roles, and whether ``migrate`` creates them when missing."""
+    """The writer, relay and console roles, and whether ``migrate`` creates them when missing."""
 
     writer: str = DEFAULT_WRITER_ROLE
     relay: str = DEFAULT_RELAY_ROLE
     create: bool = True
+    console: str = DEFAULT_CONSOLE_ROLE
 
     def __post_init__(self) -> None:
         validate_role(self.writer, "writer role")
         validate_role(self.relay, "relay role")
+        validate_role(self.console, "console role")
         if self.writer == self.relay:
             raise ConfigError(
                 "relay role: must differ from the writer role (the writer must not read events)"
             )
+        if self.console in (self.writer, self.relay):
+            raise ConfigError("console role: must differ from the writer and relay roles")
+
+    @property
+    def all(self) -> tuple[tuple[str, str], ...]:
+        """(field, role) of each role."""
+        return (("writer role", self.writer), ("relay role", self.relay), ("console role", self.console))
 
 
 def _roles_text() -> str:
@@ -223,7 +235,7 @@ def _create_role(schema: str, role: str) -> sql.Composed:
 def render_roles(schema: str, roles: Roles) -> list[sql.Composed]:
     """The statements that create (optionally) and grant the two roles, in order."""
     validate_schema(schema)
-    out = [_create_role(schema, r) for r in (roles.writer, roles.relay)] if roles.create else []
+    out = [_create_role(schema, r) for _, r in roles.all] if roles.create else []
     for statement in _strip_comments(_roles_text()).split(";"):
         if statement.strip():
             out.append(
@@ -231,7 +243,9 @@ def render_roles(schema: str, roles: Roles) -> list[sql.Composed]:
                     schema=sql.Identifier(schema),
                     writer=sql.Identifier(roles.writer),
                     relay=sql.Identifier(roles.relay),
+                    console=sql.Identifier(roles.console),
                     sequence=sql.Identifier(schema, "events_id_seq"),
+                    audit_sequence=sql.Identifier(schema, "audit_id_seq"),
                 )
             )
     # PostgreSQL 17+: MAINTAIN lets the relay VACUUM its hot table without owning it.
@@ -246,10 +260,10 @@ def _strip_comments(text: str) -> str:
 
 
 def grant_roles(conn: psycopg.Connection[Any], schema: str, roles: Roles) -> None:
-    """Create (unless ``roles.create`` is false) and grant the writer and relay roles."""
+    """Create (unless ``roles.create`` is false) and grant the writer, relay and console roles."""
     validate_schema(schema)
     if not roles.create:
-        for field, role in (("writer role", roles.writer), ("relay role", roles.relay)):
+        for field, role in roles.all:
             if conn.execute(query("role_exists", schema), (role,)).fetchone() is None:
                 raise ConfigError(f"{field}: {role!r} does not exist (create it, or drop --no-create-roles)")
     with conn.transaction():

@@ -125,8 +125,8 @@ def _store(args: argparse.Namespace, schema: str) -> claim_check.Store:
 class MigrateOptions:
     roles: bool = setting(
         False,
-        "also create (if missing) and grant a writer role that can only insert events and a relay role "
-        "with exactly what the relay needs",
+        "also create (if missing) and grant a writer role that can only insert events, a relay role "
+        "with exactly what the relay needs, and a console role (outbox console)",
     )
     writer_role: str | None = setting(
         None, "name of the writer role; implies --roles", default_text=migrations.DEFAULT_WRITER_ROLE
@@ -134,18 +134,24 @@ class MigrateOptions:
     relay_role: str | None = setting(
         None, "name of the relay role; implies --roles", default_text=migrations.DEFAULT_RELAY_ROLE
     )
+    console_role: str | None = setting(
+        None,
+        "name of the console role (reads everything; redrive, skip, replay); implies --roles",
+        default_text=migrations.DEFAULT_CONSOLE_ROLE,
+    )
     create_roles: bool = setting(
         True, "create the roles when missing (--no-create-roles: grant to roles that already exist)"
     )
 
 
 def _roles(args: argparse.Namespace) -> migrations.Roles | None:
-    if not (args.roles or args.writer_role or args.relay_role or not args.create_roles):
+    if not (args.roles or args.writer_role or args.relay_role or args.console_role or not args.create_roles):
         return None
     try:
         return migrations.Roles(
             writer=migrations.DEFAULT_WRITER_ROLE if args.writer_role is None else args.writer_role,
             relay=migrations.DEFAULT_RELAY_ROLE if args.relay_role is None else args.relay_role,
+            console=migrations.DEFAULT_CONSOLE_ROLE if args.console_role is None else args.console_role,
             create=args.create_roles,
         )
     except ValueError as exc:
@@ -172,7 +178,10 @@ def cmd_migrate(args: argparse.Namespace) -> int:
                 migrations.grant_roles(conn, schema, roles)
             except ValueError as exc:
                 raise _role_error(exc) from None
-            print(f"granted schema {schema} to writer role {roles.writer} and relay role {roles.relay}")
+            print(
+                f"granted schema {schema} to writer role {roles.writer}, relay role {roles.relay} "
+                f"and console role {roles.console}"
+            )
     if applied:
         for m in applied:
             print(f"applied {m.version:04d}_{m.name} to schema {schema}")

@@ -1,4 +1,5 @@
-"""Least privilege: the writer role can only append events; the relay runs on its own role."""
+"""Least privilege: the writer role can only append events; the relay and the console run on
+roles of their own."""
 
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ class Logins(NamedTuple):
     roles: Roles
     writer_dsn: str
     relay_dsn: str
+    console_dsn: str
 
 
 def _drop_role(conn: psycopg.Connection[Any], role: str) -> None:
@@ -35,21 +37,21 @@ def _drop_role(conn: psycopg.Connection[Any], role: str) -> None:
 
 @pytest.fixture
 def logins(pg_dsn: str, schema: str) -> Iterator[Logins]:
-    """The two group roles granted on ``schema``, and a login role in each (roles are cluster-wide)."""
+    """The three group roles granted on ``schema``, and a login role in each (roles are cluster-wide)."""
     tag = uuid.uuid4().hex[:8]
-    roles = Roles(writer=f"w_{tag}", relay=f"r_{tag}")
-    names = [roles.writer, roles.relay, f"app_{tag}", f"relayer_{tag}"]
+    roles = Roles(writer=f"w_{tag}", relay=f"r_{tag}", console=f"c_{tag}")
+    names = [roles.writer, roles.relay, roles.console, f"app_{tag}", f"relayer_{tag}", f"ops_{tag}"]
     with psycopg.connect(pg_dsn, autocommit=True) as conn:
         grant_roles(conn, schema, roles)
         grant_roles(conn, schema, roles)  # idempotent: a second run changes nothing and fails nothing
-        for login, group in ((names[2], roles.writer), (names[3], roles.relay)):
+        for login, group in ((names[3], roles.writer), (names[4], roles.relay), (names[5], roles.console)):
             conn.execute(
                 sql.SQL("CREATE ROLE {} LOGIN IN ROLE {}").format(
                     sql.Identifier(login), sql.Identifier(group)
                 )
             )
     try:
-        yield Logins(roles, make_conninfo(pg_dsn, user=names[2]), make_conninfo(pg_dsn, user=names[3]))
+        yield Logins(roles, *(make_conninfo(pg_dsn, user=name) for name in names[3:]))
     finally:
         with psycopg.connect(pg_dsn, autocommit=True) as conn:
             for role in names:
@@ -185,3 +187,88 @@ def test_roles_cli_print_grant_and_refuse(pg_dsn: str, schema: str) -> None:
         with psycopg.connect(pg_dsn, autocommit=True) as conn:
             for role in (hostile, f"r_{tag}"):
                 _drop_role(conn, role)
+
+
+DENIED_TO_CONSOLE = [
+    "UPDATE {s}.events SET attempts = 0",
+    "DELETE FROM {s}.events",
+    "TRUNCATE {s}.events",
+    "DELETE FROM {s}.delivered",
+    "UPDATE {s}.delivered SET attempts = 0",
+    "UPDATE {s}.dead_letters SET error = 'x'",
+    "INSERT INTO {s}.dead_letters (id, event_id, topic, created_at, attempts, error, first_failed_at, failed_at) "
+    "VALUES (1, gen_random_uuid(), 't', now(), 1, 'x', now(), now())",
+    "DELETE FROM {s}.audit",
+    "UPDATE {s}.audit SET actor = 'someone else'",
+    "UPDATE {s}.partitions SET owner = NULL",
+    "DROP TABLE {s}.delivered_default",
+    "CREATE TABLE {s}.mine (x int)",
+]
+
+
+@pytest.mark.parametrize("statement", DENIED_TO_CONSOLE)
+def test_console_role_has_no_more_than_it_needs(logins: Logins, schema: str, statement: str) -> None:
+    with psycopg.connect(logins.console_dsn) as conn, pytest.raises(errors.InsufficientPrivilege):
+        conn.execute(sql.SQL(statement).format(s=sql.Identifier(schema)))
+
+
+def test_console_runs_under_the_console_role(pg_dsn: str, logins: Logins, schema: str) -> None:
+    """Every page, redrive and skip through the console, and a replay through the CLI, as a login
+    of the console role; the audit trail names that role."""
+    from starlette.testclient import TestClient
+
+    from outbox.console import app
+
+    with psycopg.connect(pg_dsn) as conn:
+        # Ids as the relay would have taken them: from the events sequence, before what it gives now.
+        conn.execute(
+            sql.SQL("SELECT setval(pg_get_serial_sequence('{}.events', 'id'), 100)").format(
+                sql.Identifier(schema)
+            )
+        )
+        for i, parked in ((1, True), (2, True)):
+            conn.execute(
+                sql.SQL(
+                    "INSERT INTO {}.dead_letters (id, event_id, topic, key, payload, headers, created_at, attempts, "
+                    "error, first_failed_at, failed_at, parked) VALUES (%s, gen_random_uuid(), 'orders', %s, 'p', "
+                    "'{{}}', now(), 3, 'boom', now(), now(), %s)"
+                ).format(sql.Identifier(schema)),
+                (i, f"k{i}".encode(), parked),
+            )
+        conn.execute(
+            sql.SQL(
+                "INSERT INTO {}.delivered (id, event_id, topic, key, payload, headers, created_at, delivered_at, "
+                "attempts) VALUES (9, gen_random_uuid(), 'orders', 'k9', 'x', '{{}}', now(), now(), 1)"
+            ).format(sql.Identifier(schema))
+        )
+        event_id = conn.execute(
+            sql.SQL("SELECT event_id FROM {}.delivered").format(sql.Identifier(schema))
+        ).fetchone()[0]
+    same = {"sec-fetch-site": "same-origin"}
+    with TestClient(app(logins.console_dsn, schema=schema), base_url="http://console.test") as c:
+        for path in ("/", "/chart.json", "/dead", "/key?key=k1", f"/event/{event_id}", "/audit"):
+            assert c.get(path).status_code == 200, path
+        for action, ident in (("redrive", "1"), ("skip", "2")):
+            form = {"action": action, "hw": "2", "id": ident}
+            assert c.post("/dead/preview", data=form, headers=same).status_code == 200
+            assert c.post("/dead/act", data=form, headers=same, follow_redirects=False).status_code == 303
+    replay = subprocess.run(
+        [sys.executable, "-m", "outbox", "replay", "--dsn", logins.console_dsn, "--schema", schema,
+         "--since", "1h", "--yes"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert replay.returncode == 0, replay.stderr
+    assert count(pg_dsn, schema, "events") == 2  # the redriven dead letter and the replayed event
+    assert count(pg_dsn, schema, "dead_letters", "NOT parked") == 1
+    with psycopg.connect(pg_dsn) as conn:
+        trail = conn.execute(
+            sql.SQL("SELECT via, action, db_user, done FROM {}.audit ORDER BY id").format(
+                sql.Identifier(schema)
+            )
+        ).fetchall()
+    login = logins.console_dsn.split("user=")[1].split()[0]
+    assert trail == [
+        ("console", "redrive", login, 1),
+        ("console", "skip", login, 1),
+        ("cli", "replay", login, 1),
+    ]
