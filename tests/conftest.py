@@ -122,3 +122,18 @@ def pgbouncer(pg_dsn: str) -> Iterator[Any]:
     bouncer = PgBouncer(pg_dsn).start()
     yield bouncer
     bouncer.stop()
+
+
+# Modules whose tests each take tens of seconds (real processes, fault scenarios, bench races).
+LONG_MODULES = ("test_faults.py", "test_bench.py", "test_multi_relay.py", "test_process.py")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The longest tests first (kept in their order otherwise): pytest-xdist hands tests out in
+    collection order, so a long test collected last runs alone at the end while the other
+    workers idle. Longest first is the classic fix (LPT scheduling); it changes no result."""
+
+    def long(item: pytest.Item) -> bool:
+        return item.get_closest_marker("slow") is not None or item.path.name in LONG_MODULES
+
+    items.sort(key=lambda item: not long(item))
