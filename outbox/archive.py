@@ -16,7 +16,9 @@ from typing import Any
 
 import psycopg
 
+from outbox import audit
 from outbox.errors import ConfigError
+from outbox.events import key_bytes
 from outbox.queries import query
 
 REPLAY_CHUNK = 5000  # archived events re-queued per transaction
@@ -94,6 +96,34 @@ def replay(
         after_at, after_id = row[1], int(row[2])
         if progress is not None:
             progress(total)
+
+
+def replay_recorded(
+    conn: psycopg.Connection[Any],
+    schema: str,
+    *,
+    since: dt.datetime,
+    until: dt.datetime,
+    topic: str | None,
+    key: str | None,
+    planned: int,
+    via: str = "cli",
+    actor: str | None = None,
+    progress: Callable[[int], None] | None = None,
+) -> int:
+    """:func:`replay` recorded in the audit trail: the one code path of ``outbox replay`` and the
+    console. The action is recorded (and committed) before the first chunk and its count after the
+    last, so a replay cut off shows as unfinished. ``key`` as given (UTF-8 text, or ``0x…``)."""
+    chosen = {"since": since.isoformat(), "until": until.isoformat(), "topic": topic, "key": key}
+    entry = audit.begin(
+        conn, schema, action="replay", selector={k: v for k, v in chosen.items() if v}, planned=planned,
+        via=via, actor=actor,
+    )  # fmt: skip
+    conn.commit()
+    done = replay(conn, schema, since=since, until=until, topic=topic, key=key_bytes(key), progress=progress)
+    audit.done(conn, schema, entry, done)
+    conn.commit()
+    return done
 
 
 def purge_plan(conn: psycopg.Connection[Any], schema: str, cutoff: dt.datetime) -> list[str]:

@@ -19,7 +19,7 @@ from datetime import timedelta
 from operator import itemgetter
 from typing import Any, NamedTuple
 
-from outbox.errors import CorruptEvent, InvalidEvent, InvalidEventType
+from outbox.errors import ConfigError, CorruptEvent, InvalidEvent, InvalidEventType
 
 # Kafka's own limit for topic names; other sinks accept at least this much.
 MAX_TOPIC_CHARS = 249
@@ -329,6 +329,19 @@ def decode_row(row: tuple[Any, ...]) -> ClaimedEvent:
 
 
 _new_claimed: Callable[[type[ClaimedEvent], tuple[Any, ...]], ClaimedEvent] = tuple.__new__
+
+
+def key_bytes(text: str | None, field: str = "key") -> bytes | None:
+    """A key as operators give it (``--key``, the console): UTF-8 text, or ``0x…`` for bytes;
+    the inverse of :func:`key_text`."""
+    if text is None:
+        return None
+    if text.startswith("0x"):
+        try:
+            return bytes.fromhex(text[2:])
+        except ValueError:
+            raise ConfigError(f"{field}: {text!r} is not valid hex after 0x") from None
+    return text.encode("utf-8")
 
 
 def key_text(key: bytes | None) -> str | None:

@@ -12,6 +12,7 @@ import psycopg
 from outbox.cli import options
 from outbox.dsn import redact, scrub, secrets_of
 from outbox.errors import Cancelled, ConfigError
+from outbox.events import key_bytes
 from outbox.schema import DEFAULT_SCHEMA, validate_schema
 from outbox.settings import setting
 
@@ -66,11 +67,4 @@ def add_confirm(parser: argparse.ArgumentParser, what: str) -> None:
 
 def key_arg(key: str | None) -> bytes | None:
     """A ``--key`` value: UTF-8 text, or ``0x…`` for bytes."""
-    if key is None:
-        return None
-    if key.startswith("0x"):
-        try:
-            return bytes.fromhex(key[2:])
-        except ValueError:
-            raise ConfigError(f"--key: {key!r} is not valid hex after 0x") from None
-    return key.encode("utf-8")
+    return key_bytes(key, "--key")

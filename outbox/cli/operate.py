@@ -341,19 +341,12 @@ def cmd_replay(args: argparse.Namespace) -> int:
             print(f"would replay {n} archived events delivered {window}")
             return 0
         confirm(args, f"replay {n} archived events delivered {window}")
-        chosen = {"since": since.isoformat(), "until": until.isoformat()}
-        chosen |= {"topic": args.topic, "key": args.key}
-        entry = audit.begin(
-            conn, schema, action="replay", selector={k: v for k, v in chosen.items() if v}, planned=n
-        )
-        conn.commit()
         progress = Progress("replay", n, " ev")
-        done = archive.replay(
-            conn, schema, since=since, until=until, topic=args.topic, key=key, progress=progress.update
-        )
+        done = archive.replay_recorded(
+            conn, schema, since=since, until=until, topic=args.topic, key=args.key, planned=n,
+            progress=progress.update,
+        )  # fmt: skip
         progress.close()
-        audit.done(conn, schema, entry, done)
-        conn.commit()
     print(f"queued {done} events again, with new event-ids and header outbox-replay-of")
     return 0
 

@@ -12,25 +12,13 @@ from typing import Any
 import psycopg
 
 from outbox import audit, dead, status
-from outbox.events import key_text
+from outbox.events import key_bytes, key_text
 from outbox.queries import int_array, query
 
 CHART_MINUTES = 60
 TIMELINE_LIMIT = 200  # events per part of a key's timeline (pending, dead, latest delivered)
 SNAPSHOT_WARN_SECONDS = 300.0  # an older snapshot holds back vacuum long enough to see bloat
 ACTIONS = ("redrive", "skip")
-
-
-def key_bytes(text: str | None) -> bytes | None:
-    """A key as the console and the CLI take it: UTF-8 text, or ``0x…`` for bytes."""
-    if not text:
-        return None
-    if text.startswith("0x"):
-        try:
-            return bytes.fromhex(text[2:])
-        except ValueError:
-            return text.encode("utf-8")
-    return text.encode("utf-8")
 
 
 @dataclass(frozen=True)

@@ -36,9 +36,12 @@ from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 from starlette.templating import Jinja2Templates
 
+from outbox import archive
 from outbox.audit import command
 from outbox.console import data
 from outbox.dsn import redact
+from outbox.errors import ConfigError, OutboxError
+from outbox.events import key_bytes
 from outbox.schema import validate_schema
 
 HERE = Path(__file__).parent
@@ -84,13 +87,8 @@ def _same_origin(request: Request) -> bool:
 
 
 def _time(text: str | None, name: str) -> dt.datetime | None:
-    if not text:
-        return None
-    try:
-        value = dt.datetime.fromisoformat(text)
-    except ValueError:
-        raise ValueError(f"{name}: not an ISO date or time: {text!r}") from None
-    return value if value.tzinfo else value.replace(tzinfo=dt.timezone.utc)
+    """An ISO time (UTC without a zone) or a duration ago (``2h``), as ``outbox replay`` takes them."""
+    return archive.parse_time(text, name, dt.datetime.now(dt.timezone.utc)) if text else None
 
 
 def _payload_view(payload: bytes) -> dict[str, Any]:
@@ -219,6 +217,22 @@ def _when(value: dt.datetime | str | None) -> str:
     return value.astimezone(dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%S")
 
 
+def _window(src: Any) -> dict[str, Any]:
+    """A replay window from a query string or form: since (required), until (default: now, fixed
+    here, so that what the preview counted is what the action replays), topic, key."""
+
+    def text(name: str) -> str | None:
+        value = src.get(name)
+        return value.strip() if isinstance(value, str) and value.strip() else None
+
+    now = dt.datetime.now(dt.timezone.utc)
+    since = _time(text("since"), "since")
+    until = _time(text("until"), "until") or now
+    if since is not None and until <= since:
+        raise ConfigError(f"until: must be after since ({since.isoformat()})")
+    return {"since": since, "until": until, "topic": text("topic"), "key": text("key")}
+
+
 def _filter(request: Request, form: Any = None) -> data.DeadFilter:
     """The dead-letter filter of a query string or form (a form's high-water mark is the page's)."""
     src = form if form is not None else request.query_params
@@ -283,10 +297,7 @@ def app(
         event_id = request.query_params.get("event_id", "").strip()
         if event_id:
             return RedirectResponse(request.url_for("event", event_id=event_id), status_code=303)
-        try:
-            chosen = _filter(request)
-        except ValueError as exc:
-            return PlainTextResponse(str(exc), status_code=400)
+        chosen = _filter(request)
         with c.conn() as conn:
             hw = chosen.high_water or data.high_water(conn, c.schema)
             chosen = data.DeadFilter(**{**chosen.__dict__, "high_water": hw})
@@ -303,10 +314,7 @@ def app(
         action = str(form.get("action", ""))
         if action not in data.ACTIONS:
             return PlainTextResponse(f"action: one of {', '.join(data.ACTIONS)}", status_code=400)
-        try:
-            chosen = _filter(request, form)
-        except ValueError as exc:
-            return PlainTextResponse(str(exc), status_code=400)
+        chosen = _filter(request, form)
         if not chosen.high_water:
             return PlainTextResponse("hw: the page's high-water mark is missing", status_code=400)
         with c.conn() as conn:
@@ -324,10 +332,7 @@ def app(
         action = str(form.get("action", ""))
         if action not in data.ACTIONS:
             return PlainTextResponse(f"action: one of {', '.join(data.ACTIONS)}", status_code=400)
-        try:
-            chosen = _filter(request, form)
-        except ValueError as exc:
-            return PlainTextResponse(str(exc), status_code=400)
+        chosen = _filter(request, form)
         if not chosen.high_water:
             return PlainTextResponse("hw: the page's high-water mark is missing", status_code=400)
         actor = request.scope.get("outbox.actor") or _actor(request)
@@ -367,6 +372,41 @@ def app(
             row["trace"] = c.trace_link(row["headers"])
         return c.page(request, "event.html", level, rows=rows, event_id=event_id, hw=hw, hide=c.hide_payloads)
 
+    def replay_form(request: Request) -> Response:
+        level = c.access(request)
+        if isinstance(level, Response):
+            return level
+        return c.page(request, "replay.html", level, window=_window(request.query_params), counts=None)
+
+    async def replay_preview(request: Request) -> Response:
+        level = c.access(request, write=True)
+        if isinstance(level, Response):
+            return level
+        window = _window(await request.form())
+        with c.conn() as conn:
+            n = archive.replay_count(
+                conn, c.schema, since=window["since"], until=window["until"], topic=window["topic"],
+                key=key_bytes(window["key"], "key"),
+            )  # fmt: skip
+        chosen = {k: v.isoformat() if isinstance(v, dt.datetime) else v for k, v in window.items() if v}
+        return c.page(
+            request, "replay.html", level, window=window, counts=n, command=command("replay", chosen)
+        )
+
+    async def replay_act(request: Request) -> Response:
+        level = c.access(request, write=True)
+        if isinstance(level, Response):
+            return level
+        window = _window(await request.form())
+        planned = int(str((await request.form()).get("planned", "0")) or 0)
+        with c.conn() as conn:
+            done = archive.replay_recorded(
+                conn, c.schema, since=window["since"], until=window["until"], topic=window["topic"],
+                key=window["key"], planned=planned, via="console", actor=_actor(request),
+            )  # fmt: skip
+        url = request.url_for("audit").include_query_params(done=f"replay: {done} events queued again")
+        return RedirectResponse(str(url), status_code=303)
+
     def trail(request: Request) -> Response:
         level = c.access(request)
         if isinstance(level, Response):
@@ -391,9 +431,16 @@ def app(
         Route("/key", key, name="key"),
         Route("/event/{event_id}", event, name="event"),
         Route("/audit", trail, name="audit"),
+        Route("/replay", replay_form, name="replay"),
+        Route("/replay/preview", replay_preview, methods=["POST"], name="replay_preview"),
+        Route("/replay/act", replay_act, methods=["POST"], name="replay_act"),
         Mount("/static", StaticFiles(directory=HERE / "static"), name="static"),
     ]
-    return Starlette(routes=routes, lifespan=lifespan)
+
+    async def refused(request: Request, exc: Exception) -> Response:
+        return PlainTextResponse(str(exc), status_code=400)  # bad input, named: a field and why
+
+    return Starlette(routes=routes, lifespan=lifespan, exception_handlers={OutboxError: refused})
 
 
 def _actor(request: Request) -> str:

@@ -331,3 +331,51 @@ def test_the_cli_refuses_a_public_address_without_a_password(pg_dsn: str, schema
     assert out.returncode == 2 and out.stderr.count("\n") == 1, out.stderr
     assert "OUTBOX_CONSOLE_PASSWORD" in out.stderr and "loopback" in out.stderr
     json.dumps(out.stderr)
+
+
+def test_replay_a_window_with_a_preview_that_fixes_its_end(
+    pg_dsn: str, schema: str, client: TestClient
+) -> None:
+    with psycopg.connect(pg_dsn) as conn:
+        for i in range(3):
+            conn.execute(
+                sql.SQL(
+                    "INSERT INTO {}.delivered (id, event_id, topic, key, payload, headers, created_at, delivered_at, "
+                    "attempts) VALUES (%s, gen_random_uuid(), 'orders', 'k', %s, '{{}}', now(), now() - interval '10 min', 1)"
+                ).format(sql.Identifier(schema)),
+                (i + 1, f"e{i}".encode()),
+            )
+    preview = client.post("/replay/preview", data={"since": "1h", "topic": "orders"}, headers=SAME)
+    assert preview.status_code == 200 and "<b>3</b> archived events" in preview.text
+    assert "outbox replay --since " in preview.text and "--topic orders" in preview.text
+    form = dict(re.findall(r'<input type="hidden" name="(\w+)" value="([^"]*)">', preview.text))
+    with psycopg.connect(pg_dsn) as conn:  # delivered after the preview: not in what it showed
+        conn.execute(
+            sql.SQL(
+                "INSERT INTO {}.delivered (id, event_id, topic, key, payload, headers, created_at, delivered_at, "
+                "attempts) VALUES (9, gen_random_uuid(), 'orders', 'k', 'late', '{{}}', now(), now(), 1)"
+            ).format(sql.Identifier(schema))
+        )
+    done = client.post("/replay/act", data=form, headers=SAME, follow_redirects=False)
+    assert done.status_code == 303
+    assert "replay: 3 events queued again" in client.get(done.headers["location"]).text
+    assert count(pg_dsn, schema, "events") == 3
+    assert client.post("/replay/preview", data={"since": "soon"}, headers=SAME).status_code == 400
+    assert (
+        client.post("/replay/preview", data={"since": "1h", "until": "2h"}, headers=SAME).status_code == 400
+    )
+    with psycopg.connect(pg_dsn) as conn:
+        [(via, action, planned, n)] = conn.execute(
+            sql.SQL("SELECT via, action, planned, done FROM {}.audit").format(sql.Identifier(schema))
+        ).fetchall()
+    assert (via, action, planned, n) == ("console", "replay", 3, 3)
+
+
+def test_bad_input_is_a_400_naming_the_field(client: TestClient) -> None:
+    for path, params in (
+        ("/dead", {"key": "0xzz"}),
+        ("/key", {"key": "0xnothex"}),
+        ("/dead", {"since": "never"}),
+    ):
+        out = client.get(path, params=params)
+        assert out.status_code == 400 and out.text.split(":")[0] in ("key", "since"), (path, out.text)
