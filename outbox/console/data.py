@@ -73,8 +73,9 @@ def overview(conn: psycopg.Connection[Any], schema: str) -> dict[str, Any]:
             "dead": int(d),
             "parked_keys": int(k),
             "oldest_age_seconds": None if age is None else round(float(age), 1),
+            "delivered_last_hour": int(hour),
         }
-        for t, p, r, d, k, age in conn.execute(query("console_topics", schema)).fetchall()
+        for t, p, r, d, k, age, hour in conn.execute(query("console_topics", schema)).fetchall()
     ]
     now = dt.datetime.now(dt.timezone.utc)
     for relay in report["relays"]:

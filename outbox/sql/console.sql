@@ -3,8 +3,8 @@
 -- identifier (psycopg.sql); every value is a bound parameter. Literal braces are doubled.
 
 -- name: console_topics
--- Per topic: events pending (first attempt due), retrying, dead letters, parked keys, and the
--- age of the oldest event not yet delivered.
+-- Per topic with anything pending, dead, or delivered in the last hour: events pending (first
+-- attempt due), retrying, dead letters, parked keys, the oldest pending age, delivered last hour.
 WITH ev AS (
     SELECT topic, count(*) FILTER (WHERE attempts = 0) AS pending,
            count(*) FILTER (WHERE attempts > 0) AS retrying,
@@ -13,10 +13,15 @@ WITH ev AS (
 ), dl AS (
     SELECT topic, count(*) AS dead, count(DISTINCT key) FILTER (WHERE parked) AS parked_keys
     FROM {schema}.dead_letters GROUP BY topic
+), hour AS (
+    SELECT topic, count(*) AS delivered
+    FROM {schema}.delivered WHERE delivered_at > now() - interval '1 hour' GROUP BY topic
 )
-SELECT coalesce(ev.topic, dl.topic) AS topic, coalesce(ev.pending, 0), coalesce(ev.retrying, 0),
-       coalesce(dl.dead, 0), coalesce(dl.parked_keys, 0), ev.oldest
+SELECT coalesce(ev.topic, dl.topic, hour.topic) AS topic, coalesce(ev.pending, 0),
+       coalesce(ev.retrying, 0), coalesce(dl.dead, 0), coalesce(dl.parked_keys, 0), ev.oldest,
+       coalesce(hour.delivered, 0)
 FROM ev FULL JOIN dl ON dl.topic = ev.topic
+FULL JOIN hour ON hour.topic = coalesce(ev.topic, dl.topic)
 ORDER BY 1
 
 -- name: console_delivered_per_minute
