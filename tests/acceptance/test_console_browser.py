@@ -26,13 +26,15 @@ from tests.helpers import FAST, ModuleProcess, RelayProcess, count, read_topic, 
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 KEY = "c-7"
+# The suite runs in parallel on two cores: a page may take seconds to answer, not milliseconds.
+expect.set_options(timeout=30_000)
 
 
 @pytest.fixture(scope="module")
 def browser() -> Iterator[Browser]:
     with sync_playwright() as p:
         # Never `playwright install` (it downloads): the machine's chromium, as root without a sandbox.
-        b = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
+        b = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"], timeout=60_000)
         yield b
         b.close()
 
@@ -103,6 +105,7 @@ def test_find_a_parked_key_redrive_it_and_watch_it_flow(
         )
         assert count(pg_dsn, schema, "events", f"key = '{KEY}'") == 3, "c-7's events are parked"
         watcher = browser.new_page()
+        watcher.set_default_timeout(30_000)
         watcher.goto(base + "/")
         row = watcher.locator(f'tr[data-topic="{topic}"]')
         expect(row).to_contain_text("1")  # one dead letter
@@ -110,6 +113,7 @@ def test_find_a_parked_key_redrive_it_and_watch_it_flow(
         _shot(watcher, shots, "overview")
 
         page = browser.new_page()
+        page.set_default_timeout(30_000)
         page.goto(base + "/")
         page.get_by_role("link", name="Dead letters").click()
         expect(page.locator("#groups")).to_contain_text("MSG_SIZE_TOO_LARGE: message of <n> bytes > <n>")
@@ -130,10 +134,10 @@ def test_find_a_parked_key_redrive_it_and_watch_it_flow(
         assert seqs == [0, 1, 2, 3], "the key's events reached the broker out of order"
 
         # The overview opened before the redrive shows it without a reload.
-        expect(row.locator("td").nth(3)).to_have_text("0", timeout=20_000)
+        expect(row.locator("td").nth(3)).to_have_text("0")
         assert watcher.evaluate("window.__loaded") == "once", "the page was reloaded"
         expect(watcher.locator("#relays")).to_contain_text("live")
-        watcher.wait_for_function("document.querySelector('#chart canvas') !== null", timeout=20_000)
+        watcher.wait_for_function("document.querySelector('#chart canvas') !== null")
         _shot(watcher, shots, "overview-after")
 
         page.goto(base + f"/key?key={KEY}")
