@@ -120,6 +120,7 @@ class Ordering:
         self._connect = connect
         self._conn: psycopg.Connection[Any] | None = None
         self._next = 0.0
+        self._readiness: str | None = None  # the relay's /readyz kind, written with each heartbeat
         self.owned: set[int] = set()
         self.lost_partitions = 0  # partitions found taken by another relay (for metrics)
         # partition -> the in-flight batches (by id) that may hold its rows
@@ -150,14 +151,17 @@ class Ordering:
         backend_pids: Iterable[int],
         in_flight: Iterable[int],
         stale: list[tuple[int, dt.datetime]] | None = None,
+        readiness: str | None = None,
     ) -> bool:
         """Heartbeat: membership, renewals, hand-overs, acquisitions. Never raises.
 
         ``stale``: this relay's lost sessions (pid, start), which may live on in the server
         with row locks; they are ended, and the list is emptied once they are gone.
+        ``readiness``: the kind of the relay's /readyz state, recorded for status and the console.
         Returns True when partitions were acquired (there may be work at once).
         """
         self._next = time.monotonic() + self.interval
+        self._readiness = readiness
         try:
             acquired = self._tick(list(backend_pids), set(in_flight), stale if stale is not None else [])
         except psycopg.Error as exc:
@@ -193,6 +197,7 @@ class Ordering:
                 "lease": self.batch_lease,
                 "pids": int_array(pids),
                 "ordering": self.ordering,
+                "readiness": self._readiness,
             },
         )
         if self.ordering != "key":

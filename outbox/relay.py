@@ -230,6 +230,10 @@ class Relay:
         if self._sink is None or not self._sink.healthy():
             self._replace_sink()
         if self.ordering.due():
+            if not self._in_flight and self._sink is not None:
+                # Idle, nothing else reads the sinks' clients: serve their callbacks here, so that a
+                # broker that went away is seen (readiness, the outage's log line) before events are due.
+                self._sink.poll(0)
             self._heartbeat()
             self._sinks_back()
         now = time.monotonic()
@@ -474,7 +478,8 @@ class Relay:
             pid for c in conns if not c.closed and (pid := self.sessions.pid(c)) is not None
         ]
         lost_before = self.ordering.lost_partitions
-        if self.ordering.tick(pids, (id(b) for b in self._in_flight), self.sessions.stale):
+        readiness = self.ready()[1].split("\n", 1)[0].split(":", 1)[0]  # the kind, never the detail
+        if self.ordering.tick(pids, (id(b) for b in self._in_flight), self.sessions.stale, readiness):
             self._wakeup.set()  # new partitions: there may be work right now
         if not self.ordering.heartbeat.active:
             self._loop_progress = time.monotonic()

@@ -55,8 +55,9 @@ def collect(conn: psycopg.Connection[Any], schema: str, store: Store | None = No
                 "ordering": ordering,
                 "heartbeat_at": hb.isoformat(),
                 "partitions": list(parts),
+                "readiness": readiness,
             }
-            for rid, name, ordering, hb, parts in owners
+            for rid, name, ordering, hb, parts, readiness in owners
         ],
         "unowned_partitions": int(unowned[0]) if unowned else 0,
         "table": {
@@ -126,7 +127,7 @@ def render(report: dict[str, Any]) -> str:
     )
     for r in report["relays"]:
         lines.append(
-            f"  {r['name']:<28} {r['ordering']:<5} {len(r['partitions']):>3} partitions "
-            f"{_ranges(r['partitions'])}"
+            f"  {r['name']:<28} {r['ordering']:<5} {r['readiness'] or '-':<20} "
+            f"{len(r['partitions']):>3} partitions {_ranges(r['partitions'])}"
         )
     return "\n".join(lines)

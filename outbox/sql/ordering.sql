@@ -5,11 +5,12 @@
 
 -- name: relay_heartbeat
 -- Register or refresh this relay; returns the live relays in a stable order.
-INSERT INTO {schema}.relays (id, name, expires_at, lease_seconds, backend_pids, ordering)
+INSERT INTO {schema}.relays (id, name, expires_at, lease_seconds, backend_pids, ordering, readiness)
 VALUES (%(me)s, %(name)s, now() + %(ttl)s * interval '1 second', %(lease)s,
-        %(pids)s::text::integer[], %(ordering)s)
+        %(pids)s::text::integer[], %(ordering)s, %(readiness)s)
 ON CONFLICT (id) DO UPDATE
-SET heartbeat_at = now(), expires_at = excluded.expires_at, backend_pids = excluded.backend_pids
+SET heartbeat_at = now(), expires_at = excluded.expires_at, backend_pids = excluded.backend_pids,
+    readiness = excluded.readiness
 
 -- name: live_relays
 -- Ids of relays whose membership has not expired, in join order.

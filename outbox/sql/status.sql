@@ -47,11 +47,12 @@ LIMIT 50
 -- Which relay owns which partitions now.
 SELECT r.id::text, r.name, r.ordering, r.heartbeat_at,
        coalesce(array_agg(p.partition ORDER BY p.partition)
-                FILTER (WHERE p.partition IS NOT NULL), '{{}}') AS partitions
+                FILTER (WHERE p.partition IS NOT NULL), '{{}}') AS partitions,
+       r.readiness
 FROM {schema}.relays AS r
 LEFT JOIN {schema}.partitions AS p ON p.owner = r.id AND p.expires_at > now()
 WHERE r.expires_at > now()
-GROUP BY r.id, r.name, r.ordering, r.heartbeat_at
+GROUP BY r.id, r.name, r.ordering, r.heartbeat_at, r.readiness
 ORDER BY r.started_at, r.id
 
 -- name: status_unowned

@@ -136,7 +136,7 @@ def test_find_a_parked_key_redrive_it_and_watch_it_flow(
         # The overview opened before the redrive shows it without a reload.
         expect(row.locator("td").nth(3)).to_have_text("0")
         assert watcher.evaluate("window.__loaded") == "once", "the page was reloaded"
-        expect(watcher.locator("#relays")).to_contain_text("live")
+        expect(watcher.locator("#relays")).to_contain_text("ready")
         watcher.wait_for_function("document.querySelector('#chart canvas') !== null")
         _shot(watcher, shots, "overview-after")
 

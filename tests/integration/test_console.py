@@ -379,3 +379,25 @@ def test_bad_input_is_a_400_naming_the_field(client: TestClient) -> None:
     ):
         out = client.get(path, params=params)
         assert out.status_code == 400 and out.text.split(":")[0] in ("key", "since"), (path, out.text)
+
+
+def test_each_relay_records_its_readiness_for_status_and_the_console(
+    pg_dsn: str, schema: str, kafka: str, client: TestClient
+) -> None:
+    from outbox.config import RelayConfig
+    from outbox.embedded import free_port
+    from outbox.sinks.kafka import KafkaSink
+    from tests.helpers import running_relay, wait_for
+
+    def readiness() -> list[str | None]:
+        with psycopg.connect(pg_dsn) as conn:
+            return [r["readiness"] for r in status.collect(conn, schema)["relays"]]
+
+    config = RelayConfig(pg_dsn, schema=schema, poll_interval=0.1)
+    with running_relay(config, bootstrap=kafka):
+        wait_for(lambda: readiness() == ["ready"], timeout=30, what="a ready relay recorded")
+        assert '<span class="ok">ready</span>' in client.get("/").text
+    nowhere = f"127.0.0.1:{free_port()}"  # nothing listens: the sink is down
+    with running_relay(config, lambda: KafkaSink(nowhere, delivery_timeout=config.delivery_timeout)):
+        wait_for(lambda: "sink down" in readiness(), timeout=30, what="a relay whose sink is down")
+        assert '<span class="warn">sink down</span>' in client.get("/").text
