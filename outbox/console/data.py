@@ -47,6 +47,16 @@ class DeadFilter:
             "ids": int_array(self.ids) if self.ids else None,
         }
 
+    def query(self) -> dict[str, str]:
+        """The page's own filters as query parameters (for links that narrow them further)."""
+        given = {
+            "key": self.key,
+            "error": self.error,
+            "since": None if self.since is None else self.since.isoformat(),
+            "until": None if self.until is None else self.until.isoformat(),
+        }
+        return {k: v for k, v in given.items() if v is not None}
+
     def audited(self) -> dict[str, Any]:
         """The selector as the audit trail keeps it (what was given, and the high-water mark)."""
         chosen: dict[str, Any] = {
@@ -127,6 +137,33 @@ def dead_groups(conn: psycopg.Connection[Any], schema: str, chosen: DeadFilter) 
 
 def chosen_ids(conn: psycopg.Connection[Any], schema: str, chosen: DeadFilter) -> list[int]:
     return [int(r[0]) for r in conn.execute(query("console_dead_select", schema), chosen.params())]
+
+
+LIST_LIMIT = 500  # dead letters listed one by one when a group is opened
+
+
+def dead_list(conn: psycopg.Connection[Any], schema: str, chosen: DeadFilter) -> dict[str, Any]:
+    """The chosen dead letters one by one (the first LIST_LIMIT), and how many there are."""
+    ids = chosen_ids(conn, schema, chosen)
+    rows = conn.execute(
+        query("console_dead_list", schema), {"ids": int_array(ids[:LIST_LIMIT]), "limit": LIST_LIMIT}
+    ).fetchall()
+    return {
+        "total": len(ids),
+        "rows": [
+            {
+                "id": int(i),
+                "event_id": e,
+                "topic": t,
+                "key": key_text(k),
+                "attempts": int(a),
+                "error": err,
+                "failed_at": f,
+                "parked": bool(p),
+            }
+            for i, e, t, k, a, err, f, p in rows
+        ],
+    }
 
 
 def preview(conn: psycopg.Connection[Any], schema: str, chosen: DeadFilter) -> dict[str, int]:

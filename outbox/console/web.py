@@ -306,6 +306,17 @@ def app(
             request, "dead.html", level, groups=groups, chosen=chosen, done=request.query_params.get("done")
         )
 
+    def dead_list(request: Request) -> Response:
+        level = c.access(request)
+        if isinstance(level, Response):
+            return level
+        chosen = _filter(request)
+        with c.conn() as conn:
+            hw = chosen.high_water or data.high_water(conn, c.schema)
+            chosen = data.DeadFilter(**{**chosen.__dict__, "high_water": hw})
+            listed = data.dead_list(conn, c.schema, chosen)
+        return c.page(request, "dead_list.html", level, chosen=chosen, limit=data.LIST_LIMIT, **listed)
+
     async def preview(request: Request) -> Response:
         level = c.access(request, write=True)
         if isinstance(level, Response):
@@ -426,6 +437,7 @@ def app(
         Route("/", overview, name="overview"),
         Route("/chart.json", chart, name="chart"),
         Route("/dead", dead_letters, name="dead_letters"),
+        Route("/dead/list", dead_list, name="dead_list"),
         Route("/dead/preview", preview, methods=["POST"], name="preview"),
         Route("/dead/act", act, methods=["POST"], name="act"),
         Route("/key", key, name="key"),

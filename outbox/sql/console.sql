@@ -47,11 +47,11 @@ WITH chosen AS (
       AND (%(since)s::timestamptz IS NULL OR d.failed_at >= %(since)s)
       AND (%(until)s::timestamptz IS NULL OR d.failed_at < %(until)s)
 )
-SELECT topic, fingerprint, split_part(error, ':', 1) AS kind, count(*), min(failed_at), max(failed_at),
-       count(DISTINCT key) FILTER (WHERE parked), max(id),
+SELECT topic, fingerprint, split_part(fingerprint, ':', 1) AS kind, count(*), min(failed_at),
+       max(failed_at), count(DISTINCT key) FILTER (WHERE parked), max(id),
        (array_agg(key ORDER BY id) FILTER (WHERE parked))[1:5]
 FROM chosen
-GROUP BY topic, fingerprint, split_part(error, ':', 1)
+GROUP BY topic, fingerprint
 ORDER BY count(*) DESC, topic, fingerprint
 LIMIT 200
 
@@ -73,6 +73,14 @@ WHERE d.id <= %(high_water)s
           '[0-9a-fA-F]{{8}}-[0-9a-fA-F]{{4}}-[0-9a-fA-F]{{4}}-[0-9a-fA-F]{{4}}-[0-9a-fA-F]{{12}}',
           '<id>', 'g'), '[0-9]+', '<n>', 'g') = %(fingerprint)s)
 ORDER BY d.id
+
+-- name: console_dead_list
+-- The dead letters a console selector chooses, one by one (a group opened), oldest first.
+SELECT d.id, d.event_id::text, d.topic, d.key, d.attempts, d.error, d.failed_at, d.parked
+FROM {schema}.dead_letters AS d
+WHERE d.id = ANY(%(ids)s::text::bigint[])
+ORDER BY d.id
+LIMIT %(limit)s
 
 -- name: console_preview
 -- What acting on these dead letters touches: how many, over how many keys, and how many

@@ -105,7 +105,7 @@ def test_dead_letters_group_by_fingerprint_and_filter(pg_dsn: str, schema: str, 
         (13, "payments", "k1", "MSG_SIZE_TOO_LARGE: message of 3 bytes > 1048576", True),
     ])  # fmt: skip
     page = client.get("/dead").text
-    groups = re.findall(r'<td class="reason">([^<]*)</td><td class="n">(\d+)</td>', page)
+    groups = re.findall(r'<td class="reason">([^<]*)</td><td class="n"><a href="[^"]*">(\d+)</a></td>', page)
     assert ("MSG_SIZE_TOO_LARGE: message of &lt;n&gt; bytes &gt; &lt;n&gt;", "2") in groups
     assert ("TOPIC_AUTHORIZATION_FAILED: denied for &lt;id&gt;", "1") in groups
     assert len(groups) == 3  # orders x 2 fingerprints, payments x 1
@@ -401,3 +401,29 @@ def test_each_relay_records_its_readiness_for_status_and_the_console(
     with running_relay(config, lambda: KafkaSink(nowhere, delivery_timeout=config.delivery_timeout)):
         wait_for(lambda: "sink down" in readiness(), timeout=30, what="a relay whose sink is down")
         assert '<span class="warn">sink down</span>' in client.get("/").text
+
+
+def test_a_group_opened_lists_its_dead_letters_and_acts_on_a_selection(
+    pg_dsn: str, schema: str, client: TestClient
+) -> None:
+    _dead(pg_dsn, schema, [(i, "orders", f"k{i}", f"boom {i}", True) for i in range(1, 6)])
+    _dead(pg_dsn, schema, [(9, "orders", "k9", "other", True)])
+    page = client.get("/dead").text
+    link = re.search(r'<a href="([^"]*/dead/list\?[^"]*fingerprint=boom[^"]*)">5</a>', page)
+    assert link, page
+    listed = client.get(link.group(1).replace("&amp;", "&")).text
+    assert re.findall(r'name="id" value="(\d+)"', listed) == ["1", "2", "3", "4", "5"]
+    form = {"action": "skip", "hw": "9", "id": ["2", "4"]}
+    preview = client.post("/dead/preview", data=form, headers=SAME)
+    assert "<b>2</b> dead letters over <b>2</b> keys" in preview.text
+    assert client.post("/dead/act", data=form, headers=SAME, follow_redirects=False).status_code == 303
+    with psycopg.connect(pg_dsn) as conn:
+        unparked = [
+            r[0]
+            for r in conn.execute(
+                sql.SQL("SELECT id FROM {}.dead_letters WHERE NOT parked ORDER BY id").format(
+                    sql.Identifier(schema)
+                )
+            )
+        ]
+    assert unparked == [2, 4]
