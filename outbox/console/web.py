@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import dataclasses
 import datetime as dt
 import hmac
 import json
@@ -233,6 +234,25 @@ def _window(src: Any) -> dict[str, Any]:
     return {"since": since, "until": until, "topic": text("topic"), "key": text("key")}
 
 
+def _bounded(conn: psycopg.Connection[Any], schema: str, chosen: data.DeadFilter) -> data.DeadFilter:
+    """``chosen`` with this page's high-water mark: the one it came with, else the highest id now."""
+    if chosen.high_water:
+        return chosen
+    return dataclasses.replace(chosen, high_water=data.high_water(conn, schema))
+
+
+async def _action(request: Request) -> tuple[str, data.DeadFilter]:
+    """A dead-letter action's form: the action, and the selector bounded by the page's mark."""
+    form = await request.form()
+    action = str(form.get("action", ""))
+    if action not in data.ACTIONS:
+        raise ConfigError(f"action: one of {', '.join(data.ACTIONS)}, got {action!r}")
+    chosen = _filter(request, form)
+    if not chosen.high_water:
+        raise ConfigError("hw: the page's high-water mark is missing")
+    return action, chosen
+
+
 def _filter(request: Request, form: Any = None) -> data.DeadFilter:
     """The dead-letter filter of a query string or form (a form's high-water mark is the page's)."""
     src = form if form is not None else request.query_params
@@ -297,10 +317,8 @@ def app(
         event_id = request.query_params.get("event_id", "").strip()
         if event_id:
             return RedirectResponse(request.url_for("event", event_id=event_id), status_code=303)
-        chosen = _filter(request)
         with c.conn() as conn:
-            hw = chosen.high_water or data.high_water(conn, c.schema)
-            chosen = data.DeadFilter(**{**chosen.__dict__, "high_water": hw})
+            chosen = _bounded(conn, c.schema, _filter(request))
             groups = data.dead_groups(conn, c.schema, chosen)
         return c.page(
             request, "dead.html", level, groups=groups, chosen=chosen, done=request.query_params.get("done")
@@ -310,10 +328,8 @@ def app(
         level = c.access(request)
         if isinstance(level, Response):
             return level
-        chosen = _filter(request)
         with c.conn() as conn:
-            hw = chosen.high_water or data.high_water(conn, c.schema)
-            chosen = data.DeadFilter(**{**chosen.__dict__, "high_water": hw})
+            chosen = _bounded(conn, c.schema, _filter(request))
             listed = data.dead_list(conn, c.schema, chosen)
         return c.page(request, "dead_list.html", level, chosen=chosen, limit=data.LIST_LIMIT, **listed)
 
@@ -321,13 +337,7 @@ def app(
         level = c.access(request, write=True)
         if isinstance(level, Response):
             return level
-        form = await request.form()
-        action = str(form.get("action", ""))
-        if action not in data.ACTIONS:
-            return PlainTextResponse(f"action: one of {', '.join(data.ACTIONS)}", status_code=400)
-        chosen = _filter(request, form)
-        if not chosen.high_water:
-            return PlainTextResponse("hw: the page's high-water mark is missing", status_code=400)
+        action, chosen = await _action(request)
         with c.conn() as conn:
             counts = data.preview(conn, c.schema, chosen)
         return c.page(
@@ -339,16 +349,9 @@ def app(
         level = c.access(request, write=True)
         if isinstance(level, Response):
             return level
-        form = await request.form()
-        action = str(form.get("action", ""))
-        if action not in data.ACTIONS:
-            return PlainTextResponse(f"action: one of {', '.join(data.ACTIONS)}", status_code=400)
-        chosen = _filter(request, form)
-        if not chosen.high_water:
-            return PlainTextResponse("hw: the page's high-water mark is missing", status_code=400)
-        actor = request.scope.get("outbox.actor") or _actor(request)
+        action, chosen = await _action(request)
         with c.conn() as conn:
-            n = data.act(conn, c.schema, action, chosen, actor)
+            n = data.act(conn, c.schema, action, chosen, _actor(request))
         url = request.url_for("dead_letters").include_query_params(done=f"{action}: {n} dead letters")
         return RedirectResponse(str(url), status_code=303)
 

@@ -10,6 +10,7 @@ import sys
 import threading
 import time
 import uuid
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import psycopg
@@ -24,6 +25,46 @@ from tests.stacks import url
 
 CLIENTS = 8  # concurrent connections, more than the pool's server connections
 TRANSACTIONS = 500  # per connection
+
+
+def _clients(
+    sync_client: Callable[[psycopg.Connection[Any]], None],
+    async_client: Callable[[Any], Awaitable[None]],
+    dsn: str,
+) -> list[BaseException]:
+    """CLIENTS threads at once, half on psycopg 3 (``sync_client(conn)``), half on asyncpg
+    (``await async_client(conn)``), each with its own connection to ``dsn`` on the drivers'
+    defaults; the errors they raised."""
+    errors: list[BaseException] = []
+
+    def run_sync() -> None:
+        try:
+            with psycopg.connect(dsn) as conn:
+                sync_client(conn)
+        except BaseException as exc:
+            errors.append(exc)
+
+    def run_async() -> None:
+        async def main() -> None:
+            import asyncpg
+
+            conn = await asyncpg.connect(url(dsn, ""))
+            try:
+                await async_client(conn)
+            finally:
+                await conn.close()
+
+        try:
+            asyncio.run(main())
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run_sync if i % 2 else run_async) for i in range(CLIENTS)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return errors
 
 
 @pytest.mark.slow
@@ -60,42 +101,20 @@ def test_the_inbox_through_transaction_pooling_records_each_event_once(
     statements are the only ones they run, and they work; each id is first exactly once."""
     ids = [uuid.uuid4() for _ in range(300)]
     firsts: list[uuid.UUID] = []
-    errors: list[BaseException] = []
-    dsn = pgbouncer.dsn("transaction")
 
-    def sync_consumer() -> None:
-        try:
-            with psycopg.connect(dsn) as conn:
-                for event_id in ids:
-                    with conn.transaction():
-                        if outbox.inbox.first_delivery(conn, "billing", event_id, schema=schema):
-                            firsts.append(event_id)
-        except BaseException as exc:
-            errors.append(exc)
+    def sync_consumer(conn: psycopg.Connection[Any]) -> None:
+        for event_id in ids:
+            with conn.transaction():
+                if outbox.inbox.first_delivery(conn, "billing", event_id, schema=schema):
+                    firsts.append(event_id)
 
-    def async_consumer() -> None:
-        async def main() -> None:
-            import asyncpg
+    async def async_consumer(conn: Any) -> None:
+        for event_id in reversed(ids):
+            async with conn.transaction():
+                if await outbox.inbox.first_delivery_async(conn, "billing", event_id, schema=schema):
+                    firsts.append(event_id)
 
-            conn = await asyncpg.connect(url(dsn, ""))
-            try:
-                for event_id in reversed(ids):
-                    async with conn.transaction():
-                        if await outbox.inbox.first_delivery_async(conn, "billing", event_id, schema=schema):
-                            firsts.append(event_id)
-            finally:
-                await conn.close()
-
-        try:
-            asyncio.run(main())
-        except BaseException as exc:
-            errors.append(exc)
-
-    threads = [threading.Thread(target=sync_consumer if i % 2 else async_consumer) for i in range(CLIENTS)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    errors = _clients(sync_consumer, async_consumer, pgbouncer.dsn("transaction"))
     assert errors == []
     assert sorted(firsts) == sorted(ids)
     assert count(pg_dsn, schema, "inbox") == len(ids)
@@ -156,44 +175,22 @@ def test_enqueue_through_transaction_pooling_on_the_drivers_defaults(
     times, asyncpg caches named prepared statements): the outbox's own statements are never
     prepared server-side, so enqueue and enqueue_many work whatever the app's settings. Run on
     a prepared statement, 8 clients over 3 server connections fail within a few transactions."""
-    dsn = pgbouncer.dsn("transaction")
     rounds = 300
-    errors: list[BaseException] = []
 
-    def sync_writer() -> None:
-        try:
-            with psycopg.connect(dsn) as conn:
-                for i in range(rounds):
-                    with conn.transaction():
-                        outbox.enqueue(conn, "t", {"i": i}, key=f"k{i % 7}", schema=schema)
-                        outbox.enqueue_many(conn, [{"topic": "t", "payload": {"j": i}}] * 2, schema=schema)
-        except BaseException as exc:
-            errors.append(exc)
+    def sync_writer(conn: psycopg.Connection[Any]) -> None:
+        for i in range(rounds):
+            with conn.transaction():
+                outbox.enqueue(conn, "t", {"i": i}, key=f"k{i % 7}", schema=schema)
+                outbox.enqueue_many(conn, [{"topic": "t", "payload": {"j": i}}] * 2, schema=schema)
 
-    def async_writer() -> None:
-        async def main() -> None:
-            import asyncpg
+    async def async_writer(conn: Any) -> None:
+        for i in range(rounds):
+            async with conn.transaction():
+                await outbox.enqueue_async(conn, "t", {"i": i}, key=f"k{i % 7}", schema=schema)
+                await outbox.enqueue_many_async(
+                    conn, [{"topic": "t", "payload": {"j": i}}] * 2, schema=schema
+                )
 
-            conn = await asyncpg.connect(url(dsn, ""))
-            try:
-                for i in range(rounds):
-                    async with conn.transaction():
-                        await outbox.enqueue_async(conn, "t", {"i": i}, key=f"k{i % 7}", schema=schema)
-                        await outbox.enqueue_many_async(
-                            conn, [{"topic": "t", "payload": {"j": i}}] * 2, schema=schema
-                        )
-            finally:
-                await conn.close()
-
-        try:
-            asyncio.run(main())
-        except BaseException as exc:
-            errors.append(exc)
-
-    threads = [threading.Thread(target=sync_writer if i % 2 else async_writer) for i in range(CLIENTS)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    errors = _clients(sync_writer, async_writer, pgbouncer.dsn("transaction"))
     assert errors == [], errors[:1]
     assert count(pg_dsn, schema, "events") == CLIENTS * rounds * 3
