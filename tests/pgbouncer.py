@@ -1,7 +1,8 @@
 """A real PgBouncer (Debian's package) in front of the tests' PostgreSQL, on a free port.
 
-One process serves the test database twice: ``<db>_tx`` in ``pool_mode = transaction`` and
-``<db>_session`` in ``pool_mode = session``. The transaction pool is smaller than the tests'
+One process serves the test database three times: ``outbox_transaction`` in ``pool_mode =
+transaction``, ``outbox_session`` in ``pool_mode = session`` and ``outbox_statement`` in
+``pool_mode = statement``. The transaction pool is smaller than the tests'
 concurrency, so clients really share server connections between transactions (with a pool
 as large as the clients, each would keep one by luck and hide what breaks).
 """
@@ -36,7 +37,7 @@ class PgBouncer:
         self.proc: subprocess.Popen[bytes] | None = None
 
     def dsn(self, mode: str) -> str:
-        """The DSN of the pool in ``mode`` (transaction or session)."""
+        """The DSN of the pool in ``mode`` (transaction, session or statement)."""
         return make_conninfo(
             "",
             host="127.0.0.1",
@@ -57,6 +58,7 @@ class PgBouncer:
             "[databases]\n"
             f"outbox_transaction = {server} pool_mode=transaction\n"
             f"outbox_session = {server} pool_mode=session pool_size={SESSION_POOL_SIZE}\n"
+            f"outbox_statement = {server} pool_mode=statement\n"
             "[pgbouncer]\n"
             f"listen_addr = 127.0.0.1\nlisten_port = {self.port}\nunix_socket_dir =\n"
             f"auth_type = trust\nauth_file = {self.dir / 'users.txt'}\n"

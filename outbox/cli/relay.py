@@ -229,9 +229,10 @@ def cmd_relay(args: argparse.Namespace) -> int:
         log.info("tracing on (OTEL_* environment)")
     kafka_config = parse_kafka_config(args.kafka_config)
     # Fail fast on a bad DSN, a transaction pooler or an unmigrated schema, before starting anything.
+    # The pooler first: in PgBouncer's statement mode the schema check's own transaction is refused.
+    require_own_sessions(args.dsn)
     with connect(args) as conn:
         require_migrated(conn, config.schema)
-    require_own_sessions(args.dsn)
 
     sink = routed(
         routes,

@@ -120,9 +120,12 @@ def test_the_inbox_through_transaction_pooling_records_each_event_once(
     assert count(pg_dsn, schema, "inbox") == len(ids)
 
 
-def test_the_relay_refuses_a_transaction_pooling_dsn_in_one_line(schema: str, pgbouncer: Any) -> None:
+@pytest.mark.parametrize("mode", ["transaction", "statement"])
+def test_the_relay_refuses_a_transaction_pooling_dsn_in_one_line(
+    mode: str, schema: str, pgbouncer: Any
+) -> None:
     proc = subprocess.run(
-        [sys.executable, "-m", "outbox", "relay", "--dsn", pgbouncer.dsn("transaction"), "--schema", schema,
+        [sys.executable, "-m", "outbox", "relay", "--dsn", pgbouncer.dsn(mode), "--schema", schema,
          "--kafka-bootstrap", "127.0.0.1:9"],
         capture_output=True, text=True, timeout=60,
     )  # fmt: skip
