@@ -21,6 +21,7 @@ from outbox.queries import query
 from outbox.schema import DEFAULT_SCHEMA
 
 SAMPLE_EVERY = 0.2  # seconds between samples of counters, CPU and memory
+STARTUP_SECONDS = 120.0  # longest a time-boxed contender may take to move its first event
 
 
 def machine(dsn: str, broker_version: str) -> dict[str, Any]:
@@ -94,8 +95,16 @@ def race(
     max_seconds: float,
     progress: Progress | None = None,
     on_sample: Callable[[float, int], None] | None = None,
+    until: Callable[[float, int], bool] | None = None,
+    boxed_from_first_move: bool = False,
 ) -> Race:
-    """Run ``specs`` as processes until they moved ``target`` events or ``max_seconds`` passed."""
+    """Run ``specs`` as processes until they moved ``target`` events, ``until(elapsed, moved)``
+    said so, or ``max_seconds`` passed.
+
+    ``boxed_from_first_move``: ``max_seconds`` counts from the first event moved, not from the
+    spawn (a time-boxed contender's start-up, slow on a loaded machine, is not its race); it
+    gets at most :data:`STARTUP_SECONDS` to move its first event.
+    """
     ctx = mp.get_context("spawn")
     counters = [ctx.Value("q", 0) for _ in specs]
     stop = ctx.Event()
@@ -109,9 +118,12 @@ def race(
     pg_before = postgres_cpu()
     started = time.monotonic()
     cpu_last: dict[int, float] = {}
+    first_move: float | None = None
     while True:
         elapsed = time.monotonic() - started
         moved = sum(int(c.value) for c in counters)
+        if first_move is None and moved > 0:
+            first_move = elapsed
         result.series.append((elapsed, moved))
         for p in procs:
             if p.pid is not None and p.is_alive():
@@ -126,7 +138,14 @@ def race(
             progress.update(moved if target else elapsed, f"{rate:,.0f} ev/s")
         if on_sample is not None:
             on_sample(elapsed, moved)
-        if (target is not None and moved >= target) or elapsed >= max_seconds:
+        if not boxed_from_first_move:
+            timed_out = elapsed >= max_seconds
+        elif first_move is None:
+            timed_out = elapsed >= STARTUP_SECONDS
+        else:
+            timed_out = elapsed - first_move >= max_seconds
+        done = (target is not None and moved >= target) or (until is not None and until(elapsed, moved))
+        if done or timed_out:
             break
         if not all(p.is_alive() for p in procs):
             dead = [p.exitcode for p in procs if not p.is_alive()]

@@ -36,6 +36,7 @@ from outbox.queries import query
 
 KEYS = events.KEYS
 TOPIC_PARTITIONS = 4
+STEADY_GRACE_SECONDS = 120.0  # steady: longest the relay runs after the writers' time box
 
 
 # -- set-up -----------------------------------------------------------------------
@@ -166,6 +167,7 @@ def drain_once(cfg: BenchConfig, case: DrainCase, name: str, run: int) -> dict[s
             target=None if kind == "seeds" else n,
             max_seconds=limit,
             progress=progress,
+            boxed_from_first_move=kind == "seeds",
         )
     return _drained(name, result, result.moved if kind == "seeds" else n)
 
@@ -188,6 +190,7 @@ def _peer_once(cfg: BenchConfig, name: str, run: int) -> dict[str, Any]:
             target=cfg.events,
             max_seconds=cfg.peer_seconds,
             progress=Progress(f"drain {label}", cfg.events, " ev"),
+            boxed_from_first_move=True,
         )
     return _drained(name, result, result.moved)
 
@@ -394,12 +397,18 @@ def steady_once(cfg: BenchConfig, rate: int, notify: bool) -> dict[str, Any]:
                 started.append(elapsed)
                 writers.start()
 
+        def caught_up(_elapsed: float, moved: int) -> bool:
+            # The writers' time box counts from their own start (slow to spawn on a loaded
+            # machine): the relay runs until they are done and it has moved what they wrote.
+            return bool(started) and not writers.alive() and moved >= writers.written
+
         result = race(
             [spec],
             target=None,
-            max_seconds=cfg.steady_seconds + 5,
+            max_seconds=cfg.steady_seconds + STEADY_GRACE_SECONDS,
             progress=progress,
             on_sample=on_sample,
+            until=caught_up,
         )
         commits = writers.join()
         deadline = time.monotonic() + 10
