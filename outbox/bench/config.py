@@ -37,11 +37,17 @@ class BenchConfig:
         metavar="URL",
     )
     sink_events: int = setting(100_000, "sinks: pending events per drain")
+    console_pending: int = setting(1_000_000, "console: pending events")
+    console_dead: int = setting(100_000, "console: dead letters")
+    console_dead_keys: int = setting(10_000, "console: keys the dead letters are on (each parked)")
+    console_archived: int = setting(10_000_000, "console: archived events")
+    console_days: int = setting(7, "console: days the archived events were delivered over")
+    console_requests: int = setting(20, "console: timed requests per page")
     max_race_seconds: float = setting(600.0, "longest a race may run", cli=False)
 
 
 # What `outbox bench` (perf) can run, in the order it runs them.
-SCENARIOS = ("drain", "steady", "writer", "soak", "scale", "sinks")
+SCENARIOS = ("drain", "steady", "writer", "soak", "scale", "sinks", "console")
 
 # --smoke: every scenario in seconds (CI checks that each runs and writes its outputs).
 SMOKE = {
@@ -62,4 +68,10 @@ SMOKE = {
     "settle_seconds": 3.0,
     "scale_processes": [1, 2],
     "sink_events": 2000,
+    "console_pending": 3000,
+    "console_dead": 500,
+    "console_dead_keys": 50,
+    "console_archived": 20_000,
+    "console_days": 2,
+    "console_requests": 3,
 }

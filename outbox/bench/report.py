@@ -18,6 +18,7 @@ TARGETS = {
     "relay_rss_mb": 150.0,
     "relay_vs_best_peer": 10.0,  # the relay >= 10 x the fastest Python peer
     "relay_vs_sink_loop": 0.8,  # each sink: relay drain >= 0.8 x its minimal loop
+    "console_page_p95_ms": 300.0,  # every console page at the full size (issue 27)
 }
 
 
@@ -218,7 +219,30 @@ def markdown(results: dict[str, Any]) -> str:
                 f"{r['relay_cpu_s_per_1k']:.3f} | "
                 f"{r['loop_cpu_s_per_1k']:.3f} | {_verdict(r['ratio_relay_to_loop'] >= target)} |"
             )
+    if "console" in s:
+        lines += console_markdown(s["console"])
     return "\n".join(lines)
+
+
+def console_markdown(c: dict[str, Any]) -> list[str]:
+    z = c["sizes"]
+    target = TARGETS["console_page_p95_ms"]
+    lines = [
+        "",
+        f"**Console** pages of `outbox console` at {z['pending']:,} pending, {z['dead_letters']:,} dead "
+        f"letters and {z['archived']:,} archived events (over {c['days']} days; "
+        f"{z['bytes'] / 2**20:,.0f} MiB with indexes), {c['requests']} requests each over one "
+        f"keep-alive connection; ms to the last byte. Target: p95 <= {target:g} ms.",
+        "",
+        "| page | request | p50 | p95 | target |",
+        "| --- | --- | ---: | ---: | --- |",
+    ]
+    for name, r in c["pages"].items():
+        lines.append(
+            f"| {name} | `{r['request'][:60]}` | {_ms(r['p50_ms'])} | {_ms(r['p95_ms'])} | "
+            f"{_verdict((r['p95_ms'] or 0) <= target)} |"
+        )
+    return [*lines, ""]
 
 
 def _rate_curve(
@@ -356,6 +380,28 @@ def plots(results: dict[str, Any], out: Path) -> list[str]:
         fig.savefig(out / "sinks.png", dpi=110)
         plt.close(fig)
         made.append("sinks.png")
+    if "console" in s:
+        pages = s["console"]["pages"]
+        names = list(pages)
+        fig, ax = plt.subplots(figsize=(9, 5))
+        rows = range(len(names))
+        ax.barh([y - 0.2 for y in rows], [pages[n]["p50_ms"] for n in names], 0.4, label="p50")
+        ax.barh([y + 0.2 for y in rows], [pages[n]["p95_ms"] for n in names], 0.4, label="p95")
+        ax.axvline(TARGETS["console_page_p95_ms"], color="grey", linestyle="--", linewidth=1, label="target")
+        ax.set_yticks(list(rows), names)
+        ax.invert_yaxis()
+        ax.set_xlabel("ms to the last byte")
+        z = s["console"]["sizes"]
+        ax.set_title(
+            f"Console pages at {z['pending']:,} pending, {z['dead_letters']:,} dead, "
+            f"{z['archived']:,} archived"
+        )
+        ax.legend()
+        ax.grid(alpha=0.3, axis="x")
+        fig.tight_layout()
+        fig.savefig(out / "console.png", dpi=110)
+        plt.close(fig)
+        made.append("console.png")
     if "writer" in s and s["writer"].get("stacks"):
         w = s["writer"]["stacks"]
         names = list(w)

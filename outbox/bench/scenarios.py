@@ -1,4 +1,4 @@
-"""The benchmark's scenarios: drain, steady, writer, soak, scale (and sinks, in outbox.bench.sinks).
+"""The benchmark's scenarios: drain, steady, writer, soak, scale (sinks and console: modules of their own).
 
 Every scenario works in fresh schemas it creates and drops, on the PostgreSQL
 and broker it is given. Speed figures are medians over repeats, reported next
@@ -23,6 +23,7 @@ from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-def
 
 from outbox.bench import events, peers
 from outbox.bench.config import BenchConfig
+from outbox.bench.console import console as console  # the console scenario, run by name too
 from outbox.bench.contenders import ContenderSpec
 from outbox.bench.measure import median, middle_rate, percentiles, race
 from outbox.bench.sinks import sinks as sinks  # the sinks scenario, run by name like the others

@@ -69,3 +69,108 @@ SELECT id, event_id, topic, key, payload, headers FROM done
 
 -- name: ceiling_analyze
 ANALYZE {schema}.plain_events
+
+-- name: console_fill_archive_day
+-- One day partition of the archive for a past day, as a relay running that long made it.
+CREATE TABLE IF NOT EXISTS {schema}.{partition} PARTITION OF {schema}.delivered
+    FOR VALUES FROM ({since}) TO ({until})
+
+-- name: console_fill_archive
+-- Archived events %(first)s..%(last)s: orders as JSON with their trace headers, keyed by
+-- %(keys)s customers over %(topics)s topics, delivered evenly over the %(days)s days before
+-- now, with Kafka coordinates.
+INSERT INTO {schema}.delivered (id, event_id, topic, key, payload, headers, created_at,
+                                delivered_at, attempts, sink_partition, sink_offset, type)
+SELECT i, gen_random_uuid(), 'bench.topic-' || (i %% %(topics)s),
+       convert_to('customer-' || (i %% %(keys)s), 'UTF8'),
+       convert_to(json_build_object(
+           'order_id', i, 'customer', 'customer-' || (i %% %(keys)s), 'status', 'created',
+           'placed_at', '2026-11-23T01:00:00.000Z',
+           'items', json_build_array(json_build_object('sku', 'sku-' || (i %% 97), 'qty', 1 + i %% 3,
+                                                       'price', '19.99')),
+           'total', '19.99', 'currency', 'EUR', 'channel', 'web')::text, 'UTF8'),
+       jsonb_build_object('content-type', 'application/json',
+                          'traceparent', '00-' || md5(i::text) || '-' || left(md5((-i)::text), 16) || '-01'),
+       t - interval '20 milliseconds', t, 1, (i %% 4)::integer, i / 4, 'order.created'
+FROM generate_series(%(first)s::bigint, %(last)s::bigint) AS i,
+     LATERAL (SELECT now() - %(days)s * interval '1 day'
+                     * (1 - (i - 1)::float8 / %(total)s::float8) AS t) AS at
+
+-- name: console_fill_dead
+-- %(n)s dead letters (ids 1..n, below every pending event) over %(keys)s keys; each key's
+-- first one parks it. Errors come from a handful of causes, with ids and numbers in them.
+INSERT INTO {schema}.dead_letters (id, event_id, topic, key, payload, headers, created_at,
+                                   attempts, error, first_failed_at, failed_at, parked, type)
+SELECT i, gen_random_uuid(), 'bench.topic-' || (i %% %(topics)s),
+       convert_to('customer-' || (i %% %(keys)s), 'UTF8'),
+       convert_to('{{"order_id": ' || i || ', "status": "created"}}', 'UTF8'),
+       '{{"content-type": "application/json"}}'::jsonb,
+       now() - interval '2 days' + i * interval '1 second',
+       CASE WHEN i %% 5 = 0 THEN 1 ELSE 8 END,
+       CASE i %% 6
+           WHEN 0 THEN 'refused: message too large (' || (1048576 + i) || ' bytes > 1048576)'
+           WHEN 1 THEN 'refused: schema registry rejected event ' || gen_random_uuid()
+           WHEN 2 THEN 'unreachable: connection to 10.0.' || (i %% 250) || '.7:9092 refused'
+           WHEN 3 THEN 'timeout: no acknowledgement within 30 s (attempt ' || (i %% 9) || ')'
+           WHEN 4 THEN 'refused: topic authorization failed for bench.topic-' || (i %% %(topics)s)
+           ELSE 'http_5xx: webhook answered 503 after ' || (i %% 1000) || ' ms'
+       END,
+       now() - interval '2 days' + i * interval '1 second',
+       now() - interval '2 days' + i * interval '1 second' + interval '5 minutes',
+       i <= %(keys)s, 'order.created'
+FROM generate_series(1, %(n)s::bigint) AS i
+
+-- name: console_fill_pending
+-- Pending events %(first)s..%(last)s as enqueue writes them (orders as JSON with their trace
+-- headers), keyed by %(keys)s customers over %(topics)s topics; one in a hundred is retrying.
+INSERT INTO {schema}.events (id, event_id, topic, key, payload, headers, created_at,
+                             available_at, attempts, last_error, last_error_kind,
+                             first_failed_at, type)
+OVERRIDING SYSTEM VALUE
+SELECT i, gen_random_uuid(), 'bench.topic-' || (i %% %(topics)s),
+       convert_to('customer-' || (i %% %(keys)s), 'UTF8'),
+       convert_to(json_build_object(
+           'order_id', i, 'customer', 'customer-' || (i %% %(keys)s), 'status', 'created',
+           'placed_at', '2026-11-23T01:00:00.000Z',
+           'items', json_build_array(json_build_object('sku', 'sku-' || (i %% 97), 'qty', 1 + i %% 3,
+                                                       'price', '19.99')),
+           'total', '19.99', 'currency', 'EUR', 'channel', 'web')::text, 'UTF8'),
+       jsonb_build_object('content-type', 'application/json',
+                          'traceparent', '00-' || md5(i::text) || '-' || left(md5((-i)::text), 16) || '-01'),
+       now() - interval '1 hour' + (i - %(first)s) * interval '1 millisecond',
+       CASE WHEN i %% 100 = 0 THEN now() + interval '5 minutes' ELSE now() END,
+       CASE WHEN i %% 100 = 0 THEN 3 ELSE 0 END,
+       CASE WHEN i %% 100 = 0 THEN 'unreachable: broker 127.0.0.1:9092 not answering' END,
+       CASE WHEN i %% 100 = 0 THEN 'unreachable' END,
+       CASE WHEN i %% 100 = 0 THEN now() - interval '10 minutes' END,
+       'order.created'
+FROM generate_series(%(first)s::bigint, %(last)s::bigint) AS i
+
+-- name: console_fill_done
+-- After a fill: the identity continues past the filled ids; statistics and visibility maps as
+-- a database running for days has them.
+SELECT setval(pg_get_serial_sequence({schema_name} || '.events', 'id'),
+              (SELECT max(id) FROM {schema}.events))
+
+-- name: console_fill_vacuum
+-- Statistics and visibility maps, as autovacuum keeps them on a database running for days.
+VACUUM (ANALYZE) {schema}.events, {schema}.dead_letters, {schema}.delivered
+
+-- name: console_bench_samples
+-- What the console scenario asks for: a parked key (the 42nd) and, of that key, a pending
+-- event, its parking dead letter and its latest archived event; the dead letters' high-water mark.
+WITH k AS (SELECT key FROM {schema}.dead_letters WHERE parked ORDER BY id OFFSET 41 LIMIT 1)
+SELECT (SELECT event_id::text FROM {schema}.events WHERE key = (SELECT key FROM k) ORDER BY id LIMIT 1),
+       (SELECT event_id::text FROM {schema}.dead_letters WHERE key = (SELECT key FROM k) AND parked),
+       (SELECT event_id::text FROM {schema}.delivered WHERE key = (SELECT key FROM k)
+        ORDER BY delivered_at DESC LIMIT 1),
+       (SELECT convert_from(key, 'UTF8') FROM k),
+       (SELECT max(id) FROM {schema}.dead_letters)
+
+-- name: console_bench_sizes
+-- The filled outbox: pending, dead letters, archived, and its tables' bytes with indexes.
+SELECT (SELECT count(*) FROM {schema}.events), (SELECT count(*) FROM {schema}.dead_letters),
+       (SELECT count(*) FROM {schema}.delivered),
+       (SELECT sum(pg_total_relation_size(c.oid)) FROM pg_class AS c
+        JOIN pg_namespace AS n ON n.oid = c.relnamespace
+        WHERE n.nspname = {schema_name} AND c.relkind = 'r')

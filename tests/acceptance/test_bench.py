@@ -16,7 +16,7 @@ import pytest
 
 from outbox.bench.config import SCENARIOS
 
-GROUPS = [("drain",), ("steady", "writer"), ("soak", "scale"), ("sinks",)]
+GROUPS = [("drain",), ("steady", "writer"), ("soak", "scale"), ("sinks", "console")]
 
 
 def test_the_groups_cover_every_scenario_once() -> None:
@@ -98,8 +98,8 @@ def test_bench_smoke_soak_and_scale(pg_dsn: str, kafka: str, tmp_path: Path) -> 
 
 
 @pytest.mark.slow
-def test_bench_smoke_sinks(pg_dsn: str, kafka: str, tmp_path: Path) -> None:
-    results, table = _bench(pg_dsn, kafka, tmp_path, ("sinks",))
+def test_bench_smoke_sinks_and_console(pg_dsn: str, kafka: str, tmp_path: Path) -> None:
+    results, table = _bench(pg_dsn, kafka, tmp_path, ("sinks", "console"))
     sinks = results["scenarios"]["sinks"]["sinks"]
     assert set(sinks) == {"amqp", "nats", "redis", "http"}
     for r in sinks.values():  # every sink drained by both, the ratio computed from the same run
@@ -109,3 +109,12 @@ def test_bench_smoke_sinks(pg_dsn: str, kafka: str, tmp_path: Path) -> None:
         )
     _png(tmp_path / "sinks.png")
     assert "| amqp |" in table and "| http |" in table
+    # The console's pages, each answered (a page that is not a 200 fails the scenario) and
+    # timed, at the size the bench filled.
+    console = results["scenarios"]["console"]
+    assert console["sizes"]["pending"] == 3000 and console["sizes"]["archived"] == 20_000
+    assert console["sizes"]["dead_letters"] == 500
+    assert len(console["pages"]) == 15
+    assert all(p["p50_ms"] > 0 and p["p95_ms"] >= p["p50_ms"] for p in console["pages"].values())
+    _png(tmp_path / "console.png")
+    assert "| a key's timeline |" in table

@@ -24,7 +24,15 @@ def test_every_named_query_binds_its_placeholders() -> None:
     fillers = {
         "keywords": {"state": "ENABLE"},
         "identifiers": {"partition": "delivered_p20260101", "role": "r", "relay": "r"},
-        "literals": {"version": 1, "name": "n", "checksum": "c", "body": "b", "statement": "s"},
+        "literals": {
+            "version": 1,
+            "name": "n",
+            "checksum": "c",
+            "body": "b",
+            "statement": "s",
+            "since": "a",
+            "until": "b",
+        },
     }
     for name in queries.names():
         text = queries.query(name, 'we"ird', **fillers).as_string()  # type: ignore[arg-type]
