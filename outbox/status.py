@@ -23,10 +23,6 @@ def collect(conn: psycopg.Connection[Any], schema: str, store: Store | None = No
     errors = conn.execute(query("status_errors", schema)).fetchall()
     last_hour = conn.execute(query("status_delivered_last_hour", schema)).fetchone()
     parked = conn.execute(query("status_parked_keys", schema)).fetchall()
-    owners = conn.execute(query("status_owners", schema)).fetchall()
-    unowned = conn.execute(query("status_unowned", schema)).fetchone()
-    health = conn.execute(query("hot_table_stats", schema), {"schema": schema}).fetchone()
-    xmin = conn.execute(query("oldest_xmin_age", schema)).fetchone()
     if store is None:
         held = conn.execute(query("claim_check_held", schema)).fetchone() or (0, 0)
         store_name = f"postgres:{schema}"
@@ -48,6 +44,17 @@ def collect(conn: psycopg.Connection[Any], schema: str, store: Store | None = No
             {"key": key_text(k), "topic": t, "dead_letter_id": int(i), "error": err, "waiting": int(w)}
             for k, t, i, err, w in parked
         ],
+        **fleet(conn, schema),
+        "table": health(conn, schema),
+        "claim_checks": {"store": store_name, "payloads": int(held[0]), "bytes": int(held[1])},
+    }
+
+
+def fleet(conn: psycopg.Connection[Any], schema: str) -> dict[str, Any]:
+    """The live relays (partitions, heartbeat, readiness) and the partitions none owns."""
+    owners = conn.execute(query("status_owners", schema)).fetchall()
+    unowned = conn.execute(query("status_unowned", schema)).fetchone()
+    return {
         "relays": [
             {
                 "id": rid,
@@ -60,13 +67,18 @@ def collect(conn: psycopg.Connection[Any], schema: str, store: Store | None = No
             for rid, name, ordering, hb, parts, readiness in owners
         ],
         "unowned_partitions": int(unowned[0]) if unowned else 0,
-        "table": {
-            "dead_tuples": int(health[0]) if health else 0,
-            "live_tuples": int(health[1]) if health else 0,
-            "bytes": int(health[2]) if health else 0,
-            "oldest_xmin_age_seconds": (round(float(xmin[0]), 1) if xmin and xmin[0] is not None else None),
-        },
-        "claim_checks": {"store": store_name, "payloads": int(held[0]), "bytes": int(held[1])},
+    }
+
+
+def health(conn: psycopg.Connection[Any], schema: str) -> dict[str, Any]:
+    """The events table's dead and live tuples and bytes, and the oldest snapshot's age."""
+    row = conn.execute(query("hot_table_stats", schema), {"schema": schema}).fetchone()
+    xmin = conn.execute(query("oldest_xmin_age", schema)).fetchone()
+    return {
+        "dead_tuples": int(row[0]) if row else 0,
+        "live_tuples": int(row[1]) if row else 0,
+        "bytes": int(row[2]) if row else 0,
+        "oldest_xmin_age_seconds": (round(float(xmin[0]), 1) if xmin and xmin[0] is not None else None),
     }
 
 

@@ -18,6 +18,8 @@ from outbox.queries import int_array, query
 CHART_MINUTES = 60
 TIMELINE_LIMIT = 200  # events per part of a key's timeline (pending, dead, latest delivered)
 SNAPSHOT_WARN_SECONDS = 300.0  # an older snapshot holds back vacuum long enough to see bloat
+EXACT_ROWS = 200_000  # past this many rows (the planner's estimate) a count is estimated
+SAMPLE_ROWS = 20_000  # rows an estimate's sample of the events table's pages aims at
 ACTIONS = ("redrive", "skip")
 
 
@@ -72,28 +74,86 @@ class DeadFilter:
         return {k: v for k, v in chosen.items() if v is not None}
 
 
+def estimate(conn: psycopg.Connection[Any], schema: str, table: str) -> int:
+    """The planner's estimate of ``table``'s rows (no scan)."""
+    row = conn.execute(query("console_estimate", schema, identifiers={"table": table})).fetchone()
+    assert row is not None
+    return int(row[0][0]["Plan"]["Plan Rows"])
+
+
 def overview(conn: psycopg.Connection[Any], schema: str) -> dict[str, Any]:
-    """Per topic counts, the relay fleet and table health (``outbox status``'s own numbers)."""
-    report = status.collect(conn, schema)
-    topics = [
-        {
-            "topic": t,
-            "pending": int(p),
-            "retrying": int(r),
-            "dead": int(d),
-            "parked_keys": int(k),
-            "oldest_age_seconds": None if age is None else round(float(age), 1),
-            "delivered_last_hour": int(hour),
-        }
-        for t, p, r, d, k, age, hour in conn.execute(query("console_topics", schema)).fetchall()
-    ]
+    """Per topic: pending, retrying, dead, parked keys, oldest pending age, delivered in the last
+    hour; the relay fleet; table health.
+
+    Counted exactly while a table is small (up to :data:`EXACT_ROWS` by the planner's estimate).
+    Past that the events per topic are estimated from a sample of the table's pages and the
+    archive's size from the planner, and the page says so: an exact count would scan millions
+    of rows on every refresh. The ages, the dead letters, the parked keys and the last hour are
+    always exact (an index or a small table answers them).
+    """
+    events_rows = estimate(conn, schema, "events")
+    archive_rows = estimate(conn, schema, "delivered")
+    sampled = events_rows > EXACT_ROWS
+    topics: dict[str, dict[str, Any]] = {}
+
+    def topic(name: str) -> dict[str, Any]:
+        return topics.setdefault(
+            name,
+            {"topic": name, "pending": 0, "retrying": 0, "dead": 0, "parked_keys": 0,
+             "oldest_age_seconds": None, "delivered_last_hour": 0},
+        )  # fmt: skip
+
+    if sampled:
+        percent = min(100.0, 100.0 * SAMPLE_ROWS / events_rows)
+        rows = conn.execute(query("console_events_by_topic_sampled", schema), {"percent": percent}).fetchall()
+        seen = sum(int(p) + int(r) for _, p, r in rows)
+        scale = events_rows / seen if seen else 0.0
+        for name, p, r in rows:
+            topic(name).update(pending=round(int(p) * scale), retrying=round(int(r) * scale))
+        ages = conn.execute(query("console_oldest_by_topic", schema), {"topics": list(topics)}).fetchall()
+        for name, age in ages:
+            topic(name)["oldest_age_seconds"] = age
+    else:
+        for name, p, r, age in conn.execute(query("console_events_by_topic", schema)).fetchall():
+            topic(name).update(pending=int(p), retrying=int(r), oldest_age_seconds=age)
+    for name, n, parked in conn.execute(query("console_dead_by_topic", schema)).fetchall():
+        topic(name).update(dead=int(n), parked_keys=int(parked))
+    for name, n in conn.execute(query("console_delivered_last_hour", schema)).fetchall():
+        topic(name)["delivered_last_hour"] = int(n)
+    for t in topics.values():
+        age = t["oldest_age_seconds"]
+        t["oldest_age_seconds"] = None if age is None else round(float(age), 1)
+    ordered = [topics[name] for name in sorted(topics)]
+
+    def one(name: str) -> Any:
+        row = conn.execute(query(name, schema)).fetchone()
+        return row[0] if row else None
+
+    oldest = one("console_oldest_pending")
+    archived = archive_rows if archive_rows > EXACT_ROWS else int(one("console_archived") or 0)
+    totals = {
+        "pending": sum(t["pending"] for t in ordered),
+        "retrying": sum(t["retrying"] for t in ordered),
+        "dead": sum(t["dead"] for t in ordered),
+        "parked_keys": int(one("console_parked_keys") or 0),
+        "oldest_age_seconds": None if oldest is None else round(float(oldest), 1),
+        "delivered_last_hour": sum(t["delivered_last_hour"] for t in ordered),
+        "archived": archived,
+    }
+    fleet = status.fleet(conn, schema)
     now = dt.datetime.now(dt.timezone.utc)
-    for relay in report["relays"]:
+    for relay in fleet["relays"]:
         heartbeat = dt.datetime.fromisoformat(relay["heartbeat_at"])
         relay["heartbeat_age_seconds"] = round((now - heartbeat).total_seconds(), 1)
-    snapshot = report["table"]["oldest_xmin_age_seconds"]
-    report["table"]["snapshot_warning"] = snapshot is not None and snapshot > SNAPSHOT_WARN_SECONDS
-    return {"topics": topics, "status": report}
+    table = status.health(conn, schema)
+    snapshot = table["oldest_xmin_age_seconds"]
+    table["snapshot_warning"] = snapshot is not None and snapshot > SNAPSHOT_WARN_SECONDS
+    return {
+        "topics": ordered,
+        "totals": totals,
+        "estimated": {"events": sampled, "events_rows": events_rows, "archive": archive_rows > EXACT_ROWS},
+        "status": {**fleet, "table": table},
+    }
 
 
 def chart(conn: psycopg.Connection[Any], schema: str) -> dict[str, Any]:
@@ -207,7 +267,7 @@ def timeline(conn: psycopg.Connection[Any], schema: str, key: str) -> dict[str, 
             query("console_key_delivered", schema), params
         ).fetchall()
     ]
-    delivered.reverse()
+    delivered.sort(key=lambda d: (d["at"], d["id"]))  # oldest first; ties (one microsecond) by id
     dead_letters = [
         {
             "state": "dead",

@@ -2,27 +2,58 @@
 -- Each block starts with `-- name: <name>` and a one-line comment. {schema} is the schema as an
 -- identifier (psycopg.sql); every value is a bound parameter. Literal braces are doubled.
 
--- name: console_topics
--- Per topic with anything pending, dead, or delivered in the last hour: events pending (first
--- attempt due), retrying, dead letters, parked keys, the oldest pending age, delivered last hour.
-WITH ev AS (
-    SELECT topic, count(*) FILTER (WHERE attempts = 0) AS pending,
-           count(*) FILTER (WHERE attempts > 0) AS retrying,
-           extract(epoch FROM clock_timestamp() - min(created_at))::float8 AS oldest
-    FROM {schema}.events GROUP BY topic
-), dl AS (
-    SELECT topic, count(*) AS dead, count(DISTINCT key) FILTER (WHERE parked) AS parked_keys
-    FROM {schema}.dead_letters GROUP BY topic
-), hour AS (
-    SELECT topic, count(*) AS delivered
-    FROM {schema}.delivered WHERE delivered_at > now() - interval '1 hour' GROUP BY topic
-)
-SELECT coalesce(ev.topic, dl.topic, hour.topic) AS topic, coalesce(ev.pending, 0),
-       coalesce(ev.retrying, 0), coalesce(dl.dead, 0), coalesce(dl.parked_keys, 0), ev.oldest,
-       coalesce(hour.delivered, 0)
-FROM ev FULL JOIN dl ON dl.topic = ev.topic
-FULL JOIN hour ON hour.topic = coalesce(ev.topic, dl.topic)
-ORDER BY 1
+-- name: console_estimate
+-- The planner's estimate of a table's rows (EXPLAIN scales the rows per page of the last
+-- ANALYZE to the table's pages now): shown where an exact count would scan a big table.
+EXPLAIN (FORMAT JSON) SELECT 1 FROM {schema}.{table}
+
+-- name: console_events_by_topic
+-- Events per topic: first attempt due (pending) and retrying, and the oldest one's age.
+SELECT topic, count(*) FILTER (WHERE attempts = 0), count(*) FILTER (WHERE attempts > 0),
+       extract(epoch FROM clock_timestamp() - min(created_at))::float8
+FROM {schema}.events
+GROUP BY topic
+
+-- name: console_events_by_topic_sampled
+-- The same counts from a sample of the table's pages (the same pages while the table is
+-- unchanged), not yet scaled to the table; no age: a sample's oldest is not the oldest.
+SELECT topic, count(*) FILTER (WHERE attempts = 0), count(*) FILTER (WHERE attempts > 0)
+FROM {schema}.events TABLESAMPLE SYSTEM (%(percent)s) REPEATABLE (0)
+GROUP BY topic
+
+-- name: console_oldest_by_topic
+-- The oldest pending event's age for each topic given: its first row in id order (the
+-- primary key's order, so a topic with a share of the backlog is found after few rows).
+SELECT t.topic, extract(epoch FROM clock_timestamp() - o.created_at)::float8
+FROM unnest(%(topics)s::text[]) AS t(topic)
+CROSS JOIN LATERAL (SELECT e.created_at FROM {schema}.events AS e WHERE e.topic = t.topic
+                    ORDER BY e.id LIMIT 1) AS o
+
+-- name: console_oldest_pending
+-- The oldest pending event's age (the first in id order), NULL when nothing is pending.
+SELECT extract(epoch FROM clock_timestamp() - created_at)::float8
+FROM {schema}.events ORDER BY id LIMIT 1
+
+-- name: console_dead_by_topic
+-- Dead letters per topic, and the keys they park.
+SELECT topic, count(*), count(DISTINCT key) FILTER (WHERE parked)
+FROM {schema}.dead_letters
+GROUP BY topic
+
+-- name: console_parked_keys
+-- Keys parked behind a dead letter, in all.
+SELECT count(DISTINCT key) FROM {schema}.dead_letters WHERE parked
+
+-- name: console_delivered_last_hour
+-- Events archived in the last hour per topic (the archive's BRIN index on delivered_at, 0011).
+SELECT topic, count(*)
+FROM {schema}.delivered
+WHERE delivered_at > now() - interval '1 hour'
+GROUP BY topic
+
+-- name: console_archived
+-- Events in the archive (exactly: only asked while the estimate is small).
+SELECT count(*) FROM {schema}.delivered
 
 -- name: console_delivered_per_minute
 -- Events archived per topic and minute over the last hour (the overview's chart).
@@ -33,12 +64,10 @@ GROUP BY 1, 2
 ORDER BY 1, 2
 
 -- name: console_dead_groups
--- Dead letters grouped by topic and error fingerprint (the error with ids and numbers masked),
--- filtered; each group's count, first and last failure, keys it parks and its highest id.
+-- Dead letters grouped by topic and error fingerprint (the error with ids and numbers masked:
+-- a column, migration 0011), filtered; each group's count, first and last failure, keys it parks and its highest id.
 WITH chosen AS (
-    SELECT d.*, regexp_replace(regexp_replace(d.error,
-               '[0-9a-fA-F]{{8}}-[0-9a-fA-F]{{4}}-[0-9a-fA-F]{{4}}-[0-9a-fA-F]{{4}}-[0-9a-fA-F]{{12}}',
-               '<id>', 'g'), '[0-9]+', '<n>', 'g') AS fingerprint
+    SELECT d.*
     FROM {schema}.dead_letters AS d
     WHERE d.id <= %(high_water)s
       AND (%(topic)s::text IS NULL OR d.topic = %(topic)s)
@@ -69,9 +98,7 @@ WHERE d.id <= %(high_water)s
   AND (%(error)s::text IS NULL OR strpos(lower(d.error), lower(%(error)s)) > 0)
   AND (%(since)s::timestamptz IS NULL OR d.failed_at >= %(since)s)
   AND (%(until)s::timestamptz IS NULL OR d.failed_at < %(until)s)
-  AND (%(fingerprint)s::text IS NULL OR regexp_replace(regexp_replace(d.error,
-          '[0-9a-fA-F]{{8}}-[0-9a-fA-F]{{4}}-[0-9a-fA-F]{{4}}-[0-9a-fA-F]{{4}}-[0-9a-fA-F]{{12}}',
-          '<id>', 'g'), '[0-9]+', '<n>', 'g') = %(fingerprint)s)
+  AND (%(fingerprint)s::text IS NULL OR d.fingerprint = %(fingerprint)s)
 ORDER BY d.id
 
 -- name: console_dead_list
@@ -104,10 +131,11 @@ SELECT id, event_id::text, topic, attempts, error, failed_at, parked, created_at
 FROM {schema}.dead_letters WHERE key = %(key)s ORDER BY id LIMIT %(limit)s
 
 -- name: console_key_delivered
--- A key's latest archived events, newest first, with the sink's coordinates.
+-- A key's latest archived events, newest first, with the sink's coordinates (the index on
+-- (key, delivered_at), 0011, read backwards in each day partition, merged).
 SELECT id, event_id::text, topic, attempts, delivered_at, sink_partition, sink_offset, sink_ref,
        created_at, type
-FROM {schema}.delivered WHERE key = %(key)s ORDER BY delivered_at DESC, id DESC LIMIT %(limit)s
+FROM {schema}.delivered WHERE key = %(key)s ORDER BY delivered_at DESC LIMIT %(limit)s
 
 -- name: console_event
 -- One event by event id, wherever it is now: pending, dead, or archived.

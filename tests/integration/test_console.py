@@ -97,6 +97,51 @@ def test_overview_counts_are_status_counts_and_refresh_in_place(
     assert len(chart["x"]) == 60 and chart["series"] == {}
 
 
+def test_a_big_events_table_is_estimated_from_a_sample_and_says_so(
+    pg_dsn: str, schema: str, client: TestClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Past EXACT_ROWS (the planner's estimate) the overview counts pending and retrying on a
+    sample of the events table's pages instead of scanning it, marks them "≈", and keeps the
+    ages exact. Here the limit is lowered so that 3,000 rows count as big; the sample then
+    covers the whole table, so the estimate must equal the truth."""
+    from outbox.console import data
+
+    with psycopg.connect(pg_dsn) as conn:
+        outbox.enqueue_many(
+            conn,
+            [
+                {"topic": "orders" if i % 3 else "invoices", "payload": {"i": i}, "key": f"k{i}"}
+                for i in range(3000)
+            ],
+            schema=schema,
+        )
+        conn.execute(
+            sql.SQL("UPDATE {}.events SET attempts = 1 WHERE id % 10 = 0").format(sql.Identifier(schema))
+        )
+        conn.commit()
+        conn.execute(sql.SQL("ANALYZE {}.events").format(sql.Identifier(schema)))
+        conn.commit()
+    small = client.get("/", headers={"hx-request": "true"}).text
+    assert "≈" not in small and 'id="estimated"' not in small
+    monkeypatch.setattr(data, "EXACT_ROWS", 100)
+    with psycopg.connect(pg_dsn) as conn:
+        view = data.overview(conn, schema)
+        exact = {
+            t: (int(p), int(r))
+            for t, p, r in conn.execute(
+                sql.SQL(
+                    "SELECT topic, count(*) FILTER (WHERE attempts = 0), count(*) FILTER (WHERE attempts > 0) "
+                    "FROM {}.events GROUP BY topic"
+                ).format(sql.Identifier(schema))
+            )
+        }
+    assert view["estimated"]["events"] and view["estimated"]["events_rows"] == 3000
+    assert {t["topic"]: (t["pending"], t["retrying"]) for t in view["topics"]} == exact
+    assert all(t["oldest_age_seconds"] is not None for t in view["topics"])
+    page = client.get("/", headers={"hx-request": "true"}).text
+    assert 'id="estimated"' in page and f'id="total-pending">≈ {sum(p for p, _ in exact.values())}<' in page
+
+
 def test_dead_letters_group_by_fingerprint_and_filter(pg_dsn: str, schema: str, client: TestClient) -> None:
     _dead(pg_dsn, schema, [
         (10, "orders", "k1", "MSG_SIZE_TOO_LARGE: message of 1200345 bytes > 1048576", True),
