@@ -311,9 +311,18 @@ def timeline(conn: psycopg.Connection[Any], schema: str, key: str) -> dict[str, 
     }
 
 
-def event(conn: psycopg.Connection[Any], schema: str, event_id: str) -> list[dict[str, Any]]:
-    """Every row of ``event_id``: pending, dead, or archived (a replayed one has a new id)."""
+def event(
+    conn: psycopg.Connection[Any], schema: str, event_id: str, *, key: str | None = None, scan: bool = False
+) -> list[dict[str, Any]]:
+    """Every row of ``event_id``: pending, dead, or archived (a replayed one has several).
+
+    The archive is searched through the event's ``key`` (its index), or, with ``scan``, by
+    reading it whole: it has no index on event ids (migration 0011 says why)."""
     rows = conn.execute(query("console_event", schema), {"event_id": event_id}).fetchall()
+    if key is not None or scan:
+        rows += conn.execute(
+            query("console_event_archived", schema), {"event_id": event_id, "key": key_bytes(key)}
+        ).fetchall()
     out = []
     for state, i, e, t, k, payload, headers, ty, subj, a, c, err, at, part, off, ref, parked in rows:
         out.append(

@@ -316,7 +316,11 @@ def app(
             return level
         event_id = request.query_params.get("event_id", "").strip()
         if event_id:
-            return RedirectResponse(request.url_for("event", event_id=event_id), status_code=303)
+            found = request.url_for("event", event_id=event_id)
+            key = request.query_params.get("key", "").strip()
+            return RedirectResponse(
+                str(found.include_query_params(key=key) if key else found), status_code=303
+            )
         with c.conn() as conn:
             chosen = _bounded(conn, c.schema, _filter(request))
             groups = data.dead_groups(conn, c.schema, chosen)
@@ -376,15 +380,24 @@ def app(
             uuid.UUID(event_id)
         except ValueError:
             return PlainTextResponse(f"event id: not a UUID: {event_id!r}", status_code=400)
+        key = request.query_params.get("key") or None
+        scan = request.query_params.get("archive") == "scan"
         with c.conn() as conn:
-            rows = data.event(conn, c.schema, event_id)
+            rows = data.event(conn, c.schema, event_id, key=key, scan=scan)
             hw = data.high_water(conn, c.schema)
+        searched = {"key": key, "scan": scan}
         if not rows:
-            return c.page(request, "event.html", level, rows=[], event_id=event_id, hw=hw, status_code=404)
+            return c.page(
+                request, "event.html", level, rows=[], event_id=event_id, hw=hw, searched=searched,
+                status_code=404,
+            )  # fmt: skip
         for row in rows:
             row["view"] = _payload_view(row.pop("payload"))
             row["trace"] = c.trace_link(row["headers"])
-        return c.page(request, "event.html", level, rows=rows, event_id=event_id, hw=hw, hide=c.hide_payloads)
+        return c.page(
+            request, "event.html", level, rows=rows, event_id=event_id, hw=hw, hide=c.hide_payloads,
+            searched=searched,
+        )  # fmt: skip
 
     def replay_form(request: Request) -> Response:
         level = c.access(request)

@@ -111,14 +111,15 @@ LIMIT %(limit)s
 
 -- name: console_preview
 -- What acting on these dead letters touches: how many, over how many keys, and how many
--- pending events come after a parked one of their key (the parked events that will follow).
-SELECT count(*), count(DISTINCT d.key),
-       (SELECT count(*) FROM {schema}.events AS e
-        WHERE EXISTS (SELECT 1 FROM {schema}.dead_letters AS p
-                      WHERE p.id = ANY(%(ids)s::text::bigint[]) AND p.parked
-                        AND p.key = e.key AND p.id < e.id))
-FROM {schema}.dead_letters AS d
-WHERE d.id = ANY(%(ids)s::text::bigint[])
+-- pending events come after a parked one of their key (the parked events that will follow):
+-- one hash join of the events table against the chosen keys' first parked dead letter.
+WITH chosen AS (
+    SELECT id, key, parked FROM {schema}.dead_letters WHERE id = ANY(%(ids)s::text::bigint[])
+), parking AS (
+    SELECT key, min(id) AS id FROM chosen WHERE parked AND key IS NOT NULL GROUP BY key
+)
+SELECT (SELECT count(*) FROM chosen), (SELECT count(DISTINCT key) FROM chosen),
+       (SELECT count(*) FROM {schema}.events AS e JOIN parking AS p ON p.key = e.key AND e.id > p.id)
 
 -- name: console_key_pending
 -- A key's events not yet delivered, in order: attempts, last error, next try.
@@ -138,7 +139,8 @@ SELECT id, event_id::text, topic, attempts, delivered_at, sink_partition, sink_o
 FROM {schema}.delivered WHERE key = %(key)s ORDER BY delivered_at DESC LIMIT %(limit)s
 
 -- name: console_event
--- One event by event id, wherever it is now: pending, dead, or archived.
+-- One event by event id where it is waiting: pending or dead (a small table, indexed by
+-- event id, 0011).
 SELECT 'pending' AS state, id, event_id::text, topic, key, payload, headers::text, type, subject,
        attempts, created_at, last_error AS error, available_at AS at, NULL::integer, NULL::bigint,
        NULL::text, NULL::boolean
@@ -147,7 +149,11 @@ UNION ALL
 SELECT 'dead', id, event_id::text, topic, key, payload, headers::text, type, subject, attempts,
        created_at, error, failed_at, NULL, NULL, NULL, parked
 FROM {schema}.dead_letters WHERE event_id = %(event_id)s
-UNION ALL
+
+-- name: console_event_archived
+-- One event's archived rows (a replayed one has several): by its key through the archive's
+-- (key, delivered_at) index, or, with no key given, by scanning the archive.
 SELECT 'delivered', id, event_id::text, topic, key, payload, headers::text, type, subject, attempts,
        created_at, NULL, delivered_at, sink_partition, sink_offset, sink_ref, NULL
-FROM {schema}.delivered WHERE event_id = %(event_id)s
+FROM {schema}.delivered
+WHERE event_id = %(event_id)s AND (%(key)s::bytea IS NULL OR key = %(key)s)

@@ -114,7 +114,7 @@ def test_bench_smoke_sinks_and_console(pg_dsn: str, kafka: str, tmp_path: Path) 
     console = results["scenarios"]["console"]
     assert console["sizes"]["pending"] == 3000 and console["sizes"]["archived"] == 20_000
     assert console["sizes"]["dead_letters"] == 500
-    assert len(console["pages"]) == 15
+    assert len(console["pages"]) == 16
     assert all(p["p50_ms"] > 0 and p["p95_ms"] >= p["p50_ms"] for p in console["pages"].values())
     _png(tmp_path / "console.png")
     assert "| a key's timeline |" in table

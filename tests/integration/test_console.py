@@ -335,6 +335,37 @@ def test_key_timeline_in_order_with_coordinates_and_parking(
     assert "No event of this key" in client.get("/key", params={"key": "nobody"}).text
 
 
+def test_an_archived_event_is_found_through_its_key_or_a_scan_on_request(
+    pg_dsn: str, schema: str, client: TestClient
+) -> None:
+    """The archive has no index on event ids (migration 0011): an event id alone finds pending
+    and dead events and offers the archive through the key, or a scan asked for by name."""
+    event_id = uuid.uuid4()
+    with psycopg.connect(pg_dsn) as conn:
+        conn.execute(
+            sql.SQL(
+                "INSERT INTO {}.delivered (id, event_id, topic, key, payload, headers, created_at, "
+                "delivered_at, attempts, sink_partition, sink_offset) VALUES (5, %s, 'orders', 'c-7', "
+                "'{{}}', '{{}}', now(), now(), 1, 2, 77)"
+            ).format(sql.Identifier(schema)),
+            (event_id,),
+        )
+    alone = client.get(f"/event/{event_id}")
+    assert alone.status_code == 404 and 'id="archive-search"' in alone.text
+    assert "Not pending and not a dead letter." in alone.text
+    by_key = client.get(f"/event/{event_id}", params={"key": "c-7"})
+    assert by_key.status_code == 200 and "partition 2" in by_key.text and "offset 77" in by_key.text
+    assert 'id="archive-search"' not in by_key.text
+    assert client.get(f"/event/{event_id}", params={"key": "other"}).status_code == 404
+    scanned = client.get(f"/event/{event_id}", params={"archive": "scan"})
+    assert scanned.status_code == 200 and "offset 77" in scanned.text
+    # The header's search box takes the key along; the timeline links carry it.
+    found = client.get("/dead", params={"event_id": str(event_id), "key": "c-7"}, follow_redirects=False)
+    assert found.headers["location"].endswith(f"/event/{event_id}?key=c-7")
+    timeline = client.get("/key", params={"key": "c-7"}).text
+    assert f"/event/{event_id}?key=c-7" in timeline
+
+
 def test_event_page_pretty_json_hidden_payload_and_trace_link(pg_dsn: str, schema: str) -> None:
     trace = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
     with psycopg.connect(pg_dsn) as conn:
