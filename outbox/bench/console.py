@@ -56,6 +56,7 @@ def _fill(conn: psycopg.Connection[Any], schema: str, cfg: BenchConfig) -> None:
                 literals={"since": lo.isoformat(), "until": (lo + dt.timedelta(days=1)).isoformat()},
             )
         )  # fmt: skip
+    conn.execute(query("console_fill_functions", schema))
     total = cfg.console_archived + cfg.console_dead + cfg.console_pending
     progress = Progress("console fill", total, " rows")
     done = 0

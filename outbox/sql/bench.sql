@@ -75,6 +75,24 @@ ANALYZE {schema}.plain_events
 CREATE TABLE IF NOT EXISTS {schema}.{partition} PARTITION OF {schema}.delivered
     FOR VALUES FROM ({since}) TO ({until})
 
+-- name: console_fill_functions
+-- The fill's events, written once for the archive and the pending events: order ``i`` as
+-- JSON (what bench.events.order writes) and the headers an instrumented writer attaches.
+CREATE FUNCTION {schema}.bench_order(i bigint, keys integer) RETURNS bytea
+LANGUAGE sql IMMUTABLE AS $$
+    SELECT convert_to(json_build_object(
+        'order_id', i, 'customer', 'customer-' || (i % keys), 'status', 'created',
+        'placed_at', '2026-11-23T01:00:00.000Z',
+        'items', json_build_array(json_build_object('sku', 'sku-' || (i % 97), 'qty', 1 + i % 3,
+                                                    'price', '19.99')),
+        'total', '19.99', 'currency', 'EUR', 'channel', 'web')::text, 'UTF8')
+$$;
+CREATE FUNCTION {schema}.bench_headers(i bigint) RETURNS jsonb
+LANGUAGE sql IMMUTABLE AS $$
+    SELECT jsonb_build_object('content-type', 'application/json',
+                              'traceparent', '00-' || md5(i::text) || '-' || left(md5((-i)::text), 16) || '-01')
+$$
+
 -- name: console_fill_archive
 -- Archived events %(first)s..%(last)s: orders as JSON with their trace headers, keyed by
 -- %(keys)s customers over %(topics)s topics, delivered evenly over the %(days)s days before
@@ -83,14 +101,7 @@ INSERT INTO {schema}.delivered (id, event_id, topic, key, payload, headers, crea
                                 delivered_at, attempts, sink_partition, sink_offset, type)
 SELECT i, gen_random_uuid(), 'bench.topic-' || (i %% %(topics)s),
        convert_to('customer-' || (i %% %(keys)s), 'UTF8'),
-       convert_to(json_build_object(
-           'order_id', i, 'customer', 'customer-' || (i %% %(keys)s), 'status', 'created',
-           'placed_at', '2026-11-23T01:00:00.000Z',
-           'items', json_build_array(json_build_object('sku', 'sku-' || (i %% 97), 'qty', 1 + i %% 3,
-                                                       'price', '19.99')),
-           'total', '19.99', 'currency', 'EUR', 'channel', 'web')::text, 'UTF8'),
-       jsonb_build_object('content-type', 'application/json',
-                          'traceparent', '00-' || md5(i::text) || '-' || left(md5((-i)::text), 16) || '-01'),
+       {schema}.bench_order(i, %(keys)s), {schema}.bench_headers(i),
        t - interval '20 milliseconds', t, 1, (i %% 4)::integer, i / 4, 'order.created'
 FROM generate_series(%(first)s::bigint, %(last)s::bigint) AS i,
      LATERAL (SELECT now() - %(days)s * interval '1 day'
@@ -129,14 +140,7 @@ INSERT INTO {schema}.events (id, event_id, topic, key, payload, headers, created
 OVERRIDING SYSTEM VALUE
 SELECT i, gen_random_uuid(), 'bench.topic-' || (i %% %(topics)s),
        convert_to('customer-' || (i %% %(keys)s), 'UTF8'),
-       convert_to(json_build_object(
-           'order_id', i, 'customer', 'customer-' || (i %% %(keys)s), 'status', 'created',
-           'placed_at', '2026-11-23T01:00:00.000Z',
-           'items', json_build_array(json_build_object('sku', 'sku-' || (i %% 97), 'qty', 1 + i %% 3,
-                                                       'price', '19.99')),
-           'total', '19.99', 'currency', 'EUR', 'channel', 'web')::text, 'UTF8'),
-       jsonb_build_object('content-type', 'application/json',
-                          'traceparent', '00-' || md5(i::text) || '-' || left(md5((-i)::text), 16) || '-01'),
+       {schema}.bench_order(i, %(keys)s), {schema}.bench_headers(i),
        now() - interval '1 hour' + (i - %(first)s) * interval '1 millisecond',
        CASE WHEN i %% 100 = 0 THEN now() + interval '5 minutes' ELSE now() END,
        CASE WHEN i %% 100 = 0 THEN 3 ELSE 0 END,
