@@ -37,7 +37,7 @@ from outbox.queries import query
 
 KEYS = events.KEYS
 TOPIC_PARTITIONS = 4
-STEADY_GRACE_SECONDS = 120.0  # steady: longest the relay runs after the writers' time box
+STEADY_GRACE_SECONDS = 120.0  # steady, soak: longest the relay runs past the writers' time box
 
 
 # -- set-up -----------------------------------------------------------------------
@@ -509,16 +509,29 @@ def soak(cfg: BenchConfig) -> dict[str, Any]:
                 window.extend([elapsed, elapsed + cfg.snapshot_seconds])
             if started_at and not writers.alive() and phase[0] == "load":
                 phase[0] = "drain"
+                drain_from.append(elapsed)
             sample(elapsed, moved)
+
+        drain_from: list[float] = []
+
+        def settled(elapsed: float, moved: int) -> bool:
+            # The writers' load counts from their own start (slow to spawn on a loaded machine):
+            # the relay runs until it has moved what they wrote and the settle time has passed.
+            return (
+                bool(drain_from)
+                and moved >= writers.written
+                and elapsed - drain_from[0] >= cfg.settle_seconds
+            )
 
         total = seconds + cfg.settle_seconds + 2
         progress = Progress("soak", total, "s")
         result = race(
             [ws.spec("relay")],
             target=None,
-            max_seconds=total,
+            max_seconds=total + STEADY_GRACE_SECONDS,
             progress=progress,
             on_sample=on_sample,
+            until=settled,
         )
         writers.join()
         holder.join(5)
