@@ -147,12 +147,20 @@ def test_per_key_order_through_failures_and_two_relay_processes(
             assert r.stop() == 0, r.output()[-3000:]
         got = sink.read(keys * rounds)
     finally:
+        # What the relays warned of (ownership lost, fencing), kept for a failure below.
+        logs = "\n".join(
+            f"r{i}: {line}" for i, r in enumerate(relays) for line in r.output().splitlines()
+            if "WARNING" in line or "ERROR" in line
+        )  # fmt: skip
         for r in relays:
             r.close()
     assert count(pg_dsn, schema, "delivered") == keys * rounds  # each archived once
     assert count(pg_dsn, schema, "delivered", "attempts > 1") > 0, "no failure was injected"
     assert len({m.event_id for m in got}) == keys * rounds
-    assert_per_key_order(got)
+    try:
+        assert_per_key_order(got)
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}\nthe relays' warnings:\n{logs[-6000:]}") from None
     # Both relays delivered (the keys were shared out), and neither dead-lettered anything.
     assert count(pg_dsn, schema, "dead_letters") == 0
 
