@@ -478,7 +478,7 @@ def soak(cfg: BenchConfig) -> dict[str, Any]:
         last_sample = [-10.0]
         sample_every = max(0.5, seconds / 300)
         monitor = psycopg.connect(cfg.dsn, autocommit=True)
-        phase = ["load"]
+        drain_from: list[float] = []  # when the writers stopped: the drain phase from there
         started_at: list[float] = []
 
         def sample(elapsed: float, moved: int) -> None:
@@ -490,7 +490,7 @@ def soak(cfg: BenchConfig) -> dict[str, Any]:
             samples.append(
                 {
                     "t": round(elapsed, 2),
-                    "phase": phase[0],
+                    "phase": "drain" if drain_from else "load",
                     "table_bytes": int(size),
                     "live_tuples": int(live),
                     "dead_tuples": int(dead),
@@ -507,12 +507,9 @@ def soak(cfg: BenchConfig) -> dict[str, Any]:
                 holder.start()
                 holder_started.wait(10)
                 window.extend([elapsed, elapsed + cfg.snapshot_seconds])
-            if started_at and not writers.alive() and phase[0] == "load":
-                phase[0] = "drain"
+            if started_at and not writers.alive() and not drain_from:
                 drain_from.append(elapsed)
             sample(elapsed, moved)
-
-        drain_from: list[float] = []
 
         def settled(elapsed: float, moved: int) -> bool:
             # The writers' load counts from their own start (slow to spawn on a loaded machine):

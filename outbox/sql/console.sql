@@ -65,7 +65,8 @@ ORDER BY 1, 2
 
 -- name: console_dead_groups
 -- Dead letters grouped by topic and error fingerprint (the error with ids and numbers masked:
--- a column, migration 0011), filtered; each group's count, first and last failure, keys it parks and its highest id.
+-- a column, migration 0011), filtered; each group's count, first and last failure, keys it
+-- parks and its highest id.
 WITH chosen AS (
     SELECT d.*
     FROM {schema}.dead_letters AS d
