@@ -22,6 +22,7 @@ EXTRAS: dict[str, tuple[str, ...]] = {
     "nats": ("nats",),
     "redis": ("redis",),
     "http": ("aiohttp",),
+    "aws": ("aiobotocore",),
     "psycopg2": ("psycopg2",),
     "asyncpg": ("asyncpg",),
     "sqlalchemy": ("sqlalchemy",),

@@ -44,6 +44,8 @@ _RABBITMQ = Scheme(
 _NATS = Scheme("NATS JetStream", "nats", "outbox.sinks.nats:NatsSink", {})
 _REDIS = Scheme("Redis Streams", "redis", "outbox.sinks.redis:RedisSink", {"maxlen": int})
 _WEBHOOKS = Scheme("webhooks", "http", "outbox.sinks.webhook:WebhookSink")
+_AWS_OPTIONS: dict[str, type] = {"region": str, "endpoint": str}
+AWS_SCHEMES = ("sqs", "sns", "eventbridge", "kinesis")
 SCHEMES: dict[str, Scheme] = {
     "kafka": Scheme("Kafka", None, "outbox.sinks.kafka:KafkaSink"),
     "amqp": _RABBITMQ,
@@ -54,6 +56,14 @@ SCHEMES: dict[str, Scheme] = {
     "rediss": _REDIS,
     "http": _WEBHOOKS,
     "https": _WEBHOOKS,
+    "sqs": Scheme("Amazon SQS", "aws", "outbox.sinks.aws:SqsSink", _AWS_OPTIONS),
+    "sns": Scheme("Amazon SNS", "aws", "outbox.sinks.aws:SnsSink", _AWS_OPTIONS),
+    "eventbridge": Scheme(
+        "Amazon EventBridge", "aws", "outbox.sinks.aws:EventBridgeSink", {**_AWS_OPTIONS, "source": str}
+    ),
+    "kinesis": Scheme(
+        "Amazon Kinesis", "aws", "outbox.sinks.aws:KinesisSink", {**_AWS_OPTIONS, "envelope": str}
+    ),
 }
 _HOST_PORT = re.compile(r"^[A-Za-z0-9.\-\[\]:]+:\d{1,5}$")
 
@@ -70,6 +80,9 @@ class SinkURL:
     def display(self) -> str:
         if self.scheme == "kafka":  # several host:port pairs: urllib cannot parse it as one host
             return f"kafka://{self.kafka_bootstrap}"
+        if self.scheme in AWS_SCHEMES:  # a name, case kept (hostname lowers it); never a password
+            query = f"?{self.parts.query}" if self.parts.query else ""
+            return f"{self.scheme}://{self.resource}{query}"
         host = self.parts.hostname or ""
         try:
             port = f":{self.parts.port}" if self.parts.port else ""
@@ -83,6 +96,11 @@ class SinkURL:
     def options(self) -> dict[str, str]:
         """The URL's query parameters (last one wins)."""
         return dict(parse_qsl(self.parts.query, keep_blank_values=True))
+
+    @property
+    def resource(self) -> str:
+        """What an AWS URL names (a queue, topic, bus or stream), as given: its case kept."""
+        return (self.parts.netloc.rsplit("@", 1)[-1] + self.parts.path).rstrip("/")
 
     @property
     def kafka_bootstrap(self) -> str:
@@ -107,6 +125,18 @@ def parse_url(text: str, field: str) -> SinkURL:
         if not servers or not all(_HOST_PORT.match(s) for s in servers) or parts.path not in ("", "/"):
             raise ConfigError(f"{field}: expected kafka://host:port[,host:port...], got {url.display!r}")
         return url
+    if scheme in AWS_SCHEMES:
+        if parts.username is not None or parts.password is not None:
+            raise ConfigError(
+                f"{field}: {url.display!r}: AWS credentials never go in the URL; they come from "
+                "the standard chain (AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, a profile, an "
+                "instance or IRSA role)"
+            )
+        if not re.fullmatch(r"[A-Za-z0-9_.\-/]{1,256}", url.resource) or ":" in parts.netloc:
+            raise ConfigError(
+                f"{field}: {url.display!r}: expected {scheme}://NAME, the {SCHEMES[scheme].system} "
+                "name (letters, digits, '-', '_', '.')"
+            )
     try:
         parts.port  # noqa: B018  (raises on a bad port)
     except ValueError:

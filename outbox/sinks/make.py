@@ -29,6 +29,17 @@ def require_clients(routes: list[Route]) -> None:
             require(extra, f"route {route.display}")
 
 
+def check_sinks(routes: list[Route], cloudevents_source: str | None = None) -> None:
+    """ConfigError (one line, naming the route) for the first route its sink cannot use as it
+    is (an AWS route without a region, EventBridge without a Source): at start, not at the
+    first event. Sinks that check something have a ``check(url, source)`` class method."""
+    for route in routes:
+        module, name = SCHEMES[route.url.scheme].sink.split(":")
+        check = getattr(getattr(importlib.import_module(module), name), "check", None)
+        if check is not None:
+            check(route.url, cloudevents_source)
+
+
 @dataclass
 class SinkMaker:
     """Makes the sink of a route URL. ``kafka`` makes the sink of ``kafka://`` routes
@@ -60,6 +71,8 @@ class SinkMaker:
         cls = getattr(importlib.import_module(module), name)
         if url.scheme in ("http", "https"):
             sink: Sink = cls(url, timeout=self.timeout, secrets=self.webhook_secrets)
+        elif url.scheme == "eventbridge":  # its Source: ?source=, else the CloudEvents source
+            sink = cls(url, timeout=self.timeout, source=self.cloudevents_source)
         else:
             sink = cls(url, timeout=self.timeout)
         return sink
