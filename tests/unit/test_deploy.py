@@ -81,13 +81,15 @@ def test_kubernetes_relays_use_real_variables_flags_ports_and_probes() -> None:
     env_vars = _cli_env_vars()
     relay_flags = _subcommand_flags("relay")
     found = _relay_containers()
-    assert {name for name, _, _ in found} == {"sidecar.yaml", "relay-deployment.yaml"}
+    assert {name for name, _, _ in found} == {"sidecar.yaml", "relay-deployment.yaml", "relay-fleet.yaml"}
     for name, doc, c in found:
         env = {e["name"]: e for e in c.get("env", [])}
         for var in env:
             if var.startswith("OUTBOX_"):
                 assert var in env_vars, f"{name}: {var} is not read by the CLI"
-        assert "secretKeyRef" in env["OUTBOX_DSN"]["valueFrom"], f"{name}: DSN must come from a Secret"
+        # The DSN, or the list of outboxes (each with its DSN), comes from a Secret; never both.
+        (source,) = [v for v in ("OUTBOX_DSN", "OUTBOX_OUTBOXES") if v in env]
+        assert "secretKeyRef" in env[source]["valueFrom"], f"{name}: {source} must come from a Secret"
         assert int(env["OUTBOX_METRICS_PORT"]["value"]) == METRICS_PORT
         for arg in c.get("args", []):
             if arg.startswith("--"):

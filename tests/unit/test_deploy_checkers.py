@@ -142,3 +142,37 @@ def test_docker_compose_config_refuses_a_bad_condition(tmp_path: Path) -> None:
     broken.write_text(text.replace("service_healthy", "service_ready"))
     done = _compose_config(broken)
     assert done.returncode != 0 and "service_ready" in done.stderr
+
+
+@pytest.mark.parametrize(
+    ("settings", "present", "absent"),
+    [
+        ([], {"OUTBOX_DSN", "OUTBOX_SCHEMA"}, {"OUTBOX_OUTBOXES", "OUTBOX_SCHEMAS"}),
+        (
+            ["outboxes.listSecret.name=outbox-outboxes"],
+            {"OUTBOX_OUTBOXES", "OUTBOX_MAX_CONNECTIONS"},
+            {"OUTBOX_DSN", "OUTBOX_SCHEMA", "OUTBOX_SCHEMAS"},
+        ),
+        (
+            ["outboxes.schemas=tenant_*"],
+            {"OUTBOX_DSN", "OUTBOX_SCHEMAS", "OUTBOX_DISCOVER_EVERY"},
+            {"OUTBOX_OUTBOXES", "OUTBOX_SCHEMA"},
+        ),
+    ],
+    ids=["one-outbox", "list-from-a-secret", "schema-glob"],
+)
+def test_the_chart_takes_one_outbox_a_list_from_a_secret_or_a_schema_glob(
+    settings: list[str], present: set[str], absent: set[str]
+) -> None:
+    """The relay refuses --dsn next to a list of outboxes: the chart never renders both."""
+    rendered = subprocess.run(
+        [_tool("helm"), "template", "orders", str(CHART), *[a for s in settings for a in ("--set", s)]],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    (deployment,) = [d for d in yaml.safe_load_all(rendered) if d and d["kind"] == "Deployment"]
+    env = {e["name"]: e for e in deployment["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert present <= set(env) and not (absent & set(env)), sorted(env)
+    if "OUTBOX_OUTBOXES" in env:
+        assert env["OUTBOX_OUTBOXES"]["valueFrom"]["secretKeyRef"]["name"] == "outbox-outboxes"

@@ -1,0 +1,229 @@
+"""The tenants scenario: one relay process over many outboxes (schemas) of one database.
+
+- **Spread.** The same backlog (``tenants_events`` realistic events) spread evenly over 1, 10,
+  100 and 1,000 outboxes, drained by one ``outbox relay`` serving them all: events/s over the
+  middle 80 % and the ratio to the single outbox (target: >= 0.8 at 100 outboxes). Then the
+  relay idles for ``tenants_idle_seconds`` with nothing to do: the transactions per second it
+  costs the database (``pg_stat_database``), per outbox, and its CPU; and its peak RSS, per
+  outbox beyond the first.
+- **Fairness.** One outbox with a backlog of ``tenants_busy`` events and a quiet one written at
+  ``tenants_quiet_rate`` events/s while the busy one drains: the quiet one's commit -> ack
+  latency (its writer's commit returned -> the broker's ack reached the relay; p50, p99; target
+  p99 <= 100 ms), next to the busy one's drain rate.
+
+Each relay runs as ``outbox relay`` does (its defaults, NOTIFY on), in a process of its own.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import psycopg
+
+from outbox import enqueue, enqueue_many
+from outbox.bench.config import BenchConfig
+from outbox.bench.contenders import ContenderSpec
+from outbox.bench.events import FILL_CHUNK, realistic
+from outbox.bench.measure import Race, middle_rate, percentiles, race
+from outbox.harness.infra import create_topic
+from outbox.migrate import migrate
+from outbox.progress import Progress
+from outbox.queries import query
+
+RATIO_AT = 100  # the spread whose ratio to one outbox has a target
+AUTOVACUUM_WAIT = 60.0  # seconds the idle window waits, at most, for autovacuum to finish
+TOPIC_PARTITIONS = 4
+
+
+class Tenants:
+    """``n`` freshly migrated schemas and one topic, dropped at the end."""
+
+    def __init__(self, dsn: str, bootstrap: str, n: int) -> None:
+        self.dsn, self.bootstrap = dsn, bootstrap
+        suffix = uuid.uuid4().hex[:8]
+        self.schemas = [f"bench_tn_{suffix}_{i:04d}" for i in range(n)]
+        self.topic = f"bench.tenants.{suffix}"
+
+    def __enter__(self) -> Tenants:
+        progress = Progress(f"migrate {len(self.schemas)} outboxes", len(self.schemas), "")
+        with psycopg.connect(self.dsn, autocommit=True) as conn:
+            for i, schema in enumerate(self.schemas, 1):
+                migrate(conn, schema)
+                progress.update(i)
+        progress.close()
+        create_topic(self.bootstrap, self.topic, TOPIC_PARTITIONS)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        with psycopg.connect(self.dsn, autocommit=True) as conn:
+            for schema in self.schemas:
+                conn.execute(query("harness_drop_schema", schema))
+
+    def fill(self, per_outbox: int, label: str, schemas: list[str] | None = None) -> None:
+        """``per_outbox`` realistic events in each schema (of ``schemas``, default all)."""
+        chosen = self.schemas if schemas is None else schemas
+        progress = Progress(f"fill {label}", per_outbox * len(chosen), " ev")
+        done = 0
+        with psycopg.connect(self.dsn) as conn:
+            for schema in chosen:
+                for start in range(0, per_outbox, FILL_CHUNK):
+                    end = min(per_outbox, start + FILL_CHUNK)
+                    enqueue_many(conn, [realistic(i, self.topic) for i in range(start, end)], schema=schema)
+                    conn.commit()
+                    done += end - start
+                    progress.update(done)
+        progress.close()
+
+    def spec(self, schemas: list[str] | None = None) -> ContenderSpec:
+        chosen = self.schemas if schemas is None else schemas
+        return ContenderSpec("relay", self.dsn, chosen[0], self.bootstrap, {}, schemas=chosen)
+
+
+def _autovacuum_busy(dsn: str) -> bool:
+    """Is an autovacuum worker at work in the database now?"""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        row = conn.execute(query("bench_autovacuum_busy", "public")).fetchone()
+    return bool(row and row[0])
+
+
+def _transactions(dsn: str) -> int:
+    """Transactions committed and rolled back in the database so far (pg_stat_database)."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        row = conn.execute(query("bench_database_transactions", "public")).fetchone()
+    return int(row[0]) if row else 0
+
+
+def _serve(
+    ws: Tenants,
+    cfg: BenchConfig,
+    progress: Progress,
+    on_sample: Callable[[float, int], None],
+    until: Callable[[float, int], bool],
+    ack_log: str | None = None,
+) -> Race:
+    """One relay over every outbox of ``ws`` until ``until`` says so (events counted); with
+    ``ack_log``, it writes there when each event's ack arrived."""
+    spec = ws.spec()
+    spec.ack_log = ack_log
+    return race(
+        [spec],
+        target=None,
+        max_seconds=cfg.max_race_seconds,
+        progress=progress,
+        on_sample=on_sample,
+        until=until,
+        counting=True,
+    )
+
+
+def spread(cfg: BenchConfig, n: int) -> dict[str, Any]:
+    """The backlog over ``n`` outboxes: the drain, then the idle relay's cost."""
+    with Tenants(cfg.dsn, cfg.bootstrap, n) as ws:
+        per = max(1, cfg.tenants_events // n)
+        total = per * n
+        ws.fill(per, f"{n} outboxes")
+        progress = Progress(f"tenants: {n} outboxes", total, " ev")
+        idle: dict[str, float] = {}
+
+        def on_sample(elapsed: float, moved: int) -> None:
+            # Drained: once autovacuum has done with the drain's dead tuples (its transactions are
+            # the database's too), the idle window opens: the relay's own transactions.
+            if moved >= total and "drained" not in idle:
+                idle["drained"] = elapsed
+            elif "drained" in idle and "from" not in idle and elapsed - idle["drained"] >= 1.0:
+                settled = elapsed - idle["drained"] >= AUTOVACUUM_WAIT or not _autovacuum_busy(cfg.dsn)
+                if settled:
+                    idle["from"], idle["xacts"] = elapsed, float(_transactions(cfg.dsn))
+
+        def until(elapsed: float, moved: int) -> bool:
+            return "from" in idle and elapsed - idle["from"] >= cfg.tenants_idle_seconds
+
+        result = _serve(ws, cfg, progress, on_sample, until)
+        window = max(result.elapsed_s - idle.get("from", result.elapsed_s), 1e-9)
+        cpu_from = next((c for t, c in result.cpu_series if t >= idle.get("from", result.elapsed_s)), 0.0)
+        idle_cpu = max(0.0, (result.cpu_series[-1][1] if result.cpu_series else 0.0) - cpu_from)
+        xacts = (_transactions(cfg.dsn) - idle.get("xacts", 0)) if "from" in idle else 0
+    # Rate over the middle 80 % of the drain only (the idle tail is not part of it).
+    drain = [(t, m) for t, m in result.series if t <= idle.get("drained", result.elapsed_s) + 0.5]
+    return {
+        "outboxes": n,
+        "events": total,
+        "events_per_s": round(middle_rate(drain, total), 1),
+        "peak_rss_mb": round(result.peak_rss_mb, 1),
+        "idle_seconds": round(window, 1),
+        "idle_transactions_per_s": round(xacts / window, 1),
+        "idle_transactions_per_s_per_outbox": round(xacts / window / n, 2),
+        "relay_cpu_s": round(result.relay_cpu_s, 2),
+        "idle_cpu_percent": round(100 * idle_cpu / window, 2),
+        "series": [(round(t, 3), c) for t, c in drain],
+    }
+
+
+def fairness(cfg: BenchConfig) -> dict[str, Any]:
+    """A busy outbox draining ``tenants_busy`` events and a quiet one written at
+    ``tenants_quiet_rate`` events/s meanwhile: the quiet one's commit -> ack latency."""
+    with Tenants(cfg.dsn, cfg.bootstrap, 2) as ws, tempfile.TemporaryDirectory() as tmp:
+        busy, quiet = ws.schemas
+        ws.fill(cfg.tenants_busy, "the busy outbox", [busy])
+        commits: dict[str, float] = {}  # the quiet outbox's event id -> when its writer's commit returned
+        stop = threading.Event()
+        started = threading.Event()
+
+        def write_quietly() -> None:
+            with psycopg.connect(cfg.dsn, autocommit=True) as conn:
+                while not stop.wait(1 / cfg.tenants_quiet_rate):
+                    n = len(commits)
+                    with conn.transaction():
+                        event_id = enqueue(conn, ws.topic, {"quiet": n}, key=f"quiet-{n % 10}", schema=quiet)
+                    commits[str(event_id)] = time.time()
+
+        writer = threading.Thread(target=write_quietly, name="quiet-writer", daemon=True)
+
+        def on_sample(elapsed: float, moved: int) -> None:
+            if moved > 0 and not started.is_set():  # the busy drain is under way: the quiet one writes
+                started.set()
+                writer.start()
+            if moved >= cfg.tenants_busy and not stop.is_set():
+                stop.set()
+
+        def until(elapsed: float, moved: int) -> bool:
+            return stop.is_set() and not writer.is_alive() and moved >= cfg.tenants_busy + len(commits)
+
+        progress = Progress("tenants: fairness", cfg.tenants_busy, " ev")
+        ack_log = str(Path(tmp) / "acks.json")
+        result = _serve(ws, cfg, progress, on_sample, until, ack_log=ack_log)
+        stop.set()
+        writer.join(10)
+        acks = dict(json.loads(Path(ack_log).read_text())) if Path(ack_log).exists() else {}
+    # Commit (the writer's commit returned) -> ack (the broker's acknowledgement reached the relay).
+    latencies = [(acks[e] - t) * 1000 for e, t in commits.items() if e in acks]
+    busy_series = [(t, min(m, cfg.tenants_busy)) for t, m in result.series]
+    return {
+        "busy_events": cfg.tenants_busy,
+        "busy_events_per_s": round(middle_rate(busy_series, cfg.tenants_busy), 1),
+        "quiet_rate": cfg.tenants_quiet_rate,
+        "quiet_events": len(commits),
+        "quiet_acked": len(latencies),
+        "quiet_latency_ms": percentiles(latencies),
+    }
+
+
+def tenants(cfg: BenchConfig) -> dict[str, Any]:
+    runs = [spread(cfg, n) for n in cfg.tenants_counts]
+    single = next((r for r in runs if r["outboxes"] == 1), None)
+    for r in runs:
+        r["ratio_to_one"] = round(r["events_per_s"] / single["events_per_s"], 3) if single else None
+    one_rss = single["peak_rss_mb"] if single else None
+    for r in runs:
+        more = r["outboxes"] - 1
+        r["rss_mb_per_outbox"] = (
+            round((r["peak_rss_mb"] - one_rss) / more, 3) if one_rss and more > 0 else None
+        )
+    return {"events": cfg.tenants_events, "runs": runs, "fairness": fairness(cfg)}

@@ -1,0 +1,85 @@
+"""One outbox inside a relay: a lane.
+
+A relay serves the outboxes of one database (one schema each): they share its sessions, its
+LISTEN connection, its heartbeat connection and its sinks. Everything that belongs to one
+outbox lives in its :class:`Lane`: its partitions and key holds (:class:`~outbox.ordering.Ordering`),
+its batches in flight, when it may have work (woken by NOTIFY, a full batch, the poll timer),
+and its own trouble (a schema dropped or not migrated: a line of its own when it starts and
+when it ends, and a pause of that lane only).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+from outbox.batch import Batch
+from outbox.conditions import Condition
+from outbox.ordering import Ordering
+from outbox.outboxes import DEFAULT_NAME, Outbox
+
+log = logging.getLogger("outbox.relay")
+
+LANE_PAUSE = 5.0  # seconds a lane rests after an error of its own (its schema gone, say)
+
+
+@dataclass
+class RelayStats:
+    claims: int = 0  # claim statements that went through, empty or not
+    claimed: int = 0  # events claimed
+    delivered: int = 0
+    retried: int = 0
+    dead: int = 0
+    leases_lost: int = 0
+    sinks_replaced: int = 0
+
+
+@dataclass(eq=False)
+class Lane:
+    """One outbox's state in a relay (used from the relay loop's thread only)."""
+
+    outbox: Outbox
+    ordering: Ordering
+    in_flight: list[Batch] = field(default_factory=list)
+    more_work: bool = True  # a full batch came back: claim again without waiting
+    woken: bool = True  # a NOTIFY (or the start) says there may be work now
+    next_poll: float = 0.0  # monotonic time of the next poll without a NOTIFY
+    next_maintenance: float = 0.0  # monotonic time of the next archive partition check
+    paused_until: float = 0.0  # after an error of this outbox's own
+    sinks_were_down: bool = False  # a sink was down since this lane's last "retry now"
+    failing_since: float = 0.0  # since when every finished batch only failed (0: one delivered)
+    leaving: bool = False  # no longer served: finish what is in flight, hand over, go
+    last_work: float = 0.0  # monotonic time its last claim found events
+    stats: RelayStats = field(default_factory=RelayStats)
+    trouble: Condition = field(init=False)  # this outbox's own problem (schema gone, not migrated)
+    delivery: Condition = field(init=False)  # retries batch after batch: one problem, not a line each
+
+    def __post_init__(self) -> None:
+        name = self.outbox.name
+        fields = {"outbox": name}
+        # The --dsn/--schema outbox of a relay that serves only it logs as it always did.
+        said = "" if name == DEFAULT_NAME else f"outbox {name}: "
+        self.trouble = Condition(log, "outbox", f"{said}cannot be served", fields=fields)
+        self.delivery = Condition(log, "delivery", f"{said}deliveries failing", fields=fields)
+
+    @property
+    def name(self) -> str:
+        return self.outbox.name
+
+    @property
+    def schema(self) -> str:
+        return self.outbox.schema
+
+    def pause(self, error: str) -> None:
+        """An error of this outbox's own: say so (once per episode) and rest a while."""
+        self.trouble.fail(error)
+        self.paused_until = time.monotonic() + LANE_PAUSE
+
+    def may_claim(self, now: float, per_lane: int) -> bool:
+        """Could a claim of this lane run now (a free slot of its own, not paused, not leaving)?"""
+        return not self.leaving and len(self.in_flight) < per_lane and now >= self.paused_until
+
+    def due(self, now: float) -> bool:
+        """May there be work: woken, a full batch came back, or the poll timer ran out."""
+        return self.woken or self.more_work or now >= self.next_poll

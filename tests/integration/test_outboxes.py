@@ -1,0 +1,99 @@
+"""Many outboxes from one command line: migrate and status over --outbox, --schemas and
+--outboxes-file, one line per outbox, one failure not stopping the others."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import psycopg
+import pytest
+from psycopg import sql
+
+import outbox
+from outbox.cli import main
+from outbox.migrate import migrate
+
+UNREACHABLE = "postgresql://app:s3cret@127.0.0.1:1/nowhere?connect_timeout=2"
+
+
+def _schemas(pg_dsn: str, *names: str) -> None:
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        for name in names:
+            conn.execute(sql.SQL("CREATE SCHEMA {}").format(sql.Identifier(name)))
+
+
+def test_migrate_every_schema_matching_a_glob_then_status_all(
+    pg_dsn: str, prefix: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _schemas(pg_dsn, f"{prefix}_a", f"{prefix}_b", f"{prefix}_c", f"{prefix}x_other")
+    assert main(["migrate", "--dsn", pg_dsn, "--schemas", f"{prefix}_*"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert [line.split(":")[0] for line in out[:-1]] == [f"{prefix}_a", f"{prefix}_b", f"{prefix}_c"]
+    assert all("applied 0001_initial" in line for line in out[:-1])
+    assert out[-1] == "3 of 3 outboxes migrated"
+    # Again: every one up to date; the schema that did not match was left alone.
+    assert main(["migrate", "--dsn", pg_dsn, "--schemas", f"{prefix}_*"]) == 0
+    assert capsys.readouterr().out.count("up to date") == 3
+    with psycopg.connect(pg_dsn) as conn:
+        assert conn.execute("SELECT to_regclass(%s)", (f"{prefix}x_other.events",)).fetchone() == (None,)
+        outbox.enqueue(conn, "orders", {"n": 1}, key="k", schema=f"{prefix}_b")
+        outbox.enqueue(conn, "orders", {"n": 2}, key="k", schema=f"{prefix}_b")
+        conn.commit()
+
+    assert main(["status", "--all", "--dsn", pg_dsn, "--schemas", f"{prefix}_*", "--json"]) == 0
+    rows = {r["name"]: r for r in json.loads(capsys.readouterr().out)["outboxes"]}
+    assert set(rows) == {f"{prefix}_a", f"{prefix}_b", f"{prefix}_c"}
+    assert rows[f"{prefix}_b"]["pending"] == 2 and rows[f"{prefix}_a"]["pending"] == 0
+    assert rows[f"{prefix}_b"]["oldest_pending_age_seconds"] >= 0
+    assert main(["status", "--all", "--dsn", pg_dsn, "--schemas", f"{prefix}_*"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 5 and lines[0].startswith("outbox ") and "no live relay" in lines[2]
+    assert lines[-1] == "3 outboxes, 0 unreadable; 2 pending, 0 dead letters"
+
+
+def test_one_failing_outbox_does_not_stop_the_others_and_shows_no_password(
+    pg_dsn: str, prefix: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    listed = tmp_path / "outboxes"
+    listed.write_text(f"# two tenants\nfirst={pg_dsn}#{prefix}_1\n\nlost={UNREACHABLE}#{prefix}_2\n")
+    assert main(["migrate", "--outboxes-file", str(listed), "--outbox", f"second={pg_dsn}#{prefix}_3"]) == 1
+    out = capsys.readouterr().out
+    assert f"first: schema {prefix}_1: applied 0001_initial" in out
+    assert f"second: schema {prefix}_3: applied" in out
+    assert "lost: failed: cannot connect to PostgreSQL" in out and "2 of 3 outboxes migrated, 1 failed" in out
+    assert "s3cret" not in out
+
+    assert main(["status", "--outboxes-file", str(listed), "--json"]) == 1  # an outbox list: --all
+    rows = {r["name"]: r for r in json.loads(capsys.readouterr().out)["outboxes"]}
+    assert rows["first"]["pending"] == 0 and "cannot connect" in rows["lost"]["error"]
+    assert "s3cret" not in json.dumps(rows)
+
+
+def test_a_schema_not_migrated_to_this_version_is_named_not_served(
+    pg_dsn: str, prefix: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _schemas(pg_dsn, f"{prefix}_old")
+    with psycopg.connect(pg_dsn) as conn:
+        migrate(conn, f"{prefix}_new")
+        migrate(conn, f"{prefix}_old")
+        conn.execute(
+            sql.SQL("DELETE FROM {}.schema_migrations WHERE version = 12").format(
+                sql.Identifier(f"{prefix}_old")
+            )
+        )
+        conn.commit()
+    assert main(["status", "--dsn", pg_dsn, "--schemas", f"{prefix}_*", "--json"]) == 1
+    rows = {r["name"]: r for r in json.loads(capsys.readouterr().out)["outboxes"]}
+    assert rows[f"{prefix}_new"]["pending"] == 0
+    assert "lacks migrations 0012_events_by_key" in rows[f"{prefix}_old"]["error"]
+
+
+def test_the_default_outbox_and_an_outbox_list_do_not_mix(
+    pg_dsn: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["migrate", "--dsn", pg_dsn, "--outbox", f"a={pg_dsn}#x"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--dsn: with --outbox or --outboxes-file" in err
+    assert main(["status", "--dsn", pg_dsn, "--dsn", pg_dsn]) == 2
+    assert "several go with --schemas" in capsys.readouterr().err
