@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from outbox.cli import options
-from outbox.cli.common import add_common, schema_of
+from outbox.cli.common import add_common, dsn_of, schema_of
 from outbox.errors import ConfigError
 from outbox.extras import require
 from outbox.settings import setting
@@ -66,7 +66,7 @@ def cmd_console(args: argparse.Namespace) -> int:
     level = "read" if args.read_only else "write"
     authorize = basic_auth(args.user, password, level=level) if password else None
     application = app(
-        args.dsn, schema=schema_of(args), read_only=args.read_only, authorize=authorize,
+        dsn_of(args), schema=schema_of(args), read_only=args.read_only, authorize=authorize,
         hide_payloads=args.hide_payloads, trace_url=args.trace_url,
     )  # fmt: skip
     if not password:

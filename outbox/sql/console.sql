@@ -113,7 +113,7 @@ LIMIT %(limit)s
 -- name: console_preview
 -- What acting on these dead letters touches: how many, over how many keys, and how many
 -- pending events come after a parked one of their key (the parked events that will follow):
--- one hash join of the events table against the chosen keys' first parked dead letter.
+-- for each chosen key's first parked dead letter, its later events through events (key, id).
 WITH chosen AS (
     SELECT id, key, parked FROM {schema}.dead_letters WHERE id = ANY(%(ids)s::text::bigint[])
 ), parking AS (
@@ -123,7 +123,7 @@ SELECT (SELECT count(*) FROM chosen), (SELECT count(DISTINCT key) FROM chosen),
        (SELECT count(*) FROM {schema}.events AS e JOIN parking AS p ON p.key = e.key AND e.id > p.id)
 
 -- name: console_key_pending
--- A key's events not yet delivered, in order: attempts, last error, next try.
+-- A key's events not yet delivered, in order: attempts, last error, next try (events (key, id)).
 SELECT id, event_id::text, topic, attempts, last_error, available_at, created_at, type
 FROM {schema}.events WHERE key = %(key)s ORDER BY id LIMIT %(limit)s
 

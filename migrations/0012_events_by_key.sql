@@ -1,0 +1,17 @@
+-- outbox 0012: a key's pending events, indexed (issue 27).
+--
+-- The console's key timeline (a key's pending events in order) and the redrive preview (how
+-- many pending events follow the chosen parked dead letters) read the whole events table
+-- without it: 250-400 ms at 1,000,000 pending, for a key with ten of them. Measured before it
+-- was added (docs/console.md, "Speed"): the relay's drain does not touch it (a delivered row is
+-- deleted; vacuum prunes the index), 28.6k vs 28.2k events/s and the same PostgreSQL CPU per
+-- event, medians of 5; enqueue's overhead and enqueue_many(1000) moved within the run-to-run
+-- noise of this machine. The partial index on retrying events stays: the claim's per-key
+-- probe reads only failed events through it.
+-- Keyless events are not in it (nothing looks them up by key), so they cost nothing. After a
+-- keyed backlog drains, vacuum frees the index's pages for reuse but does not give them back,
+-- as for the primary key: the index keeps its peak size (about 30 bytes per event of that
+-- backlog) until it is rebuilt, and does not grow past it.
+-- On an existing outbox the build holds the events table's lock while it runs (about a second
+-- per 100,000 pending events here): enqueue waits for it. Migrate in a quiet moment.
+CREATE INDEX events_key_idx ON {schema}.events (key, id) WHERE key IS NOT NULL;
