@@ -34,8 +34,10 @@ class Condition:
         *,
         summary_every: float = SUMMARY_EVERY,
         clock: Callable[[], float] = time.monotonic,
+        fields: dict[str, str] | None = None,
     ) -> None:
         self.log = log
+        self.fields = dict(fields or {})  # structured fields of every line (e.g. the outbox's name)
         self.name = name  # short and stable: the structured event's prefix and a metric label
         self.description = description  # what an operator reads, e.g. "cannot reach PostgreSQL"
         self.summary_every = summary_every
@@ -66,7 +68,9 @@ class Condition:
                 self.since = self._summary_at = now
                 self.attempts = 1
                 self.episodes += 1
-                self.log.warning("%s: %s", self.description, error, extra={"event": f"{self.name}.started"})
+                self.log.warning(
+                    "%s: %s", self.description, error, extra={**self.fields, "event": f"{self.name}.started"}
+                )
                 return
             self.attempts += 1
             if now - self._summary_at >= self.summary_every:
@@ -77,7 +81,7 @@ class Condition:
                     now - self.since,
                     self.attempts,
                     error,
-                    extra={"event": f"{self.name}.ongoing"},
+                    extra={**self.fields, "event": f"{self.name}.ongoing"},
                 )
 
     def ok(self) -> None:
@@ -94,7 +98,7 @@ class Condition:
                 lasted,
                 self.attempts,
                 self.last_error,
-                extra={"event": f"{self.name}.ended"},
+                extra={**self.fields, "event": f"{self.name}.ended"},
             )
             self.since = None
             self.attempts = 0

@@ -26,6 +26,7 @@ POLL_INTERVAL = 1.0  # seconds between polls when idle (jittered ±50%); NOTIFY 
 GRACE = 20.0  # seconds to finish in-flight batches at shutdown
 NET_TIMEOUT = 10.0  # seconds before a silent connection counts as dead
 STALL_TIMEOUT = 10.0  # seconds without progress before /readyz reports a stall
+MAX_CONNECTIONS = 4  # sessions a relay opens per database for batches and maintenance
 
 
 def _default_name() -> str:
@@ -42,6 +43,11 @@ class RelayConfig:
         "claimed batches awaiting acks at once",
         flag="--batches-in-flight",
         env="OUTBOX_BATCHES_IN_FLIGHT",
+    )
+    max_connections: int = setting(
+        MAX_CONNECTIONS,
+        "sessions per database for batches and maintenance, shared by its outboxes (besides one "
+        "each for heartbeats, LISTEN, vacuum and metrics)",
     )
     lease: float = setting(LEASE, "seconds before a stalled worker loses its batch")
     delivery_timeout: float = setting(DELIVERY_TIMEOUT, "seconds the sink may take to acknowledge")
@@ -96,6 +102,8 @@ class RelayConfig:
             raise ConfigError(f"ownership lease: must be > 0 seconds, got {self.ownership_lease}")
         if self.batch_size < 1:
             raise ConfigError(f"batch size: must be >= 1, got {self.batch_size}")
+        if self.max_connections < 1:
+            raise ConfigError(f"max connections: must be >= 1, got {self.max_connections}")
         if self.max_batches_in_flight < 1:
             raise ConfigError(f"batches in flight: must be >= 1, got {self.max_batches_in_flight}")
         if not self.poll_interval > 0:

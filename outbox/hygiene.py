@@ -20,6 +20,8 @@ import hashlib
 import logging
 import threading
 import time
+from collections.abc import Callable
+from typing import Any
 
 import psycopg
 
@@ -31,18 +33,21 @@ log = logging.getLogger("outbox.hygiene")
 
 CHECK_INTERVAL = 5.0  # seconds between looks at the table's statistics
 DEAD_TUPLES_THRESHOLD = 20_000  # vacuum once this many dead tuples have piled up
-DRAINED_BYTES = 1 << 20  # bytes; a drained table larger than this is vacuumed to truncate it
+DRAINED_BYTES = 1 << 20  # bytes; a drained table whose heap is larger is vacuumed to truncate it
 DRAINED_LIVE = 1000  # live tuples (estimated) under which the table counts as drained
 MAX_BACKOFF = 300.0  # seconds; longest pause after vacuums that could not clean up
 
 
 class Hygiene(threading.Thread):
-    """Vacuums ``<schema>.events`` when needed, until ``stop`` is set."""
+    """Vacuums ``<schema>.events`` of each schema served when needed, until ``stop`` is set.
+
+    ``schemas``: one schema, or a function that says which schemas are served now (a relay
+    serving many outboxes of one database: one thread and one connection for them all)."""
 
     def __init__(
         self,
         dsn: str,
-        schema: str,
+        schemas: str | Callable[[], list[str]],
         stop: threading.Event,
         *,
         threshold: int = DEAD_TUPLES_THRESHOLD,
@@ -50,15 +55,15 @@ class Hygiene(threading.Thread):
     ) -> None:
         super().__init__(name="outbox-hygiene", daemon=True)
         self._dsn = dsn
-        self._schema = schema
+        self._schemas: Callable[[], list[str]] = (lambda: [schemas]) if isinstance(schemas, str) else schemas
         self._stop_event = stop
         self._threshold = threshold
         self._interval = interval
-        self._lock_key = int.from_bytes(
-            hashlib.sha256(f"outbox-hygiene:{schema}".encode()).digest()[:8], "big", signed=True
-        )
         self.vacuums = 0
-        self.allowed: bool | None = None  # may this role VACUUM the table? Learnt on the first check.
+        # Per schema: may this role VACUUM its table (learnt on its first vacuum), and when to
+        # look at it again (later after a vacuum that could not clean up).
+        self.allowed: dict[str, bool] = {}
+        self._next: dict[str, float] = {}
         self.condition = Condition(log, "hygiene", "hot-table check failing")
 
     def run(self) -> None:
@@ -74,6 +79,9 @@ class Hygiene(threading.Thread):
 
     def needs_vacuum(self, dead: int, live: int, size: int) -> bool:
         """Vacuum when dead tuples dominate the table, or a drained table is still large.
+        ``size``: the heap's bytes. Its indexes are left out: VACUUM does not shrink their
+        files, so a drained table whose indexes grew (retries, a past backlog) would be
+        vacuumed on every check, for nothing.
 
         Not while a large backlog is being drained (dead < live): VACUUM would scan the
         whole table to reclaim a minority of it, taking CPU from the drain itself.
@@ -84,46 +92,55 @@ class Hygiene(threading.Thread):
         # a vacuum now frees every page and truncates the file.
         return dead > 0 and live < DRAINED_LIVE and size > DRAINED_BYTES
 
-    def _may_vacuum(self, conn: psycopg.Connection[tuple[int, int, int]]) -> bool:
+    def _may_vacuum(self, conn: psycopg.Connection[Any], schema: str) -> bool:
         name = "can_vacuum_maintain" if conn.info.server_version >= 170000 else "can_vacuum_owner"
-        row = conn.execute(query(name, self._schema), {"schema": self._schema}).fetchone()
+        row = conn.execute(query(name, schema), {"schema": schema}).fetchone()
         if row and row[0]:
             return True
         log.warning(
             "this role may not VACUUM %s.events (it needs to own it, or MAINTAIN on PostgreSQL 17+); "
             "the relay leaves the table to autovacuum",
-            self._schema,
+            schema,
         )
         return False
 
-    def check(self, conn: psycopg.Connection[tuple[int, int, int]]) -> float:
-        """Vacuum if needed; return the seconds to wait before the next check."""
-        stats = query("hot_table_stats", self._schema)
-        row = conn.execute(stats, {"schema": self._schema}).fetchone()
-        if row is None:
+    def check(self, conn: psycopg.Connection[Any]) -> float:
+        """Vacuum the tables that need it; return the seconds to wait before the next check."""
+        now = time.monotonic()
+        schemas = [s for s in self._schemas() if self._next.get(s, 0.0) <= now]
+        if not schemas:
             return self._interval
-        dead, live, size = (int(v) for v in row)
-        if not self.needs_vacuum(dead, live, size):
-            return self._interval
-        if self.allowed is None:
-            self.allowed = self._may_vacuum(conn)
-        if not self.allowed:
+        rows = conn.execute(query("hot_tables_stats", "public"), {"schemas": schemas}).fetchall()
+        for schema, dead, live, heap in rows:
+            if self.needs_vacuum(int(dead), int(live), int(heap)):
+                self._next[schema] = now + self._vacuum(conn, schema, int(dead))
+        return self._interval
+
+    def _vacuum(self, conn: psycopg.Connection[Any], schema: str, dead: int) -> float:
+        """Vacuum one schema's table (if this role may, and no other relay is on it); return
+        the seconds before it is looked at again."""
+        if schema not in self.allowed:
+            self.allowed[schema] = self._may_vacuum(conn, schema)
+        if not self.allowed[schema]:
             return MAX_BACKOFF
-        locked = conn.execute(query("hygiene_try_lock", self._schema), {"lock": self._lock_key}).fetchone()
+        before = conn.execute(query("hot_table_stats", schema), {"schema": schema}).fetchone()
+        size = int(before[2]) if before else 0  # with its indexes, for the log
+        lock = _lock_key(schema)
+        locked = conn.execute(query("hygiene_try_lock", schema), {"lock": lock}).fetchone()
         if not locked or not locked[0]:
-            return self._interval  # another relay is on it
+            return 0.0  # another relay is on it
         try:
             started = time.monotonic()
-            conn.execute(query("vacuum_events", self._schema))
+            conn.execute(query("vacuum_events", schema))
             took = time.monotonic() - started
         finally:
-            conn.execute(query("hygiene_unlock", self._schema), {"lock": self._lock_key})
+            conn.execute(query("hygiene_unlock", schema), {"lock": lock})
         self.vacuums += 1
-        after = conn.execute(stats, {"schema": self._schema}).fetchone()
+        after = conn.execute(query("hot_table_stats", schema), {"schema": schema}).fetchone()
         dead_after, _, size_after = (int(v) for v in after) if after else (0, 0, 0)
         log.info(
             "vacuumed %s.events in %.2fs: dead tuples %d -> %d, size %.1f -> %.1f MiB",
-            self._schema,
+            schema,
             took,
             dead,
             dead_after,
@@ -131,15 +148,22 @@ class Hygiene(threading.Thread):
             size_after / 2**20,
         )
         if dead_after >= self._threshold and dead_after > dead // 2:
-            oldest = conn.execute(query("oldest_xmin_age", self._schema)).fetchone()
+            oldest = conn.execute(query("oldest_xmin_age", schema)).fetchone()
             age = float(oldest[0]) if oldest and oldest[0] is not None else None
             log.warning(
                 "vacuum could not remove %d dead tuples of %s.events: a snapshot is held open "
                 "(oldest for %s); the table grows until it is released",
                 dead_after,
-                self._schema,
+                schema,
                 "unknown" if age is None else f"{age:.0f} s",
             )
             # Scanning again will not help until that snapshot goes: back off.
             return min(MAX_BACKOFF, max(self._interval, took * 10))
-        return self._interval
+        return 0.0
+
+
+def _lock_key(schema: str) -> int:
+    """The advisory lock that lets one relay at a time vacuum a schema's table."""
+    return int.from_bytes(
+        hashlib.sha256(f"outbox-hygiene:{schema}".encode()).digest()[:8], "big", signed=True
+    )

@@ -21,13 +21,16 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import psycopg
 
 from outbox.conditions import Condition
 from outbox.dsn import scrub, secrets_of
 from outbox.queries import query
+
+if TYPE_CHECKING:
+    from outbox.outboxes import Outbox
 
 log = logging.getLogger("outbox.metrics")
 
@@ -109,6 +112,18 @@ class Gauge(_Metric):
         with self._lock:
             self._values = dict(values)
 
+    def replace_where(self, position: int, value: str, values: dict[Labels, float]) -> None:
+        """Set every series whose label at ``position`` is ``value`` (those absent from ``values``
+        disappear); the other series stay: one outbox's topics, say."""
+        with self._lock:
+            kept = {k: v for k, v in self._values.items() if k[position] != value}
+            self._values = {**kept, **values}
+
+    def forget(self, position: int, value: str) -> None:
+        """Drop every series whose label at ``position`` is ``value`` (an outbox no longer served)."""
+        with self._lock:
+            self._values = {k: v for k, v in self._values.items() if k[position] != value}
+
     def render(self) -> list[str]:
         with self._lock:
             items = sorted(self._values.items())
@@ -118,38 +133,48 @@ class Gauge(_Metric):
 class Histogram(_Metric):
     kind = "histogram"
 
-    def __init__(self, name: str, help_text: str, buckets: Sequence[float]) -> None:
-        super().__init__(name, help_text)
+    def __init__(
+        self, name: str, help_text: str, buckets: Sequence[float], labels: Sequence[str] = ()
+    ) -> None:
+        super().__init__(name, help_text, labels)
         self.buckets = tuple(sorted(buckets))
-        self._counts = [0] * (len(self.buckets) + 1)
-        self._sum = 0.0
-        self._count = 0
+        # labels -> [count per bucket (+Inf last), sum, count]
+        self._series: dict[Labels, tuple[list[int], list[float]]] = {}
 
-    def observe_many(self, values: Iterable[float]) -> None:
+    def observe_many(self, values: Iterable[float], labels: Labels = ()) -> None:
         with self._lock:
+            series = self._series.get(labels)
+            if series is None:
+                series = self._series[labels] = ([0] * (len(self.buckets) + 1), [0.0, 0.0])
+            counts, totals = series
             for v in values:
-                self._counts[bisect.bisect_left(self.buckets, v)] += 1
-                self._sum += v
-                self._count += 1
+                counts[bisect.bisect_left(self.buckets, v)] += 1
+                totals[0] += v
+                totals[1] += 1
 
-    def observe(self, value: float) -> None:
-        self.observe_many((value,))
+    def observe(self, value: float, labels: Labels = ()) -> None:
+        self.observe_many((value,), labels)
 
     @property
     def count(self) -> int:
-        return self._count
+        return int(sum(totals[1] for _, totals in self._series.values()))
 
     def render(self) -> list[str]:
         with self._lock:
-            counts, total, n = list(self._counts), self._sum, self._count
+            items = sorted((k, (list(c), list(t))) for k, (c, t) in self._series.items())
+        if not items and not self.labels:
+            items = [((), ([0] * (len(self.buckets) + 1), [0.0, 0.0]))]
         lines = self.header()
-        cumulative = 0
-        for bound, c in zip(self.buckets, counts, strict=False):
-            cumulative += c
-            lines.append(f'{self.name}_bucket{{le="{_num(bound)}"}} {cumulative}')
-        lines.append(f'{self.name}_bucket{{le="+Inf"}} {n}')
-        lines.append(f"{self.name}_sum {_num(total)}")
-        lines.append(f"{self.name}_count {n}")
+        for labels, (counts, (total, n)) in items:
+            cumulative = 0
+            for bound, c in zip(self.buckets, counts, strict=False):
+                cumulative += c
+                le = f'le="{_num(bound)}"'
+                lines.append(f"{self.name}_bucket{_fmt_labels(self.labels, labels, le)} {cumulative}")
+            inf = 'le="+Inf"'
+            lines.append(f"{self.name}_bucket{_fmt_labels(self.labels, labels, inf)} {int(n)}")
+            lines.append(f"{self.name}_sum{_fmt_labels(self.labels, labels)} {_num(total)}")
+            lines.append(f"{self.name}_count{_fmt_labels(self.labels, labels)} {int(n)}")
         return lines
 
 
@@ -160,45 +185,56 @@ class RelayMetrics:
         self.delivered = Counter(
             "outbox_events_delivered_total",
             "Events acknowledged by the sink and archived.",
-            ["topic", "sink"],
+            ["outbox", "topic", "sink"],
         )
         self.errors = Counter(
             "outbox_delivery_errors_total",
             "Failed delivery attempts, by the kind of error the sink reported.",
-            ["topic", "sink", "error_type"],
+            ["outbox", "topic", "sink", "error_type"],
         )
-        self.dead = Counter("outbox_events_dead_total", "Events moved to dead letters.", ["topic", "sink"])
+        self.dead = Counter(
+            "outbox_events_dead_total", "Events moved to dead letters.", ["outbox", "topic", "sink"]
+        )
         self.latency = Histogram(
             "outbox_delivery_latency_seconds",
             "Event creation to broker acknowledgement.",
             LATENCY_BUCKETS,
+            ["outbox"],
         )
-        self.batch_size = Histogram("outbox_batch_size", "Events per claimed batch.", BATCH_BUCKETS)
+        self.batch_size = Histogram(
+            "outbox_batch_size", "Events per claimed batch.", BATCH_BUCKETS, ["outbox"]
+        )
         self.leases_lost = Counter(
-            "outbox_leases_lost_total", "Batches whose ack was refused because the lease ended."
+            "outbox_leases_lost_total", "Batches whose ack was refused because the lease ended.", ["outbox"]
         )
         self.sinks_replaced = Counter(
             "outbox_sink_replacements_total", "Sinks found unhealthy (fatal or stuck) and created anew."
         )
         self.partitions_lost = Counter(
-            "outbox_partitions_lost_total", "Owned key partitions found taken by another relay."
+            "outbox_partitions_lost_total", "Owned key partitions found taken by another relay.", ["outbox"]
         )
-        self.pending = Gauge("outbox_pending_events", "Events waiting in the outbox.", ["topic"])
+        self.pending = Gauge("outbox_pending_events", "Events waiting in the outbox.", ["outbox", "topic"])
         self.oldest_age = Gauge(
-            "outbox_oldest_pending_age_seconds", "Age of the oldest event waiting in the outbox."
+            "outbox_oldest_pending_age_seconds", "Age of the oldest event waiting in the outbox.", ["outbox"]
         )
         self.dead_tuples = Gauge(
-            "outbox_table_dead_tuples", "Dead tuples in the hot events table (vacuum backlog)."
+            "outbox_table_dead_tuples", "Dead tuples in the hot events table (vacuum backlog).", ["outbox"]
         )
-        self.table_bytes = Gauge("outbox_table_bytes", "Size of the hot events table with its indexes.")
+        self.table_bytes = Gauge(
+            "outbox_table_bytes", "Size of the hot events table with its indexes.", ["outbox"]
+        )
         self.oldest_xmin = Gauge(
             "outbox_oldest_xmin_age_seconds",
-            "Age of the oldest open snapshot in the database: it stops vacuum from cleaning the table.",
+            "Age of the oldest open snapshot in the outbox's database: it stops vacuum from cleaning "
+            "the table.",
+            ["outbox"],
         )
         self.owned_partitions = Gauge(
-            "outbox_owned_partitions", "Key partitions this relay owns (ordered mode)."
+            "outbox_owned_partitions", "Key partitions this relay owns (ordered mode).", ["outbox"]
         )
-        self.up = Gauge("outbox_database_up", "1 if the last database reading succeeded.")
+        self.up = Gauge(
+            "outbox_database_up", "1 if the last reading of the outbox's tables succeeded.", ["outbox"]
+        )
         self.ready = Gauge("outbox_ready", "1 if /readyz answers 200 (the relay can make progress), else 0.")
         self.not_ready_seconds = Gauge(
             "outbox_not_ready_seconds", "How long the relay has not been ready, in seconds (0 when ready)."
@@ -239,11 +275,12 @@ class RelayMetrics:
 
 
 class DatabaseGauges:
-    """Reads the queue and table gauges from PostgreSQL, at most once per TTL."""
+    """Reads the queue and table gauges of a database's outboxes from PostgreSQL, at most once
+    per TTL (one connection, one reading of each outbox)."""
 
-    def __init__(self, dsn: str, schema: str, metrics: RelayMetrics) -> None:
+    def __init__(self, dsn: str, outboxes: Callable[[], list[Outbox]], metrics: RelayMetrics) -> None:
         self._dsn = dsn
-        self._schema = schema
+        self._outboxes = outboxes
         self._metrics = metrics
         self._lock = threading.Lock()
         self._read_at = 0.0
@@ -255,7 +292,9 @@ class DatabaseGauges:
             if time.monotonic() - self._read_at < DB_GAUGE_TTL:
                 return self.ok
             self._read_at = time.monotonic()
-            m, s = self._metrics, self._schema
+            m = self._metrics
+            outboxes = self._outboxes()
+            up: dict[Labels, float] = {(o.name,): 0.0 for o in outboxes}
             try:
                 with psycopg.connect(
                     self._dsn,
@@ -263,28 +302,41 @@ class DatabaseGauges:
                     connect_timeout=3,
                     application_name="outbox-metrics",
                 ) as conn:
-                    conn.execute(query("metrics_session", s))
-                    rows = conn.execute(query("status_by_topic", s)).fetchall()
-                    m.pending.replace({(t,): float(n) for t, n, _ in rows})
-                    m.oldest_age.set(max((float(a) for _, _, a in rows), default=0.0))
-                    dead, _live, size = conn.execute(
-                        query("hot_table_stats", s), {"schema": s}
-                    ).fetchone() or (
-                        0,
-                        0,
-                        0,
-                    )
-                    m.dead_tuples.set(float(dead))
-                    m.table_bytes.set(float(size))
-                    xmin = conn.execute(query("oldest_xmin_age", s)).fetchone()
-                    m.oldest_xmin.set(float(xmin[0]) if xmin and xmin[0] is not None else 0.0)
+                    conn.execute(query("metrics_session", "public"))
+                    xmin = conn.execute(query("oldest_xmin_age", "public")).fetchone()
+                    oldest_xmin = float(xmin[0]) if xmin and xmin[0] is not None else 0.0
+                    for o in outboxes:
+                        try:
+                            self._read(conn, o.name, o.schema, oldest_xmin)
+                        except psycopg.OperationalError:
+                            raise
+                        except (
+                            psycopg.Error
+                        ):  # this outbox's tables (dropped, not migrated): the others go on
+                            continue
+                        up[(o.name,)] = 1.0
                 self.ok = True
                 self.condition.ok()
             except psycopg.Error as exc:
                 self.condition.fail(scrub(str(exc), secrets_of(self._dsn)))
                 self.ok = False
-            m.up.set(1.0 if self.ok else 0.0)
+            for labels, value in up.items():
+                m.up.set(value, labels)
             return self.ok
+
+    def _read(self, conn: psycopg.Connection[Any], name: str, schema: str, oldest_xmin: float) -> None:
+        m = self._metrics
+        rows = conn.execute(query("status_by_topic", schema)).fetchall()
+        m.pending.replace_where(0, name, {(name, t): float(n) for t, n, _ in rows})
+        m.oldest_age.set(max((float(a) for _, _, a in rows), default=0.0), (name,))
+        dead, _live, size = conn.execute(query("hot_table_stats", schema), {"schema": schema}).fetchone() or (
+            0,
+            0,
+            0,
+        )
+        m.dead_tuples.set(float(dead), (name,))
+        m.table_bytes.set(float(size), (name,))
+        m.oldest_xmin.set(oldest_xmin, (name,))
 
 
 def _readiness_reason(why: str) -> str:
@@ -307,7 +359,7 @@ class HealthServer:
         host: str,
         port: int,
         metrics: RelayMetrics,
-        gauges: DatabaseGauges,
+        gauges: Sequence[DatabaseGauges] | Callable[[], Sequence[DatabaseGauges]],
         ready: Callable[[], tuple[bool, str]],
     ) -> None:
         outer = self
@@ -316,7 +368,8 @@ class HealthServer:
             def do_GET(self) -> None:
                 path = self.path.split("?", 1)[0]
                 if path == "/metrics":
-                    gauges.refresh()
+                    for each in gauges() if callable(gauges) else gauges:
+                        each.refresh()
                     metrics.note_readiness(*outer._ready())
                     self._send(200, metrics.render(), "text/plain; version=0.0.4; charset=utf-8")
                 elif path == "/livez":

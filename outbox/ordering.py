@@ -23,16 +23,27 @@ relays in join order):
   and hand them over once every batch that was in flight at that moment has
   finished, so the next owner can never find one of their rows still locked.
 
-Fencing after a crash or a stall: a partition taken from an owner whose lease
-expired is ``fenced_until`` that owner's sessions are gone (immediately after
-a SIGKILL: the connections close) or at most its batch lease has passed (a
-stalled process: PostgreSQL ends its idle transaction). Until then no one
-claims from it, so a stale row lock can never make the new owner skip ahead of
-an undelivered event. The claim query checks the lease itself, so a relay
-whose lease expired claims nothing even before it notices. A relay that takes
-back its *own* partitions after a network outage is fenced only by the sessions
-it lost (pid + start time, from :class:`~outbox.sessions.Sessions`), which it
-ends itself: it does not wait out the batch lease behind sessions it knows.
+A lease that lapsed (a late heartbeat) while no other relay took the partition
+is simply renewed: only the owner claims, and claims check the lease, so
+nothing happened to it meanwhile.
+
+Fencing after a crash or a stall: every ordered claim holds a shared advisory
+lock on each partition it claims from, for its transaction (the batch's life).
+A partition taken over is ``fenced`` until that lock is free: the previous
+owner's batches have ended, however long they lived (a SIGKILL closes their
+sessions at once; PostgreSQL ends a stalled, idle one at the batch lease; a
+starved but live one ends when it finishes). Until then no one claims from it,
+so a stale row lock can never make the new owner skip ahead of an undelivered
+event. No time bound is assumed: a starved owner's finish() runs statements,
+and each resets the idle timeout; a stopped one may leave the server blocked
+writing a claim's rows to it, which no timeout ends. So, for liveness, the new
+owner ends the sessions still holding the lock once its own batch lease has
+passed since the takeover: ended, they can acknowledge nothing, and what they
+sent before is an earlier duplicate of what the new owner sends. The claim
+takes the lock, then checks the lease on the clock, so a relay whose lease
+expired claims nothing even before it notices. A relay that lost sessions in a network outage ends them itself
+(pid + start time, from :class:`~outbox.sessions.Sessions`), which frees
+their locks without waiting out the batch lease.
 
 Key holds
 ---------
@@ -51,19 +62,22 @@ import datetime as dt
 import logging
 import time
 import uuid
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Any
 
 import psycopg
 
 from outbox.conditions import Condition
 from outbox.queries import int_array, query
+from outbox.sessions import Link
 
 log = logging.getLogger("outbox.ordering")
 
 PARTITIONS = 64  # logical partitions, fixed by migration 0002
 OWNERSHIP_LEASE = 10.0  # seconds; a dead relay's partitions are taken over within this + a heartbeat
 HEARTBEAT_FRACTION = 5  # heartbeats per lease
+FORGET_EVERY = 60.0  # seconds between clean-ups of relays gone for a while
+FENCE_RECHECK = 0.5  # seconds before a relay looks again at partitions it took fenced
 ORDERINGS = ("key", "none")  # key: per-key order across relays; none: plain SKIP LOCKED
 ON_DEAD = ("park", "continue")  # park: a dead letter holds back its key's later events
 
@@ -98,13 +112,14 @@ class Ordering:
     def __init__(
         self,
         *,
-        connect: Callable[[], psycopg.Connection[Any]],
+        link: Link,
         schema: str,
         name: str,
         lease: float,
         batch_lease: float,
         ordering: str,
         on_dead: str,
+        outbox: str | None = None,
     ) -> None:
         self.id = uuid.uuid4()
         self.name = name
@@ -117,16 +132,22 @@ class Ordering:
         self.parks = self.ordered and on_dead == "park"
         self.holds = KeyHolds()
         self._claim = "claim_batch" if self.ordered else "claim_batch_unordered"
-        self._connect = connect
-        self._conn: psycopg.Connection[Any] | None = None
+        self.link = link  # the heartbeat's connection, shared with the database's other outboxes
         self._next = 0.0
+        self._next_forget = 0.0
         self._readiness: str | None = None  # the relay's /readyz kind, written with each heartbeat
         self.owned: set[int] = set()
         self.lost_partitions = 0  # partitions found taken by another relay (for metrics)
         # partition -> the in-flight batches (by id) that may hold its rows
         self._releasing: dict[int, set[int]] = {}
+        # ``outbox``: the name of the outbox (a relay serving several), in its lines and log fields.
+        said = f"outbox {outbox}: " if outbox not in (None, "default") else ""
+        self._said = said  # the prefix of this outbox's log lines
         self.heartbeat = Condition(
-            log, "heartbeat", "ownership heartbeat failing (leases lapse if this lasts)"
+            log,
+            "heartbeat",
+            f"{said}ownership heartbeat failing (leases lapse if this lasts)",
+            fields={"outbox": outbox} if outbox is not None else None,
         )
 
     def claim(self, conn: psycopg.Connection[Any], limit: int) -> list[tuple[Any, ...]]:
@@ -142,6 +163,15 @@ class Ordering:
 
     def due(self) -> bool:
         return time.monotonic() >= self._next
+
+    def delay_first_heartbeat(self, seconds: float) -> None:
+        """The next heartbeat in ``seconds`` (a relay spreads its outboxes' heartbeats)."""
+        self._next = time.monotonic() + seconds
+
+    @property
+    def due_at(self) -> float:
+        """When the next heartbeat is due (monotonic seconds)."""
+        return self._next
 
     def seconds_until_due(self) -> float:
         return max(0.0, self._next - time.monotonic())
@@ -166,18 +196,14 @@ class Ordering:
             acquired = self._tick(list(backend_pids), set(in_flight), stale if stale is not None else [])
         except psycopg.Error as exc:
             self.heartbeat.fail(str(exc))
-            if self._conn is not None:
-                self._conn.close()
-            self._conn = None
+            if isinstance(exc, psycopg.OperationalError):  # the connection; else this schema's own
+                self.link.lost()
             return False
         self.heartbeat.ok()
         return acquired
 
     def _tick(self, pids: list[int], in_flight: set[int], stale: list[tuple[int, dt.datetime]]) -> bool:
-        if self._conn is None or self._conn.closed:
-            self._conn = self._connect()
-            self._conn.autocommit = True
-        conn = self._conn
+        conn = self.link.get()
         s = self.schema
         ttl = self.lease
         lost = {
@@ -187,7 +213,7 @@ class Ordering:
         if stale:
             row = conn.execute(query("end_stale_sessions", s), lost).fetchone()
             if row is not None and row[0]:
-                log.info("ended %d of this relay's sessions lost in a network outage", row[0])
+                log.info("%sended %d of this relay's sessions lost in a network outage", self._said, row[0])
         conn.execute(
             query("relay_heartbeat", s),
             {
@@ -203,16 +229,18 @@ class Ordering:
         if self.ordering != "key":
             return False
         renewed = conn.execute(query("renew_partitions", s), {"me": self.id, "ttl": ttl}).fetchall()
-        taken = self.owned - {p for p, _ in renewed}
+        taken = self.owned - {p for p, _, _ in renewed}
         if taken:
             self.lost_partitions += len(taken)
             log.warning(
-                "lost ownership of partitions %s (lease expired)",
+                "%slost ownership of partitions %s (taken over after the lease expired)",
+                self._said,
                 sorted(taken),
                 extra={"event": "ownership.lost"},
             )
-        self.owned = {p for p, _ in renewed}
-        releasing = {p for p, r in renewed if r}
+        self.owned = {p for p, _, _ in renewed}
+        releasing = {p for p, r, _ in renewed if r}
+        fenced = any(f for _, _, f in renewed)
         # Hand over the partitions whose in-flight batches have all finished.
         ready = [p for p in releasing if not (self._releasing.get(p, set()) & in_flight)]
         if ready:
@@ -220,8 +248,21 @@ class Ordering:
             self.owned -= set(ready)
             for p in ready:
                 self._releasing.pop(p, None)
-            log.info("handed over partitions %s", sorted(ready))
-        conn.execute(query("unfence_partitions", s), {"me": self.id, **lost})
+            log.info("%shanded over partitions %s", self._said, sorted(ready))
+        if fenced:  # only then: reading pg_locks is the dearest statement of a heartbeat
+            self._next = min(self._next, time.monotonic() + FENCE_RECHECK)
+            row = conn.execute(
+                query("end_fencing_sessions", s), {"me": self.id, "grace": self.batch_lease}
+            ).fetchone()
+            if row is not None and row[0]:
+                log.warning(
+                    "%sended %d session(s) of a previous owner still holding partitions taken over %g s ago",
+                    self._said,
+                    row[0],
+                    self.batch_lease,
+                    extra={"event": "ownership.fenced"},
+                )
+            conn.execute(query("unfence_partitions", s), {"me": self.id})
         live = [r[0] for r in conn.execute(query("live_relays", s)).fetchall()]
         share = fair_share(PARTITIONS, live, self.id)
         keeping = self.owned - releasing
@@ -231,22 +272,22 @@ class Ordering:
             conn.execute(query("mark_releasing", s), {"me": self.id, "parts": int_array(extra)})
             for p in extra:
                 self._releasing[p] = set(in_flight)
-            log.info("releasing partitions %s to rebalance", extra)
+            log.info("%sreleasing partitions %s to rebalance", self._said, extra)
         elif len(self.owned) < share:
             got = conn.execute(
                 query("acquire_partitions", s),
-                {
-                    "me": self.id,
-                    "ttl": ttl,
-                    "count": share - len(self.owned),
-                    "max_lease": self.batch_lease,
-                    **lost,
-                },
+                {"me": self.id, "ttl": ttl, "count": share - len(self.owned)},
             ).fetchall()
             if got:
                 self.owned |= {r[0] for r in got}
-                log.info("acquired partitions %s", sorted(r[0] for r in got))
-        conn.execute(query("forget_relays", s))
+                log.info("%sacquired partitions %s", self._said, sorted(r[0] for r in got))
+                if any(r[1] for r in got):
+                    # Taken fenced: look again at the next heartbeat, not a whole interval later.
+                    self._next = min(self._next, time.monotonic() + FENCE_RECHECK)
+        now = time.monotonic()
+        if now >= self._next_forget:  # rows of relays gone for 10 minutes: a minute late is fine
+            self._next_forget = now + FORGET_EVERY
+            conn.execute(query("forget_relays", s))
         if stale:
             row = conn.execute(query("stale_sessions_alive", s), lost).fetchone()
             if row is not None and not row[0]:
@@ -256,17 +297,12 @@ class Ordering:
     def release_all(self) -> None:
         """Clean shutdown: hand everything over now (no batch is in flight any more)."""
         try:
-            if self._conn is None or self._conn.closed:
-                self._conn = self._connect()
-                self._conn.autocommit = True
-            self._conn.execute(query("release_all", self.schema), {"me": self.id})
+            self.link.get().execute(query("release_all", self.schema), {"me": self.id})
             self.owned = set()
         except psycopg.Error as exc:
-            log.warning("could not release partitions, they lapse with the lease: %s", exc)
-        finally:
-            if self._conn is not None:
-                self._conn.close()
-                self._conn = None
+            if isinstance(exc, psycopg.OperationalError):  # the connection; else this schema's own
+                self.link.lost()
+            log.warning("%scould not release partitions, they lapse with the lease: %s", self._said, exc)
 
 
 def fair_share(partitions: int, live: list[uuid.UUID], me: uuid.UUID) -> int:

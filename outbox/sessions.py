@@ -30,6 +30,7 @@ import datetime as dt
 import logging
 import threading
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import psycopg
@@ -48,8 +49,9 @@ APPLICATION_NAME = "outbox-relay"
 class Sessions:
     """Open, idle and lost connections of one relay."""
 
-    def __init__(self, dsn: str, *, lease: float, stop: threading.Event) -> None:
+    def __init__(self, dsn: str, *, lease: float, stop: threading.Event, limit: int | None = None) -> None:
         self._dsn = dsn
+        self.limit = limit  # the most sessions open at once (the connection budget); None: no limit
         self._secrets = secrets_of(dsn)
         self._lease_ms = int(lease * 1000)
         self._stop = stop
@@ -66,8 +68,9 @@ class Sessions:
         """An error's text on one line, with the DSN's password masked."""
         return " ".join(scrub(str(exc), self._secrets).split())
 
-    def connect(self) -> psycopg.Connection[Any]:
-        """A new session with the relay's settings (raises on failure)."""
+    def connect(self, *, pooled: bool = True) -> psycopg.Connection[Any]:
+        """A new session with the relay's settings (raises on failure). ``pooled``: one of the
+        pool's, counted toward its limit (not so the heartbeat's connection)."""
         conn = psycopg.connect(self._dsn, autocommit=False, application_name=APPLICATION_NAME)
         try:
             row = conn.execute(query("backend_start", "public"), {"lease_ms": str(self._lease_ms)}).fetchone()
@@ -75,7 +78,7 @@ class Sessions:
         except psycopg.Error:
             conn.close()
             raise
-        if row is not None:
+        if row is not None and pooled:
             self._started[conn] = (row[0], row[1])
         return conn
 
@@ -84,12 +87,24 @@ class Sessions:
         started = self._started.get(conn)
         return started[0] if started is not None else None
 
-    def take(self) -> tuple[psycopg.Connection[Any] | None, bool]:
-        """A free session and whether it is new; (None, False) if stopping while reconnecting."""
+    @property
+    def open(self) -> int:
+        """Sessions open now, idle or in use."""
+        return len(self._started)
+
+    def available(self) -> bool:
+        """Would take() find or open a session (within the limit)?"""
+        return bool(self._idle) or self.limit is None or self.open < self.limit
+
+    def take(self) -> psycopg.Connection[Any] | None:
+        """A free session; None if the limit is reached, or if stopping while reconnecting."""
         while self._idle:
             idle = self._idle.pop()
             if not idle.closed:
-                return idle, False
+                return idle
+            self._forget(idle)
+        if self.limit is not None and self.open >= self.limit:
+            return None
         try:
             for attempt in Retrying(
                 retry=retry_if_exception_type(psycopg.OperationalError),
@@ -101,10 +116,10 @@ class Sessions:
                 reraise=True,
             ):
                 with attempt:
-                    return self.connect(), True
+                    return self.connect()
         except psycopg.OperationalError:
             pass  # stop was requested while reconnecting
-        return None, False
+        return None
 
     def give_back(self, conn: psycopg.Connection[Any]) -> None:
         """The one place a session returns to the idle list (a closed one is dropped)."""
@@ -140,3 +155,27 @@ class Sessions:
                 conn.close()
             self._started.pop(conn, None)
         self._idle = []
+
+
+class Link:
+    """One autocommit connection, opened when first needed and again after it was lost: what the
+    heartbeats of a database's outboxes share (used from the relay loop's thread only)."""
+
+    def __init__(self, connect: Callable[[], psycopg.Connection[Any]]) -> None:
+        self._connect = connect
+        self._conn: psycopg.Connection[Any] | None = None
+
+    def get(self) -> psycopg.Connection[Any]:
+        if self._conn is None or self._conn.closed:
+            self._conn = self._connect()
+            self._conn.autocommit = True
+        return self._conn
+
+    def lost(self) -> None:
+        """The connection failed: close it; the next get() opens another."""
+        if self._conn is not None:
+            with contextlib.suppress(psycopg.Error):
+                self._conn.close()
+            self._conn = None
+
+    close = lost

@@ -50,6 +50,56 @@ def collect(conn: psycopg.Connection[Any], schema: str, store: Store | None = No
     }
 
 
+SUMMARY_FIELDS = (
+    "pending",
+    "retrying",
+    "dead",
+    "parked_keys",
+    "oldest_pending_age_seconds",
+    "delivered_last_hour",
+    "relays",
+    "unowned_partitions",
+)
+
+
+def summary(conn: psycopg.Connection[Any], schema: str) -> dict[str, Any]:
+    """One outbox's numbers for ``outbox status --all`` (no count of the archive: it is big)."""
+    row = conn.execute(query("status_summary", schema)).fetchone()
+    assert row is not None
+    out: dict[str, Any] = dict(zip(SUMMARY_FIELDS, row, strict=True))
+    age = out["oldest_pending_age_seconds"]
+    out["oldest_pending_age_seconds"] = None if age is None else round(float(age), 3)
+    return out
+
+
+def render_summaries(rows: list[dict[str, Any]]) -> str:
+    """``outbox status --all``: one line per outbox, then the totals."""
+    head = (
+        f"{'outbox':<28} {'pending':>9} {'retrying':>9} {'dead':>7} {'parked':>7} {'oldest':>9} "
+        f"{'last hour':>10} {'relays':>6}  state"
+    )
+    lines = [head]
+    for r in rows:
+        if "error" in r:
+            lines.append(
+                f"{r['name']:<28} {'':>9} {'':>9} {'':>7} {'':>7} {'':>9} {'':>10} {'':>6}  {r['error']}"
+            )
+            continue
+        age = r["oldest_pending_age_seconds"]
+        oldest = "-" if age is None else f"{age:.1f} s"
+        state = "no live relay" if r["pending"] and not r["relays"] else "ok"
+        lines.append(
+            f"{r['name']:<28} {r['pending']:>9} {r['retrying']:>9} {r['dead']:>7} {r['parked_keys']:>7} "
+            f"{oldest:>9} {r['delivered_last_hour']:>10} {r['relays']:>6}  {state}"
+        )
+    ok = [r for r in rows if "error" not in r]
+    lines.append(
+        f"{len(rows)} outboxes, {len(rows) - len(ok)} unreadable; "
+        f"{sum(r['pending'] for r in ok)} pending, {sum(r['dead'] for r in ok)} dead letters"
+    )
+    return "\n".join(lines)
+
+
 def fleet(conn: psycopg.Connection[Any], schema: str) -> dict[str, Any]:
     """The live relays (partitions, heartbeat, readiness) and the partitions none owns."""
     owners = conn.execute(query("status_owners", schema)).fetchall()

@@ -86,6 +86,20 @@ def schema(pg_dsn: str) -> Iterator[str]:
 
 
 @pytest.fixture
+def prefix(pg_dsn: str) -> Iterator[str]:
+    """A prefix of this test's own for the schemas it makes (tenants: <prefix>_<n>); every schema
+    that starts with it is dropped afterwards."""
+    name = f"p{uuid.uuid4().hex[:11]}"
+    yield name
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        rows = conn.execute(
+            "SELECT nspname FROM pg_namespace WHERE starts_with(nspname, %s)", (name,)
+        ).fetchall()
+        for (schema,) in rows:
+            conn.execute(sql.SQL("DROP SCHEMA {} CASCADE").format(sql.Identifier(schema)))
+
+
+@pytest.fixture
 def conn(pg_dsn: str) -> Iterator[psycopg.Connection[Any]]:
     with psycopg.connect(pg_dsn) as c:
         yield c

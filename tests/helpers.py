@@ -9,7 +9,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,6 +18,7 @@ from confluent_kafka import OFFSET_BEGINNING, Consumer, TopicPartition
 from confluent_kafka.admin import AdminClient
 from psycopg import sql
 
+from outbox.outboxes import Outbox
 from outbox.relay import Relay, RelayConfig
 from outbox.sinks.base import Sink
 from outbox.sinks.kafka import KafkaSink
@@ -124,11 +125,15 @@ def read_topic(bootstrap: str, topic: str, expected: int, timeout: float = 30.0)
 
 @contextlib.contextmanager
 def running_relay(
-    config: RelayConfig, sink_factory: Callable[[], Sink] | None = None, bootstrap: str = ""
+    config: RelayConfig,
+    sink_factory: Callable[[], Sink] | None = None,
+    bootstrap: str = "",
+    outboxes: Sequence[Outbox] | None = None,
 ) -> Iterator[Relay]:
-    """A relay running in a thread for the duration of the block, then stopped."""
+    """A relay running in a thread for the duration of the block, then stopped (``outboxes``:
+    the outboxes of one database it serves; by default config's dsn and schema)."""
     factory = sink_factory or (lambda: KafkaSink(bootstrap, delivery_timeout=config.delivery_timeout))
-    relay = Relay(config, factory)
+    relay = Relay(config, factory, outboxes)
     errors: list[BaseException] = []
 
     def target() -> None:
@@ -267,9 +272,12 @@ def http_get(port: int, path: str) -> tuple[int, str]:
         return exc.code, exc.read().decode()
 
 
-def write_rounds(dsn: str, schema: str, topic: str, keys: int, rounds: int, first: int = 0) -> None:
+def write_rounds(
+    dsn: str, schema: str, topic: str, keys: int, rounds: int, first: int = 0, key_prefix: str = ""
+) -> None:
     """``rounds`` transactions of one event per key (payload {"k", "seq"}): commit order is seq
-    order for every key, as :func:`assert_per_key_order` checks."""
+    order for every key, as :func:`assert_per_key_order` checks. ``key_prefix``: keys of this
+    outbox's own (several outboxes writing to one topic)."""
     import outbox
 
     with psycopg.connect(dsn) as conn:
@@ -277,7 +285,11 @@ def write_rounds(dsn: str, schema: str, topic: str, keys: int, rounds: int, firs
             outbox.enqueue_many(
                 conn,
                 [
-                    {"topic": topic, "key": f"k{k}", "payload": {"k": f"k{k}", "seq": seq}}
+                    {
+                        "topic": topic,
+                        "key": f"{key_prefix}k{k}",
+                        "payload": {"k": f"{key_prefix}k{k}", "seq": seq},
+                    }
                     for k in range(keys)
                 ],
                 schema=schema,

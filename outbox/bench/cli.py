@@ -15,6 +15,7 @@ from outbox.bench.config import SCENARIOS, BenchConfig
 from outbox.bench.faults import cli as faults_cli
 from outbox.bench.servers import add_servers
 from outbox.cli import options
+from outbox.cli.common import dsn_of
 from outbox.errors import ConfigError
 from outbox.extras import require
 from outbox.settings import setting
@@ -69,7 +70,7 @@ def cmd_perf(args: argparse.Namespace) -> int:
         if isinstance(value, (int, float)) and value <= 0:
             raise ConfigError(f"--{name.replace('_', '-')}: must be > 0, got {value}")
     run_bench(
-        dsn=args.dsn or None,
+        dsn=dsn_of(args) or None,
         bootstrap=args.kafka_bootstrap,
         chosen=[s.strip() for s in perf.scenarios.split(",") if s.strip()],
         out=Path(perf.out),

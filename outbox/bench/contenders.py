@@ -26,6 +26,7 @@ spawns every contender) imports neither.
 from __future__ import annotations
 
 import json
+import os
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -39,6 +40,7 @@ import psycopg
 from confluent_kafka import Producer
 
 from outbox.events import ClaimedEvent
+from outbox.outboxes import Outbox
 from outbox.queries import query
 from outbox.relay import Relay, RelayConfig, tune_gc
 from outbox.sinks.base import Delivered, Outcome, OutcomeSlots, Report, Settle, SinkWrapper
@@ -47,6 +49,7 @@ from outbox.sinks.kafka import KafkaSink
 BARE_BATCH = 1000  # rows per transaction of the bare loop
 IDLE_WAIT = 0.005  # seconds a baseline sleeps when it finds nothing to do
 PRODUCER_CONFIG = {"enable.idempotence": True, "acks": "all", "linger.ms": 5}
+PARENT_CHECK = 0.5  # seconds between a contender's looks at whether the bench is still there
 
 
 @dataclass
@@ -59,6 +62,7 @@ class ContenderSpec:
     sink_url: str = ""  # sink_relay / sink_loop: the route URL (outbox.bench.sinks)
     topic: str = ""  # faststream: the Kafka topic its publisher writes to
     ack_log: str | None = None  # steady scenario: where the relay writes event-id -> ack time
+    schemas: list[str] = field(default_factory=list)  # tenants: every outbox one relay serves
     # The child's entry for the contenders defined above this module (peers, sinks); spawned
     # processes receive it by its qualified name.
     entry: Contender | None = None
@@ -75,8 +79,22 @@ def _headers(event_id: Any, headers: Any) -> list[tuple[str, str | bytes | None]
     return out
 
 
+def _die_with_parent() -> None:
+    """Exit when the bench that spawned this contender is gone (killed, not stopped): else the
+    contender goes on, polling the database and skewing every later measurement."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(PARENT_CHECK)
+        os._exit(3)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+
+
 def run_contender(spec: ContenderSpec, counter: Synchronized[int], stop: Event) -> None:
     """Child-process entry point: every contender with the garbage collector ``outbox relay`` sets."""
+    _die_with_parent()
     tune_gc()
     if spec.entry is not None:
         spec.entry(spec, counter, stop)
@@ -143,7 +161,10 @@ def drive(relay: Relay, counter: Synchronized[int], stop: Event) -> None:
 
 
 def _relay(spec: ContenderSpec, counter: Synchronized[int], stop: Event) -> None:
+    """The relay as ``outbox relay`` runs it: one outbox, or every schema of ``spec.schemas``
+    (the tenants scenario: one relay serving the outboxes of a database)."""
     config = RelayConfig(spec.dsn, schema=spec.schema, **spec.relay_options)
+    outboxes = [Outbox(s, spec.dsn, s) for s in spec.schemas] if spec.schemas else None
     sinks: list[AckTimingSink] = []
 
     def factory() -> KafkaSink | AckTimingSink:
@@ -153,7 +174,7 @@ def _relay(spec: ContenderSpec, counter: Synchronized[int], stop: Event) -> None
         sinks.append(AckTimingSink(sink))
         return sinks[-1]
 
-    drive(Relay(config, factory), counter, stop)
+    drive(Relay(config, factory, outboxes), counter, stop)
     if spec.ack_log is not None:
         acks = [a for s in sinks for a in s.acks]
         Path(spec.ack_log).write_text(json.dumps(acks))

@@ -81,6 +81,7 @@ class Race:
     """What a set of contender processes did: a time series and their resources."""
 
     series: list[tuple[float, int]] = field(default_factory=list)  # (seconds, events moved)
+    cpu_series: list[tuple[float, float]] = field(default_factory=list)  # (seconds, contenders' CPU s)
     relay_cpu_s: float = 0.0
     postgres_cpu_s: float = 0.0
     peak_rss_mb: float = 0.0
@@ -97,9 +98,13 @@ def race(
     on_sample: Callable[[float, int], None] | None = None,
     until: Callable[[float, int], bool] | None = None,
     boxed_from_first_move: bool = False,
+    counting: bool = False,
 ) -> Race:
     """Run ``specs`` as processes until they moved ``target`` events, ``until(elapsed, moved)``
     said so, or ``max_seconds`` passed.
+
+    ``counting``: the progress counts events moved even without a ``target`` (a race that ends
+    on ``until``); otherwise it counts seconds.
 
     ``boxed_from_first_move``: ``max_seconds`` counts from the first event moved, not from the
     spawn (a time-boxed contender's start-up, slow on a loaded machine, is not its race); it
@@ -133,9 +138,10 @@ def race(
                     result.peak_rss_mb = max(result.peak_rss_mb, peak_rss_mb(p.pid))
                 except psutil.NoSuchProcess:
                     pass
+        result.cpu_series.append((elapsed, sum(cpu_last.values())))
         if progress is not None:
             rate = _recent_rate(result.series)
-            progress.update(moved if target else elapsed, f"{rate:,.0f} ev/s")
+            progress.update(moved if target or counting else elapsed, f"{rate:,.0f} ev/s")
         if on_sample is not None:
             on_sample(elapsed, moved)
         if not boxed_from_first_move:

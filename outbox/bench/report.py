@@ -19,7 +19,10 @@ TARGETS = {
     "relay_vs_best_peer": 10.0,  # the relay >= 10 x the fastest Python peer
     "relay_vs_sink_loop": 0.8,  # each sink: relay drain >= 0.8 x its minimal loop
     "console_page_p95_ms": 300.0,  # every console page at the full size (issue 27)
+    "tenants_ratio_at_100": 0.8,  # the backlog over 100 outboxes >= 0.8 x over one (issue 28)
+    "tenants_quiet_p99_ms": 100.0,  # a quiet outbox's commit -> ack p99 while a busy one drains
 }
+RATIO_AT = 100  # outboxes: the spread whose ratio to one outbox has a target
 
 
 def _ms(v: float | None) -> str:
@@ -221,7 +224,47 @@ def markdown(results: dict[str, Any]) -> str:
             )
     if "console" in s:
         lines += console_markdown(s["console"])
+    if "tenants" in s:
+        lines += tenants_markdown(s["tenants"])
     return "\n".join(lines)
+
+
+def tenants_markdown(t: dict[str, Any]) -> list[str]:
+    target = TARGETS["tenants_ratio_at_100"]
+    lines = [
+        "",
+        f"**Tenants** one relay process over many outboxes (schemas) of one database: "
+        f"{t['events']:,} realistic events spread evenly over them; events/s over the middle 80 % "
+        f"of the drain and the ratio to one outbox (target at {RATIO_AT} outboxes: >= {target}); then "
+        "the idle relay's cost: the database's transactions per second, per outbox, and the relay's "
+        "peak RSS per outbox beyond the first.",
+        "",
+        "| outboxes | events/s | / one outbox | idle transactions/s | per outbox | idle relay CPU "
+        "| peak RSS MB | RSS MB per outbox |",
+        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for r in t["runs"]:
+        ratio = r["ratio_to_one"]
+        verdict = f" {_verdict(ratio >= target)}" if ratio is not None and r["outboxes"] == RATIO_AT else ""
+        per = "-" if r["rss_mb_per_outbox"] is None else f"{r['rss_mb_per_outbox']:.3f}"
+        lines.append(
+            f"| {r['outboxes']:,} | {r['events_per_s']:,.0f} | "
+            f"{'-' if ratio is None else f'{ratio:.2f}'}{verdict} | {r['idle_transactions_per_s']:,.1f} | "
+            f"{r['idle_transactions_per_s_per_outbox']:.2f} | {r.get('idle_cpu_percent', 0):.1f} % | "
+            f"{r['peak_rss_mb']:.0f} | {per} |"
+        )
+    f = t["fairness"]
+    q = f["quiet_latency_ms"]
+    ok = q["p99"] is not None and q["p99"] <= TARGETS["tenants_quiet_p99_ms"]
+    lines += [
+        "",
+        f"**Fairness** a busy outbox draining {f['busy_events']:,} events ({f['busy_events_per_s']:,.0f} "
+        f"events/s) while a quiet one is written at {f['quiet_rate']} events/s: the quiet one's commit -> "
+        f"ack latency over {f['quiet_events']} events, p50 {_ms(q['p50'])} ms, p99 {_ms(q['p99'])} ms, "
+        f"max {_ms(q['max'])} ms (target p99 <= {TARGETS['tenants_quiet_p99_ms']:g} ms: {_verdict(ok)}).",
+        "",
+    ]
+    return lines
 
 
 def console_markdown(c: dict[str, Any]) -> list[str]:
@@ -402,6 +445,23 @@ def plots(results: dict[str, Any], out: Path) -> list[str]:
         fig.savefig(out / "console.png", dpi=110)
         plt.close(fig)
         made.append("console.png")
+    if "tenants" in s and s["tenants"]["runs"]:
+        runs = s["tenants"]["runs"]
+        fig, (a1, a2) = plt.subplots(1, 2, figsize=(9, 4))
+        at = list(range(len(runs)))
+        labels = [f"{r['outboxes']:,}" for r in runs]
+        a1.bar(at, [r["events_per_s"] for r in runs])
+        a1.set_title("drain events/s, one relay")
+        a1.set_xlabel("outboxes the backlog is spread over")
+        a2.bar(at, [r["idle_transactions_per_s"] for r in runs])
+        a2.set_title("idle: database transactions/s")
+        a2.set_xlabel("outboxes")
+        for ax in (a1, a2):
+            ax.set_xticks(at, labels)
+        fig.tight_layout()
+        fig.savefig(out / "tenants.png", dpi=110)
+        plt.close(fig)
+        made.append("tenants.png")
     if "writer" in s and s["writer"].get("stacks"):
         w = s["writer"]["stacks"]
         names = list(w)

@@ -19,7 +19,6 @@ from pathlib import Path
 from typing import Any
 
 import psycopg
-from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-defined]
 
 from outbox.bench import events, peers
 from outbox.bench.config import BenchConfig
@@ -27,8 +26,10 @@ from outbox.bench.console import console as console  # the console scenario, run
 from outbox.bench.contenders import ContenderSpec
 from outbox.bench.measure import median, middle_rate, percentiles, race
 from outbox.bench.sinks import sinks as sinks  # the sinks scenario, run by name like the others
+from outbox.bench.tenants import tenants as tenants  # the tenants scenario: many outboxes, one relay
 from outbox.bench.writers import writer as writer  # the writer scenario, every stack
 from outbox.extras import missing
+from outbox.harness.infra import create_topic
 from outbox.harness.load import Load, prepare
 from outbox.harness.tap import Tap
 from outbox.migrate import migrate
@@ -57,10 +58,7 @@ class Workspace:
         with psycopg.connect(self.dsn, autocommit=True) as conn:
             migrate(conn, self.schema)
         prepare(self.dsn, self.schema)
-        admin = AdminClient({"bootstrap.servers": self.bootstrap})
-        futures = admin.create_topics([NewTopic(self.topic, TOPIC_PARTITIONS, 1)])
-        for f in futures.values():
-            f.result(30)
+        create_topic(self.bootstrap, self.topic, TOPIC_PARTITIONS)
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -35,7 +35,8 @@ from outbox.bench.contenders import Contender, ContenderSpec, drive
 from outbox.bench.events import fill
 from outbox.bench.measure import median, middle_rate, race
 from outbox.config import RelayConfig
-from outbox.harness.sinktaps import Receiver, SinkTap, tap_class
+from outbox.harness.sinktaps import Receiver, SinkTap
+from outbox.harness.taps import tap_class
 from outbox.migrate import migrate
 from outbox.progress import Progress
 from outbox.queries import query

@@ -54,6 +54,9 @@ class _JsonFormatter(logging.Formatter):
         event = getattr(record, "event", None)
         if event is not None:
             entry["event"] = event  # a stable name for tools; the message may be reworded
+        outbox = getattr(record, "outbox", None)
+        if outbox is not None:
+            entry["outbox"] = outbox  # which outbox (a relay serving several): its name, never a DSN
         if record.exc_info:
             entry["exc"] = self.formatException(record.exc_info)
         return json.dumps(entry, ensure_ascii=False)

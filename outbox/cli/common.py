@@ -22,7 +22,11 @@ LOG_LEVELS = ("debug", "info", "warning", "error")
 
 @dataclass
 class Common:
-    dsn: str = setting("", "PostgreSQL connection string; else libpq's PG* variables")
+    dsn: list[str] = setting(
+        default_factory=list,
+        help="PostgreSQL connection string; else libpq's PG* variables (relay, migrate and status take "
+        "several, with --schemas)",
+    )
     schema: str = setting(DEFAULT_SCHEMA, "schema of the outbox tables")
     log_format: str = setting("text", "log line format", choices=LOG_FORMATS)
     log_level: str = setting("info", "log level", choices=LOG_LEVELS)
@@ -36,9 +40,20 @@ def schema_of(args: argparse.Namespace) -> str:
     return validate_schema(args.schema, "--schema")
 
 
-def connect(args: argparse.Namespace) -> psycopg.Connection[Any]:
-    """A connection for a command, or a one-line error naming the (redacted) DSN."""
-    dsn = args.dsn
+def dsn_of(args: argparse.Namespace) -> str:
+    """The one --dsn of a command that works on one database ("" leaves it to libpq's PG*)."""
+    given: list[str] = args.dsn or []
+    if len(given) > 1:
+        raise ConfigError(
+            f"--dsn: given {len(given)} times; only one database here (several go with --schemas)"
+        )
+    return given[0] if given else ""
+
+
+def connect(args: argparse.Namespace, dsn: str | None = None) -> psycopg.Connection[Any]:
+    """A connection for a command (to ``dsn``, else its --dsn), or a one-line error naming the
+    (redacted) DSN."""
+    dsn = dsn_of(args) if dsn is None else dsn
     try:
         return psycopg.connect(dsn, application_name="outbox-cli")
     except psycopg.OperationalError as exc:

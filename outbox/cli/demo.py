@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from outbox.cli import options
-from outbox.cli.common import add_common, schema_of
+from outbox.cli.common import add_common, dsn_of, schema_of
 from outbox.cli.relay import KafkaOptions, parse_kafka_config
 from outbox.settings import setting
 
@@ -31,7 +31,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
     demo = options.build(DemoOptions, args)
     return run_demo(
-        dsn=args.dsn or None,
+        dsn=dsn_of(args) or None,
         bootstrap=args.kafka_bootstrap,
         schema=schema_of(args),
         seconds=demo.seconds,

@@ -10,11 +10,15 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
+import psycopg
+
 from outbox import archive, audit, claim_check, dead, inbox, status
 from outbox import migrate as migrations
 from outbox.cli import options
-from outbox.cli.common import add_common, add_confirm, confirm, connect, key_arg, schema_of
-from outbox.errors import ConfigError, NothingMatched
+from outbox.cli.common import add_common, add_confirm, confirm, connect, dsn_of, key_arg, schema_of
+from outbox.cli.outboxes import add_outboxes, choose, is_fleet
+from outbox.dsn import scrub, secrets_of
+from outbox.errors import ConfigError, NothingMatched, OutboxError
 from outbox.events import key_text
 from outbox.progress import Progress
 from outbox.queries import query
@@ -31,12 +35,19 @@ def register(sub: Any) -> None:
         help="only the consumer inbox (outbox.inbox), e.g. in a consumer's own database",
     )
     options.add(p, MigrateOptions)
+    add_outboxes(p)
     p.set_defaults(run=cmd_migrate)
 
     p = sub.add_parser("status", help="depth, age, errors and dead letters")
     add_common(p)
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument(
+        "--all",
+        action="store_true",
+        help="one line per outbox (--outbox, --schemas, --outboxes-file; else --dsn/--schema)",
+    )
     options.add(p, StoreOption)
+    add_outboxes(p)
     p.set_defaults(run=cmd_status)
 
     p = sub.add_parser("notify", help="switch the NOTIFY trigger on or off")
@@ -115,7 +126,7 @@ class StoreOption:
 
 
 def _store(args: argparse.Namespace, schema: str) -> claim_check.Store:
-    return claim_check.open_store(args.claim_check_store or "postgres:", dsn=args.dsn, schema=schema)
+    return claim_check.open_store(args.claim_check_store or "postgres:", dsn=dsn_of(args), schema=schema)
 
 
 # -- migrate ------------------------------------------------------------------------------
@@ -164,10 +175,14 @@ def _role_error(exc: ValueError) -> ConfigError:
 
 
 def cmd_migrate(args: argparse.Namespace) -> int:
-    schema = schema_of(args)
     roles = _roles(args)
     if args.inbox_only and roles is not None:
         raise ConfigError("--inbox-only: the roles are the outbox's; grant the inbox to your consumer's role")
+    if is_fleet(args):
+        if args.print:
+            raise ConfigError("--print: prints one schema's SQL (--schema), not a list of outboxes")
+        return _migrate_each(args, roles)
+    schema = schema_of(args)
     if args.print:
         sys.stdout.write(migrations.render_all(schema, roles, inbox_only=args.inbox_only))
         return 0
@@ -190,10 +205,46 @@ def cmd_migrate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _migrate_each(args: argparse.Namespace, roles: migrations.Roles | None) -> int:
+    """Migrate every outbox the options name, one line each; a failure is reported and the others
+    go on, and any failure makes the exit code 1. One connection per database."""
+    chosen = choose(args, every_schema=True)
+    failed = len(chosen.skipped)
+    for what, why in chosen.skipped.items():
+        print(f"{what}: not migrated: {why}")
+    conns: dict[Any, psycopg.Connection[Any]] = {}
+    try:
+        for o in chosen.outboxes:
+            try:
+                conn = conns.get(o.database)
+                if conn is None or conn.closed:
+                    conn = conns[o.database] = connect(args, o.dsn)
+                applied = migrations.migrate(conn, o.schema, inbox_only=args.inbox_only)
+                if roles is not None:
+                    migrations.grant_roles(conn, o.schema, roles)
+            except (OutboxError, ValueError, psycopg.Error) as exc:
+                failed += 1
+                print(f"{o.name}: failed: {' '.join(scrub(str(exc), secrets_of(o.dsn)).split())}")
+                if o.database in conns and not conns[o.database].closed:
+                    conns[o.database].rollback()
+                continue
+            done = ", ".join(f"{m.version:04d}_{m.name}" for m in applied) or "up to date"
+            granted = " (roles granted)" if roles is not None else ""
+            print(f"{o.name}: schema {o.schema}: {'applied ' if applied else ''}{done}{granted}")
+    finally:
+        for conn in conns.values():
+            conn.close()
+    total = len(chosen.outboxes) + len(chosen.skipped)
+    print(f"{total - failed} of {total} outboxes migrated" + (f", {failed} failed" if failed else ""))
+    return 1 if failed else 0
+
+
 # -- status, notify --------------------------------------------------------------------------
 
 
 def cmd_status(args: argparse.Namespace) -> int:
+    if args.all or is_fleet(args):
+        return _status_all(args)
     schema = schema_of(args)
     with connect(args) as conn:
         migrations.require_migrated(conn, schema)
@@ -205,6 +256,33 @@ def cmd_status(args: argparse.Namespace) -> int:
                 store.close()
     print(json.dumps(report) if args.json else status.render(report))
     return 0
+
+
+def _status_all(args: argparse.Namespace) -> int:
+    """One line per outbox (or one JSON object per outbox); an outbox that cannot be read says
+    why on its line, the others are shown, and the exit code is 1."""
+    chosen = choose(args)
+    rows: list[dict[str, Any]] = [{"name": what, "error": why} for what, why in chosen.skipped.items()]
+    conns: dict[Any, psycopg.Connection[Any]] = {}
+    try:
+        for o in chosen.outboxes:
+            row: dict[str, Any] = {"name": o.name, "schema": o.schema}
+            try:
+                conn = conns.get(o.database)
+                if conn is None or conn.closed:
+                    conn = conns[o.database] = connect(args, o.dsn)
+                conn.autocommit = True
+                migrations.require_migrated(conn, o.schema, "schema")
+                row.update(status.summary(conn, o.schema))
+            except (OutboxError, psycopg.Error) as exc:
+                row["error"] = " ".join(scrub(str(exc), secrets_of(o.dsn)).split())
+            rows.append(row)
+    finally:
+        for conn in conns.values():
+            conn.close()
+    rows.sort(key=lambda r: str(r["name"]))
+    print(json.dumps({"outboxes": rows}) if args.json else status.render_summaries(rows))
+    return 1 if any("error" in r for r in rows) else 0
 
 
 def cmd_notify(args: argparse.Namespace) -> int:

@@ -13,11 +13,14 @@ from typing import Any
 
 from outbox.claim_check import Store, open_store
 from outbox.cli import options
-from outbox.cli.common import Common, add_common, connect, schema_of
+from outbox.cli.common import Common, add_common, connect, dsn_of, schema_of
+from outbox.cli.outboxes import DiscoveryOptions, add_outboxes, choose, is_fleet
 from outbox.config import RelayConfig
 from outbox.dsn import with_net_timeouts
 from outbox.errors import ConfigError, RelayFailed
+from outbox.fleet import Fleet, Found
 from outbox.migrate import require_migrated
+from outbox.outboxes import database_of
 from outbox.pooling import require_own_sessions
 from outbox.relay import Relay, tune_gc
 from outbox.retry import RetryPolicy
@@ -26,7 +29,7 @@ from outbox.settings import setting
 from outbox.sinks.base import Sink
 from outbox.sinks.cloudevents import validate_source
 from outbox.sinks.kafka import KafkaSink
-from outbox.sinks.make import require_clients, routed
+from outbox.sinks.make import check_sinks, require_clients, routed
 from outbox.sinks.signing import parse_secrets
 
 log = logging.getLogger("outbox")
@@ -108,6 +111,8 @@ class CustomSink:
 def register(sub: Any) -> None:
     p = sub.add_parser("relay", help="publish committed events until SIGTERM/SIGINT")
     add_common(p)
+    add_outboxes(p)
+    options.add(p, DiscoveryOptions)
     options.add(p, RouteOptions)
     options.add(p, KafkaOptions)
     options.add(p, WebhookOptions)
@@ -123,9 +128,9 @@ def relay_config(args: argparse.Namespace) -> RelayConfig:
     retry = options.build(RetryPolicy, args)
     # As ever on the command line, port 0 means no HTTP server (the library takes 0 as "any port").
     port = None if args.metrics_port == 0 else args.metrics_port
-    return options.build(
-        RelayConfig, args, dsn=args.dsn, schema=schema_of(args), retry=retry, metrics_port=port
-    )
+    # With a list of outboxes, each names its own database and schema.
+    dsn = "" if is_fleet(args) else dsn_of(args)
+    return options.build(RelayConfig, args, dsn=dsn, schema=schema_of(args), retry=retry, metrics_port=port)
 
 
 def parse_kafka_config(items: Sequence[str]) -> dict[str, str]:
@@ -163,8 +168,9 @@ def load_sink_factory(spec: str) -> SinkFactory:
     return built
 
 
-def run_until_signal(relay: Relay) -> None:
-    """Run ``relay`` in a thread; SIGTERM/SIGINT ask it to stop gracefully.
+def run_until_signal(relay: Relay | Fleet) -> None:
+    """Run ``relay`` in a thread; SIGTERM/SIGINT ask it to stop gracefully; SIGHUP asks a fleet
+    to read its list of outboxes again.
 
     Raises RelayFailed if the relay stopped because it failed (not because it was asked).
     """
@@ -183,6 +189,13 @@ def run_until_signal(relay: Relay) -> None:
         relay.stop()
 
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+    if isinstance(relay, Fleet):
+
+        def on_hup(_signum: int, _frame: Any) -> None:
+            log.info("received SIGHUP: reading the list of outboxes again")
+            relay.reload()
+
+        previous[signal.SIGHUP] = signal.signal(signal.SIGHUP, on_hup)
     try:
         thread.start()
         while thread.is_alive():
@@ -191,6 +204,8 @@ def run_until_signal(relay: Relay) -> None:
         for s, handler in previous.items():
             signal.signal(s, handler)
     if failure:
+        if isinstance(failure[0], RelayFailed):
+            raise failure[0]
         raise RelayFailed(f"the relay failed: {failure[0]}")
 
 
@@ -221,18 +236,27 @@ def cmd_relay(args: argparse.Namespace) -> int:
     source = validate_source(args.cloudevents_source) if args.cloudevents else None
     if args.cloudevents_source is not None and not args.cloudevents:
         raise ConfigError("--cloudevents-source: given without --cloudevents (which switches CloudEvents on)")
+    check_sinks(routes, source)
     config = relay_config(args)
+    fleet = is_fleet(args)
+    if fleet and (args.claim_check_store or "").startswith("postgres:"):
+        raise ConfigError(
+            "--claim-check-store: postgres: keeps payloads in the outbox's schema, one relay one outbox; "
+            "with several outboxes use s3://"
+        )
     claim_check = claim_check_of(args, config)
     from outbox.tracing import configure_from_env
 
     if configure_from_env():
         log.info("tracing on (OTEL_* environment)")
     kafka_config = parse_kafka_config(args.kafka_config)
-    # Fail fast on a bad DSN, a transaction pooler or an unmigrated schema, before starting anything.
-    # The pooler first: in PgBouncer's statement mode the schema check's own transaction is refused.
-    require_own_sessions(args.dsn)
-    with connect(args) as conn:
-        require_migrated(conn, config.schema)
+    if not fleet:
+        # Fail fast on a bad DSN, a transaction pooler or an unmigrated schema, before starting anything.
+        # The pooler first: in PgBouncer's statement mode the schema check's own transaction is refused.
+        # (With a list of outboxes, one that cannot be served stops only itself: see below.)
+        require_own_sessions(config.dsn)
+        with connect(args) as conn:
+            require_migrated(conn, config.schema)
 
     sink = routed(
         routes,
@@ -251,8 +275,50 @@ def cmd_relay(args: argparse.Namespace) -> int:
     if claim_check is not None:
         log.info("claim-check on: payloads over %d bytes go to %s", claim_check[1], claim_check[0].name)
     tune_gc()
-    run_until_signal(Relay(config, sink))
+    if fleet:
+        discover_every = args.discover_every if args.schemas else None
+        if discover_every is not None and not discover_every > 0:
+            raise ConfigError(f"--discover-every: must be > 0 seconds, got {discover_every:g}")
+        run_until_signal(Fleet(config, sink, _finder(args), discover_every=discover_every))
+    else:
+        run_until_signal(Relay(config, sink))
     return 0
+
+
+def _finder(args: argparse.Namespace) -> Callable[[], Found | None]:
+    """The outboxes the options name, looked up again on each call (discovery, SIGHUP). What cannot
+    be served is said once, when first seen, and again only if the reason changes; a database
+    behind a transaction pooler is refused (the relay needs sessions of its own)."""
+    said: dict[str, str] = {}
+    pooled: dict[Any, str | None] = {}
+
+    def find() -> Found | None:
+        try:
+            chosen = choose(args)
+        except ConfigError as exc:  # the file became unreadable or wrong: keep everything as it is
+            log.error("the list of outboxes cannot be read, nothing changes: %s", exc)
+            return None
+        outboxes = []
+        for o in chosen.outboxes:
+            if o.database not in pooled:
+                try:
+                    require_own_sessions(o.dsn)
+                    pooled[o.database] = None
+                except ConfigError as exc:
+                    pooled[o.database] = str(exc)
+            if pooled[o.database] is not None:
+                chosen.skipped[o.name] = str(pooled[o.database])
+                continue
+            outboxes.append(o)
+        for what, why in chosen.skipped.items():
+            if said.get(what) != why:
+                log.error(
+                    "%s is not served: %s", what, why, extra={"event": "outbox.skipped", "outbox": what}
+                )
+                said[what] = why
+        return Found(outboxes, unreadable={database_of(dsn) for dsn in chosen.unreachable})
+
+    return find
 
 
 __all__ = ["Common", "KafkaOptions", "cmd_relay", "register", "relay_config"]

@@ -76,3 +76,14 @@ def infrastructure(
             if broker_start_command:
                 infra.start_broker = command(broker_start_command)
         yield infra
+
+
+def create_topic(bootstrap: str, topic: str, partitions: int, timeout: float = 30.0) -> None:
+    """Create ``topic`` with ``partitions`` partitions (one replica) and wait until it exists."""
+    from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-defined]
+
+    admin = AdminClient({"bootstrap.servers": bootstrap})  # kept until its futures resolve
+    for future in admin.create_topics(
+        [NewTopic(topic, num_partitions=partitions, replication_factor=1)]
+    ).values():
+        future.result(timeout)

@@ -178,3 +178,13 @@ SELECT (SELECT count(*) FROM {schema}.events), (SELECT count(*) FROM {schema}.de
        (SELECT sum(pg_total_relation_size(c.oid)) FROM pg_class AS c
         JOIN pg_namespace AS n ON n.oid = c.relnamespace
         WHERE n.nspname = {schema_name} AND c.relkind = 'r')
+
+-- name: bench_database_transactions
+-- Transactions committed and rolled back in this database so far: the tenants scenario's idle
+-- cost of a relay (what it asks of the database while there is nothing to do).
+SELECT xact_commit + xact_rollback FROM pg_stat_database WHERE datname = current_database()
+
+-- name: bench_autovacuum_busy
+-- Autovacuum workers at work in this database (the tenants scenario waits for them before it
+-- counts an idle relay's transactions).
+SELECT count(*) FROM pg_stat_activity WHERE backend_type = 'autovacuum worker' AND datname = current_database()

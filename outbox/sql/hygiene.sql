@@ -24,3 +24,11 @@ SELECT pg_try_advisory_lock(%(lock)s)
 -- name: hygiene_unlock
 -- Release the hygiene advisory lock.
 SELECT pg_advisory_unlock(%(lock)s)
+
+-- name: hot_tables_stats
+-- Dead and live tuples (statistics) and the heap's size (what VACUUM can truncate; its indexes
+-- it cannot shrink) of the hot events table of each of several schemas, in one statement (a
+-- relay serving many outboxes checks them all at once).
+SELECT s.schemaname, coalesce(s.n_dead_tup, 0), coalesce(s.n_live_tup, 0), pg_relation_size(s.relid)
+FROM pg_stat_user_tables AS s
+WHERE s.relname = 'events' AND s.schemaname = ANY(%(schemas)s::text[])

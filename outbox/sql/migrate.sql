@@ -48,3 +48,16 @@ GRANT MAINTAIN ON {schema}.events TO {relay}
 -- name: if_server_17_body
 -- Run a statement (bound as a string literal) only on PostgreSQL 17 or newer (a do_block body).
 BEGIN IF current_setting('server_version_num')::int >= 170000 THEN EXECUTE {statement}; END IF; END
+
+-- name: outbox_schemas
+-- Schemas that hold outbox tables (a schema_migrations table; migrated or not), by name:
+-- `--schemas GLOB` matches among them.
+SELECT n.nspname FROM pg_namespace AS n
+JOIN pg_class AS c ON c.relnamespace = n.oid AND c.relname = 'schema_migrations' AND c.relkind = 'r'
+ORDER BY n.nspname
+
+-- name: user_schemas
+-- Every schema but PostgreSQL's own: `migrate --schemas GLOB` matches among them.
+SELECT nspname FROM pg_namespace
+WHERE nspname !~ '^pg_' AND nspname <> 'information_schema'
+ORDER BY nspname

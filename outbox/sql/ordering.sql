@@ -18,15 +18,23 @@ SELECT id FROM {schema}.relays WHERE expires_at > now() AND ordering = 'key'
 ORDER BY started_at, id
 
 -- name: renew_partitions
--- Extend this relay's leases; returns the partitions it still owns.
+-- Extend this relay's leases; returns the partitions it still owns, whether each is being
+-- released, and whether it is still fenced (a previous owner's batch may hold its lock).
+-- A lease that lapsed while no other relay took the partition is renewed too: nobody claimed
+-- from it meanwhile (claims check the lease, and only the owner claims), so it is still ours.
+-- Losing and taking it back would fence it behind this relay's own batches, and with many
+-- outboxes on a starved machine that churn fed itself (heartbeats late, leases lapsed, fences).
 UPDATE {schema}.partitions SET expires_at = now() + %(ttl)s * interval '1 second'
-WHERE owner = %(me)s AND expires_at > now()
-RETURNING partition, releasing
+WHERE owner = %(me)s
+RETURNING partition, releasing, fenced_until IS NOT NULL
 
 -- name: acquire_partitions
 -- Take up to %(count)s partitions that are free or whose owner's lease expired.
--- From an expired owner, a partition stays fenced for that owner's batch lease
--- (its stalled batch may still hold row locks) unless its sessions are gone.
+-- A partition some batch still claims from (its advisory lock is held: see claim_batch) is
+-- taken fenced: claimed from only once unfence_partitions finds the lock free. The previous
+-- owner's batch may live on past its lease (a starved process whose finish() keeps the session
+-- busy), and while it holds a key's event locked, SKIP LOCKED would hand its later events to
+-- the new owner. No time bound is assumed; the lock is the truth.
 WITH free AS (
     SELECT p.partition, p.owner AS previous
     FROM {schema}.partitions AS p
@@ -41,38 +49,35 @@ SET owner = %(me)s,
     releasing = false,
     acquired_at = now(),
     previous_owner = f.previous,
-    fenced_until = CASE
-        WHEN f.previous IS NULL THEN NULL
-        -- Its own partitions back (its lease lapsed in an outage): only the sessions it lost
-        -- may hold row locks; it has just ended them, and its live sessions are its own.
-        WHEN f.previous = %(me)s THEN CASE WHEN EXISTS (
-            SELECT 1 FROM pg_stat_activity AS a
-            JOIN unnest(%(stale_pids)s::text::integer[], %(stale_starts)s::timestamptz[]) AS st(pid, started)
-              ON a.pid = st.pid AND a.backend_start = st.started)
-            THEN now() + %(max_lease)s * interval '1 second' END
-        WHEN NOT EXISTS (
-            SELECT 1 FROM {schema}.relays AS r JOIN pg_stat_activity AS a ON a.pid = ANY(r.backend_pids)
-            WHERE r.id = f.previous) THEN NULL
-        ELSE now() + coalesce((SELECT r.lease_seconds FROM {schema}.relays AS r WHERE r.id = f.previous),
-                              %(max_lease)s) * interval '1 second'
-    END
+    fenced_until = CASE WHEN pg_try_advisory_xact_lock(p.tableoid::integer, p.partition)
+                        THEN NULL ELSE 'infinity'::timestamptz END
 FROM free AS f
 WHERE p.partition = f.partition
-RETURNING p.partition
+RETURNING p.partition, p.fenced_until IS NOT NULL
 
 -- name: unfence_partitions
--- Lift the fence early once the previous owner's sessions are all gone (this relay's own:
--- the sessions it lost).
+-- Lift the fence of this relay's partitions that no batch claims from any more (their advisory
+-- lock is free: the previous owner's batches have ended, or its sessions are gone).
 UPDATE {schema}.partitions AS p SET fenced_until = NULL
+WHERE CASE WHEN p.owner = %(me)s AND p.fenced_until > now()
+           THEN pg_try_advisory_xact_lock(p.tableoid::integer, p.partition)
+           ELSE false END
+
+-- name: end_fencing_sessions
+-- End the sessions that still hold the advisory lock of a partition this relay took over more
+-- than %(grace)s seconds ago (its batch lease). A previous owner's batch that lives that long
+-- is stuck (a stopped process the server is blocked writing to: no timeout ends that) or
+-- starved; ended, it can acknowledge nothing, and what it already sent is an earlier duplicate
+-- of what this relay sends next. Returns how many it signalled.
+SELECT count(*) FILTER (WHERE pg_terminate_backend(l.pid))
+FROM {schema}.partitions AS p
+JOIN pg_locks AS l
+  ON l.locktype = 'advisory' AND l.classid = p.tableoid AND l.objid = p.partition::integer::oid
+ AND l.objsubid = 2 AND l.granted
+ AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
 WHERE p.owner = %(me)s AND p.fenced_until > now()
-  AND CASE WHEN p.previous_owner = %(me)s
-      THEN NOT EXISTS (
-        SELECT 1 FROM pg_stat_activity AS a
-        JOIN unnest(%(stale_pids)s::text::integer[], %(stale_starts)s::timestamptz[]) AS st(pid, started)
-          ON a.pid = st.pid AND a.backend_start = st.started)
-      ELSE NOT EXISTS (
-        SELECT 1 FROM {schema}.relays AS r JOIN pg_stat_activity AS a ON a.pid = ANY(r.backend_pids)
-        WHERE r.id = p.previous_owner) END
+  AND p.acquired_at < now() - %(grace)s * interval '1 second'
+  AND l.pid <> pg_backend_pid()
 
 -- name: end_stale_sessions
 -- End this relay's sessions that it lost (a blackhole, a half-open connection) but that the

@@ -10,6 +10,11 @@
 -- and idle_in_transaction_session_timeout ends a transaction whose worker
 -- stalls. An event is skipped while an earlier event of its key awaits a retry
 -- or is parked as a dead letter.
+-- Each partition claimed from is also locked, shared, for the transaction (an advisory lock on
+-- the partitions table's oid and the partition): a relay that takes the partition over claims
+-- nothing from it until no batch holds that lock (acquire_partitions, unfence_partitions).
+-- The lock is taken first and the lease checked after it, on the clock: a batch that claims
+-- from a partition held its lock before the lease ran out, so before anyone could take it.
 -- event_id comes as text, headers as JSON text (json.loads of a str is 1.6 us/row faster than
 -- psycopg's jsonb loader) and empty headers as NULL.
 SELECT e.id, e.event_id::text, e.topic, e.key, e.payload, nullif(e.headers, '{{}}'::jsonb)::text,
@@ -18,8 +23,11 @@ FROM {schema}.events AS e
 WHERE e.available_at <= now()
   AND e.partition = ANY(ARRAY(
         SELECT p.partition FROM {schema}.partitions AS p
-        WHERE p.owner = %(owner)s AND p.expires_at > now() AND NOT p.releasing
-          AND (p.fenced_until IS NULL OR p.fenced_until <= now())))
+        WHERE CASE WHEN p.owner = %(owner)s AND NOT p.releasing
+                        AND (p.fenced_until IS NULL OR p.fenced_until <= now())
+                   THEN pg_try_advisory_xact_lock_shared(p.tableoid::integer, p.partition)
+                        AND p.expires_at > clock_timestamp()
+                   ELSE false END))
   -- Each per-key check is guarded by a one-time test (an init plan): when no
   -- event is retrying / no key is parked, the common case, no row pays a probe.
   -- The test reads the first row of the partial index in its order rather than
@@ -87,9 +95,17 @@ WHERE e.id = r.id
 -- name: retry_unreachable_now
 -- The sinks answer again: events whose last attempt failed only because a sink could not be
 -- reached are due now, not at the end of their backoff. Returns how many.
-UPDATE {schema}.events
+-- SKIP LOCKED: a locked one is in a batch in flight (this relay's or another's), which settles
+-- it. Waiting for its lock blocked the relay's loop on its own batch until the statement
+-- timeout (20 s without claims after a fenced producer was replaced).
+UPDATE {schema}.events AS e
 SET available_at = now()
-WHERE attempts > 0 AND available_at > now() AND last_error_kind = ANY(%(kinds)s::text[])
+FROM (
+    SELECT id FROM {schema}.events
+    WHERE attempts > 0 AND available_at > now() AND last_error_kind = ANY(%(kinds)s::text[])
+    FOR UPDATE SKIP LOCKED
+) AS due
+WHERE e.id = due.id
 
 -- name: dead_letter
 -- Move events that can never be delivered to dead_letters with their reason;

@@ -76,3 +76,19 @@ WHERE backend_xmin IS NOT NULL AND pid <> pg_backend_pid() AND datname = current
 -- name: metrics_session
 -- The metrics reader's statement timeout, as a statement (PgBouncer refuses `options`).
 SELECT set_config('statement_timeout', '3000', false)
+
+-- name: status_summary
+-- One outbox in one line (`outbox status --all`): depth, retrying, dead letters, parked keys,
+-- the oldest pending age, the last hour's deliveries (BRIN on delivered_at), live relays and
+-- unowned partitions. The archive is not counted: at millions of rows that is seconds per outbox.
+SELECT
+    (SELECT count(*) FROM {schema}.events),
+    (SELECT count(*) FROM {schema}.events WHERE attempts > 0),
+    (SELECT count(*) FROM {schema}.dead_letters),
+    (SELECT count(*) FROM {schema}.dead_letters WHERE parked),
+    (SELECT extract(epoch FROM clock_timestamp() - created_at)::float8
+       FROM {schema}.events ORDER BY id LIMIT 1),
+    (SELECT count(*) FROM {schema}.delivered WHERE delivered_at > now() - interval '1 hour'),
+    (SELECT count(*) FROM {schema}.relays WHERE expires_at > now()),
+    (SELECT count(*) FROM {schema}.partitions
+      WHERE owner IS NULL OR expires_at IS NULL OR expires_at <= now())

@@ -59,3 +59,7 @@ ALTER TABLE {schema}.events {state} TRIGGER events_notify
 -- name: listen_events
 -- Wake-ups: LISTEN on the schema's channel (bound as an identifier by the caller).
 LISTEN {channel}
+
+-- name: unlisten_events
+-- An outbox no longer served: UNLISTEN its schema's channel (an identifier, bound by the caller).
+UNLISTEN {channel}

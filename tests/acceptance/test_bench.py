@@ -16,7 +16,7 @@ import pytest
 
 from outbox.bench.config import SCENARIOS
 
-GROUPS = [("drain",), ("steady", "writer"), ("soak", "scale"), ("sinks", "console")]
+GROUPS = [("drain",), ("steady", "writer", "tenants"), ("soak", "scale"), ("sinks", "console")]
 
 
 def test_the_groups_cover_every_scenario_once() -> None:
@@ -71,13 +71,22 @@ def test_bench_smoke_drain(pg_dsn: str, kafka: str, tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_bench_smoke_steady_and_writer(pg_dsn: str, kafka: str, tmp_path: Path) -> None:
-    results, _ = _bench(pg_dsn, kafka, tmp_path, ("steady", "writer"))
+def test_bench_smoke_steady_writer_and_tenants(pg_dsn: str, kafka: str, tmp_path: Path) -> None:
+    results, table = _bench(pg_dsn, kafka, tmp_path, ("steady", "writer", "tenants"))
     for run in results["scenarios"]["steady"]["runs"]:
         assert run["acked"] == run["written"] > 0, "steady: an event was not acked"
         assert run["consumed"] == run["written"], "steady: an event was not consumed"
     assert results["scenarios"]["writer"]["stacks"], "writer: no stack measured"
     _png(tmp_path / "steady_latency.png")
+    tenants = results["scenarios"]["tenants"]
+    assert [r["outboxes"] for r in tenants["runs"]] == [1, 10]
+    for r in tenants["runs"]:
+        assert r["events_per_s"] > 0 and r["idle_transactions_per_s"] > 0, r
+    assert tenants["runs"][0]["ratio_to_one"] == 1.0
+    fair = tenants["fairness"]
+    assert fair["busy_events_per_s"] > 0 and fair["quiet_latency_ms"]["n"] == fair["quiet_events"]
+    assert "**Tenants**" in table and "**Fairness**" in table
+    _png(tmp_path / "tenants.png")
 
 
 @pytest.mark.slow

@@ -152,8 +152,24 @@ def test_paused_relay_is_fenced_and_order_holds(pg_dsn: str, schema: str, kafka:
         wait_for(lambda: count(pg_dsn, schema, "delivered") > 200, timeout=30)
         b = RelayProcess(pg_dsn, schema, kafka, *opts, "--name", "b")
         wait_for(lambda: len(_live_relays(pg_dsn, schema)) == 2, timeout=30, what="rebalance")
-        a.proc.send_signal(signal.SIGSTOP)  # past its ownership lease (3 s) and batch lease (4 s)
         with psycopg.connect(pg_dsn, autocommit=True) as conn:
+            # Paused mid-batch (its claim's advisory locks held), past its ownership lease (3 s)
+            # and batch lease (4 s). Paused between two batches, a holds nothing and b's takeover
+            # needs no fence: on a loaded machine that happened in 2 runs of 3.
+            held = sql.SQL(
+                "SELECT count(*) FROM pg_locks AS l JOIN {}.relays AS r ON l.pid = ANY (r.backend_pids) "
+                "WHERE r.name = 'a' AND l.locktype = 'advisory' AND l.granted"
+            ).format(sql.Identifier(schema))
+
+            def paused_mid_batch() -> bool:
+                a.proc.send_signal(signal.SIGSTOP)
+                row = conn.execute(held).fetchone()
+                if row and row[0]:
+                    return True
+                a.proc.send_signal(signal.SIGCONT)
+                return False
+
+            wait_for(paused_mid_batch, timeout=30, interval=0.02, what="a paused mid-batch")
 
             def fenced_then_all_taken() -> bool:
                 fences.extend(conn.execute(fenced).fetchall())
@@ -163,16 +179,18 @@ def test_paused_relay_is_fenced_and_order_holds(pg_dsn: str, schema: str, kafka:
                     and not conn.execute(fenced).fetchall()
                 )
 
-            # b takes a's partitions fenced while a's sessions live; PostgreSQL ends those
-            # sessions at the batch lease and the fences lift: only then is a resumed.
+            # b takes a's partitions fenced while a's sessions live; b ends those sessions after
+            # its batch lease and the fences lift: only then is a resumed.
             wait_for(fenced_then_all_taken, timeout=30, interval=0.1, what="fenced takeover")
         a.proc.send_signal(signal.SIGCONT)
         wait_for(lambda: count(pg_dsn, schema, "events") == 0, timeout=120, what="drain")
         assert a.stop() == 0 and b.stop() == 0
         a_log = a.output()
     finally:
+        print("relay a:", a.output()[-3000:], sep="\n")  # shown with a failure
         a.close()
         if "b" in locals():
+            print("relay b:", b.output()[-3000:], sep="\n")
             b.close()
     assert fences, "no partition was fenced during the takeover"
     assert "lost ownership" in a_log or "refused" in a_log, a_log[-2000:]

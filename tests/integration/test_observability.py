@@ -51,22 +51,30 @@ def test_metrics_after_a_drain_match_what_was_delivered(
         status, text = http_get(port, "/metrics")
     assert status == 200
     sink = f"kafka://{kafka}"  # the sink label: the scheme and the servers, never credentials
-    assert _sample(text, "outbox_events_delivered_total", topic=topic, sink=sink) == 300
-    assert _sample(text, "outbox_events_delivered_total", topic=other, sink=sink) == 200
-    assert _sample(text, "outbox_events_dead_total", topic=topic, sink=sink) == 1
+    D = "default"  # the outbox label: the --dsn/--schema outbox's name
+    assert _sample(text, "outbox_events_delivered_total", outbox=D, topic=topic, sink=sink) == 300
+    assert _sample(text, "outbox_events_delivered_total", outbox=D, topic=other, sink=sink) == 200
+    assert _sample(text, "outbox_events_dead_total", outbox=D, topic=topic, sink=sink) == 1
     assert (
-        _sample(text, "outbox_delivery_errors_total", topic=topic, sink=sink, error_type="MSG_SIZE_TOO_LARGE")
+        _sample(
+            text,
+            "outbox_delivery_errors_total",
+            outbox=D,
+            topic=topic,
+            sink=sink,
+            error_type="MSG_SIZE_TOO_LARGE",
+        )
         == 1
     )
-    assert _sample(text, "outbox_delivery_latency_seconds_count") == 500
-    assert (_sample(text, "outbox_batch_size_count") or 0) >= 1
-    assert _sample(text, "outbox_oldest_pending_age_seconds") == 0
-    assert (_sample(text, "outbox_table_bytes") or 0) > 0
+    assert _sample(text, "outbox_delivery_latency_seconds_count", outbox=D) == 500
+    assert (_sample(text, "outbox_batch_size_count", outbox=D) or 0) >= 1
+    assert _sample(text, "outbox_oldest_pending_age_seconds", outbox=D) == 0
+    assert (_sample(text, "outbox_table_bytes", outbox=D) or 0) > 0
     for name in ("outbox_table_dead_tuples", "outbox_oldest_xmin_age_seconds", "outbox_database_up"):
-        assert _sample(text, name) is not None, name
-    assert _sample(text, "outbox_owned_partitions") == 64
+        assert _sample(text, name, outbox=D) is not None, name
+    assert _sample(text, "outbox_owned_partitions", outbox=D) == 64
     assert _sample(text, "outbox_sink_replacements_total") == 0
-    assert _sample(text, "outbox_partitions_lost_total") == 0
+    assert _sample(text, "outbox_partitions_lost_total", outbox=D) == 0
 
 
 class SlowStartSlowAckSink(SinkWrapper):
@@ -147,6 +155,7 @@ def test_trace_continues_from_writer_through_relay_to_consumer(
     assert s.attributes["messaging.system"] == "kafka"
     assert s.attributes["messaging.destination.name"] == topic
     assert s.attributes["messaging.operation.type"] == "send"
+    assert s.attributes["outbox.name"] == "default"  # which outbox: its name, never a DSN
     assert sum(int(x.attributes["messaging.batch.message_count"]) for x in send) == 4  # type: ignore[index]
     linked = {link.context.trace_id for x in send for link in x.links}
     assert writer_ctx.trace_id in linked

@@ -3,9 +3,15 @@
 from __future__ import annotations
 
 import collections
+import contextlib
 import json
+import time
+from collections.abc import Iterator
+from typing import Any
 
 import psycopg
+import pytest
+from psycopg import sql
 
 import outbox
 from outbox import dead, status
@@ -123,3 +129,117 @@ def test_idle_relay_keeps_heartbeating_with_a_long_poll_interval(
         assert len(owners(pg_dsn, schema)) == 64 and leases()[1] == acquired, (
             "the idle relay let a lease lapse"
         )
+
+
+def test_a_lease_that_lapsed_untaken_is_renewed_not_lost_and_fenced(pg_dsn: str, schema: str) -> None:
+    """A late heartbeat (a starved relay: hundreds of outboxes on a loaded machine) finds its
+    leases lapsed but nobody else's: it keeps them. Losing and re-acquiring them fenced them behind
+    its own batches, and the churn fed itself: a relay of 200 outboxes never drained."""
+    from outbox.ordering import Ordering
+    from outbox.sessions import Link
+
+    relay = Ordering(
+        link=Link(lambda: psycopg.connect(pg_dsn)),
+        schema=schema, name="a", lease=1.0, batch_lease=3.0, ordering="key", on_dead="park",
+    )  # fmt: skip
+    with psycopg.connect(pg_dsn) as batch, contextlib.closing(relay.link) as _:
+        relay.tick([batch.info.backend_pid], [])
+        assert len(relay.owned) == 64
+        relay.claim(batch, 10)  # a batch in flight: its partitions' advisory locks held
+        time.sleep(1.2)  # the heartbeat is late: every lease lapsed
+        relay.tick([batch.info.backend_pid], [])
+        assert (len(relay.owned), relay.lost_partitions) == (64, 0)
+        fenced = batch.execute(
+            sql.SQL("SELECT count(*) FROM {}.partitions WHERE fenced_until IS NOT NULL").format(
+                sql.Identifier(schema)
+            )
+        ).fetchone()
+        assert fenced == (0,), "the relay fenced its own partitions"
+
+
+def _seqs(rows: list[tuple[object, ...]]) -> list[int]:
+    return [json.loads(bytes(r[4]))["seq"] for r in rows]  # type: ignore[arg-type]
+
+
+@contextlib.contextmanager
+def _takeover(pg_dsn: str, schema: str, lease: float, batch_lease: float) -> Iterator[Any]:
+    """Relay A claims key k's first event (of three) and its ownership lapses while that batch
+    lives on (A's heartbeat starved); relay B takes the partitions over. Yields A's batch
+    connection and B's claim (a heartbeat, then the seqs claimed, rolled back)."""
+    from outbox.ordering import Ordering
+    from outbox.sessions import Link
+
+    with psycopg.connect(pg_dsn) as conn:
+        for seq in range(3):
+            outbox.enqueue(conn, "t", {"seq": seq}, key="k", schema=schema)
+        conn.commit()
+
+    def relay(name: str) -> Ordering:
+        return Ordering(
+            link=Link(lambda: psycopg.connect(pg_dsn)),
+            schema=schema,
+            name=name,
+            lease=lease,
+            batch_lease=batch_lease,
+            ordering="key",
+            on_dead="park",
+        )
+
+    a, b = relay("a"), relay("b")
+    with (
+        psycopg.connect(pg_dsn) as a_batch,
+        psycopg.connect(pg_dsn) as b_batch,
+        contextlib.closing(a.link) as _,
+        contextlib.closing(b.link) as _,
+    ):
+        a.tick([a_batch.info.backend_pid], [])
+        assert len(a.owned) == 64
+        assert _seqs(a.claim(a_batch, 1)) == [0]  # A's batch: the key's first event, locked
+        time.sleep(lease + 0.2)  # A's heartbeat starves: its ownership lapses
+        b.tick([b_batch.info.backend_pid], [])
+        assert len(b.owned) == 64, "B did not take the lapsed partitions over"
+
+        def claim() -> list[int]:
+            b.tick([b_batch.info.backend_pid], [])
+            got = _seqs(b.claim(b_batch, 10))
+            b_batch.rollback()
+            return got
+
+        yield a_batch, claim
+
+
+def test_a_taken_over_partition_waits_for_the_old_owners_batch_to_end(pg_dsn: str, schema: str) -> None:
+    """While A's batch holds the key's first event locked, B claims nothing: SKIP LOCKED would
+    hand it the key's later events, and they would overtake the first. A's batch is alive and
+    busy (finish() runs statements, each resetting the idle timeout), so no time bound holds;
+    when it ends by itself within B's batch lease, nothing is ended and B starts at the head."""
+    with _takeover(pg_dsn, schema, lease=1.0, batch_lease=3.0) as (a_batch, claim):
+        for _ in range(10):  # 2 s: past the ownership lease, within B's batch lease
+            a_batch.execute("SELECT 1")
+            got = claim()
+            assert got == [], f"B claimed {got} while A's batch held seq 0"
+            time.sleep(0.2)
+        a_batch.rollback()  # A's batch ends (here: rolled back, its event untouched)
+        assert claim() == [0, 1, 2]
+        a_batch.execute("SELECT 1")  # A's session was not ended: it did not need to be
+
+
+def test_a_stuck_old_owners_batch_is_ended_after_the_batch_lease_and_order_holds(
+    pg_dsn: str, schema: str
+) -> None:
+    """A's batch never ends (a stopped process, the server blocked writing to it: no timeout
+    applies). B ends its session once B's batch lease has passed since the takeover, then
+    claims from the key's head; A can acknowledge nothing after that."""
+    batch_lease = 1.5
+    with _takeover(pg_dsn, schema, lease=1.0, batch_lease=batch_lease) as (a_batch, claim):
+        taken = time.monotonic()
+        got: list[int] = []
+        while not got and time.monotonic() < taken + 10 * batch_lease:
+            with contextlib.suppress(psycopg.OperationalError):
+                a_batch.execute("SELECT 1")  # busy until B ends it
+            got = claim()
+            time.sleep(0.1)
+        assert got == [0, 1, 2], f"B claimed {got}"
+        assert time.monotonic() - taken >= batch_lease - 0.2, "A's batch was ended before B's batch lease"
+        with pytest.raises(psycopg.OperationalError):
+            a_batch.execute("SELECT 1")

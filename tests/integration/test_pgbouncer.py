@@ -142,7 +142,7 @@ def test_the_relay_works_through_session_pooling_and_wakes_on_notify(
 ) -> None:
     """The relay behind PgBouncer in session mode: it starts (no `options` startup parameter,
     which PgBouncer refuses), a NOTIFY wakes it long before its 30 s poll, and the pids it
-    records for fencing are the server's own (not the ones PgBouncer tells its clients)."""
+    records are the server's own (not the ones PgBouncer tells its clients)."""
     dsn = pgbouncer.dsn("session")
     with RelayProcess(dsn, schema, kafka, "--poll-interval", "30") as relay:
         wait_for(lambda: count(pg_dsn, schema, "relays") == 1, timeout=30, what="the relay registered")
@@ -153,10 +153,11 @@ def test_the_relay_works_through_session_pooling_and_wakes_on_notify(
         started = time.monotonic()
         wait_for(lambda: count(pg_dsn, schema, "delivered") == 20, timeout=15, what="delivery")
         woke_after = time.monotonic() - started
+        recorded = sql.SQL("SELECT unnest(backend_pids) FROM {}.relays").format(sql.Identifier(schema))
         with psycopg.connect(pg_dsn, autocommit=True) as conn:
-            pids = conn.execute(
-                sql.SQL("SELECT unnest(backend_pids) FROM {}.relays").format(sql.Identifier(schema))
-            ).fetchall()
+            # Recorded at each heartbeat (every 2 s here), once the claims have opened sessions.
+            wait_for(lambda: bool(conn.execute(recorded).fetchall()), timeout=15, what="pids recorded")
+            pids = conn.execute(recorded).fetchall()
             relay_sessions = {
                 pid
                 for (pid,) in conn.execute(

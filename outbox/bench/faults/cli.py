@@ -10,6 +10,7 @@ from typing import Any
 from outbox.bench.faults.scenarios import SCENARIOS
 from outbox.bench.servers import add_servers
 from outbox.cli import options
+from outbox.cli.common import dsn_of
 from outbox.errors import ConfigError, OutboxError
 from outbox.extras import require
 from outbox.settings import setting
@@ -42,7 +43,7 @@ class FaultOptions:
         aliases=("--smoke",),
     )
     rate: int | None = setting(
-        None, "business transactions per second", default_text="1000; --short 300", env="OUTBOX_FAULTS_RATE"
+        None, "business transactions per second", default_text="1000; --short 150", env="OUTBOX_FAULTS_RATE"
     )
     pg_restart_command: str | None = setting(None, "with --dsn: a command that restarts that PostgreSQL")
     broker_stop_command: str | None = setting(None, "with --kafka-bootstrap: a command that stops the broker")
@@ -68,7 +69,7 @@ def cmd_faults(args: argparse.Namespace) -> int:
     if opts.rate is not None and opts.rate <= 0:
         raise ConfigError(f"--rate: must be > 0, got {opts.rate}")
     results = run_faults(
-        dsn=args.dsn or None,
+        dsn=dsn_of(args) or None,
         bootstrap=args.kafka_bootstrap,
         chosen=[s.strip() for s in opts.scenarios.split(",") if s.strip()],
         sink=opts.sink,

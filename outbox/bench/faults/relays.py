@@ -40,6 +40,10 @@ COUNTED_EVENTS = {
     "nats.started": "sink_outages",
     "redis.started": "sink_outages",
     "http.started": "sink_outages",
+    "sqs.started": "sink_outages",
+    "sns.started": "sink_outages",
+    "eventbridge.started": "sink_outages",
+    "kinesis.started": "sink_outages",
 }
 SCRAPE_TIMEOUT = 2.0  # seconds
 
@@ -111,12 +115,14 @@ class Relays:
             return 0, ""
 
     def metric(self, index: int, name: str) -> float:
-        """The value of an unlabelled metric of relay ``index`` (0 when it does not answer)."""
+        """A metric of relay ``index``, summed over its series (its outboxes, topics...); 0 when
+        the relay does not answer."""
         _, body = self.get(index, "/metrics")
+        total = 0.0
         for line in body.splitlines():
-            if line.startswith(name + " "):
-                return float(line.split()[1])
-        return 0.0
+            if line.startswith((name + " ", name + "{")):
+                total += float(line.rsplit(" ", 1)[1])
+        return total
 
     def wait_ready(self, index: int) -> None:
         """Until relay ``index`` answers /readyz with 200; fails loudly when it does not."""

@@ -16,7 +16,7 @@ from outbox.bench.faults.scenarios import SCENARIOS, run_scenario
 from outbox.bench.measure import machine
 from outbox.errors import ConfigError
 from outbox.harness.infra import infrastructure
-from outbox.harness.sinktaps import tap_class
+from outbox.harness.taps import tap_class
 
 __all__ = ["SCENARIOS", "FaultConfig", "run_faults"]
 
