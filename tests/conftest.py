@@ -138,6 +138,26 @@ def pgbouncer(pg_dsn: str) -> Iterator[Any]:
     bouncer.stop()
 
 
+@pytest.fixture(scope="session")
+def moto_server() -> Iterator[Any]:
+    """moto in server mode, this worker's (tests/aws_servers.py)."""
+    from tests.aws_servers import Moto
+
+    server = Moto().start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def aws_env(monkeypatch: pytest.MonkeyPatch) -> dict[str, str]:
+    """moto's credentials and region in the environment, for the relay and the clients."""
+    from tests.aws_servers import CREDENTIALS
+
+    for name, value in CREDENTIALS.items():
+        monkeypatch.setenv(name, value)
+    return dict(CREDENTIALS)
+
+
 # Modules whose tests each take tens of seconds (real processes, fault scenarios, bench races).
 LONG_MODULES = ("test_faults.py", "test_bench.py", "test_multi_relay.py", "test_process.py")
 

@@ -15,6 +15,7 @@ from typing import Any
 import aiormq
 import nats
 import psycopg
+import pytest
 import redis
 from psycopg import sql
 
@@ -24,6 +25,7 @@ from outbox.harness.sinktaps import Request
 from outbox.routes import parse_routes
 from outbox.sinks.make import routed
 from outbox.sinks.signing import parse_secrets
+from tests.aws_servers import EventBridgeTarget, KinesisTarget, Moto, SnsTarget, SqsTarget
 from tests.helpers import count, running_relay, wait_for
 from tests.sink_servers import RABBIT, REDIS, HttpTarget, NatsTarget, RabbitTarget, RedisTarget, Target
 
@@ -44,7 +46,16 @@ def _recipe(name: str, schema: str) -> dict[str, Any]:
 
 
 def test_the_doc_has_a_recipe_per_sink_beyond_kafka() -> None:
-    assert sorted(RECIPES) == ["nats", "rabbitmq", "redis", "webhooks"]
+    assert sorted(RECIPES) == [
+        "eventbridge",
+        "kinesis",
+        "nats",
+        "rabbitmq",
+        "redis",
+        "sns",
+        "sqs",
+        "webhooks",
+    ]
 
 
 def _effect_sql(schema: str) -> sql.Composed:
@@ -227,3 +238,104 @@ def test_webhooks_recipe(pg_dsn: str, schema: str) -> None:
             assert on_request(db, SECRET, forged.headers, forged.body, handle) == 401
     finally:
         target.close()
+
+
+# -- AWS, in moto (tests/aws_servers.py): the relay's route in-process, the recipe reads with boto3
+
+
+def _sync_handle(schema: str) -> Any:
+    def handle(db: psycopg.Connection[Any], body: str | bytes | dict[str, Any]) -> None:
+        event = body if isinstance(body, dict) else json.loads(body)
+        db.execute(_effect_sql(schema), (event["k"], event["seq"]))
+
+    return handle
+
+
+def _consume_queue(pg_dsn: str, target: SqsTarget | SnsTarget | EventBridgeTarget, on_message: Any,
+                   handle: Any) -> int:  # fmt: skip
+    """Read the target's queue as the recipes say, each message through ``on_message``, until
+    every copy has come (N + AGAIN) or 30 s; the number of messages handled."""
+    sqs, calls = target.sqs, 0
+    with psycopg.connect(pg_dsn, autocommit=True) as db:
+        deadline = time.monotonic() + 30
+        while calls < N + AGAIN and time.monotonic() < deadline:
+            page = sqs.receive_message(
+                QueueUrl=target.queue_url, MaxNumberOfMessages=10, WaitTimeSeconds=1,
+                MessageAttributeNames=["All"],
+            )  # fmt: skip
+            for message in page.get("Messages", []):
+                on_message(db, sqs, target.queue_url, message, handle)
+                calls += 1
+    left = sqs.get_queue_attributes(
+        QueueUrl=target.queue_url,
+        AttributeNames=["ApproximateNumberOfMessages", "ApproximateNumberOfMessagesNotVisible"],
+    )["Attributes"]
+    assert left == {"ApproximateNumberOfMessages": "0", "ApproximateNumberOfMessagesNotVisible": "0"}, left
+    return calls
+
+
+def test_sqs_recipe(pg_dsn: str, schema: str, moto_server: Moto, aws_env: dict[str, str]) -> None:
+    on_message = _recipe("sqs", schema)["on_message"]
+    target = SqsTarget(moto_server)
+    _deliver_twice(pg_dsn, schema, target)
+    _assert_once(pg_dsn, schema, _consume_queue(pg_dsn, target, on_message, _sync_handle(schema)))
+
+
+@pytest.mark.parametrize("raw", [True, False], ids=["raw", "enveloped"])
+def test_sns_recipe(pg_dsn: str, schema: str, moto_server: Moto, aws_env: dict[str, str], raw: bool) -> None:
+    on_message = _recipe("sns", schema)["on_message"]
+    target = SnsTarget(moto_server)
+    if not raw:
+        sns = moto_server.client("sns")
+        for sub in sns.list_subscriptions()["Subscriptions"]:
+            if sub["TopicArn"].endswith(":" + target.name):
+                sns.set_subscription_attributes(
+                    SubscriptionArn=sub["SubscriptionArn"], AttributeName="RawMessageDelivery",
+                    AttributeValue="false",
+                )  # fmt: skip
+    _deliver_twice(pg_dsn, schema, target)
+    if not raw:  # what the queue holds is SNS's envelope, the event id among its attributes
+        first = target.sqs.receive_message(QueueUrl=target.queue_url, VisibilityTimeout=0)["Messages"][0]
+        assert json.loads(first["Body"])["Type"] == "Notification"
+    _assert_once(pg_dsn, schema, _consume_queue(pg_dsn, target, on_message, _sync_handle(schema)))
+
+
+def test_eventbridge_recipe(pg_dsn: str, schema: str, moto_server: Moto, aws_env: dict[str, str]) -> None:
+    on_message = _recipe("eventbridge", schema)["on_message"]
+    target = EventBridgeTarget(moto_server)
+    _deliver_twice(pg_dsn, schema, target)
+    _assert_once(pg_dsn, schema, _consume_queue(pg_dsn, target, on_message, _sync_handle(schema)))
+
+
+def test_kinesis_recipe(pg_dsn: str, schema: str, moto_server: Moto, aws_env: dict[str, str]) -> None:
+    consume_shard = _recipe("kinesis", schema)["consume_shard"]
+    target = KinesisTarget(moto_server)  # two shards, ?envelope=json
+    _deliver_twice(pg_dsn, schema, target)
+    kinesis, handle = target.kinesis, _sync_handle(schema)
+    calls: list[int] = []
+
+    def counted(db: psycopg.Connection[Any], payload: dict[str, Any]) -> None:
+        handle(db, payload)
+        calls.append(payload["seq"])
+
+    shards = [s["ShardId"] for s in kinesis.list_shards(StreamName=target.name)["Shards"]]
+    with psycopg.connect(pg_dsn, autocommit=True) as db:
+        ends = {shard: consume_shard(db, kinesis, target.name, shard, counted) for shard in shards}
+        assert all(ends.values()), "every shard got records"
+        # A restart from the start replays every record; the inbox skips them all. One from the
+        # returned position finds nothing new.
+        for shard in shards:
+            assert consume_shard(db, kinesis, target.name, shard, counted) == ends[shard]
+            assert consume_shard(db, kinesis, target.name, shard, counted, after=ends[shard]) == ends[shard]
+    assert len(calls) == N, "one effect per event, duplicates and replays skipped"
+    with psycopg.connect(pg_dsn) as conn:
+        rows = conn.execute(
+            sql.SQL("SELECT count(*), count(DISTINCT seq) FROM {}.effects").format(sql.Identifier(schema))
+        ).fetchone()
+    assert rows == (N, N)
+    # Per key, the effects follow the events' order: one key's records are in one shard.
+    with psycopg.connect(pg_dsn) as conn:
+        seqs = [r[0] for r in conn.execute(
+            sql.SQL("SELECT seq FROM {}.effects WHERE k = 'k0' ORDER BY ctid").format(sql.Identifier(schema))
+        )]  # fmt: skip
+    assert seqs == sorted(seqs)

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import psycopg
@@ -20,7 +19,7 @@ from outbox.harness.proxy import Proxy
 from outbox.retry import RetryPolicy
 from outbox.routes import parse_routes
 from outbox.sinks.make import routed
-from tests.aws_servers import AWS_SINKS, CREDENTIALS, AwsProxy, AwsTarget, KinesisTarget, Moto, aws_target
+from tests.aws_servers import AWS_SINKS, AwsProxy, AwsTarget, KinesisTarget, Moto, aws_target
 from tests.helpers import (
     FAST,
     RelayProcess,
@@ -32,20 +31,6 @@ from tests.helpers import (
 )
 
 TRACEPARENT = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
-
-
-@pytest.fixture(scope="session")
-def moto_server() -> Iterator[Moto]:
-    server = Moto().start()
-    yield server
-    server.stop()
-
-
-@pytest.fixture
-def aws_env(monkeypatch: pytest.MonkeyPatch) -> dict[str, str]:
-    for name, value in CREDENTIALS.items():
-        monkeypatch.setenv(name, value)
-    return dict(CREDENTIALS)
 
 
 @pytest.fixture(params=AWS_SINKS)
