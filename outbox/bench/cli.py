@@ -69,10 +69,16 @@ def cmd_perf(args: argparse.Namespace) -> int:
     for name, value in overrides.items():
         if isinstance(value, (int, float)) and value <= 0:
             raise ConfigError(f"--{name.replace('_', '-')}: must be > 0, got {value}")
+    chosen = [s.strip() for s in perf.scenarios.split(",") if s.strip()]
+    if "sinks" in chosen and "sinks" in overrides:  # a bad --sinks URL: one line before any server starts
+        from outbox.harness.taps import tap_class
+
+        for sink in (url for item in overrides["sinks"] for url in item.split()):
+            tap_class(sink)
     run_bench(
         dsn=dsn_of(args) or None,
         bootstrap=args.kafka_bootstrap,
-        chosen=[s.strip() for s in perf.scenarios.split(",") if s.strip()],
+        chosen=chosen,
         out=Path(perf.out),
         smoke=perf.smoke,
         overrides=overrides,

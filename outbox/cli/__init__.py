@@ -71,6 +71,10 @@ def setup_logging(fmt: str, level: str) -> None:
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
+    # botocore says at INFO which source gave the credentials, once per client made (the AWS
+    # sinks make one per connection): noise beside the relay's own lines. Its warnings stay.
+    for name in ("botocore.credentials", "aiobotocore.credentials"):
+        logging.getLogger(name).setLevel(max(logging.WARNING, root.level))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -80,7 +84,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = Parser(
         prog="outbox",
         description="Transactional outbox relay: PostgreSQL outbox table -> Kafka, RabbitMQ, NATS, "
-        "Redis Streams, webhooks. Every option can also be set with the OUTBOX_* variable named in its help.",
+        "Redis Streams, webhooks, AWS (SQS, SNS, EventBridge, Kinesis). "
+        "Every option can also be set with the OUTBOX_* variable named in its help.",
     )
     parser.add_argument("--version", action="version", version=f"outbox {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser)

@@ -25,7 +25,6 @@ from urllib.parse import urlencode, urlsplit
 
 import aiobotocore.session
 
-from outbox.errors import ConfigError
 from outbox.harness.sinktaps import SinkTap
 from outbox.routes import parse_url
 
@@ -36,11 +35,6 @@ class AwsTap(SinkTap):
     def __init__(self, url: str, topic: str) -> None:
         parsed = parse_url(url, "--sink")
         options = parsed.options
-        if not options.get("endpoint"):
-            raise ConfigError(
-                f"--sink: {parsed.display!r} needs ?endpoint= (moto, LocalStack): the harness puts a "
-                "proxy in front of the endpoint, which TLS to AWS itself does not allow"
-            )
         tag = uuid.uuid4().hex[:8]
         base = parsed.resource.removesuffix(".fifo")
         self.dest = f"{base}-{tag}" + (".fifo" if parsed.resource.endswith(".fifo") else "")
@@ -132,10 +126,11 @@ class AwsTap(SinkTap):
             if not got:
                 await asyncio.sleep(0.2)
 
-    async def _read_queue(self) -> int:
+    async def _read_queue(self, to_the_end: bool = False) -> int:
+        """Read and delete until the queue is empty (or the tap stops, unless ``to_the_end``)."""
         n = 0
         async with self._client("sqs") as sqs:
-            while not self.stop_event.is_set():
+            while to_the_end or not self.stop_event.is_set():
                 page = await sqs.receive_message(
                     QueueUrl=self.queue_url, MaxNumberOfMessages=10, MessageAttributeNames=["All"]
                 )
@@ -163,13 +158,14 @@ class AwsTap(SinkTap):
         return attributes.get("event-id", ""), value
 
     def sweep(self) -> int:
-        """Kinesis: read every shard again from its start and record what the live read missed
-        (moto's threaded server can hand out a sequence number below one a reader has passed
-        already). Queues cannot be read again: what was read was deleted."""
-        if self.scheme != "kinesis":
-            return 0
+        """What the live read has not recorded yet. Kinesis: every shard read again from its
+        start (moto's threaded server can hand out a sequence number below one a reader has
+        passed already). Queues: the rest of the queue, read until it is empty (what was read
+        before was deleted; what is still there arrived but was not read yet: moto's SQS
+        answers more slowly the more a queue holds, and a live read can fall behind)."""
         try:
-            added = asyncio.run(self._reread())
+            reading = self._reread() if self.scheme == "kinesis" else self._read_queue(to_the_end=True)
+            added = asyncio.run(reading)
         except Exception:  # the endpoint gone: nothing more to find
             return 0
         self.found_by_reread += added

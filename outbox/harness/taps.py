@@ -22,6 +22,12 @@ def tap_class(sink: str) -> type[SinkTap]:
     }
     if url.scheme in AWS_SCHEMES:
         require("aws", f"outbox bench faults --sink {url.scheme}://")
+        if not url.options.get("endpoint"):
+            raise ConfigError(
+                f"{url.display!r} needs ?endpoint= (moto, LocalStack): the fault harness puts a "
+                "proxy in front of it, which TLS to AWS itself does not allow, and both the harness "
+                "and the bench create and delete queues, topics, buses and streams there"
+            )
         from outbox.harness.awstap import AwsTap
 
         return type(f"AwsTap_{url.scheme}", (AwsTap,), {"scheme": url.scheme})

@@ -127,3 +127,15 @@ def test_bench_smoke_sinks_and_console(pg_dsn: str, kafka: str, tmp_path: Path) 
     assert all(p["p50_ms"] > 0 and p["p95_ms"] >= p["p50_ms"] for p in console["pages"].values())
     _png(tmp_path / "console.png")
     assert "| a key's timeline |" in table
+
+
+def test_a_sink_the_bench_cannot_use_is_refused_in_one_line_before_any_work(tmp_path: Path) -> None:
+    """No endpoint on an AWS URL: the bench would create queues in the account itself."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "outbox", "bench", "--scenarios", "sinks", "--sinks", "sqs://orders?region=eu-west-1",
+         "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.count("\n") == 1 and "'sqs://orders?region=eu-west-1' needs ?endpoint=" in proc.stderr
+    assert "starting embedded" not in proc.stdout + proc.stderr

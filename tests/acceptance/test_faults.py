@@ -99,6 +99,7 @@ def test_scenarios_that_need_another_sink_are_refused_in_one_line(tmp_path: Path
         (["--scenarios", "sink-outage"], "['sink-outage'] cannot run against Kafka"),
         (["--sink", "http", "--scenarios", "broker"], "['broker'] cannot run against --sink http"),
         (["--sink", "mqtt://broker:1883"], "--sink: unknown sink scheme mqtt://"),
+        (["--sink", "sqs://orders?region=eu-west-1"], "'sqs://orders?region=eu-west-1' needs ?endpoint="),
     ):
         out = subprocess.run(
             [sys.executable, "-m", "outbox", "bench", "faults", "--short", *args, "--out", str(tmp_path)],
