@@ -73,6 +73,12 @@ HEARTBEATS_PER_STEP = 8  # outboxes heartbeating in one loop step at most (the r
 WATCH_EVERY = 1.0  # seconds between the watchdog's looks at the loop's progress
 OUTBOXES_NOT_SERVED = "outboxes not served"  # /readyz: the relay is fine, some of its outboxes are not
 FAIR_BATCH = 500  # events per claim, at most, while another outbox of the relay is quiet but active
+# Pacing a slow sink (Relay._pace): a batch that took more than SLOW_BATCH of the lease to settle
+# makes the next claims half as large (a quarter after a lost lease), down to MIN_CLAIM; a full
+# batch settled within FAST_BATCH of it makes them twice as large again, up to --batch-size.
+SLOW_BATCH = 0.5
+FAST_BATCH = 0.1
+MIN_CLAIM = 10
 CONTENDED = 1.0  # seconds since another outbox last found work, for the relay to count as shared
 IDLE_POLLS = 50.0  # claims a second, at most, that poll quiet outboxes without a NOTIFY
 
@@ -383,7 +389,7 @@ class Relay:
         behind 1,000-event claims; p99 58 ms, max 88-123 ms behind 500, the busy drain 13.0k vs
         14.2k events/s. Outboxes that all have a backlog keep full batches: none of them waits
         for a single event."""
-        size = self.config.batch_size
+        size = min(self.config.batch_size, lane.claim_cap or self.config.batch_size)
         if size <= FAIR_BATCH or len(self._rotation) < 2:
             return size
         since = now - CONTENDED
@@ -499,6 +505,7 @@ class Relay:
         except FencingError as exc:
             self._lease_lost(lane, batch, str(exc), ack_start)
             self._done(lane, batch)
+            self._pace(lane, batch, lost=True)
             return
         except psycopg.Error as exc:
             if batch.conn.closed or batch.conn.broken:
@@ -506,6 +513,7 @@ class Relay:
                 # session) or the connection broke: the ack did not commit.
                 self._lease_lost(lane, batch, f"connection lost: {self.sessions.clean(exc)}", ack_start)
                 self.sessions.discard(batch.conn)
+                self._pace(lane, batch, lost=True)
             else:  # the statement failed on a live connection: a bug or a schema change
                 log.error(
                     "ack of %d events failed, they stay pending: %s",
@@ -519,6 +527,52 @@ class Relay:
             return
         self._done(lane, batch)
         self._record(lane, batch, result, ack_start)
+        if result.delivered:  # a batch that only failed says nothing about the sink's pace
+            self._pace(lane, batch, lost=False)
+
+    def _pace(self, lane: Lane, batch: Batch, lost: bool) -> None:
+        """Claim no more than the sink settles well within the lease.
+
+        The row locks of a batch are its lease: a batch still out when the lease ends loses
+        its session, and its events, sent already, are claimed and sent again. A sink that
+        takes longer than the lease for a full batch (a webhook at a few requests a second; a
+        queue service whose calls slow down; moto's SQS, at 3,000 queued: about 0.5 s a call)
+        would then never finish one: every batch sent, none archived, for ever. So a batch
+        that took more than SLOW_BATCH of the lease halves the next claims (a lost lease
+        quarters them), and full batches settled quickly double them again. One line when
+        claims are first made smaller, one when they are back to --batch-size."""
+        full = self.config.batch_size
+        cap = lane.claim_cap or full
+        took = time.monotonic() - batch.claimed_at
+        lease = self.config.lease
+        if lost or took > SLOW_BATCH * lease:
+            new = max(MIN_CLAIM, min(cap, len(batch)) // (4 if lost else 2))
+        elif took < FAST_BATCH * lease and len(batch) >= cap and cap < full:
+            new = min(full, cap * 2)
+        else:
+            return
+        if new == cap:
+            return
+        if lane.claim_cap == 0 and new < full:
+            log.warning(
+                "%sa batch of %d events took %.1f s of the %.0f s lease%s: claiming at most %d events "
+                "at a time while the sink is this slow",
+                "" if lane.name == DEFAULT_NAME else f"outbox {lane.name}: ",
+                len(batch),
+                took,
+                lease,
+                " and lost it" if lost else "",
+                new,
+                extra={"event": "claims.paced", "outbox": lane.name},
+            )
+        elif new >= full:
+            log.warning(
+                "%sthe sink keeps pace again: claiming up to %d events at a time",
+                "" if lane.name == DEFAULT_NAME else f"outbox {lane.name}: ",
+                full,
+                extra={"event": "claims.unpaced", "outbox": lane.name},
+            )
+        lane.claim_cap = 0 if new >= full else new
 
     def _lease_lost(self, lane: Lane, batch: Batch, why: str, ack_start: int) -> None:
         self.stats.leases_lost += 1
