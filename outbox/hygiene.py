@@ -64,6 +64,7 @@ class Hygiene(threading.Thread):
         # look at it again (later after a vacuum that could not clean up).
         self.allowed: dict[str, bool] = {}
         self._next: dict[str, float] = {}
+        self._fruitless: dict[str, int] = {}  # vacuums in a row that did not shrink the table
         self.condition = Condition(log, "hygiene", "hot-table check failing")
 
     def run(self) -> None:
@@ -159,6 +160,13 @@ class Hygiene(threading.Thread):
             )
             # Scanning again will not help until that snapshot goes: back off.
             return min(MAX_BACKOFF, max(self._interval, took * 10))
+        if dead < self._threshold and size_after >= size:
+            # A nearly drained table whose last pages still hold pending events (a slow sink's
+            # backlog) cannot be truncated yet: vacuuming it every check did nothing but log a
+            # line every 5 s. Look again later each time, until a vacuum shrinks it.
+            n = self._fruitless[schema] = self._fruitless.get(schema, 0) + 1
+            return min(MAX_BACKOFF, self._interval * float(2**n))
+        self._fruitless.pop(schema, None)
         return 0.0
 
 
