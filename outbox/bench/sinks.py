@@ -45,6 +45,7 @@ from outbox.routes import parse_routes
 from outbox.sinks.make import routed
 
 LOOP_BATCH = 1000
+QUEUE_BACKED = ("sqs", "sns", "eventbridge")  # read through an SQS queue (SNS and EventBridge: subscribed)
 
 
 # -- the webhook receiver, in its own process ---------------------------------------------
@@ -75,7 +76,13 @@ class Destination:
         else:
             self.tap = tap_class(sink)(sink, topic)
             self.tap.setup()
-            self.url = self.tap.url
+            self.url = self.tap.route(*self.tap.server)  # straight to the server, to its own destination
+            if self.scheme in QUEUE_BACKED:
+                # A queue in use has a consumer: read and deleted as it fills, as the fault
+                # harness does. moto's SQS answers more slowly the more a queue holds (a send at
+                # 3,000 queued took about half a second), which an undrained queue would measure.
+                self.tap.start()
+                self.tap.ready.wait(10)
 
     @property
     def scheme(self) -> str:
@@ -83,6 +90,9 @@ class Destination:
 
     def close(self) -> None:
         if self.tap is not None:
+            if self.tap.is_alive():
+                self.tap.stop_event.set()
+                self.tap.join(30)
             self.tap.teardown()
         if self._proc is not None:
             self._stop.set()
@@ -196,6 +206,8 @@ async def _publisher(scheme: str, url: str) -> Any:
             await pipe.execute()
 
         return xadd, client.aclose
+    if scheme in ("sqs", "sns", "eventbridge", "kinesis"):
+        return await _aws_publisher(scheme, url)
     import aiohttp
 
     session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=100))
@@ -211,6 +223,99 @@ async def _publisher(scheme: str, url: str) -> Any:
         await asyncio.gather(*(post(row) for row in rows))
 
     return webhooks, session.close
+
+
+async def _aws_publisher(scheme: str, url: str) -> Any:
+    """The minimal loop on AWS: the same client as the relay (aiobotocore), every batch call of
+    the 1,000 rows in flight at once, an entry the service refused is an exception. The message
+    is the relay's: the payload as the body, ``event-id``/``event-key`` and the headers as
+    attributes (SQS, SNS), the id in ``Resources`` (EventBridge), the key as the partition key
+    and the same JSON envelope when the route asks for one (Kinesis)."""
+    import aiobotocore.session
+
+    from outbox.routes import parse_url
+
+    parsed = parse_url(url, "--sinks")
+    name, options = parsed.resource, parsed.options
+    context = aiobotocore.session.get_session().create_client(
+        {"eventbridge": "events"}.get(scheme, scheme),
+        region_name=options.get("region") or "us-east-1",
+        endpoint_url=options.get("endpoint"),
+    )
+    client = await context.__aenter__()
+
+    async def close() -> None:
+        await context.__aexit__(None, None, None)
+
+    def attributes(event_id: str, key: bytes | None, headers: dict[str, str] | None) -> dict[str, Any]:
+        return {
+            k: {"DataType": "String", "StringValue": v}
+            for k, v in _text_headers(event_id, key, headers).items()
+        }
+
+    async def in_batches(rows: list[Any], size: int, call: Any) -> None:
+        answers = await asyncio.gather(*(call(rows[i : i + size]) for i in range(0, len(rows), size)))
+        for answer in answers:
+            failed = answer.get("Failed") or answer.get("FailedEntryCount") or answer.get("FailedRecordCount")
+            if failed:
+                raise RuntimeError(f"{scheme}: refused: {failed}")
+
+    if scheme == "sqs":
+        queue_url = (await client.get_queue_url(QueueName=name))["QueueUrl"]
+
+        async def sqs(batch: list[Any]) -> Any:
+            entries = [
+                {"Id": str(i), "MessageBody": payload.decode(), "MessageAttributes": attributes(str(e), k, h)}
+                for i, (_id, e, _topic, k, payload, h) in enumerate(batch)
+            ]
+            return await client.send_message_batch(QueueUrl=queue_url, Entries=entries)
+
+        return (lambda rows: in_batches(rows, 10, sqs)), close
+    if scheme == "sns":
+        topic_arn = (await client.create_topic(Name=name))["TopicArn"]  # the existing topic's ARN
+
+        async def sns(batch: list[Any]) -> Any:
+            entries = [
+                {"Id": str(i), "Message": payload.decode(), "MessageAttributes": attributes(str(e), k, h)}
+                for i, (_id, e, _topic, k, payload, h) in enumerate(batch)
+            ]
+            return await client.publish_batch(TopicArn=topic_arn, PublishBatchRequestEntries=entries)
+
+        return (lambda rows: in_batches(rows, 10, sns)), close
+    if scheme == "eventbridge":
+        source = options.get("source") or "outbox-bench"
+
+        async def put_events(batch: list[Any]) -> Any:
+            entries = [
+                {
+                    "Source": source,
+                    "DetailType": topic,
+                    "Detail": payload.decode(),
+                    "EventBusName": name,
+                    "Resources": [f"urn:uuid:{e}"],
+                }
+                for _id, e, topic, _k, payload, _h in batch
+            ]
+            return await client.put_events(Entries=entries)
+
+        return (lambda rows: in_batches(rows, 10, put_events)), close
+    envelope = options.get("envelope") == "json"
+
+    def data(event_id: str, topic: str, key: bytes | None, payload: bytes, headers: Any) -> bytes:
+        if not envelope:
+            return payload
+        out = {"id": event_id, "topic": topic, "key": key and key.decode(), "headers": headers or {}}
+        out["payload"] = json.loads(payload)
+        return json.dumps(out, separators=(",", ":")).encode()
+
+    async def put_records(batch: list[Any]) -> Any:
+        records = [
+            {"Data": data(str(e), topic, k, payload, h), "PartitionKey": (k or b"").decode() or str(e)}
+            for _id, e, topic, k, payload, h in batch
+        ]
+        return await client.put_records(StreamName=name, Records=records)
+
+    return (lambda rows: in_batches(rows, 500, put_records)), close
 
 
 # -- the scenario --------------------------------------------------------------------------
