@@ -260,28 +260,29 @@ async def _aws_publisher(scheme: str, url: str) -> Any:
             if failed:
                 raise RuntimeError(f"{scheme}: refused: {failed}")
 
-    if scheme == "sqs":
-        queue_url = (await client.get_queue_url(QueueName=name))["QueueUrl"]
+    if scheme in ("sqs", "sns"):
+        if scheme == "sqs":
+            queue_url = (await client.get_queue_url(QueueName=name))["QueueUrl"]
+            body = "MessageBody"
 
-        async def sqs(batch: list[Any]) -> Any:
-            entries = [
-                {"Id": str(i), "MessageBody": payload.decode(), "MessageAttributes": attributes(str(e), k, h)}
-                for i, (_id, e, _topic, k, payload, h) in enumerate(batch)
-            ]
-            return await client.send_message_batch(QueueUrl=queue_url, Entries=entries)
+            async def call(entries: list[Any]) -> Any:
+                return await client.send_message_batch(QueueUrl=queue_url, Entries=entries)
+        else:
+            topic_arn = (await client.create_topic(Name=name))["TopicArn"]  # the existing topic's ARN
+            body = "Message"
 
-        return (lambda rows: in_batches(rows, 10, sqs)), close
-    if scheme == "sns":
-        topic_arn = (await client.create_topic(Name=name))["TopicArn"]  # the existing topic's ARN
+            async def call(entries: list[Any]) -> Any:
+                return await client.publish_batch(TopicArn=topic_arn, PublishBatchRequestEntries=entries)
 
-        async def sns(batch: list[Any]) -> Any:
-            entries = [
-                {"Id": str(i), "Message": payload.decode(), "MessageAttributes": attributes(str(e), k, h)}
-                for i, (_id, e, _topic, k, payload, h) in enumerate(batch)
-            ]
-            return await client.publish_batch(TopicArn=topic_arn, PublishBatchRequestEntries=entries)
+        async def send(batch: list[Any]) -> Any:
+            return await call(
+                [
+                    {"Id": str(i), body: payload.decode(), "MessageAttributes": attributes(str(e), k, h)}
+                    for i, (_id, e, _topic, k, payload, h) in enumerate(batch)
+                ]
+            )
 
-        return (lambda rows: in_batches(rows, 10, sns)), close
+        return (lambda rows: in_batches(rows, 10, send)), close
     if scheme == "eventbridge":
         source = options.get("source") or "outbox-bench"
 

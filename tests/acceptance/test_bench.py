@@ -139,3 +139,25 @@ def test_a_sink_the_bench_cannot_use_is_refused_in_one_line_before_any_work(tmp_
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.count("\n") == 1 and "'sqs://orders?region=eu-west-1' needs ?endpoint=" in proc.stderr
     assert "starting embedded" not in proc.stdout + proc.stderr
+
+
+@pytest.mark.slow
+def test_bench_smoke_sinks_on_aws(pg_dsn: str, kafka: str, moto_server: Any, aws_env: dict[str, str],
+                                  tmp_path: Path) -> None:  # fmt: skip
+    """The AWS entries of the sinks scenario, on moto: each service drained by the relay and by
+    its minimal aiobotocore loop in the same run (a small drain: moto's SQS slows as queues fill)."""
+    endpoint = f"endpoint={moto_server.endpoint}&region=us-east-1"
+    urls = [f"{s}://bench?{endpoint}" for s in ("sqs", "sns", "eventbridge", "kinesis")]
+    proc = subprocess.run(
+        [sys.executable, "-m", "outbox", "bench", "--smoke", "--scenarios", "sinks", "--sink-events", "300",
+         *(a for url in urls for a in ("--sinks", url)), "--dsn", pg_dsn, "--kafka-bootstrap", kafka,
+         "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    sinks = json.loads((tmp_path / "results.json").read_text())["scenarios"]["sinks"]["sinks"]
+    assert set(sinks) == {"sqs", "sns", "eventbridge", "kinesis"}
+    for r in sinks.values():
+        assert r["relay_events_per_s_median"] > 0 and r["loop_events_per_s_median"] > 0, r
+    assert "| kinesis |" in proc.stdout
+    assert "Found credentials" not in proc.stderr  # botocore's INFO line, once per client, stays quiet
