@@ -114,10 +114,10 @@ class Hygiene(threading.Thread):
         rows = conn.execute(query("hot_tables_stats", "public"), {"schemas": schemas}).fetchall()
         for schema, dead, live, heap in rows:
             if self.needs_vacuum(int(dead), int(live), int(heap)):
-                self._next[schema] = now + self._vacuum(conn, schema, int(dead))
+                self._next[schema] = now + self._vacuum(conn, schema, int(dead), int(heap))
         return self._interval
 
-    def _vacuum(self, conn: psycopg.Connection[Any], schema: str, dead: int) -> float:
+    def _vacuum(self, conn: psycopg.Connection[Any], schema: str, dead: int, heap: int) -> float:
         """Vacuum one schema's table (if this role may, and no other relay is on it); return
         the seconds before it is looked at again."""
         if schema not in self.allowed:
@@ -160,7 +160,8 @@ class Hygiene(threading.Thread):
             )
             # Scanning again will not help until that snapshot goes: back off.
             return min(MAX_BACKOFF, max(self._interval, took * 10))
-        if dead < self._threshold and size_after >= size:
+        heaps = conn.execute(query("hot_tables_stats", "public"), {"schemas": [schema]}).fetchall()
+        if dead < self._threshold and heaps and int(heaps[0][3]) >= heap:
             # A nearly drained table whose last pages still hold pending events (a slow sink's
             # backlog) cannot be truncated yet: vacuuming it every check did nothing but log a
             # line every 5 s. Look again later each time, until a vacuum shrinks it.
