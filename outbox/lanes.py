@@ -51,7 +51,8 @@ class Lane:
     failing_since: float = 0.0  # since when every finished batch only failed (0: one delivered)
     leaving: bool = False  # no longer served: finish what is in flight, hand over, go
     last_work: float = 0.0  # monotonic time its last claim found events
-    claim_cap: int = 0  # events per claim at most while its sink is slow (0: --batch-size); see Relay._pace
+    claim_cap: int = 0  # events per claim at most (0: --batch-size): slow start, a slow sink; Relay._pace
+    paced: bool = False  # a slow batch made claims smaller, and they are not back to --batch-size yet
     stats: RelayStats = field(default_factory=RelayStats)
     trouble: Condition = field(init=False)  # this outbox's own problem (schema gone, not migrated)
     delivery: Condition = field(init=False)  # retries batch after batch: one problem, not a line each

@@ -79,6 +79,10 @@ FAIR_BATCH = 500  # events per claim, at most, while another outbox of the relay
 SLOW_BATCH = 0.5
 FAST_BATCH = 0.1
 MIN_CLAIM = 10
+# An outbox's first claims are of at most START_CLAIM events, doubled by each full batch settled
+# fast (a slow start): a sink slower than a --batch-size batch per lease is found on a small
+# batch, not by a full one that outlives its lease and is sent again.
+START_CLAIM = 100
 CONTENDED = 1.0  # seconds since another outbox last found work, for the relay to count as shared
 IDLE_POLLS = 50.0  # claims a second, at most, that poll quiet outboxes without a NOTIFY
 
@@ -539,21 +543,24 @@ class Relay:
         queue service whose calls slow down; moto's SQS, at 3,000 queued: about 0.5 s a call)
         would then never finish one: every batch sent, none archived, for ever. So a batch
         that took more than SLOW_BATCH of the lease halves the next claims (a lost lease
-        quarters them), and full batches settled quickly double them again. One line when
-        claims are first made smaller, one when they are back to --batch-size."""
+        quarters them), and full batches settled quickly double them again, up to
+        --batch-size. An outbox starts at START_CLAIM (a slow start), so that even the first
+        batch to a slow sink fits its lease. One line when a slow batch first makes claims
+        smaller, one when they are back to --batch-size."""
         full = self.config.batch_size
         cap = lane.claim_cap or full
         took = time.monotonic() - batch.claimed_at
         lease = self.config.lease
-        if lost or took > SLOW_BATCH * lease:
+        slow = lost or took > SLOW_BATCH * lease
+        if slow:
             new = max(MIN_CLAIM, min(cap, len(batch)) // (4 if lost else 2))
         elif took < FAST_BATCH * lease and len(batch) >= cap and cap < full:
             new = min(full, cap * 2)
         else:
             return
-        if new == cap:
-            return
-        if lane.claim_cap == 0 and new < full:
+        lane.claim_cap = 0 if new >= full else new
+        if slow and not lane.paced:
+            lane.paced = True
             log.warning(
                 "%sa batch of %d events took %.1f s of the %.0f s lease%s: claiming at most %d events "
                 "at a time while the sink is this slow",
@@ -565,14 +572,14 @@ class Relay:
                 new,
                 extra={"event": "claims.paced", "outbox": lane.name},
             )
-        elif new >= full:
+        elif new >= full and lane.paced:
+            lane.paced = False
             log.warning(
                 "%sthe sink keeps pace again: claiming up to %d events at a time",
                 "" if lane.name == DEFAULT_NAME else f"outbox {lane.name}: ",
                 full,
                 extra={"event": "claims.unpaced", "outbox": lane.name},
             )
-        lane.claim_cap = 0 if new >= full else new
 
     def _lease_lost(self, lane: Lane, batch: Batch, why: str, ack_start: int) -> None:
         self.stats.leases_lost += 1
@@ -700,7 +707,8 @@ class Relay:
         if self.running.is_set():
             # Joining a running relay: its first heartbeat at a random point of the interval.
             ordering.delay_first_heartbeat(random.uniform(0, ordering.interval))
-        lane = Lane(o, ordering, next_maintenance=0.0)
+        start = START_CLAIM if self.config.batch_size > START_CLAIM else 0  # 0: --batch-size
+        lane = Lane(o, ordering, next_maintenance=0.0, claim_cap=start)
         self.lanes[o.name] = lane
         self._rotation.append(lane)
         if self._sink is not None:

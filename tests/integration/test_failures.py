@@ -448,13 +448,14 @@ def test_events_due_again_after_an_outage_skip_those_a_batch_holds(pg_dsn: str, 
 
 
 class _Slow:
-    """A sink that confirms at most ``rate`` events a second, in the order sent: a webhook
-    endpoint at a few requests a second, a queue service whose calls slow down. Counts the
-    events it was sent, copies included."""
+    """A sink that confirms ``fast`` events a second for its first ``until`` events, then at most
+    ``rate`` a second, in the order sent: a webhook endpoint at a few requests a second, a queue
+    service whose calls slow down as it fills. ``sent`` counts what it was sent, copies included."""
 
-    def __init__(self, rate: float, sent: list[str]) -> None:
-        self.rate, self.sent = rate, sent
+    def __init__(self, rate: float, sent: list[str], fast: float = 0.0, until: int = 0) -> None:
+        self.rate, self.sent, self.fast, self.until = rate, sent, fast, until
         self.pending: list[Report] = []
+        self.confirmed = 0
         self.credit, self.last = 0.0, time.monotonic()
 
     def produce(self, event: ClaimedEvent, report: Report) -> Outcome | None:
@@ -464,10 +465,12 @@ class _Slow:
 
     def poll(self, timeout: float) -> int:
         now = time.monotonic()
-        self.credit = min(self.credit + (now - self.last) * self.rate, self.rate)
+        rate = self.fast if self.confirmed < self.until else self.rate
+        self.credit = min(self.credit + (now - self.last) * rate, rate)
         self.last = now
         n = min(int(self.credit), len(self.pending))
         self.credit -= n
+        self.confirmed += n
         due, self.pending = self.pending[:n], self.pending[n:]
         for report in due:
             report(Delivered())
@@ -485,32 +488,47 @@ class _Slow:
         return None
 
 
-def test_a_sink_slower_than_a_batch_per_lease_still_gets_every_event_through(
-    pg_dsn: str, schema: str, caplog: pytest.LogCaptureFixture
-) -> None:
-    """A full batch (400 events) takes the sink 2.7 s at 150 events/s, longer than the 2 s
-    lease: the batch loses its session before its ack, and its events, sent already, are
-    claimed and sent again. Claims of a fixed size never finished one (every batch sent,
-    none archived: moto's SQS as it filled, in the bench). The relay claims less once a
-    batch was slow or lost its lease, and everything goes through, with one line."""
-    n = 1200
+def _drain_through(pg_dsn: str, schema: str, n: int, sink: Any, sent: list[str]) -> int:
+    """Every one of ``n`` events through ``sink`` (400-event batches, a 2 s lease); the leases lost."""
     with psycopg.connect(pg_dsn) as conn:
         outbox.enqueue_many(conn, [{"topic": "t", "payload": str(i)} for i in range(n)], schema=schema)
         conn.commit()
-    sent: list[str] = []
     config = RelayConfig(
         pg_dsn, schema=schema, lease=2.0, delivery_timeout=1.0, batch_size=400, max_batches_in_flight=1,
         poll_interval=0.2,
     )  # fmt: skip
-    caplog.set_level(logging.WARNING, logger="outbox.relay")
-    with running_relay(config, lambda: _Slow(150, sent)) as relay:
+    with running_relay(config, lambda: sink) as relay:
         try:
             wait_for(lambda: count(pg_dsn, schema, "delivered") == n, timeout=90, what="every event")
         except AssertionError as error:
             raise AssertionError(f"{error}; {relay.stats}; sent {len(sent)} for {n}") from None
         lost = relay.stats.leases_lost
     assert count(pg_dsn, schema, "events") == 0
+    return lost
+
+
+def test_a_sink_that_slows_down_below_a_batch_per_lease_still_gets_every_event_through(
+    pg_dsn: str, schema: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Fast at first (claims grow to the full 400), then 150 events/s: a full batch takes the
+    sink 2.7 s, longer than the 2 s lease. The batch loses its session before its ack, and its
+    events, sent already, are claimed and sent again. Claims of a fixed size never finished
+    one (every batch sent, none archived: moto's SQS as it filled, in the bench). The relay
+    claims less once a batch was slow or lost its lease, and everything goes through, with
+    one line."""
+    caplog.set_level(logging.WARNING, logger="outbox.relay")
+    sent: list[str] = []
+    lost = _drain_through(pg_dsn, schema, 1500, _Slow(150, sent, fast=20_000, until=700), sent)
     assert lost <= 2, f"{lost} batches lost their lease: the claims did not get smaller"
     paced = [r.getMessage() for r in caplog.records if "claiming at most" in r.getMessage()]
     assert len(paced) == 1, paced
-    print(f"{len(sent)} sent for {n}; {lost} leases lost; {paced[0]}")
+    print(f"{len(sent)} sent for 1500; {lost} leases lost; {paced[0]}")
+
+
+def test_the_first_claims_are_small_so_a_slow_sink_never_loses_a_lease(pg_dsn: str, schema: str) -> None:
+    """Slow from the start (150 events/s, a full 400-event batch would take 2.7 s of a 2 s
+    lease): the relay starts with small claims and grows them only while batches settle fast,
+    so no batch outlives its lease and nothing is sent twice."""
+    sent: list[str] = []
+    assert _drain_through(pg_dsn, schema, 600, _Slow(150, sent), sent) == 0
+    assert len(sent) == 600, f"{len(sent)} sends for 600 events"
