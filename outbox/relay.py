@@ -508,8 +508,7 @@ class Relay:
             )
         except FencingError as exc:
             self._lease_lost(lane, batch, str(exc), ack_start)
-            self._done(lane, batch)
-            self._pace(lane, batch, lost=True)
+            self._done(lane, batch)  # fenced: its partition was taken over, nothing about the sink
             return
         except psycopg.Error as exc:
             if batch.conn.closed or batch.conn.broken:
@@ -517,7 +516,8 @@ class Relay:
                 # session) or the connection broke: the ack did not commit.
                 self._lease_lost(lane, batch, f"connection lost: {self.sessions.clean(exc)}", ack_start)
                 self.sessions.discard(batch.conn)
-                self._pace(lane, batch, lost=True)
+                # The lease ran out (not a server restart or a dropped connection): too slow.
+                self._pace(lane, batch, lost=time.monotonic() - batch.claimed_at >= self.config.lease)
             else:  # the statement failed on a live connection: a bug or a schema change
                 log.error(
                     "ack of %d events failed, they stay pending: %s",

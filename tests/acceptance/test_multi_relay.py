@@ -142,7 +142,10 @@ def test_paused_relay_is_fenced_and_order_holds(pg_dsn: str, schema: str, kafka:
             conn.commit()
     n = keys * rounds
     # A slow-ish pace (small batches, one in flight) so that the pause lands mid-run.
-    opts = (*FAST, "--batch-size", "20", "--batches-in-flight", "1")
+    # A batch lease (10 s) well past the ownership lease (3 s): b must find a's claim locks still
+    # held when it takes a's partitions over. With 4 s, a loaded machine delayed b's takeover past
+    # the moment PostgreSQL ended a's paused session, and nothing was left to fence.
+    opts = (*FAST, "--batch-size", "20", "--batches-in-flight", "1", "--lease", "10")
     a = RelayProcess(pg_dsn, schema, kafka, *opts, "--name", "a")
     fences: list[Any] = []
     fenced = sql.SQL(
@@ -154,12 +157,15 @@ def test_paused_relay_is_fenced_and_order_holds(pg_dsn: str, schema: str, kafka:
         wait_for(lambda: len(_live_relays(pg_dsn, schema)) == 2, timeout=30, what="rebalance")
         with psycopg.connect(pg_dsn, autocommit=True) as conn:
             # Paused mid-batch (its claim's advisory locks held), past its ownership lease (3 s)
-            # and batch lease (4 s). Paused between two batches, a holds nothing and b's takeover
-            # needs no fence: on a loaded machine that happened in 2 runs of 3.
+            # and batch lease (10 s). Paused between two batches, a holds nothing and b's takeover
+            # needs no fence: on a loaded machine that happened in 2 runs of 3. Only a claim's
+            # lock counts (shared, on a partition): a's vacuum also holds an advisory lock (its
+            # own, exclusive), and a pause during a vacuum took b's takeover for a fenced one.
             held = sql.SQL(
                 "SELECT count(*) FROM pg_locks AS l JOIN {}.relays AS r ON l.pid = ANY (r.backend_pids) "
-                "WHERE r.name = 'a' AND l.locktype = 'advisory' AND l.granted"
-            ).format(sql.Identifier(schema))
+                "WHERE r.name = 'a' AND l.locktype = 'advisory' AND l.granted AND l.mode = 'ShareLock' "
+                "AND l.classid = {}::regclass"
+            ).format(sql.Identifier(schema), sql.Literal(f'"{schema}".partitions'))
 
             def paused_mid_batch() -> bool:
                 a.proc.send_signal(signal.SIGSTOP)
