@@ -214,6 +214,16 @@ class RelayProcess(ModuleProcess):
     def __enter__(self) -> RelayProcess:
         return self
 
+    def stop(self, timeout: float = 30) -> int:
+        """SIGTERM once the relay has started, then wait; returns the exit code. A SIGTERM
+        before its handlers are installed ends it with -15 and no output: beside a loaded
+        suite a relay can still be importing when another relay has drained a short test's
+        events (seen in CI: the per-key order test on NATS)."""
+        deadline = time.monotonic() + 60
+        while self.proc.poll() is None and " started" not in self.output() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        return super().stop(timeout)
+
 
 # Relay options for tests of ownership and ordering: short leases, quick retries.
 FAST = (
