@@ -58,12 +58,15 @@ class Lane:
     delivery: Condition = field(init=False)  # retries batch after batch: one problem, not a line each
 
     def __post_init__(self) -> None:
-        name = self.outbox.name
-        fields = {"outbox": name}
-        # The --dsn/--schema outbox of a relay that serves only it logs as it always did.
-        said = "" if name == DEFAULT_NAME else f"outbox {name}: "
-        self.trouble = Condition(log, "outbox", f"{said}cannot be served", fields=fields)
-        self.delivery = Condition(log, "delivery", f"{said}deliveries failing", fields=fields)
+        fields = {"outbox": self.name}
+        self.trouble = Condition(log, "outbox", f"{self.said}cannot be served", fields=fields)
+        self.delivery = Condition(log, "delivery", f"{self.said}deliveries failing", fields=fields)
+
+    @property
+    def said(self) -> str:
+        """What starts its log lines: the --dsn/--schema outbox of a relay that serves only it
+        logs as it always did, without a name."""
+        return "" if self.name == DEFAULT_NAME else f"outbox {self.name}: "
 
     @property
     def name(self) -> str:

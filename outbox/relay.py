@@ -564,7 +564,7 @@ class Relay:
             log.warning(
                 "%sa batch of %d events took %.1f s of the %.0f s lease%s: claiming at most %d events "
                 "at a time while the sink is this slow",
-                "" if lane.name == DEFAULT_NAME else f"outbox {lane.name}: ",
+                lane.said,
                 len(batch),
                 took,
                 lease,
@@ -576,7 +576,7 @@ class Relay:
             lane.paced = False
             log.warning(
                 "%sthe sink keeps pace again: claiming up to %d events at a time",
-                "" if lane.name == DEFAULT_NAME else f"outbox {lane.name}: ",
+                lane.said,
                 full,
                 extra={"event": "claims.unpaced", "outbox": lane.name},
             )
