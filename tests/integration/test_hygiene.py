@@ -126,7 +126,7 @@ def test_a_table_that_cannot_shrink_yet_is_looked_at_less_and_less(pg_dsn: str, 
             # this dead tuple; before PostgreSQL 15 they arrive late and can be read stale.
             vacuumed = 1 + hygiene.vacuums
             wait_for(
-                lambda: _vacuum_count(pg_dsn, schema) == vacuumed and _stats(pg_dsn, schema)[0] > 0,
+                lambda n=vacuumed: _vacuum_count(pg_dsn, schema) == n and _stats(pg_dsn, schema)[0] > 0,
                 timeout=30,
                 what="the last vacuum and then a dead tuple in stats",
             )
