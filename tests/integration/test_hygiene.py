@@ -29,7 +29,8 @@ def _vacuum_count(dsn: str, schema: str) -> int:
     """How many times the statistics have seen ``events`` vacuumed (by hand or by the relay)."""
     with psycopg.connect(dsn, autocommit=True) as conn:
         row = conn.execute(
-            "SELECT vacuum_count FROM pg_stat_user_tables WHERE schemaname = %s AND relname = 'events'", (schema,)
+            "SELECT vacuum_count FROM pg_stat_user_tables WHERE schemaname = %s AND relname = 'events'",
+            (schema,),
         ).fetchone()
         return int(row[0]) if row else 0
 
