@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from typing import Any
@@ -33,6 +34,10 @@ def _vacuum_count(dsn: str, schema: str) -> int:
             (schema,),
         ).fetchone()
         return int(row[0]) if row else 0
+
+
+def _shows_vacuums_then_dead(dsn: str, schema: str, vacuums: int) -> bool:
+    return _vacuum_count(dsn, schema) == vacuums and _stats(dsn, schema)[0] > 0
 
 
 def _fill_and_drain(dsn: str, schema: str, kafka: str, topic: str, n: int, **relay: Any) -> None:
@@ -125,9 +130,8 @@ def test_a_table_that_cannot_shrink_yet_is_looked_at_less_and_less(pg_dsn: str, 
                 writer.execute(f'DELETE FROM "{schema}".events WHERE id > %s', (pinned,))
             # The statistics must show the last vacuum (which zeroes the dead count) and then
             # this dead tuple; before PostgreSQL 15 they arrive late and can be read stale.
-            vacuumed = 1 + hygiene.vacuums
             wait_for(
-                lambda n=vacuumed: _vacuum_count(pg_dsn, schema) == n and _stats(pg_dsn, schema)[0] > 0,
+                functools.partial(_shows_vacuums_then_dead, pg_dsn, schema, 1 + hygiene.vacuums),
                 timeout=30,
                 what="the last vacuum and then a dead tuple in stats",
             )
