@@ -22,6 +22,17 @@ import pytest
 from outbox.bench.faults.scenarios import SCENARIOS, SINK_HEALED_DRAIN
 
 
+def _results(out: subprocess.CompletedProcess[str], directory: Path) -> dict[str, Any]:
+    """The run's results.json; a run that ended before writing it fails with its output."""
+    path = directory / "results.json"
+    if not path.exists():
+        raise AssertionError(
+            f"no results.json (exit {out.returncode}):\n{out.stdout[-3000:]}\n{out.stderr[-6000:]}"
+        )
+    results: dict[str, Any] = json.loads(path.read_text())
+    return results
+
+
 def _detail(scenario: str, r: dict[str, Any]) -> str:
     """A scenario's row for a failure message; printed too, since pytest shortens long messages."""
     text = f"{scenario}: " + json.dumps({k: v for k, v in r.items() if k != "relay_logs"}, default=str)
@@ -48,7 +59,7 @@ def test_fault_scenario_loses_nothing(scenario: str, tmp_path: Path) -> None:
         text=True,
         timeout=600,
     )
-    results = json.loads((tmp_path / "results.json").read_text())
+    results = _results(out, tmp_path)
     r = results["scenarios"][scenario]
     logs = "\n".join(Path(p).read_text(errors="replace")[-3000:] for p in r["relay_logs"])
     detail = _detail(scenario, r)
@@ -84,7 +95,7 @@ def test_fault_scenarios_on_every_sink_lose_nothing(sink: str, pg_dsn: str, tmp_
          "--sink", SINK_URLS[sink], "--scenarios", ",".join(chosen), "--out", str(tmp_path)],
         capture_output=True, text=True, timeout=600,
     )  # fmt: skip
-    results = json.loads((tmp_path / "results.json").read_text())
+    results = _results(out, tmp_path)
     assert results["sink"] == sink
     for scenario in chosen:
         r = results["scenarios"][scenario]
@@ -131,7 +142,7 @@ def test_fault_scenarios_on_aws_lose_nothing(service: str, pg_dsn: str, tmp_path
         )  # fmt: skip
     finally:
         moto.stop()
-    results = json.loads((tmp_path / "results.json").read_text())
+    results = _results(out, tmp_path)
     for scenario in chosen:
         r = results["scenarios"][scenario]
         detail = _detail(scenario, r)
