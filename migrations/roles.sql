@@ -13,11 +13,13 @@
 GRANT USAGE ON SCHEMA {schema} TO {writer};
 GRANT INSERT ON {schema}.events TO {writer};
 GRANT USAGE ON SEQUENCE {sequence} TO {writer};
+-- The capture mode (table or WAL), read once per connection.
+GRANT SELECT ON {schema}.capture TO {writer};
 
 -- The relay: claim (SELECT ... FOR UPDATE needs UPDATE), retry (UPDATE), ack and
 -- dead-letter (DELETE from events, INSERT into the archive and dead letters),
 -- ownership leases and membership, and the archive's day partitions through the
--- SECURITY DEFINER function. No INSERT into events, no DDL, no TRUNCATE.
+-- SECURITY DEFINER function. No DDL, no TRUNCATE.
 -- Reading everything also lets this role run `outbox status`.
 GRANT USAGE ON SCHEMA {schema} TO {relay};
 GRANT SELECT ON {schema}.schema_migrations TO {relay};
@@ -26,6 +28,12 @@ GRANT SELECT, INSERT ON {schema}.delivered TO {relay};
 GRANT SELECT, INSERT ON {schema}.dead_letters TO {relay};
 GRANT SELECT, INSERT, UPDATE, DELETE ON {schema}.relays TO {relay};
 GRANT SELECT, UPDATE ON {schema}.partitions TO {relay};
+-- WAL capture: the slot's handed-on position, and the events it puts into the table for a retry
+-- (and the archive ids it takes from the events sequence). Reading the slot needs the login
+-- role's own REPLICATION attribute (not inherited through membership).
+GRANT SELECT, UPDATE (lsn) ON {schema}.capture TO {relay};
+GRANT INSERT ON {schema}.events TO {relay};
+GRANT USAGE ON SEQUENCE {sequence} TO {relay};
 GRANT EXECUTE ON FUNCTION {schema}.ensure_delivered_partitions(integer) TO {relay};
 -- The audit trail of operators' actions: read by `outbox audit` and `outbox status`.
 GRANT SELECT ON {schema}.audit TO {relay};
@@ -38,7 +46,7 @@ GRANT SELECT, INSERT, UPDATE, DELETE ON {schema}.claim_checks TO {relay};
 -- trail. It cannot change or delete a pending event or the archive, purge, or run DDL.
 GRANT USAGE ON SCHEMA {schema} TO {console};
 GRANT SELECT ON {schema}.schema_migrations, {schema}.events, {schema}.delivered, {schema}.dead_letters,
-    {schema}.relays, {schema}.partitions, {schema}.claim_checks TO {console};
+    {schema}.relays, {schema}.partitions, {schema}.claim_checks, {schema}.capture TO {console};
 GRANT INSERT ON {schema}.events TO {console};
 GRANT USAGE ON SEQUENCE {sequence} TO {console};
 GRANT DELETE, UPDATE (parked) ON {schema}.dead_letters TO {console};

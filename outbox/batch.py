@@ -17,12 +17,14 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from operator import itemgetter
 from typing import Any, cast
 
 import psycopg
 
+from outbox import capture
 from outbox.errors import CorruptEvent, FencingError
 from outbox.events import TOPIC_OF, ClaimedEvent, decode_row
 from outbox.ordering import KeyHolds
@@ -69,6 +71,24 @@ class BatchResult:
         return sum(t.dead for t in self.topics.values())
 
 
+@dataclass
+class Written:
+    """A finished batch's outcomes, as lists of ids (and what goes with them) per statement."""
+
+    archive: bool
+    ok_ids: list[int]
+    ok_parts: list[int | None]
+    ok_offsets: list[int | None]
+    ok_refs: list[str | None]
+    retry_ids: list[int]
+    retry_delays: list[float]
+    retry_errors: list[str]
+    retry_kinds: list[str]
+    dead_ids: list[int]
+    dead_errors: list[str]
+    dead_events: list[tuple[int, str]]
+
+
 class Batch:
     """Events claimed in one transaction on one connection, and their outcomes."""
 
@@ -92,6 +112,7 @@ class Batch:
         self.outcomes: list[Outcome | None] = [None] * len(rows)
         self.claimed_at = time.monotonic()
         self.abandoned = False
+        self.finished = False  # its outcomes committed
         # OpenTelemetry "send <topic>" spans of this batch (empty when tracing is off).
         self.spans: dict[str, Any] = {}
         self.corrupt = 0  # rows that could not be decoded (settled as dead at once)
@@ -220,44 +241,54 @@ class Batch:
             tr.dead += 1
             result.dead_events.append((self.ids[i], reason))
 
-        conn = self.conn
+        written = Written(
+            archive, ok_ids, ok_parts, ok_offsets, ok_refs,
+            retry_ids, retry_delays, retry_errors, retry_kinds,
+            dead_ids, dead_errors, result.dead_events,
+        )  # fmt: skip
         try:
-            if ok_ids:
-                name = "archive_delivered" if archive else "delete_delivered"
-                cur = conn.execute(
-                    query(name, schema),
-                    {
-                        "ids": int_array(ok_ids),
-                        "partitions": int_array(ok_parts),
-                        "offsets": int_array(ok_offsets),
-                        # No sink reference at all (Kafka): an empty array, which unnest pads
-                        # with NULLs, instead of psycopg dumping a NULL per event in Python.
-                        "refs": [] if ok_refs.count(None) == len(ok_refs) else ok_refs,
-                    },
-                )
-                _check_rows(cur.rowcount, len(ok_ids), "archive")
-            if retry_ids:
-                cur = conn.execute(
-                    query("schedule_retry", schema),
-                    {
-                        "ids": int_array(retry_ids),
-                        "delays": retry_delays,
-                        "errors": retry_errors,
-                        "kinds": retry_kinds,
-                    },
-                )
-                _check_rows(cur.rowcount, len(retry_ids), "retry")
-            if dead_ids:
-                cur = conn.execute(
-                    query("dead_letter", schema),
-                    {"ids": int_array(dead_ids), "errors": dead_errors, "park": self._parks},
-                )
-                _check_rows(cur.rowcount, len(dead_ids), "dead-letter")
-            conn.commit()
+            self._write(schema, written)
+            self.conn.commit()
+            self.finished = True
         except FencingError:
-            conn.rollback()
+            self.conn.rollback()
             raise
         return result
+
+    def _write(self, schema: str, w: Written) -> None:
+        """The outcomes' statements, in the batch's transaction (committed by ``finish``)."""
+        conn = self.conn
+        if w.ok_ids:
+            name = "archive_delivered" if w.archive else "delete_delivered"
+            cur = conn.execute(
+                query(name, schema),
+                {
+                    "ids": int_array(w.ok_ids),
+                    "partitions": int_array(w.ok_parts),
+                    "offsets": int_array(w.ok_offsets),
+                    # No sink reference at all (Kafka): an empty array, which unnest pads
+                    # with NULLs, instead of psycopg dumping a NULL per event in Python.
+                    "refs": [] if w.ok_refs.count(None) == len(w.ok_refs) else w.ok_refs,
+                },
+            )
+            _check_rows(cur.rowcount, len(w.ok_ids), "archive")
+        if w.retry_ids:
+            cur = conn.execute(
+                query("schedule_retry", schema),
+                {
+                    "ids": int_array(w.retry_ids),
+                    "delays": w.retry_delays,
+                    "errors": w.retry_errors,
+                    "kinds": w.retry_kinds,
+                },
+            )
+            _check_rows(cur.rowcount, len(w.retry_ids), "retry")
+        if w.dead_ids:
+            cur = conn.execute(
+                query("dead_letter", schema),
+                {"ids": int_array(w.dead_ids), "errors": w.dead_errors, "park": self._parks},
+            )
+            _check_rows(cur.rowcount, len(w.dead_ids), "dead-letter")
 
     def release(self) -> None:
         """Give the batch up: roll back so its events can be claimed again at once."""
@@ -269,3 +300,79 @@ class Batch:
 def _check_rows(changed: int, expected: int, what: str) -> None:
     if changed != expected:
         raise FencingError(f"{what} changed {changed} rows, expected {expected}: the batch's lease was lost")
+
+
+def _column(rows: Sequence[tuple[Any, ...]], i: int) -> list[Any]:
+    return [row[i] for row in rows]
+
+
+class WalBatch(Batch):
+    """Events read from the WAL, sent like a claimed batch. Finishing writes the delivered
+    ones to the archive and the rest into the events table (then retried, dead-lettered or
+    parked there as table events are), records the position, commits; the relay then lets
+    the reader confirm it."""
+
+    def __init__(
+        self, conn: psycopg.Connection[Any], rows: list[tuple[Any, ...]], end: int, **kw: Any
+    ) -> None:
+        # Each row's id is its index here until it has one of the table's (see _write).
+        rows = [(i, *row[1:]) for i, row in enumerate(rows)]
+        super().__init__(conn, rows, **kw)
+        self.rows = rows
+        self.end = end
+
+    def _write(self, schema: str, w: Written) -> None:
+        conn = self.conn
+        rows = self.rows
+        settled = set(w.ok_ids)
+        if w.ok_ids and w.archive:
+            ok = [rows[i] for i in w.ok_ids]
+            conn.execute(
+                query("wal_archive", schema),
+                {
+                    "schema": schema,
+                    **self._columns(ok),
+                    "partitions": int_array(w.ok_parts),
+                    "offsets": int_array(w.ok_offsets),
+                    "refs": [] if w.ok_refs.count(None) == len(w.ok_refs) else w.ok_refs,
+                },
+            )
+        rest = [i for i in range(len(rows)) if i not in settled]
+        if rest:
+            cur = conn.execute(query("wal_to_events", schema), self._columns([rows[i] for i in rest]))
+            new_id = {event_id: id_ for id_, event_id in cur.fetchall()}
+            real = {i: int(new_id[rows[i][1]]) for i in rest}
+            if w.retry_ids:
+                conn.execute(
+                    query("schedule_retry", schema),
+                    {
+                        "ids": int_array([real[i] for i in w.retry_ids]),
+                        "delays": w.retry_delays,
+                        "errors": w.retry_errors,
+                        "kinds": w.retry_kinds,
+                    },
+                )
+            if w.dead_ids:
+                conn.execute(
+                    query("dead_letter", schema),
+                    {
+                        "ids": int_array([real[i] for i in w.dead_ids]),
+                        "errors": w.dead_errors,
+                        "park": self._parks,
+                    },
+                )
+            w.dead_events[:] = [(real[i], reason) for i, reason in w.dead_events]
+        conn.execute(query("wal_handed_on", schema), {"lsn": capture.lsn_text(self.end)})
+
+    @staticmethod
+    def _columns(rows: Sequence[tuple[Any, ...]]) -> dict[str, Any]:
+        return {
+            "event_ids": _column(rows, 1),
+            "topics": _column(rows, 2),
+            "keys": _column(rows, 3),
+            "payloads": _column(rows, 4),
+            "headers": _column(rows, 5),
+            "created": _column(rows, 6),
+            "types": _column(rows, 8),
+            "subjects": _column(rows, 9),
+        }

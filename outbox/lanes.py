@@ -15,6 +15,7 @@ import time
 from dataclasses import dataclass, field
 
 from outbox.batch import Batch
+from outbox.capture import WalReader
 from outbox.conditions import Condition
 from outbox.ordering import Ordering
 from outbox.outboxes import DEFAULT_NAME, Outbox
@@ -53,6 +54,9 @@ class Lane:
     last_work: float = 0.0  # monotonic time its last claim found events
     claim_cap: int = 0  # events per claim at most (0: --batch-size): slow start, a slow sink; Relay._pace
     paced: bool = False  # a slow batch made claims smaller, and they are not back to --batch-size yet
+    wal: WalReader | None = None  # WAL capture: the reader of the outbox's slot
+    table_turn: bool = False  # WAL capture: the table's turn to be claimed from next
+    next_capture: float = 0.0  # monotonic time of the next look at its capture mode
     stats: RelayStats = field(default_factory=RelayStats)
     trouble: Condition = field(init=False)  # this outbox's own problem (schema gone, not migrated)
     delivery: Condition = field(init=False)  # retries batch after batch: one problem, not a line each

@@ -41,8 +41,9 @@ from typing import Any
 
 import psycopg
 
-from outbox import tracing
-from outbox.batch import Batch, BatchResult
+from outbox import capture, tracing
+from outbox.batch import Batch, BatchResult, WalBatch
+from outbox.capture import WalReader
 from outbox.conditions import Condition
 from outbox.config import RelayConfig
 from outbox.dsn import with_net_timeouts
@@ -66,6 +67,7 @@ log = logging.getLogger("outbox.relay")
 
 PARTITION_MAINTENANCE = 3600.0  # seconds between archive partition checks
 MAINTENANCE_RETRY = 10.0  # seconds before trying again after it failed
+CAPTURE_CHECK = 30.0  # seconds between looks at an outbox's capture mode (a slot to read?)
 REPORT_WAIT = 0.005  # seconds to wait for delivery reports while a claim could start
 REPORT_WAIT_FULL = 0.05  # seconds to wait for delivery reports when all slots are busy
 NET_PAUSE = 1.0  # seconds to pause after a dropped connection caught by the loop's net
@@ -151,6 +153,7 @@ class Relay:
         self._wanted: list[Outbox] | None = chosen  # the outboxes to serve from the next step
         self._wanted_lock = threading.Lock()
         self._next_maintenance_check = 0.0
+        self._next_capture_check = 0.0
         self._chains: dict[str, KeyChains] = {}  # per outbox, around the sink, where it needs them
         self._listener: Listener | None = None
         self._hygiene: Hygiene | None = None
@@ -312,13 +315,15 @@ class Relay:
         now = time.monotonic()
         if now >= self._next_maintenance_check:
             self._maintain_partitions(now)
+        if now >= self._next_capture_check:
+            self._check_capture(now)
         chosen = self._next_claim(now)
         if chosen is not None:
             chosen.woken = False  # a NOTIFY arriving during the claim sets it again
             limit = self._batch_limit(chosen, now)
             claimed = self._claim_and_send(chosen, limit)
             # A full batch means there is probably more: claim again without waiting.
-            chosen.more_work = claimed == limit
+            chosen.more_work = claimed == limit or (chosen.wal is not None and chosen.wal.waiting)
             if not chosen.more_work:
                 chosen.next_poll = time.monotonic() + self._jittered_poll()
             if claimed == 0 and chosen.in_flight:
@@ -404,6 +409,17 @@ class Relay:
 
     def _claim_and_send(self, lane: Lane, limit: int) -> int:
         assert self._sink is not None
+        wal = lane.wal
+        if wal is not None:
+            # WAL capture: the slot's transactions and the table's events (retries, delayed, held
+            # behind a failure) take turns; one WAL batch at a time, so commit order holds.
+            lane.table_turn = not lane.table_turn
+            if (
+                wal.waiting
+                and not lane.table_turn
+                and not any(isinstance(b, WalBatch) for b in lane.in_flight)
+            ):
+                return self._read_and_send(lane, limit)
         conn = self.sessions.take()
         if conn is None:
             return 0
@@ -434,6 +450,52 @@ class Relay:
         lane.last_work = time.monotonic()
         ordering = lane.ordering
         batch = Batch(conn, rows, holds=ordering.holds if ordering.ordered else None, parks=ordering.parks)
+        return self._send(lane, batch, claim_start, limit)
+
+    def _read_and_send(self, lane: Lane, limit: int) -> int:
+        """WAL capture: send the next committed transactions read from the outbox's slot. The
+        events of a key that has events waiting in the table (or a parked dead letter) are held,
+        and go into the table behind them when the batch finishes."""
+        assert lane.wal is not None
+        conn = self.sessions.take()
+        if conn is None:
+            return 0
+        claim_start = time.time_ns()
+        taken = lane.wal.take(limit)
+        if taken is None:
+            self.sessions.give_back(conn)
+            return 0
+        rows, end, _ = taken
+        ordering = lane.ordering
+        batch = WalBatch(
+            conn, rows, end, holds=ordering.holds if ordering.ordered else None, parks=ordering.parks
+        )
+        keys = list({e.key for e in batch.events if e is not None and e.key is not None})
+        try:
+            waiting = (
+                {r[0] for r in conn.execute(query("wal_keys_waiting", lane.schema), {"keys": keys})}
+                if keys
+                else set()
+            )
+        except psycopg.Error as exc:
+            lane.wal.rewind()  # read again from the slot
+            if isinstance(exc, psycopg.OperationalError):
+                self.sessions.lost(conn, f"WAL batch failed: {self.sessions.clean(exc)}")
+            else:
+                self._lane_error(lane, conn, f"WAL batch failed: {self.sessions.clean(exc)}")
+            return 0
+        for i, event in enumerate(batch.events):
+            if event is not None and event.key is not None and event.key in waiting:
+                batch.hold(i)
+        self._loop_progress = lane.last_work = time.monotonic()
+        self.stats.claims += 1
+        lane.stats.claims += 1
+        return self._send(lane, batch, claim_start, limit)
+
+    def _send(self, lane: Lane, batch: Batch, claim_start: int, limit: int) -> int:
+        """Hand a batch's events to the sink (their outcomes come back through ``batch.settle``)."""
+        assert self._sink is not None
+        ordering = lane.ordering
         sink = self._sink
         batch.spans = tracing.start_batch(
             batch.events, claim_start, time.time_ns(), partial(self._span_shape, sink, lane.name)
@@ -451,14 +513,14 @@ class Relay:
         chains = self._chains.get(lane.name)
         # A lane with key chains goes through them, event by event: never around them.
         produce_many = None if chains is not None else getattr(sink, "produce_many", None)
-        if produce_many is not None and not held and not batch.corrupt:
+        if produce_many is not None and not held and batch.waiting == len(batch):
             # Nothing held, nothing corrupt: the batch goes to the sink in one call
             # (KafkaSink.produce_many), up to the first event the sink does not take as it is.
             start = produce_many(events, batch.outcomes, batch.settle)
         produce = chains.produce if chains is not None else sink.produce
         for i in range(start, len(events)):
             event = events[i]
-            if event is None:  # corrupt row, already settled as dead
+            if event is None or batch.outcomes[i] is not None:  # corrupt (dead), or held before
                 continue
             if held and event.key is not None and event.key in held:
                 batch.hold(i)
@@ -594,7 +656,13 @@ class Relay:
         )
 
     def _done(self, lane: Lane, batch: Batch) -> None:
-        """The one place a batch leaves the loop: its session back to the pool, its key holds dropped."""
+        """The one place a batch leaves the loop: its session back to the pool, its key holds dropped;
+        a WAL batch's position confirmed to the slot if it committed, else read again."""
+        if isinstance(batch, WalBatch) and lane.wal is not None:
+            if batch.finished:
+                lane.wal.confirm(batch.end)
+            else:
+                lane.wal.rewind()
         lane.in_flight.remove(batch)
         lane.ordering.holds.release(id(batch))
         self.sessions.give_back(batch.conn)
@@ -730,6 +798,7 @@ class Relay:
     def _forget_left(self) -> None:
         """Lanes that left and have nothing in flight hand their partitions over and go."""
         for lane in [lane for lane in self._rotation if lane.leaving and not lane.in_flight]:
+            self._stop_reader(lane)
             lane.ordering.release_all()
             self._rotation.remove(lane)
             del self.lanes[lane.name]
@@ -875,6 +944,58 @@ class Relay:
             return
         self.sessions.give_back(conn)
 
+    def _check_capture(self, now: float) -> None:
+        """Each outbox's capture mode, every CAPTURE_CHECK s (one outbox a step): a slot to read
+        starts its reader; a slot that went (dropped) stops it."""
+        due = [lane for lane in self._rotation if now >= lane.next_capture and not lane.leaving]
+        if not due:
+            self._next_capture_check = min(
+                (lane.next_capture for lane in self._rotation), default=now + CAPTURE_CHECK
+            )
+            return
+        lane = due[0]
+        lane.next_capture = now + CAPTURE_CHECK
+        conn = self.sessions.take()
+        if conn is None:
+            lane.next_capture = now + MAINTENANCE_RETRY
+            return
+        try:
+            found = capture.state(conn, lane.schema)
+            conn.commit()
+        except psycopg.OperationalError as exc:
+            self.sessions.lost(conn, f"capture check failed: {self.sessions.clean(exc)}")
+            lane.next_capture = now + MAINTENANCE_RETRY
+            return
+        except psycopg.Error as exc:
+            lane.next_capture = now + MAINTENANCE_RETRY
+            self._lane_error(lane, conn, f"capture check failed: {self.sessions.clean(exc)}")
+            return
+        self.sessions.give_back(conn)
+        if found.reads_slot and lane.wal is None:
+            lane.wal = WalReader(
+                lane.outbox.dsn, lane.schema, found, partial(self._woken, lane), name=lane.said and lane.name
+            )
+            lane.wal.start()
+            log.info(
+                "%sreading events from the WAL slot %s (%s capture)",
+                lane.said,
+                found.slot,
+                found.mode,
+                extra={"event": "wal.reading", "outbox": lane.name},
+            )
+        elif (
+            not found.reads_slot
+            and lane.wal is not None
+            and not any(isinstance(b, WalBatch) for b in lane.in_flight)
+        ):
+            self._stop_reader(lane)
+
+    def _stop_reader(self, lane: Lane) -> None:
+        if lane.wal is not None:
+            lane.wal.stop()
+            lane.wal.join(timeout=2.0)
+            lane.wal = None
+
     # -- start and stop ---------------------------------------------------------
 
     def _start(self) -> None:
@@ -955,6 +1076,7 @@ class Relay:
             self._sink = None
         # No batch holds locks any more: hand the partitions over at once.
         for lane in self._rotation:
+            self._stop_reader(lane)
             lane.ordering.release_all()
         self._link.close()
         self.sessions.close_all()

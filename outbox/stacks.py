@@ -50,6 +50,7 @@ import psycopg
 from psycopg.pq import TransactionStatus
 from psycopg.types.json import Jsonb
 
+from outbox import capture
 from outbox.errors import NotMigrated, OutsideTransaction, UnsupportedConnection
 from outbox.events import EncodedEvent
 from outbox.queries import query, raw
@@ -89,6 +90,23 @@ def _sql(name: str, schema: str) -> str:
     """The named statement with the schema bound (as an identifier), rendered once: psycopg
     would otherwise compose it again on every execute, a quarter of ``enqueue``'s own time."""
     return query(name, schema).as_string()
+
+
+WAL = "wal:"  # in a connection's known set, before a schema: its outbox is in WAL capture
+
+
+def _remember(seen: set[str], schema: str, mode: str | None) -> None:
+    """Remember a schema's capture mode on a connection (``writer_capture``; None: no outbox)."""
+    if mode is None:
+        raise unknown_schema(schema)
+    seen.add(schema)
+    if mode == "wal":
+        seen.add(WAL + schema)
+
+
+def _emitted(schema: str, events: Sequence[EncodedEvent]) -> tuple[str, list[bytes]]:
+    """``emit_events``'s parameters: the outbox's message prefix, and each event's content."""
+    return capture.prefix_of(schema), [capture.encode(ev) for ev in events]
 
 
 def unknown_schema(schema: str) -> NotMigrated:
@@ -149,9 +167,10 @@ class Writer(Protocol):
     stack: str
 
     def require_transaction(self) -> None: ...
-    def ensure_schema(self, schema: str) -> None: ...
+    def ensure_schema(self, schema: str) -> bool: ...
     def insert(self, schema: str, ev: EncodedEvent) -> None: ...
     def insert_many(self, schema: str, events: Sequence[EncodedEvent]) -> None: ...
+    def emit(self, schema: str, events: Sequence[EncodedEvent]) -> None: ...
     def flag(self, name: str, schema: str, *params: Any) -> bool: ...
 
 
@@ -159,9 +178,10 @@ class AsyncWriter(Protocol):
     stack: str
 
     def require_transaction(self) -> None: ...
-    async def ensure_schema(self, schema: str) -> None: ...
+    async def ensure_schema(self, schema: str) -> bool: ...
     async def insert(self, schema: str, ev: EncodedEvent) -> None: ...
     async def insert_many(self, schema: str, events: Sequence[EncodedEvent]) -> None: ...
+    async def emit(self, schema: str, events: Sequence[EncodedEvent]) -> None: ...
     async def flag(self, name: str, schema: str, *params: Any) -> bool: ...
 
 
@@ -183,14 +203,17 @@ class PsycopgWriter:
         if not _psycopg_in_transaction(self.conn):
             raise outside_transaction(self.stack, "write inside `with conn.transaction():`")
 
-    def ensure_schema(self, schema: str) -> None:
+    def ensure_schema(self, schema: str) -> bool:
         seen = _seen(self.conn)
-        if schema in seen:
-            return
-        row = self.conn.execute(_sql("events_table", schema), (schema,), prepare=False).fetchone()
-        if not row or not row[0]:
-            raise unknown_schema(schema)
-        seen.add(schema)
+        if schema not in seen:
+            with psycopg.Cursor(self.conn) as cur:
+                row = cur.execute(_sql("writer_capture", schema), (schema, schema), prepare=False).fetchone()
+                found = row[0] if row else None
+                if found == "check":
+                    mode = cur.execute(_sql("capture_mode", schema), prepare=False).fetchone()
+                    found = mode[0] if mode else "table"
+            _remember(seen, schema, found)
+        return WAL + schema in seen
 
     def insert(self, schema: str, ev: EncodedEvent) -> None:
         # A server-side binding cursor whatever the connection's cursor_factory (Django's is
@@ -208,6 +231,10 @@ class PsycopgWriter:
                 for ev in events:
                     copy.write_row(_copy_row(ev))
 
+    def emit(self, schema: str, events: Sequence[EncodedEvent]) -> None:
+        with psycopg.Cursor(self.conn) as cur:
+            cur.execute(_sql("emit_events", schema), _emitted(schema, events), prepare=False)
+
     def flag(self, name: str, schema: str, *params: Any) -> bool:
         """Run the named statement; whether it returned a row whose first column is true."""
         with psycopg.Cursor(self.conn) as cur:
@@ -224,15 +251,19 @@ class AsyncPsycopgWriter:
         if not _psycopg_in_transaction(self.conn):
             raise outside_transaction(self.stack, "write inside `async with conn.transaction():`")
 
-    async def ensure_schema(self, schema: str) -> None:
+    async def ensure_schema(self, schema: str) -> bool:
         seen = _seen(self.conn)
-        if schema in seen:
-            return
-        cur = await self.conn.execute(_sql("events_table", schema), (schema,), prepare=False)
-        row = await cur.fetchone()
-        if not row or not row[0]:
-            raise unknown_schema(schema)
-        seen.add(schema)
+        if schema not in seen:
+            async with psycopg.AsyncCursor(self.conn) as cur:
+                await cur.execute(_sql("writer_capture", schema), (schema, schema), prepare=False)
+                row = await cur.fetchone()
+                found = row[0] if row else None
+                if found == "check":
+                    await cur.execute(_sql("capture_mode", schema), prepare=False)
+                    mode = await cur.fetchone()
+                    found = mode[0] if mode else "table"
+            _remember(seen, schema, found)
+        return WAL + schema in seen
 
     async def insert(self, schema: str, ev: EncodedEvent) -> None:
         async with psycopg.AsyncCursor(self.conn) as cur:  # server-side binding, as above
@@ -247,6 +278,10 @@ class AsyncPsycopgWriter:
                 copy.set_types(COPY_TYPES)
                 for ev in events:
                     await copy.write_row(_copy_row(ev))
+
+    async def emit(self, schema: str, events: Sequence[EncodedEvent]) -> None:
+        async with psycopg.AsyncCursor(self.conn) as cur:
+            await cur.execute(_sql("emit_events", schema), _emitted(schema, events), prepare=False)
 
     async def flag(self, name: str, schema: str, *params: Any) -> bool:
         async with psycopg.AsyncCursor(self.conn) as cur:
@@ -279,16 +314,19 @@ class Psycopg2Writer:
         if self.conn.autocommit and self.conn.get_transaction_status() == ext.TRANSACTION_STATUS_IDLE:
             raise outside_transaction(self.stack, "turn autocommit off, or write inside a BEGIN")
 
-    def ensure_schema(self, schema: str) -> None:
+    def ensure_schema(self, schema: str) -> bool:
         seen = _seen(self.conn)
-        if schema in seen:
-            return
-        with self.conn.cursor() as cur:
-            cur.execute(_sql("events_table", schema), (schema,))
-            row = cur.fetchone()
-        if not row or not row[0]:
-            raise unknown_schema(schema)
-        seen.add(schema)
+        if schema not in seen:
+            with self.conn.cursor() as cur:
+                cur.execute(_sql("writer_capture", schema), (schema, schema))
+                row = cur.fetchone()
+                found = row[0] if row else None
+                if found == "check":
+                    cur.execute(_sql("capture_mode", schema))
+                    mode = cur.fetchone()
+                    found = mode[0] if mode else "table"
+            _remember(seen, schema, found)
+        return WAL + schema in seen
 
     def insert(self, schema: str, ev: EncodedEvent) -> None:
         with self.conn.cursor() as cur:
@@ -300,6 +338,10 @@ class Psycopg2Writer:
                 cur.execute(_sql("insert_events_arrays", schema), _columns(events))
                 return
             cur.copy_expert(_sql("copy_events_text", schema), io.StringIO(_copy_text(events)))
+
+    def emit(self, schema: str, events: Sequence[EncodedEvent]) -> None:
+        with self.conn.cursor() as cur:
+            cur.execute(_sql("emit_events", schema), _emitted(schema, events))
 
     def flag(self, name: str, schema: str, *params: Any) -> bool:
         with self.conn.cursor() as cur:
@@ -329,13 +371,16 @@ class AsyncpgWriter:
         if not self.conn.is_in_transaction():
             raise outside_transaction(self.stack, "write inside `async with conn.transaction():`")
 
-    async def ensure_schema(self, schema: str) -> None:
+    async def ensure_schema(self, schema: str) -> bool:
         seen = _seen(self.conn)
-        if schema in seen:
-            return
-        if not await (await _unnamed(self.conn, _sql("events_table_numbered", schema))).fetchval(schema):
-            raise unknown_schema(schema)
-        seen.add(schema)
+        if schema not in seen:
+            found = await (await _unnamed(self.conn, _sql("writer_capture_numbered", schema))).fetchval(
+                schema
+            )
+            if found == "check":
+                found = await (await _unnamed(self.conn, _sql("capture_mode", schema))).fetchval() or "table"
+            _remember(seen, schema, found)
+        return WAL + schema in seen
 
     @staticmethod
     def _row(ev: EncodedEvent) -> tuple[Any, ...]:
@@ -369,6 +414,11 @@ class AsyncpgWriter:
             columns=COPY_COLUMNS,
             source=io.BytesIO(_copy_text(events).encode()),
         )
+
+    async def emit(self, schema: str, events: Sequence[EncodedEvent]) -> None:
+        prefix, messages = _emitted(schema, events)
+        statement = await _unnamed(self.conn, _sql("emit_events_numbered", schema))
+        await statement.fetch(prefix, [m.hex() for m in messages])
 
     async def flag(self, name: str, schema: str, *params: Any) -> bool:
         return bool(await (await _unnamed(self.conn, _sql(name + "_numbered", schema))).fetchval(*params))

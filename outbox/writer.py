@@ -61,6 +61,14 @@ def _encode_one(
     )
 
 
+def _split(events: list[EncodedEvent], wal: bool) -> tuple[list[EncodedEvent], list[EncodedEvent]]:
+    """(emitted to the WAL, inserted into the events table): in WAL capture every event but the
+    delayed ones, which wait in the table for their time; in table capture none."""
+    if not wal:
+        return [], events
+    return [ev for ev in events if not ev.delay], [ev for ev in events if ev.delay]
+
+
 # -- sync ---------------------------------------------------------------------
 
 
@@ -93,8 +101,10 @@ def enqueue(
     name = schema_or_default(schema)
     writer = writer_for(conn)
     writer.require_transaction()
-    writer.ensure_schema(name)
-    writer.insert(name, ev)
+    if writer.ensure_schema(name) and not ev.delay:
+        writer.emit(name, [ev])  # WAL capture: a logical decoding message, no row
+    else:
+        writer.insert(name, ev)
     _recorded(name, [ev])
     return ev.event_id
 
@@ -112,9 +122,13 @@ def enqueue_many(
     name = schema_or_default(schema)
     writer = writer_for(conn)
     writer.require_transaction()
-    writer.ensure_schema(name)
+    wal = writer.ensure_schema(name)
     if encoded:
-        writer.insert_many(name, encoded)
+        now, later = _split(encoded, wal)
+        if now:
+            writer.emit(name, now)
+        if later:
+            writer.insert_many(name, later)
         _recorded(name, encoded)
     return [ev.event_id for ev in encoded]
 
@@ -140,8 +154,10 @@ async def enqueue_async(
     name = schema_or_default(schema)
     writer = await async_writer_for(conn)
     writer.require_transaction()
-    await writer.ensure_schema(name)
-    await writer.insert(name, ev)
+    if await writer.ensure_schema(name) and not ev.delay:
+        await writer.emit(name, [ev])
+    else:
+        await writer.insert(name, ev)
     _recorded(name, [ev])
     return ev.event_id
 
@@ -154,9 +170,13 @@ async def enqueue_many_async(
     name = schema_or_default(schema)
     writer = await async_writer_for(conn)
     writer.require_transaction()
-    await writer.ensure_schema(name)
+    wal = await writer.ensure_schema(name)
     if encoded:
-        await writer.insert_many(name, encoded)
+        now, later = _split(encoded, wal)
+        if now:
+            await writer.emit(name, now)
+        if later:
+            await writer.insert_many(name, later)
         _recorded(name, encoded)
     return [ev.event_id for ev in encoded]
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -82,6 +83,54 @@ def schema(pg_dsn: str) -> Iterator[str]:
         migrate(conn, name)
     yield name
     with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        conn.execute(sql.SQL("DROP SCHEMA {} CASCADE").format(sql.Identifier(name)))
+
+
+def _wal_level(dsn: str) -> tuple[str, int]:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        row = conn.execute("SELECT current_setting('wal_level'), current_setting('server_version_num')::int").fetchone()
+        assert row is not None
+        return str(row[0]), int(row[1])
+
+
+@pytest.fixture(scope="session")
+def wal_dsn(pg_dsn: str) -> Iterator[str]:
+    """A PostgreSQL with wal_level=logical (WAL capture): the suite's own when it is one (the
+    matrix's servers), else one of this worker's own (the machine's runs with replica)."""
+    level, version = _wal_level(pg_dsn)
+    if level == "logical":
+        if version < 140000:
+            pytest.skip(f"WAL capture needs PostgreSQL 14 or later (server is {version // 10000})")
+        yield pg_dsn
+        return
+    from tests.pgserver import Server
+
+    server = Server("18").start()
+    try:
+        yield server.dsn
+    finally:
+        server.remove()
+
+
+@pytest.fixture
+def wal_schema(wal_dsn: str) -> Iterator[str]:
+    """A migrated outbox switched to WAL capture; its slot, publication and schema dropped after."""
+    from outbox import capture
+
+    name = f"w_{uuid.uuid4().hex[:12]}"
+    with psycopg.connect(wal_dsn, autocommit=True) as conn:
+        migrate(conn, name)
+        capture.switch(conn, name, "wal")
+    yield name
+    with psycopg.connect(wal_dsn, autocommit=True) as conn:
+        slot, publication = capture.slot_name(name), capture.publication_name(name)
+        for _ in range(100):  # a relay's reader may still be letting go of the slot
+            row = conn.execute("SELECT active FROM pg_replication_slots WHERE slot_name = %s", (slot,)).fetchone()
+            if row is None or not row[0]:
+                break
+            time.sleep(0.1)
+        conn.execute("SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots WHERE slot_name = %s", (slot,))
+        conn.execute(sql.SQL("DROP PUBLICATION IF EXISTS {}").format(sql.Identifier(publication)))
         conn.execute(sql.SQL("DROP SCHEMA {} CASCADE").format(sql.Identifier(name)))
 
 

@@ -12,7 +12,7 @@ from typing import Any
 
 import psycopg
 
-from outbox import archive, audit, claim_check, dead, inbox, status
+from outbox import archive, audit, capture, claim_check, dead, inbox, status
 from outbox import migrate as migrations
 from outbox.cli import options
 from outbox.cli.common import add_common, add_confirm, confirm, connect, dsn_of, key_arg, schema_of
@@ -153,6 +153,16 @@ class MigrateOptions:
     create_roles: bool = setting(
         True, "create the roles when missing (--no-create-roles: grant to roles that already exist)"
     )
+    capture: str | None = setting(
+        None,
+        "switch how events are captured: wal (writers emit logical decoding messages, the relay reads "
+        "a replication slot; needs wal_level=logical) or table (rows in the events table)",
+        choices=capture.MODES,
+        default_text="unchanged (table for a new outbox)",
+    )
+    drop_slot: bool = setting(
+        False, "with --capture table: drop the outbox's replication slot (once no writer emits to the WAL)"
+    )
 
 
 def _roles(args: argparse.Namespace) -> migrations.Roles | None:
@@ -186,6 +196,8 @@ def cmd_migrate(args: argparse.Namespace) -> int:
     if args.print:
         sys.stdout.write(migrations.render_all(schema, roles, inbox_only=args.inbox_only))
         return 0
+    if args.drop_slot and args.capture != "table":
+        raise ConfigError("--drop-slot: only with --capture table")
     with connect(args) as conn:
         applied = migrations.migrate(conn, schema, inbox_only=args.inbox_only)
         if roles is not None:
@@ -202,7 +214,16 @@ def cmd_migrate(args: argparse.Namespace) -> int:
             print(f"applied {m.version:04d}_{m.name} to schema {schema}")
     else:
         print(f"schema {schema} is up to date")
+    if args.capture is not None:
+        print(_switch(args, dsn_of(args), schema))
     return 0
+
+
+def _switch(args: argparse.Namespace, dsn: str, schema: str) -> str:
+    """Switch an outbox's capture mode (a slot is made outside any transaction: autocommit)."""
+    with connect(args, dsn) as conn:
+        conn.autocommit = True
+        return capture.switch(conn, schema, args.capture, drop_slot=args.drop_slot)
 
 
 def _migrate_each(args: argparse.Namespace, roles: migrations.Roles | None) -> int:
@@ -222,6 +243,10 @@ def _migrate_each(args: argparse.Namespace, roles: migrations.Roles | None) -> i
                 applied = migrations.migrate(conn, o.schema, inbox_only=args.inbox_only)
                 if roles is not None:
                     migrations.grant_roles(conn, o.schema, roles)
+                switched = ""
+                if args.capture is not None:
+                    conn.commit()
+                    switched = _switch(args, o.dsn, o.schema)
             except (OutboxError, ValueError, psycopg.Error) as exc:
                 failed += 1
                 print(f"{o.name}: failed: {' '.join(scrub(str(exc), secrets_of(o.dsn)).split())}")
@@ -229,6 +254,8 @@ def _migrate_each(args: argparse.Namespace, roles: migrations.Roles | None) -> i
                     conns[o.database].rollback()
                 continue
             done = ", ".join(f"{m.version:04d}_{m.name}" for m in applied) or "up to date"
+            if switched:
+                done += f"; {switched.split(': ', 1)[1]}"
             granted = " (roles granted)" if roles is not None else ""
             print(f"{o.name}: schema {o.schema}: {'applied ' if applied else ''}{done}{granted}")
     finally:

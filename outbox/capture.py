@@ -1,0 +1,435 @@
+"""WAL capture: events written only to the WAL, read from a replication slot.
+
+In WAL mode ``enqueue`` does not insert a row: it emits one transactional logical decoding
+message per event (``pg_logical_emit_message(true, prefix, content)``), decoded only if the
+transaction commits, and in commit order. No heap row, no index entry, no dead tuple, no
+vacuum. The relay reads the messages from the outbox's logical replication slot (plugin
+``pgoutput``, with its ``messages`` option: PostgreSQL 14+) and sends them through the same
+sinks, spans and metrics as claimed rows (:class:`WalBatch`).
+
+What is not delivered at once goes into the events table, in commit order, and the table's
+machinery (backoff, dead letters, parking, per-key order) takes it from there: a failed event,
+and every later event of its key while the key has anything in the table, so a key never
+overtakes its own failure. The slot's position advances past a transaction only once its
+events are delivered and archived, or in the table, in a transaction that committed; that
+transaction also records the position in ``capture.lsn``, below which a relay skips what the
+slot sends again (after a crash between that commit and the slot's confirmation).
+
+One relay reads a slot at a time (PostgreSQL lets one session stream it): the others stand by
+and take over when the reader's session ends. So the order is commit order.
+
+Each message's content: the creation time (epoch seconds, text, from the server's clock), a
+line break, one line of JSON (id, topic, key as hex, headers, type, subject), a line break,
+and the payload's bytes as they are.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import re
+import select
+import struct
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import psycopg
+
+from outbox.conditions import Condition
+from outbox.dsn import scrub, secrets_of
+from outbox.errors import ConfigError
+from outbox.events import EncodedEvent
+from outbox.extras import require
+from outbox.queries import query
+
+log = logging.getLogger("outbox.capture")
+
+MODES = ("table", "wal")
+MIN_SERVER = 140000  # pgoutput's `messages` option
+QUEUE_EVENTS = 20_000  # events read ahead of the relay at most (then the reader waits)
+STANDBY_RETRY = 1.0  # seconds between tries of a slot another relay reads
+RECONNECT = 1.0  # seconds before reading again after the connection failed
+FEEDBACK_EVERY = 1.0  # seconds between the reader's position reports while it is idle
+FEEDBACK_MIN = 0.1  # seconds at least between its reports of what was handed on
+
+
+def prefix_of(schema: str) -> str:
+    """The logical message prefix of an outbox's events (the decoder keeps only these)."""
+    return f"outbox:{schema}"
+
+
+def _name(kind: str, schema: str) -> str:
+    """A slot or publication name for ``schema``: lower-case letters, digits and underscores
+    (what slot names allow), at most 63 bytes, distinct per schema."""
+    clean = re.sub(r"[^a-z0-9_]", "_", schema.lower())[:40]
+    return f"outbox_{kind}_{clean}_{hashlib.sha256(schema.encode()).hexdigest()[:8]}"
+
+
+def slot_name(schema: str) -> str:
+    return _name("slot", schema)
+
+
+def publication_name(schema: str) -> str:
+    return _name("pub", schema)
+
+
+# -- the write side -------------------------------------------------------------------------
+
+
+def encode(ev: EncodedEvent) -> bytes:
+    """An event as its WAL message's content, after the creation time the statement adds."""
+    head = {
+        "id": str(ev.event_id),
+        "topic": ev.topic,
+        "key": None if ev.key is None else ev.key.hex(),
+        "headers": ev.headers,
+        "type": ev.type,
+        "subject": ev.subject,
+    }
+    return json.dumps(head, separators=(",", ":")).encode() + b"\n" + ev.payload
+
+
+def decode(content: bytes) -> tuple[Any, ...]:
+    """A message's content as a claimed row (``claim_batch``'s columns; the id is filled in
+    later). Raises ValueError if it is not an outbox event's encoding."""
+    created, head, payload = content.split(b"\n", 2)
+    fields = json.loads(head)
+    headers = fields["headers"]
+    key = fields["key"]
+    return (
+        0,
+        fields["id"],
+        fields["topic"],
+        None if key is None else bytes.fromhex(key),
+        payload,
+        json.dumps(headers, separators=(",", ":")) if headers else None,
+        float(created),
+        0,
+        fields["type"],
+        fields["subject"],
+    )
+
+
+# -- switching an outbox (outbox migrate --capture) ------------------------------------------
+
+
+@dataclass
+class CaptureState:
+    mode: str = "table"
+    slot: str | None = None
+    publication: str | None = None
+    lsn: str | None = None  # handed on up to here
+
+    @property
+    def reads_slot(self) -> bool:
+        """Has this outbox a slot to read (WAL mode, or switched back with the slot kept)?"""
+        return self.slot is not None
+
+
+def state(conn: psycopg.Connection[Any], schema: str) -> CaptureState:
+    """The outbox's capture state (table mode for an outbox migrated before 0013)."""
+    row = conn.execute(query("capture_table_exists", schema), {"schema": schema}).fetchone()
+    if not row or not row[0]:
+        return CaptureState()
+    row = conn.execute(query("capture_state", schema)).fetchone()
+    if row is None:
+        return CaptureState()
+    return CaptureState(*row)
+
+
+def switch(conn: psycopg.Connection[Any], schema: str, mode: str, *, drop_slot: bool = False) -> str:
+    """Switch ``schema``'s outbox to ``mode`` on an autocommit connection; return what was done,
+    one line. WAL mode: refuses unless ``wal_level`` is logical on PostgreSQL 14+; creates the
+    publication and the slot when missing. Table mode keeps the slot unless ``drop_slot`` (the
+    relay reads what writers that still run in WAL mode emit; drop it once none do)."""
+    if mode not in MODES:
+        raise ConfigError(f"--capture: expected one of {', '.join(MODES)}, got {mode!r}")
+    current = state(conn, schema)
+    slot, publication = slot_name(schema), publication_name(schema)
+    if mode == "table":
+        if drop_slot and current.slot is not None:
+            if conn.execute(query("slot_of", schema), {"slot": current.slot}).fetchone():
+                conn.execute(query("drop_slot", schema), {"slot": current.slot})
+            conn.execute(query("set_capture", schema), {"mode": "table", "slot": None, "publication": None})
+            return f"schema {schema}: table capture; slot {current.slot} dropped"
+        conn.execute(
+            query("set_capture", schema),
+            {"mode": "table", "slot": current.slot, "publication": current.publication},
+        )
+        kept = f"; slot {current.slot} kept (drop it with --drop-slot)" if current.slot else ""
+        return f"schema {schema}: table capture{kept}"
+    row = conn.execute(query("wal_level", schema)).fetchone()
+    assert row is not None
+    level, version = str(row[0]), int(row[1])
+    if level != "logical":
+        raise ConfigError(
+            f"--capture wal: the server's wal_level is {level}, not logical; set it with ALTER SYSTEM "
+            "SET wal_level = logical (or in postgresql.conf) and restart PostgreSQL"
+        )
+    if version < MIN_SERVER:
+        raise ConfigError(
+            f"--capture wal: needs PostgreSQL 14 or later (pgoutput's messages); "
+            f"this server is {version // 10000}"
+        )
+    made = []
+    exists = conn.execute(query("publication_exists", schema), {"publication": publication}).fetchone()
+    if not exists or not exists[0]:
+        conn.execute(query("create_publication", schema, identifiers={"publication": publication}))
+        made.append(f"publication {publication}")
+    if not conn.execute(query("slot_of", schema), {"slot": slot}).fetchone():
+        conn.execute(query("create_slot", schema), {"slot": slot})
+        made.append(f"slot {slot}")
+    conn.execute(query("set_capture", schema), {"mode": "wal", "slot": slot, "publication": publication})
+    return f"schema {schema}: WAL capture" + (f"; created {', '.join(made)}" if made else "")
+
+
+# -- pgoutput ---------------------------------------------------------------------------------
+
+_BEGIN = struct.Struct(">QqI")  # final LSN, commit time, xid
+_COMMIT = struct.Struct(">BQQq")  # flags, commit LSN, end LSN, commit time
+
+
+def lsn_text(lsn: int) -> str:
+    return f"{lsn >> 32:X}/{lsn & 0xFFFFFFFF:X}"
+
+
+def lsn_int(text: str) -> int:
+    high, low = text.split("/")
+    return (int(high, 16) << 32) | int(low, 16)
+
+
+@dataclass
+class Transaction:
+    """A committed transaction's outbox events, and where the WAL after it starts."""
+
+    rows: list[tuple[Any, ...]]
+    end: int  # LSN: confirming it says everything before it is handled
+    corrupt: int = 0
+
+
+@dataclass
+class Decoder:
+    """Assembles pgoutput's stream into committed transactions of this outbox's events."""
+
+    prefix: bytes
+    skip_to: int = 0  # transactions ending at or below it were handed on already
+    rows: list[tuple[Any, ...]] = field(default_factory=list)
+    corrupt: int = 0
+
+    def feed(self, data: bytes) -> Transaction | None:
+        kind = data[:1]
+        if kind == b"M":
+            # flags (1 byte) and the message's LSN (8), then the prefix from byte 10
+            end = data.index(b"\0", 10)
+            if data[10:end] != self.prefix:
+                return None
+            (length,) = struct.unpack_from(">I", data, end + 1)
+            content = data[end + 5 : end + 5 + length]
+            try:
+                self.rows.append(decode(content))
+            except (ValueError, KeyError, TypeError) as exc:
+                self.corrupt += 1
+                log.error(
+                    "a WAL message under %s is not an outbox event, skipped: %s", self.prefix.decode(), exc
+                )
+            return None
+        if kind == b"B":
+            self.rows, self.corrupt = [], 0
+            return None
+        if kind == b"C":
+            _, _, end_lsn, _ = _COMMIT.unpack_from(data, 1)
+            rows, self.rows = self.rows, []
+            if end_lsn <= self.skip_to:
+                return None  # handed on before (the slot sends from its confirmed position)
+            return Transaction(rows, end_lsn, self.corrupt)
+        return None  # relations, origins, types: no table is published
+
+
+# -- the reader ---------------------------------------------------------------------------------
+
+
+class WalReader(threading.Thread):
+    """Streams one outbox's slot on a session of its own and queues committed transactions.
+
+    The relay loop takes events with :meth:`take` and reports, with :meth:`confirm`, the
+    position up to which they are handed on; the reader passes it to the server. When another
+    relay streams the slot, this one stands by and tries again every ``STANDBY_RETRY`` s."""
+
+    def __init__(
+        self,
+        dsn: str,
+        schema: str,
+        capture: CaptureState,
+        wake: Callable[[], None],
+        *,
+        name: str = "",
+    ) -> None:
+        super().__init__(name=f"outbox-wal-{schema}", daemon=True)
+        assert capture.slot is not None and capture.publication is not None
+        require("psycopg2", "WAL capture's reader (a replication connection)")
+        self.dsn = dsn
+        self.schema = schema
+        self.slot = capture.slot
+        self.publication = capture.publication
+        self._wake = wake
+        self._halt = threading.Event()
+        self._lock = threading.Lock()
+        self._queue: deque[Transaction] = deque()
+        self._queued = 0  # events in the queue
+        self._room = threading.Condition(self._lock)
+        self._handed = lsn_int(capture.lsn) if capture.lsn else 0  # queued (or skipped) up to here
+        self._confirm = self._handed  # handed on (committed) up to here: what the server may free
+        self._rewind = False  # set by rewind(): reconnect and read from the confirmed position
+        self.reading = False  # this relay streams the slot (the others stand by)
+        self.standing_by = False
+        self.last_commit = 0.0  # wall time the last transaction read was read
+        said = f"outbox {name}: " if name else ""
+        fields = {"outbox": name} if name else {}
+        self.condition = Condition(
+            log, "wal", f"{said}reading the WAL slot {self.slot} failing", fields=fields
+        )
+        self._said = said
+
+    # -- the relay loop's side --
+
+    def take(self, limit: int) -> tuple[list[tuple[Any, ...]], int, int] | None:
+        """Whole transactions, up to ``limit`` events (at least one transaction): their rows,
+        the position after them, and how many messages were not events. None when none waits."""
+        with self._lock:
+            if not self._queue:
+                return None
+            rows: list[tuple[Any, ...]] = []
+            end = corrupt = 0
+            while self._queue and (not rows or len(rows) + len(self._queue[0].rows) <= limit):
+                tx = self._queue.popleft()
+                rows.extend(tx.rows)
+                end, corrupt = tx.end, corrupt + tx.corrupt
+            self._queued -= len(rows)
+            self._room.notify()
+            return rows, end, corrupt
+
+    @property
+    def waiting(self) -> bool:
+        return bool(self._queue)
+
+    def confirm(self, lsn: int) -> None:
+        """Everything up to ``lsn`` is handed on, committed: the server may free that WAL."""
+        with self._lock:
+            self._confirm = max(self._confirm, lsn)
+
+    def rewind(self) -> None:
+        """What was taken was not handed on (a batch rolled back): read again from the slot's
+        confirmed position (the reader reconnects; what was handed on before is skipped)."""
+        with self._lock:
+            self._rewind = True
+            self._queue.clear()
+            self._queued = 0
+            self._room.notify_all()
+
+    def stop(self) -> None:
+        self._halt.set()
+        with self._lock:
+            self._room.notify_all()
+
+    # -- the reader's thread --
+
+    def run(self) -> None:
+        import psycopg2
+        import psycopg2.errors
+
+        while not self._halt.is_set():
+            try:
+                self._stream()
+            except psycopg2.errors.ObjectInUse:
+                if not self.standing_by:
+                    log.info(
+                        "%sanother relay reads the WAL slot %s: standing by",
+                        self._said,
+                        self.slot,
+                        extra={"event": "wal.standby"},
+                    )
+                self.standing_by, self.reading = True, False
+                self._halt.wait(STANDBY_RETRY)
+            except psycopg2.Error as exc:
+                self.reading = False
+                self.condition.fail(scrub(str(exc).strip(), secrets_of(self.dsn)))
+                self._halt.wait(RECONNECT)
+
+    def _stream(self) -> None:
+        import psycopg2
+        import psycopg2.extras
+
+        conn = psycopg2.connect(
+            self.dsn,
+            connection_factory=psycopg2.extras.LogicalReplicationConnection,
+            application_name="outbox-wal",
+        )
+        sent = 0
+        cur = conn.cursor()
+        try:
+            cur.start_replication(
+                slot_name=self.slot,
+                decode=False,
+                options={"proto_version": "1", "publication_names": self.publication, "messages": "true"},
+                status_interval=10,
+            )
+            # Whatever was queued and not handed on is dropped: the slot sends it again.
+            with self._lock:
+                self._queue.clear()
+                self._queued = 0
+                self._handed = self._confirm
+                self._rewind = False
+            decoder = Decoder(prefix_of(self.schema).encode(), skip_to=self._confirm)
+            if self.standing_by:
+                log.info(
+                    "%staking over the WAL slot %s", self._said, self.slot, extra={"event": "wal.takeover"}
+                )
+            self.standing_by, self.reading = False, True
+            self.condition.ok()
+            last_feedback = time.monotonic()
+            while not self._halt.is_set() and not self._rewind:
+                msg = cur.read_message()
+                if msg is None:
+                    confirm = self._confirm
+                    idle = not self._queue and decoder.rows == []
+                    now = time.monotonic()
+                    due = now - last_feedback
+                    if (confirm > sent and due >= FEEDBACK_MIN) or (idle and due >= FEEDBACK_EVERY):
+                        # Idle with nothing queued or in flight: everything the server sent so far
+                        # is handled (wal_end is how far it decoded), so the slot may move past
+                        # WAL that held no event of this outbox.
+                        position = max(confirm, cur.wal_end) if idle and confirm >= self._handed else confirm
+                        cur.send_feedback(flush_lsn=position, force=True)  # type: ignore[no-untyped-call]
+                        sent, last_feedback = max(sent, position), now
+                    select.select([conn], [], [], 0.1)
+                    continue
+                tx = decoder.feed(msg.payload)
+                if tx is None:
+                    continue
+                self.last_commit = time.time()
+                if not tx.rows and not tx.corrupt:
+                    with self._lock:
+                        if not self._queue and self._confirm >= self._handed:
+                            self._confirm = self._handed = tx.end  # nothing of ours: move on
+                        continue
+                with self._lock:
+                    while self._queued >= QUEUE_EVENTS and not self._halt.is_set() and not self._rewind:
+                        self._room.wait(0.5)
+                    if self._rewind:
+                        break
+                    self._queue.append(tx)
+                    self._queued += len(tx.rows)
+                    self._handed = tx.end
+                self._wake()
+        finally:
+            self.reading = False
+            if self._confirm > sent and not conn.closed:  # what was handed on since the last report
+                with contextlib.suppress(psycopg2.Error):
+                    cur.send_feedback(flush_lsn=self._confirm, force=True)  # type: ignore[no-untyped-call]
+            conn.close()

@@ -1,0 +1,116 @@
+-- Named queries of WAL capture (outbox.capture; migration 0013).
+-- Each block starts with `-- name: <name>` and a one-line comment. {schema} is
+-- the schema as an identifier (psycopg.sql), never string formatting; every
+-- value is a bound parameter. Literal braces are doubled.
+
+-- name: capture_state
+-- The outbox's capture mode, its slot and publication, and the position handed on so far.
+SELECT mode, slot, publication, lsn::text FROM {schema}.capture
+
+-- name: capture_table_exists
+-- Whether the schema has migration 0013 (the capture table), for writers and relays that
+-- may meet an outbox migrated by an older release.
+SELECT to_regclass(format('%%I.capture', %(schema)s::text)) IS NOT NULL
+
+-- name: writer_capture
+-- For a writer, once per connection: the capture mode of an outbox ('table' before migration
+-- 0013), NULL when the schema holds no outbox.
+SELECT CASE WHEN to_regclass(format('%%I.events', %s::text)) IS NULL THEN NULL
+            WHEN to_regclass(format('%%I.capture', %s::text)) IS NULL THEN 'table'
+            ELSE 'check' END
+
+-- name: writer_capture_numbered
+-- writer_capture with numbered parameters (asyncpg).
+SELECT CASE WHEN to_regclass(format('%I.events', $1::text)) IS NULL THEN NULL
+            WHEN to_regclass(format('%I.capture', $1::text)) IS NULL THEN 'table'
+            ELSE 'check' END
+
+-- name: capture_mode
+-- The capture mode (after writer_capture found the table).
+SELECT mode FROM {schema}.capture
+
+-- name: set_capture
+-- Switch the capture mode (outbox migrate --capture); the slot and publication are kept.
+UPDATE {schema}.capture
+SET mode = %(mode)s, slot = %(slot)s, publication = %(publication)s, switched_at = now()
+
+-- name: wal_level
+-- The server's wal_level and major version: WAL capture needs logical, and PostgreSQL 14+.
+SELECT current_setting('wal_level'), current_setting('server_version_num')::integer
+
+-- name: slot_of
+-- A replication slot: its plugin, database, whether a session reads it, and how far it is confirmed.
+SELECT plugin, database, active, confirmed_flush_lsn::text
+FROM pg_replication_slots WHERE slot_name = %(slot)s
+
+-- name: create_slot
+-- A logical replication slot decoded by pgoutput (built in; its `messages` option needs 14+).
+SELECT lsn::text FROM pg_create_logical_replication_slot(%(slot)s, 'pgoutput')
+
+-- name: drop_slot
+-- Drop the outbox's slot (outbox migrate --capture table --drop-slot).
+SELECT pg_drop_replication_slot(%(slot)s)
+
+-- name: publication_exists
+-- Whether the publication pgoutput is started with exists.
+SELECT EXISTS (SELECT 1 FROM pg_publication WHERE pubname = %(publication)s)
+
+-- name: create_publication
+-- An empty publication: pgoutput needs one to start, and the outbox publishes no table
+-- (its events are logical decoding messages, which pgoutput sends with `messages`).
+CREATE PUBLICATION {publication}
+
+-- name: emit_events
+-- WAL capture's write: one transactional logical decoding message per event, in order, under the
+-- outbox's prefix; each is its creation time (epoch seconds, text), a line break, and the
+-- event's encoding (outbox.capture.encode). Nothing is written to a table.
+SELECT count(pg_logical_emit_message(true, %s::text,
+           convert_to(extract(epoch FROM clock_timestamp())::text, 'UTF8') || '\x0a'::bytea || m))
+FROM unnest(%s::bytea[]) WITH ORDINALITY AS x (m, n)
+
+-- name: emit_events_numbered
+-- emit_events with numbered parameters (asyncpg), the messages as hex text[].
+SELECT count(pg_logical_emit_message(true, $1::text,
+           convert_to(extract(epoch FROM clock_timestamp())::text, 'UTF8') || '\x0a'::bytea || decode(m, 'hex')))
+FROM unnest($2::text[]) WITH ORDINALITY AS x (m, n)
+
+-- name: wal_keys_waiting
+-- Of these keys, those that must not overtake what waits in the table: an event of the key is
+-- pending there (retrying, held, delayed), or a parked dead letter holds the key.
+SELECT key FROM {schema}.events WHERE key = ANY(%(keys)s::bytea[])
+UNION
+SELECT key FROM {schema}.dead_letters WHERE parked AND key = ANY(%(keys)s::bytea[])
+
+-- name: wal_to_events
+-- Events read from the WAL that were not delivered (a failure, a dead letter, or held behind
+-- their key) go into the events table in commit order, where the table's machinery retries,
+-- dead-letters and parks them. Returns each one's new id.
+INSERT INTO {schema}.events (event_id, topic, key, payload, headers, type, subject, created_at)
+SELECT e, t, k, p, coalesce(h, '{{}}'::jsonb), ty, su, to_timestamp(c)
+FROM unnest(%(event_ids)s::uuid[], %(topics)s::text[], %(keys)s::bytea[], %(payloads)s::bytea[],
+            %(headers)s::jsonb[], %(types)s::text[], %(subjects)s::text[], %(created)s::float8[])
+    WITH ORDINALITY AS x (e, t, k, p, h, ty, su, c, n)
+ORDER BY n
+RETURNING id, event_id::text
+
+-- name: wal_archive
+-- Events read from the WAL and acked by their sink, archived with the sink's coordinates; their
+-- ids come from the events table's sequence, as a table event's would.
+INSERT INTO {schema}.delivered
+    (id, event_id, topic, key, payload, headers, created_at, attempts,
+     sink_partition, sink_offset, sink_ref, type, subject)
+SELECT nextval(pg_get_serial_sequence(format('%%I.events', %(schema)s::text), 'id')),
+       e, t, k, p, coalesce(h, '{{}}'::jsonb), to_timestamp(c), 1, sp, so, sr, ty, su
+FROM unnest(%(event_ids)s::uuid[], %(topics)s::text[], %(keys)s::bytea[], %(payloads)s::bytea[],
+            %(headers)s::jsonb[], %(types)s::text[], %(subjects)s::text[], %(created)s::float8[],
+            %(partitions)s::text::integer[], %(offsets)s::text::bigint[], %(refs)s::text[])
+    AS x (e, t, k, p, h, ty, su, c, sp, so, sr)
+
+-- name: wal_handed_on
+-- The WAL up to this position is handed on (committed with what it handed on).
+UPDATE {schema}.capture SET lsn = %(lsn)s::pg_lsn WHERE lsn IS NULL OR lsn < %(lsn)s::pg_lsn
+
+-- name: slot_lag
+-- The slot's health: read by a session, and the WAL it keeps that is not confirmed yet (bytes).
+SELECT active, pg_wal_lsn_diff(pg_current_wal_lsn(), confirmed_flush_lsn)::bigint, confirmed_flush_lsn::text
+FROM pg_replication_slots WHERE slot_name = %(slot)s
