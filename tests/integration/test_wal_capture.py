@@ -14,8 +14,12 @@ import pytest
 import outbox
 from outbox import capture
 from outbox.errors import ConfigError
+from outbox.events import ClaimedEvent
 from outbox.relay import RelayConfig
-from tests.helpers import assert_per_key_order, count, read_topic, running_relay, wait_for
+from outbox.retry import RetryPolicy
+from outbox.sinks.base import Dead, Outcome, Report, Retry, SinkWrapper
+from outbox.sinks.kafka import KafkaSink
+from tests.helpers import assert_per_key_order, count, first_occurrences, read_topic, running_relay, wait_for
 
 
 def test_enqueue_in_wal_mode_writes_no_row_and_the_relay_delivers_it_byte_exact(
@@ -56,3 +60,147 @@ def test_enqueue_in_wal_mode_writes_no_row_and_the_relay_delivers_it_byte_exact(
         ).fetchone()
     assert archived == [(str(i), "order.placed", True) for i in ids]
     assert slot == (True,)
+
+
+def _sync_writes(stack_name: str, dsn: str, schema: str, topic: str) -> list[str]:
+    from tests.stacks import SyncStack
+
+    stack = SyncStack(stack_name, dsn)
+    committed: list[str] = []
+    try:
+        with stack.tx() as conn:
+            committed.append(str(outbox.enqueue(conn, topic, {"stack": stack_name, "n": 0}, key="a", schema=schema)))
+            with stack.savepoint():
+                outbox.enqueue(conn, topic, b"rolled back (savepoint)", key="a", schema=schema)
+            batch = [{"topic": topic, "payload": {"stack": stack_name, "n": n}, "key": "a"} for n in (1, 2)]
+            batch.append({"topic": topic, "payload": {"stack": stack_name, "n": 3}, "delay": 0.2})
+            committed += map(str, outbox.enqueue_many(conn, batch, schema=schema))
+        with stack.rollback_tx() as conn:
+            outbox.enqueue(conn, topic, b"rolled back (transaction)", schema=schema)
+    finally:
+        stack.close()
+    return committed
+
+
+async def _async_writes(stack_name: str, dsn: str, schema: str, topic: str) -> list[str]:
+    from tests.stacks import AsyncStack
+
+    stack = AsyncStack(stack_name, dsn)
+    committed: list[str] = []
+    async with stack.connection() as conn:
+        async with stack.tx(conn):
+            event_id = await outbox.enqueue_async(conn, topic, {"stack": stack_name, "n": 0}, key="a", schema=schema)
+            committed.append(str(event_id))
+            async with stack.savepoint(conn):
+                await outbox.enqueue_async(conn, topic, b"rolled back (savepoint)", key="a", schema=schema)
+            batch = [{"topic": topic, "payload": {"stack": stack_name, "n": n}, "key": "a"} for n in (1, 2)]
+            batch.append({"topic": topic, "payload": {"stack": stack_name, "n": 3}, "delay": 0.2})
+            committed += map(str, await outbox.enqueue_many_async(conn, batch, schema=schema))
+        async with stack.tx(conn, rollback=True):
+            await outbox.enqueue_async(conn, topic, b"rolled back (transaction)", schema=schema)
+    return committed
+
+
+def test_every_writer_stack_in_wal_mode_delivers_what_committed_and_never_what_rolled_back(
+    wal_dsn: str, wal_schema: str, kafka: str, topic: str
+) -> None:
+    """Each stack's enqueue and enqueue_many in WAL mode (the delayed event waits in the table);
+    a savepoint and a transaction rolled back are never delivered. Django writes through the
+    psycopg and psycopg2 writers (its connection.connection), run here directly: Django itself
+    is configured once per process, for the suite's main database."""
+    import asyncio
+
+    from tests.stacks import ASYNC_STACKS, SYNC_STACKS
+
+    committed: list[str] = []
+    for name in SYNC_STACKS:
+        if name != "django":
+            committed += _sync_writes(name, wal_dsn, wal_schema, topic)
+    for name in ASYNC_STACKS:
+        committed += asyncio.run(_async_writes(name, wal_dsn, wal_schema, topic))
+    stacks = len(SYNC_STACKS) - 1 + len(ASYNC_STACKS)
+    assert len(committed) == 4 * stacks
+    assert count(wal_dsn, wal_schema, "events") == stacks  # only the delayed ones are rows
+    with running_relay(RelayConfig(wal_dsn, schema=wal_schema, poll_interval=0.1), bootstrap=kafka):
+        messages = read_topic(kafka, topic, len(committed))
+    assert sorted(m.event_id for m in messages) == sorted(committed)  # once each, nothing else
+    order: dict[str, list[int]] = {}
+    for m in messages:
+        body = json.loads(m.value)
+        if m.key == b"a":
+            order.setdefault(body["stack"], []).append(body["n"])
+    assert all(ns == [0, 1, 2] for ns in order.values()) and len(order) == stacks, order
+
+
+class _RefusesKey(SinkWrapper):
+    """The real Kafka sink, but key ``bad``'s events fail (retried) while ``refusing`` holds, and
+    a payload with b"poison" is refused for good (a dead letter that parks its key)."""
+
+    def __init__(self, bootstrap: str) -> None:
+        super().__init__(KafkaSink(bootstrap, delivery_timeout=5))
+        self.refusing = True
+        self.failed = 0
+
+    def produce(self, event: ClaimedEvent, report: Report) -> Outcome | None:
+        if b"poison" in event.payload:
+            return Dead("poison", "refused: poison")
+        if self.refusing and event.key == b"bad":
+            self.failed += 1
+            return Retry("injected", "injected failure of key bad")
+        return self.inner.produce(event, report)
+
+
+def _write_keyed(dsn: str, schema: str, topic: str, keys: list[str], rounds: int, start: int = 0) -> None:
+    with psycopg.connect(dsn) as conn:
+        for seq in range(start, start + rounds):
+            for k in keys:
+                outbox.enqueue(conn, topic, {"k": k, "seq": seq}, key=k, schema=schema)
+            conn.commit()
+
+
+def test_a_failing_key_goes_to_the_table_and_comes_back_in_order_while_other_keys_flow(
+    wal_dsn: str, wal_schema: str, kafka: str, topic: str
+) -> None:
+    sink = _RefusesKey(kafka)
+    config = RelayConfig(
+        wal_dsn, schema=wal_schema, poll_interval=0.1, retry=RetryPolicy(base=0.1, cap=0.3, max_attempts=1000)
+    )
+    keys = ["bad", "good1", "good2"]
+    _write_keyed(wal_dsn, wal_schema, topic, keys, 5)
+    with running_relay(config, lambda: sink):
+        # The other keys flow from the WAL; bad's first event failed into the table, and its
+        # later ones followed it there (they never overtake it), where they wait.
+        wait_for(lambda: count(wal_dsn, wal_schema, "delivered") == 10, timeout=30, what="good keys")
+        wait_for(lambda: count(wal_dsn, wal_schema, "events", "key = 'bad'") == 5, timeout=30, what="bad in table")
+        _write_keyed(wal_dsn, wal_schema, topic, keys, 5, start=5)  # more, while bad still fails
+        wait_for(lambda: count(wal_dsn, wal_schema, "delivered") == 20, timeout=30, what="good keys again")
+        wait_for(lambda: count(wal_dsn, wal_schema, "events", "key = 'bad'") == 10, timeout=30, what="bad: 10")
+        wait_for(lambda: sink.failed >= 3, timeout=10, what="retries from the table, with their backoff")
+        sink.refusing = False
+        wait_for(lambda: count(wal_dsn, wal_schema, "delivered") == 30, timeout=30, what="bad delivered")
+        _write_keyed(wal_dsn, wal_schema, topic, keys, 2, start=10)  # the key is clear: from the WAL again
+        wait_for(lambda: count(wal_dsn, wal_schema, "delivered") == 36, timeout=30, what="all")
+    messages = read_topic(kafka, topic, 36)
+    assert_per_key_order(messages)
+    assert sorted(json.loads(m.value)["seq"] for m in first_occurrences(messages) if m.key == b"bad") == list(range(12))
+    assert count(wal_dsn, wal_schema, "events") == 0
+
+
+def test_a_dead_letter_from_the_wal_parks_its_key_and_redrive_releases_it(
+    wal_dsn: str, wal_schema: str, kafka: str, topic: str
+) -> None:
+    sink = _RefusesKey(kafka)
+    sink.refusing = False
+    config = RelayConfig(wal_dsn, schema=wal_schema, poll_interval=0.1, on_dead="park")
+    with psycopg.connect(wal_dsn) as conn:
+        for seq, body in enumerate(["ok", "poison", "ok", "ok"]):
+            outbox.enqueue(conn, topic, {"k": "K", "seq": seq, "p": body}, key="K", schema=wal_schema)
+            outbox.enqueue(conn, topic, {"k": "J", "seq": seq, "p": "ok"}, key="J", schema=wal_schema)
+            conn.commit()
+    with running_relay(config, lambda: sink):
+        wait_for(lambda: count(wal_dsn, wal_schema, "delivered") == 5, timeout=30, what="J's 4 and K's first")
+        wait_for(lambda: count(wal_dsn, wal_schema, "dead_letters") == 1, timeout=30, what="the dead letter")
+        wait_for(lambda: count(wal_dsn, wal_schema, "events", "key = 'K'") == 2, timeout=30, what="K parked")
+        _write_keyed(wal_dsn, wal_schema, topic, ["K"], 1, start=4)  # behind the parked letter too
+        wait_for(lambda: count(wal_dsn, wal_schema, "events", "key = 'K'") == 3, timeout=30, what="K: 3 parked")
+    assert count(wal_dsn, wal_schema, "delivered") == 5
