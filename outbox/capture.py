@@ -346,6 +346,10 @@ class WalReader(threading.Thread):
         while not self._halt.is_set():
             try:
                 self._stream()
+            except psycopg.Error as exc:  # reading capture.lsn
+                self.reading = False
+                self.condition.fail(scrub(str(exc).strip(), secrets_of(self.dsn)))
+                self._halt.wait(RECONNECT)
             except psycopg2.errors.ObjectInUse:
                 if not self.standing_by:
                     log.info(
@@ -373,6 +377,13 @@ class WalReader(threading.Thread):
         sent = 0
         cur = conn.cursor()
         try:
+            # Where the outbox's WAL is handed on up to, as committed (by this relay, or by the
+            # reader that held the slot before it: the slot's own position may lag behind it).
+            with psycopg.connect(self.dsn, autocommit=True, application_name="outbox-wal") as db:
+                handed = state(db, self.schema).lsn
+            if handed:
+                with self._lock:
+                    self._confirm = max(self._confirm, lsn_int(handed))
             cur.start_replication(
                 slot_name=self.slot,
                 decode=False,

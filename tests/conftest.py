@@ -88,7 +88,9 @@ def schema(pg_dsn: str) -> Iterator[str]:
 
 def _wal_level(dsn: str) -> tuple[str, int]:
     with psycopg.connect(dsn, autocommit=True) as conn:
-        row = conn.execute("SELECT current_setting('wal_level'), current_setting('server_version_num')::int").fetchone()
+        row = conn.execute(
+            "SELECT current_setting('wal_level'), current_setting('server_version_num')::int"
+        ).fetchone()
         assert row is not None
         return str(row[0]), int(row[1])
 
@@ -125,11 +127,16 @@ def wal_schema(wal_dsn: str) -> Iterator[str]:
     with psycopg.connect(wal_dsn, autocommit=True) as conn:
         slot, publication = capture.slot_name(name), capture.publication_name(name)
         for _ in range(100):  # a relay's reader may still be letting go of the slot
-            row = conn.execute("SELECT active FROM pg_replication_slots WHERE slot_name = %s", (slot,)).fetchone()
+            row = conn.execute(
+                "SELECT active FROM pg_replication_slots WHERE slot_name = %s", (slot,)
+            ).fetchone()
             if row is None or not row[0]:
                 break
             time.sleep(0.1)
-        conn.execute("SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots WHERE slot_name = %s", (slot,))
+        conn.execute(
+            "SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots WHERE slot_name = %s",
+            (slot,),
+        )
         conn.execute(sql.SQL("DROP PUBLICATION IF EXISTS {}").format(sql.Identifier(publication)))
         conn.execute(sql.SQL("DROP SCHEMA {} CASCADE").format(sql.Identifier(name)))
 

@@ -6,7 +6,11 @@ one of this worker's own) and the real Kafka-protocol broker."""
 from __future__ import annotations
 
 import json
-import uuid
+import subprocess
+import sys
+import threading
+import time
+from typing import Any
 
 import psycopg
 import pytest
@@ -15,11 +19,20 @@ import outbox
 from outbox import capture
 from outbox.errors import ConfigError
 from outbox.events import ClaimedEvent
+from outbox.migrate import migrate
 from outbox.relay import RelayConfig
 from outbox.retry import RetryPolicy
 from outbox.sinks.base import Dead, Outcome, Report, Retry, SinkWrapper
 from outbox.sinks.kafka import KafkaSink
-from tests.helpers import assert_per_key_order, count, first_occurrences, read_topic, running_relay, wait_for
+from tests.helpers import (
+    RelayProcess,
+    assert_per_key_order,
+    count,
+    first_occurrences,
+    read_topic,
+    running_relay,
+    wait_for,
+)
 
 
 def test_enqueue_in_wal_mode_writes_no_row_and_the_relay_delivers_it_byte_exact(
@@ -28,7 +41,9 @@ def test_enqueue_in_wal_mode_writes_no_row_and_the_relay_delivers_it_byte_exact(
     payloads = [b"\x00\xffraw bytes\n", {"order": 7, "lines": ["a", "b"]}, "text \u00e9"]
     with psycopg.connect(wal_dsn) as conn:
         ids = [
-            outbox.enqueue(conn, topic, p, key=f"k{i % 2}", headers={"h": "v"}, schema=wal_schema, type="order.placed")
+            outbox.enqueue(
+                conn, topic, p, key=f"k{i % 2}", headers={"h": "v"}, schema=wal_schema, type="order.placed"
+            )
             for i, p in enumerate(payloads)
         ]
         with conn.transaction(force_rollback=True):  # a savepoint rolled back: never delivered
@@ -54,8 +69,8 @@ def test_enqueue_in_wal_mode_writes_no_row_and_the_relay_delivers_it_byte_exact(
             f'SELECT event_id::text, type, sink_partition IS NOT NULL FROM "{wal_schema}".delivered ORDER BY id'
         ).fetchall()
         slot = conn.execute(
-            "SELECT confirmed_flush_lsn >= (SELECT lsn FROM \"%s\".capture) FROM pg_replication_slots WHERE slot_name = %%s"
-            % wal_schema,
+            f'SELECT confirmed_flush_lsn >= (SELECT lsn FROM "{wal_schema}".capture) '
+            "FROM pg_replication_slots WHERE slot_name = %s",
             (capture.slot_name(wal_schema),),
         ).fetchone()
     assert archived == [(str(i), "order.placed", True) for i in ids]
@@ -69,7 +84,9 @@ def _sync_writes(stack_name: str, dsn: str, schema: str, topic: str) -> list[str
     committed: list[str] = []
     try:
         with stack.tx() as conn:
-            committed.append(str(outbox.enqueue(conn, topic, {"stack": stack_name, "n": 0}, key="a", schema=schema)))
+            committed.append(
+                str(outbox.enqueue(conn, topic, {"stack": stack_name, "n": 0}, key="a", schema=schema))
+            )
             with stack.savepoint():
                 outbox.enqueue(conn, topic, b"rolled back (savepoint)", key="a", schema=schema)
             batch = [{"topic": topic, "payload": {"stack": stack_name, "n": n}, "key": "a"} for n in (1, 2)]
@@ -89,7 +106,9 @@ async def _async_writes(stack_name: str, dsn: str, schema: str, topic: str) -> l
     committed: list[str] = []
     async with stack.connection() as conn:
         async with stack.tx(conn):
-            event_id = await outbox.enqueue_async(conn, topic, {"stack": stack_name, "n": 0}, key="a", schema=schema)
+            event_id = await outbox.enqueue_async(
+                conn, topic, {"stack": stack_name, "n": 0}, key="a", schema=schema
+            )
             committed.append(str(event_id))
             async with stack.savepoint(conn):
                 await outbox.enqueue_async(conn, topic, b"rolled back (savepoint)", key="a", schema=schema)
@@ -171,10 +190,14 @@ def test_a_failing_key_goes_to_the_table_and_comes_back_in_order_while_other_key
         # The other keys flow from the WAL; bad's first event failed into the table, and its
         # later ones followed it there (they never overtake it), where they wait.
         wait_for(lambda: count(wal_dsn, wal_schema, "delivered") == 10, timeout=30, what="good keys")
-        wait_for(lambda: count(wal_dsn, wal_schema, "events", "key = 'bad'") == 5, timeout=30, what="bad in table")
+        wait_for(
+            lambda: count(wal_dsn, wal_schema, "events", "key = 'bad'") == 5, timeout=30, what="bad in table"
+        )
         _write_keyed(wal_dsn, wal_schema, topic, keys, 5, start=5)  # more, while bad still fails
         wait_for(lambda: count(wal_dsn, wal_schema, "delivered") == 20, timeout=30, what="good keys again")
-        wait_for(lambda: count(wal_dsn, wal_schema, "events", "key = 'bad'") == 10, timeout=30, what="bad: 10")
+        wait_for(
+            lambda: count(wal_dsn, wal_schema, "events", "key = 'bad'") == 10, timeout=30, what="bad: 10"
+        )
         wait_for(lambda: sink.failed >= 3, timeout=10, what="retries from the table, with their backoff")
         sink.refusing = False
         wait_for(lambda: count(wal_dsn, wal_schema, "delivered") == 30, timeout=30, what="bad delivered")
@@ -182,7 +205,9 @@ def test_a_failing_key_goes_to_the_table_and_comes_back_in_order_while_other_key
         wait_for(lambda: count(wal_dsn, wal_schema, "delivered") == 36, timeout=30, what="all")
     messages = read_topic(kafka, topic, 36)
     assert_per_key_order(messages)
-    assert sorted(json.loads(m.value)["seq"] for m in first_occurrences(messages) if m.key == b"bad") == list(range(12))
+    assert sorted(json.loads(m.value)["seq"] for m in first_occurrences(messages) if m.key == b"bad") == list(
+        range(12)
+    )
     assert count(wal_dsn, wal_schema, "events") == 0
 
 
@@ -202,5 +227,107 @@ def test_a_dead_letter_from_the_wal_parks_its_key_and_redrive_releases_it(
         wait_for(lambda: count(wal_dsn, wal_schema, "dead_letters") == 1, timeout=30, what="the dead letter")
         wait_for(lambda: count(wal_dsn, wal_schema, "events", "key = 'K'") == 2, timeout=30, what="K parked")
         _write_keyed(wal_dsn, wal_schema, topic, ["K"], 1, start=4)  # behind the parked letter too
-        wait_for(lambda: count(wal_dsn, wal_schema, "events", "key = 'K'") == 3, timeout=30, what="K: 3 parked")
+        wait_for(
+            lambda: count(wal_dsn, wal_schema, "events", "key = 'K'") == 3, timeout=30, what="K: 3 parked"
+        )
     assert count(wal_dsn, wal_schema, "delivered") == 5
+
+
+def _reader(relays: list[RelayProcess]) -> RelayProcess | None:
+    """The relay that streams the slot: it said it reads the slot, and not (since) that it stands by."""
+    for r in relays:
+        out = r.output()
+        if r.proc.poll() is None and "reading events from the WAL slot" in out:
+            standby = out.rfind("standing by")
+            if standby < 0 or out.rfind("taking over the WAL slot") > standby:
+                return r
+    return None
+
+
+def test_sigkilled_readers_are_taken_over_by_the_standby_and_nothing_is_lost(
+    wal_dsn: str, wal_schema: str, kafka: str, topic: str
+) -> None:
+    """Two relays: one reads the slot, one stands by. The reader is SIGKILLed under load and the
+    other takes over; a third joins and the new reader is SIGKILLed too. Every committed event
+    arrives, per-key order holds, and nothing is archived twice (capture.lsn, committed with
+    the archive, skips what the slot sends again)."""
+    stop = threading.Event()
+    committed: list[int] = []
+
+    def write() -> None:
+        seq = 0
+        with psycopg.connect(wal_dsn) as conn:
+            while not stop.is_set():
+                for k in range(10):
+                    outbox.enqueue(conn, topic, {"k": f"k{k}", "seq": seq}, key=f"k{k}", schema=wal_schema)
+                conn.commit()
+                committed.append(seq)
+                seq += 1
+                time.sleep(0.005)
+
+    args = ("--poll-interval", "0.2", "--metrics-port", "0")
+    relays = [RelayProcess(wal_dsn, wal_schema, kafka, *args) for _ in range(2)]
+    writer = threading.Thread(target=write, daemon=True)
+    try:
+        writer.start()
+        for _ in range(2):
+            first = wait_for(lambda: _reader(relays), timeout=60, what="a relay reading the slot")
+            wait_for(lambda: count(wal_dsn, wal_schema, "delivered") > 200 * len(relays), timeout=60)
+            first.proc.kill()
+            first.proc.wait()
+            wait_for(
+                lambda f=first: (r := _reader(relays)) is not None and r is not f, timeout=30, what="takeover"
+            )
+            relays.append(RelayProcess(wal_dsn, wal_schema, kafka, *args))
+        time.sleep(1)
+        stop.set()
+        writer.join()
+        total = 10 * len(committed)
+        wait_for(
+            lambda: count(wal_dsn, wal_schema, "delivered") >= total, timeout=60, what="every event archived"
+        )
+    finally:
+        stop.set()
+        for r in relays:
+            r.close()
+    messages = read_topic(kafka, topic, total)
+    assert {m.event_id for m in messages} == set(
+        r[0] for r in _rows(wal_dsn, f'SELECT event_id::text FROM "{wal_schema}".delivered')
+    )
+    assert len(first_occurrences(messages)) == total  # nothing lost
+    assert_per_key_order(messages)
+    assert _rows(wal_dsn, f'SELECT count(*) - count(DISTINCT event_id) FROM "{wal_schema}".delivered') == [
+        (0,)
+    ]
+    assert count(wal_dsn, wal_schema, "events") == 0
+
+
+def _rows(dsn: str, statement: str) -> list[tuple[Any, ...]]:
+    with psycopg.connect(dsn) as conn:
+        return conn.execute(statement).fetchall()  # type: ignore[arg-type]
+
+
+def test_wal_capture_is_refused_in_one_line_unless_wal_level_is_logical(pg_dsn: str, schema: str) -> None:
+    from tests.conftest import _wal_level
+    from tests.pgserver import Server
+
+    server = None
+    dsn = pg_dsn
+    if _wal_level(pg_dsn)[0] == "logical":  # the matrix's servers: one of its own, at replica
+        server = Server("18", wal_level="replica").start()
+        dsn = server.dsn
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            migrate(conn, schema)
+    try:
+        out = subprocess.run(
+            [sys.executable, "-m", "outbox", "migrate", "--dsn", dsn, "--schema", schema, "--capture", "wal"],
+            capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+    finally:
+        if server is not None:
+            server.remove()
+    assert out.returncode == 2, out.stderr
+    assert out.stderr.count("\n") == 1 and "wal_level is replica, not logical" in out.stderr, out.stderr
+    assert "ALTER SYSTEM SET wal_level = logical" in out.stderr
+    with pytest.raises(ConfigError, match="--capture: expected one of table, wal"):
+        capture.switch(None, schema, "disk")  # type: ignore[arg-type]
