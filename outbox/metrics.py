@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 import psycopg
 
+from outbox import capture
 from outbox.conditions import Condition
 from outbox.dsn import scrub, secrets_of
 from outbox.queries import query
@@ -235,6 +236,22 @@ class RelayMetrics:
         self.up = Gauge(
             "outbox_database_up", "1 if the last reading of the outbox's tables succeeded.", ["outbox"]
         )
+        self.wal_lag_bytes = Gauge(
+            "outbox_wal_slot_lag_bytes",
+            "WAL capture: WAL the outbox's slot keeps that is not confirmed yet, in bytes.",
+            ["outbox"],
+        )
+        self.wal_lag_seconds = Gauge(
+            "outbox_wal_slot_lag_seconds",
+            "WAL capture: how long the slot's confirmed position has not moved while WAL was "
+            "written after it (0 when it is caught up).",
+            ["outbox"],
+        )
+        self.wal_active = Gauge(
+            "outbox_wal_slot_active",
+            "WAL capture: 1 if a relay streams the outbox's slot, else 0.",
+            ["outbox"],
+        )
         self.ready = Gauge("outbox_ready", "1 if /readyz answers 200 (the relay can make progress), else 0.")
         self.not_ready_seconds = Gauge(
             "outbox_not_ready_seconds", "How long the relay has not been ready, in seconds (0 when ready)."
@@ -249,7 +266,7 @@ class RelayMetrics:
             self.delivered, self.errors, self.dead, self.latency, self.batch_size, self.leases_lost,
             self.sinks_replaced, self.partitions_lost, self.pending, self.oldest_age, self.dead_tuples,
             self.table_bytes, self.oldest_xmin, self.owned_partitions, self.up, self.ready,
-            self.not_ready_seconds, self.not_ready,
+            self.not_ready_seconds, self.not_ready, self.wal_lag_bytes, self.wal_lag_seconds, self.wal_active,
         ]  # fmt: skip
 
     def note_readiness(self, ok: bool, why: str) -> None:
@@ -286,6 +303,7 @@ class DatabaseGauges:
         self._read_at = 0.0
         self.ok = False
         self.condition = Condition(log, "metrics_database", "metrics: cannot read the database")
+        self._slot_moves: dict[str, tuple[str, float]] = {}  # outbox -> (confirmed position, since)
 
     def refresh(self) -> bool:
         with self._lock:
@@ -337,6 +355,18 @@ class DatabaseGauges:
         m.dead_tuples.set(float(dead), (name,))
         m.table_bytes.set(float(size), (name,))
         m.oldest_xmin.set(oldest_xmin, (name,))
+        slot = capture.state(conn, schema).slot
+        lag = conn.execute(query("slot_lag", schema), {"slot": slot}).fetchone() if slot else None
+        if lag is None:
+            return
+        active, behind, confirmed = lag
+        moved = self._slot_moves.get(name)
+        now = time.monotonic()
+        if moved is None or moved[0] != confirmed:
+            moved = self._slot_moves[name] = (confirmed, now)
+        m.wal_active.set(1.0 if active else 0.0, (name,))
+        m.wal_lag_bytes.set(float(behind or 0), (name,))
+        m.wal_lag_seconds.set(now - moved[1] if behind else 0.0, (name,))
 
 
 def _readiness_reason(why: str) -> str:

@@ -331,3 +331,35 @@ def test_wal_capture_is_refused_in_one_line_unless_wal_level_is_logical(pg_dsn: 
     assert "ALTER SYSTEM SET wal_level = logical" in out.stderr
     with pytest.raises(ConfigError, match="--capture: expected one of table, wal"):
         capture.switch(None, schema, "disk")  # type: ignore[arg-type]
+
+
+def test_the_slot_s_lag_and_activity_are_metrics(
+    wal_dsn: str, wal_schema: str, kafka: str, topic: str
+) -> None:
+    """outbox_wal_slot_lag_bytes / _lag_seconds / _active: WAL kept while no relay reads grows
+    and is not confirmed; a relay reading the slot makes it active and confirms it."""
+    from outbox.metrics import DatabaseGauges, RelayMetrics
+    from outbox.outboxes import Outbox
+
+    metrics = RelayMetrics()
+    gauges = DatabaseGauges(wal_dsn, lambda: [Outbox("orders", wal_dsn, wal_schema)], metrics)
+
+    def scrape() -> dict[str, float]:
+        gauges._read_at = 0.0  # read again now, whatever the TTL
+        assert gauges.refresh()
+        return {
+            line.split("{")[0]: float(line.rsplit(" ", 1)[1])
+            for gauge in (metrics.wal_lag_bytes, metrics.wal_lag_seconds, metrics.wal_active)
+            for line in gauge.render()
+            if 'outbox="orders"' in line
+        }
+
+    _write_keyed(wal_dsn, wal_schema, topic, ["a"], 50)
+    first = scrape()
+    assert first["outbox_wal_slot_active"] == 0 and first["outbox_wal_slot_lag_bytes"] > 0, first
+    time.sleep(1.1)
+    assert scrape()["outbox_wal_slot_lag_seconds"] >= 1.0  # not confirmed, and not moving
+    with running_relay(RelayConfig(wal_dsn, schema=wal_schema, poll_interval=0.1), bootstrap=kafka):
+        wait_for(lambda: count(wal_dsn, wal_schema, "delivered") == 50, timeout=30, what="delivered")
+        wait_for(lambda: scrape()["outbox_wal_slot_active"] == 1, timeout=10, what="the slot active")
+        wait_for(lambda: scrape()["outbox_wal_slot_lag_seconds"] < 1.0, timeout=10, what="the slot confirmed")
