@@ -52,6 +52,7 @@ log = logging.getLogger("outbox.capture")
 
 MODES = ("table", "wal")
 MIN_SERVER = 140000  # pgoutput's `messages` option
+FAILOVER_SERVER = 170000  # slots that can be synchronised to standbys (failover = true)
 QUEUE_EVENTS = 20_000  # events read ahead of the relay at most (then the reader waits)
 STANDBY_RETRY = 1.0  # seconds between tries of a slot another relay reads
 RECONNECT = 1.0  # seconds before reading again after the connection failed
@@ -183,7 +184,8 @@ def switch(conn: psycopg.Connection[Any], schema: str, mode: str, *, drop_slot: 
         conn.execute(query("create_publication", schema, identifiers={"publication": publication}))
         made.append(f"publication {publication}")
     if not conn.execute(query("slot_of", schema), {"slot": slot}).fetchone():
-        conn.execute(query("create_slot", schema), {"slot": slot})
+        name = "create_slot_failover" if version >= FAILOVER_SERVER else "create_slot"
+        conn.execute(query(name, schema), {"slot": slot})
         made.append(f"slot {slot}")
     conn.execute(query("set_capture", schema), {"mode": "wal", "slot": slot, "publication": publication})
     return f"schema {schema}: WAL capture" + (f"; created {', '.join(made)}" if made else "")
@@ -211,6 +213,7 @@ class Transaction:
     rows: list[tuple[Any, ...]]
     end: int  # LSN: confirming it says everything before it is handled
     corrupt: int = 0
+    queued_at: float = 0.0  # monotonic time it was read
 
 
 @dataclass
@@ -317,6 +320,11 @@ class WalReader(threading.Thread):
     @property
     def waiting(self) -> bool:
         return bool(self._queue)
+
+    def oldest_wait(self) -> float:
+        """Seconds the oldest transaction read has waited to be taken (0: none waits)."""
+        with self._lock:
+            return time.monotonic() - self._queue[0].queued_at if self._queue else 0.0
 
     def confirm(self, lsn: int) -> None:
         """Everything up to ``lsn`` is handed on, committed: the server may free that WAL."""
@@ -434,6 +442,7 @@ class WalReader(threading.Thread):
                         self._room.wait(0.5)
                     if self._rewind:
                         break
+                    tx.queued_at = time.monotonic()
                     self._queue.append(tx)
                     self._queued += len(tx.rows)
                     self._handed = tx.end

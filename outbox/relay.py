@@ -92,6 +92,15 @@ IDLE_POLLS = 50.0  # claims a second, at most, that poll quiet outboxes without 
 GC_THRESHOLD = 50_000  # allocations between collections of the youngest generation (Python: 700)
 
 
+def _wal_failing(lane: Lane) -> bool:
+    """Is the outbox's WAL slot failing to be read (gone, no REPLICATION, the server refusing)?"""
+    return lane.wal is not None and lane.wal.condition.active
+
+
+def _wal_error(lane: Lane) -> str:
+    return f"reading its WAL slot: {lane.wal.condition.last_error}" if lane.wal is not None else ""
+
+
 def tune_gc() -> None:
     """Set the garbage collector for a process that runs the relay (``outbox relay``, and every
     contender of ``outbox bench``, so that ratios compare like with like).
@@ -253,10 +262,15 @@ class Relay:
         stalled = self.stalled()
         if stalled:
             return False, stalled + detail
-        troubled = [lane for lane in lanes if lane.trouble.active or lane.ordering.heartbeat.active]
+        troubled = [
+            lane
+            for lane in lanes
+            if lane.trouble.active or lane.ordering.heartbeat.active or _wal_failing(lane)
+        ]
         if troubled:
             lines = "".join(
-                f"\noutbox {lane.name}: {lane.trouble.last_error or lane.ordering.heartbeat.last_error}"
+                f"\noutbox {lane.name}: "
+                f"{lane.trouble.last_error or lane.ordering.heartbeat.last_error or _wal_error(lane)}"
                 for lane in troubled
             )
             return False, f"{OUTBOXES_NOT_SERVED}: {len(troubled)} of {len(lanes)}" + detail + lines
@@ -279,6 +293,13 @@ class Relay:
         failing = [lane.failing_since for lane in lanes if lane.failing_since]
         if failing and now - min(failing) > limit:
             return f"stalled: every delivery attempt failed for {now - min(failing):.0f} s"
+        for lane in lanes:
+            wal = lane.wal
+            if wal is not None and wal.oldest_wait() > limit:
+                return (
+                    f"stalled: {lane.said}the WAL slot does not advance: "
+                    f"a transaction read {wal.oldest_wait():.0f} s ago waits"
+                )
         flights = [b for lane in lanes for b in list(lane.in_flight)]
         if flights:
             oldest = min(b.claimed_at for b in flights)

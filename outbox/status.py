@@ -6,6 +6,7 @@ from typing import TYPE_CHECKING, Any
 
 import psycopg
 
+from outbox import capture
 from outbox.events import key_text
 from outbox.queries import query
 
@@ -47,7 +48,22 @@ def collect(conn: psycopg.Connection[Any], schema: str, store: Store | None = No
         **fleet(conn, schema),
         "table": health(conn, schema),
         "claim_checks": {"store": store_name, "payloads": int(held[0]), "bytes": int(held[1])},
+        "capture": capture_status(conn, schema),
     }
+
+
+def capture_status(conn: psycopg.Connection[Any], schema: str) -> dict[str, Any]:
+    """How events are captured; in WAL capture (or with a slot kept), the slot: streamed by a
+    relay or not, and the WAL it keeps that is not confirmed yet."""
+    found = capture.state(conn, schema)
+    out: dict[str, Any] = {"mode": found.mode, "slot": found.slot}
+    if found.slot is not None:
+        row = conn.execute(query("slot_lag", schema), {"slot": found.slot}).fetchone()
+        out["slot_exists"] = row is not None
+        out["slot_active"] = bool(row and row[0])
+        out["slot_lag_bytes"] = int(row[1] or 0) if row else None
+        out["handed_on_lsn"] = found.lsn
+    return out
 
 
 SUMMARY_FIELDS = (
@@ -98,6 +114,17 @@ def render_summaries(rows: list[dict[str, Any]]) -> str:
         f"{sum(r['pending'] for r in ok)} pending, {sum(r['dead'] for r in ok)} dead letters"
     )
     return "\n".join(lines)
+
+
+def _capture_line(c: dict[str, Any]) -> str:
+    if c["slot"] is None:
+        return str(c["mode"])
+    if not c["slot_exists"]:
+        return f"{c['mode']}, slot {c['slot']} MISSING (events written to the WAL since it went are lost)"
+    reader = "read by a relay" if c["slot_active"] else "NOT read by any relay"
+    return (
+        f"{c['mode']}, slot {c['slot']} {reader}, {c['slot_lag_bytes'] / 2**20:.1f} MiB of WAL not confirmed"
+    )
 
 
 def fleet(conn: psycopg.Connection[Any], schema: str) -> dict[str, Any]:
@@ -164,6 +191,7 @@ def render(report: dict[str, Any]) -> str:
         ),
         f"  claim-check store    {report['claim_checks']['payloads']} payloads, "
         f"{report['claim_checks']['bytes'] / 2**20:.1f} MiB ({report['claim_checks']['store']})",
+        f"  capture              {_capture_line(report['capture'])}",
     ]
     if report["pending_by_topic"]:
         lines.append("")

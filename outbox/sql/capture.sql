@@ -47,6 +47,11 @@ FROM pg_replication_slots WHERE slot_name = %(slot)s
 -- A logical replication slot decoded by pgoutput (built in; its `messages` option needs 14+).
 SELECT lsn::text FROM pg_create_logical_replication_slot(%(slot)s, 'pgoutput')
 
+-- name: create_slot_failover
+-- create_slot on PostgreSQL 17+: a failover slot, synchronised to standbys that are set up
+-- for it (sync_replication_slots), so it exists on a promoted replica.
+SELECT lsn::text FROM pg_create_logical_replication_slot(%(slot)s, 'pgoutput', false, false, true)
+
 -- name: drop_slot
 -- Drop the outbox's slot (outbox migrate --capture table --drop-slot).
 SELECT pg_drop_replication_slot(%(slot)s)

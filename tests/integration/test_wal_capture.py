@@ -363,3 +363,33 @@ def test_the_slot_s_lag_and_activity_are_metrics(
         wait_for(lambda: count(wal_dsn, wal_schema, "delivered") == 50, timeout=30, what="delivered")
         wait_for(lambda: scrape()["outbox_wal_slot_active"] == 1, timeout=10, what="the slot active")
         wait_for(lambda: scrape()["outbox_wal_slot_lag_seconds"] < 1.0, timeout=10, what="the slot confirmed")
+
+
+def test_status_shows_the_capture_mode_and_the_slot(
+    wal_dsn: str, wal_schema: str, kafka: str, topic: str
+) -> None:
+    def status() -> tuple[str, dict[str, Any]]:
+        args = [sys.executable, "-m", "outbox", "status", "--dsn", wal_dsn, "--schema", wal_schema]
+        text = subprocess.run(args, capture_output=True, text=True, timeout=60, check=True).stdout
+        report = json.loads(
+            subprocess.run([*args, "--json"], capture_output=True, text=True, timeout=60).stdout
+        )
+        return text, report["capture"]
+
+    _write_keyed(wal_dsn, wal_schema, topic, ["a"], 20)
+    text, report = status()
+    slot = capture.slot_name(wal_schema)
+    assert f"capture              wal, slot {slot} NOT read by any relay" in text, text
+    assert report["mode"] == "wal" and report["slot_active"] is False and report["slot_lag_bytes"] > 0
+    with running_relay(RelayConfig(wal_dsn, schema=wal_schema, poll_interval=0.1), bootstrap=kafka):
+        wait_for(lambda: count(wal_dsn, wal_schema, "delivered") == 20, timeout=30, what="delivered")
+        text, report = status()
+        assert f"wal, slot {slot} read by a relay" in text and report["slot_active"] is True, text
+    with psycopg.connect(wal_dsn) as conn:
+        version = conn.info.server_version
+        failover = conn.execute("SELECT * FROM pg_replication_slots WHERE slot_name = %s", (slot,)).fetchone()
+        columns = [
+            c.name for c in conn.execute("SELECT * FROM pg_replication_slots LIMIT 0").description or []
+        ]
+    if version >= 170000:  # a failover slot, which standbys set up for it keep in step
+        assert failover is not None and failover[columns.index("failover")] is True
