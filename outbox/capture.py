@@ -290,6 +290,7 @@ class WalReader(threading.Thread):
         self._confirm = self._handed  # handed on (committed) up to here: what the server may free
         self._rewind = False  # set by rewind(): reconnect and read from the confirmed position
         self.reading = False  # this relay streams the slot (the others stand by)
+        self.caught_up = False  # since it began streaming, it has read all the server had sent
         self.standing_by = False
         self.last_commit = 0.0  # wall time the last transaction read was read
         said = f"outbox {name}: " if name else ""
@@ -389,6 +390,8 @@ class WalReader(threading.Thread):
             # reader that held the slot before it: the slot's own position may lag behind it).
             with psycopg.connect(self.dsn, autocommit=True, application_name="outbox-wal") as db:
                 handed = state(db, self.schema).lsn
+                end = db.execute(query("current_wal_lsn", self.schema)).fetchone()
+            target = lsn_int(end[0]) if end else 0  # caught up once the server has sent this far
             if handed:
                 with self._lock:
                     self._confirm = max(self._confirm, lsn_int(handed))
@@ -411,12 +414,21 @@ class WalReader(threading.Thread):
                 )
             self.standing_by, self.reading = False, True
             self.condition.ok()
-            last_feedback = time.monotonic()
+            last_feedback = asked = time.monotonic()
             while not self._halt.is_set() and not self._rewind:
                 msg = cur.read_message()
                 if msg is None:
                     confirm = self._confirm
                     idle = not self._queue and decoder.rows == []
+                    if idle and not self.caught_up:
+                        # Caught up once the server says it has decoded and sent up to where the
+                        # WAL ended when this stream began (an empty read alone says nothing: the
+                        # server may not have sent yet). A keepalive asked for says how far.
+                        if cur.wal_end >= target:
+                            self.caught_up = True
+                        elif time.monotonic() - asked >= FEEDBACK_MIN:
+                            cur.send_feedback(reply=True, force=True)  # type: ignore[no-untyped-call]
+                            asked = time.monotonic()
                     now = time.monotonic()
                     due = now - last_feedback
                     if (confirm > sent and due >= FEEDBACK_MIN) or (idle and due >= FEEDBACK_EVERY):
@@ -448,7 +460,7 @@ class WalReader(threading.Thread):
                     self._handed = tx.end
                 self._wake()
         finally:
-            self.reading = False
+            self.reading = self.caught_up = False
             if self._confirm > sent and not conn.closed:  # what was handed on since the last report
                 with contextlib.suppress(psycopg2.Error):
                     cur.send_feedback(flush_lsn=self._confirm, force=True)  # type: ignore[no-untyped-call]

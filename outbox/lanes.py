@@ -56,6 +56,7 @@ class Lane:
     paced: bool = False  # a slow batch made claims smaller, and they are not back to --batch-size yet
     wal: WalReader | None = None  # WAL capture: the reader of the outbox's slot
     table_turn: bool = False  # WAL capture: the table's turn to be claimed from next
+    capture_mode: str = "table"  # as last read from its capture table
     next_capture: float = 0.0  # monotonic time of the next look at its capture mode
     stats: RelayStats = field(default_factory=RelayStats)
     trouble: Condition = field(init=False)  # this outbox's own problem (schema gone, not migrated)

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import math
 import random
 import threading
 import time
@@ -430,6 +431,8 @@ class Relay:
 
     def _claim_and_send(self, lane: Lane, limit: int) -> int:
         assert self._sink is not None
+        if not lane.next_capture:  # its capture mode first: a slot to read before the table?
+            self._check_lane_capture(lane, time.monotonic())
         wal = lane.wal
         if wal is not None:
             # WAL capture: the slot's transactions and the table's events (retries, delayed, held
@@ -441,6 +444,12 @@ class Relay:
                 and not any(isinstance(b, WalBatch) for b in lane.in_flight)
             ):
                 return self._read_and_send(lane, limit)
+            if lane.capture_mode == "table" and not (wal.reading and wal.caught_up):
+                # Switched back to table capture with the slot kept: the events still in the slot
+                # were committed before the rows written since, so the table waits until this
+                # relay has read the slot up to what the server has (a relay that stands by
+                # claims nothing of this outbox until the slot is dropped).
+                return 0
         conn = self.sessions.take()
         if conn is None:
             return 0
@@ -493,11 +502,10 @@ class Relay:
         )
         keys = list({e.key for e in batch.events if e is not None and e.key is not None})
         try:
-            waiting = (
-                {r[0] for r in conn.execute(query("wal_keys_waiting", lane.schema), {"keys": keys})}
-                if keys
-                else set()
-            )
+            found: list[tuple[Any, ...]] = []
+            if keys:
+                found = conn.execute(query("wal_keys_waiting", lane.schema), {"keys": keys}).fetchall()
+            waiting: dict[bytes, float] = {row[0]: row[1] for row in found}
         except psycopg.Error as exc:
             lane.wal.rewind()  # read again from the slot
             if isinstance(exc, psycopg.OperationalError):
@@ -506,7 +514,12 @@ class Relay:
                 self._lane_error(lane, conn, f"WAL batch failed: {self.sessions.clean(exc)}")
             return 0
         for i, event in enumerate(batch.events):
-            if event is not None and event.key is not None and event.key in waiting:
+            # Held (into the table, behind them) when the key has older events waiting there.
+            if (
+                event is not None
+                and event.key is not None
+                and waiting.get(event.key, math.inf) <= event.created_at
+            ):
                 batch.hold(i)
         self._loop_progress = lane.last_work = time.monotonic()
         self.stats.claims += 1
@@ -974,7 +987,9 @@ class Relay:
                 (lane.next_capture for lane in self._rotation), default=now + CAPTURE_CHECK
             )
             return
-        lane = due[0]
+        self._check_lane_capture(due[0], now)
+
+    def _check_lane_capture(self, lane: Lane, now: float) -> None:
         lane.next_capture = now + CAPTURE_CHECK
         conn = self.sessions.take()
         if conn is None:
@@ -992,6 +1007,7 @@ class Relay:
             self._lane_error(lane, conn, f"capture check failed: {self.sessions.clean(exc)}")
             return
         self.sessions.give_back(conn)
+        lane.capture_mode = found.mode
         if found.reads_slot and lane.wal is None:
             lane.wal = WalReader(
                 lane.outbox.dsn, lane.schema, found, partial(self._woken, lane), name=lane.said and lane.name

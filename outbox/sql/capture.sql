@@ -80,11 +80,18 @@ SELECT count(pg_logical_emit_message(true, $1::text,
 FROM unnest($2::text[]) WITH ORDINALITY AS x (m, n)
 
 -- name: wal_keys_waiting
--- Of these keys, those that must not overtake what waits in the table: an event of the key is
--- pending there (retrying, held, delayed), or a parked dead letter holds the key.
-SELECT key FROM {schema}.events WHERE key = ANY(%(keys)s::bytea[])
-UNION
-SELECT key FROM {schema}.dead_letters WHERE parked AND key = ANY(%(keys)s::bytea[])
+-- Of these keys, those that have something waiting in the table that a WAL event of the key must
+-- not overtake, and since when: the creation time (epoch) of the key's oldest pending event
+-- (retrying, held, delayed, or written in table capture), or 0 for a parked dead letter (it holds
+-- every later event). A WAL event created before the key's oldest pending row may go first (rows
+-- written after switching back to table capture).
+SELECT key, min(since) FROM (
+    SELECT key, extract(epoch FROM min(created_at))::float8 AS since
+    FROM {schema}.events WHERE key = ANY(%(keys)s::bytea[]) GROUP BY key
+    UNION ALL
+    SELECT key, 0 FROM {schema}.dead_letters WHERE parked AND key = ANY(%(keys)s::bytea[])
+) AS w
+GROUP BY key
 
 -- name: wal_to_events
 -- Events read from the WAL that were not delivered (a failure, a dead letter, or held behind
@@ -114,6 +121,10 @@ FROM unnest(%(event_ids)s::uuid[], %(topics)s::text[], %(keys)s::bytea[], %(payl
 -- name: wal_handed_on
 -- The WAL up to this position is handed on (committed with what it handed on).
 UPDATE {schema}.capture SET lsn = %(lsn)s::pg_lsn WHERE lsn IS NULL OR lsn < %(lsn)s::pg_lsn
+
+-- name: current_wal_lsn
+-- Where the WAL ends now: a reader that has been sent everything up to here has caught up.
+SELECT pg_current_wal_lsn()::text
 
 -- name: slot_lag
 -- The slot's health: read by a session, and the WAL it keeps that is not confirmed yet (bytes).

@@ -393,3 +393,53 @@ def test_status_shows_the_capture_mode_and_the_slot(
         ]
     if version >= 170000:  # a failover slot, which standbys set up for it keep in step
         assert failover is not None and failover[columns.index("failover")] is True
+
+
+def _switch(dsn: str, schema: str, mode: str) -> None:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        capture.switch(conn, schema, mode)
+
+
+def test_switching_to_wal_with_rows_pending_loses_nothing_and_keeps_each_key_s_order(
+    wal_dsn: str, wal_schema: str, kafka: str, topic: str
+) -> None:
+    """Rows written in table capture, then events in WAL capture, no relay running: the WAL events
+    of a key with rows pending follow them into the table, in order."""
+    _switch(wal_dsn, wal_schema, "table")  # the slot is kept
+    _write_keyed(wal_dsn, wal_schema, topic, ["a", "b"], 5)  # a new connection: table capture
+    assert count(wal_dsn, wal_schema, "events") == 10
+    _switch(wal_dsn, wal_schema, "wal")
+    _write_keyed(wal_dsn, wal_schema, topic, ["a", "b", "c"], 5, start=5)  # WAL capture
+    assert count(wal_dsn, wal_schema, "events") == 10
+    with running_relay(RelayConfig(wal_dsn, schema=wal_schema, poll_interval=0.1), bootstrap=kafka):
+        wait_for(lambda: count(wal_dsn, wal_schema, "delivered") == 25, timeout=30, what="all 25")
+    messages = read_topic(kafka, topic, 25)
+    assert len(first_occurrences(messages)) == 25
+    assert_per_key_order(messages)
+    assert count(wal_dsn, wal_schema, "events") == 0
+
+
+def test_switching_back_to_table_with_wal_events_pending_loses_nothing_and_keeps_each_key_s_order(
+    wal_dsn: str, wal_schema: str, kafka: str, topic: str
+) -> None:
+    """Events in WAL capture, then rows in table capture after switching back, no relay running:
+    the relay reads the slot before it claims the rows written since (the slot holds the older
+    events), and the kept slot's events are all delivered."""
+    _write_keyed(wal_dsn, wal_schema, topic, ["a", "b"], 5)  # WAL capture
+    _switch(wal_dsn, wal_schema, "table")
+    _write_keyed(wal_dsn, wal_schema, topic, ["a", "b", "c"], 5, start=5)  # table capture
+    assert count(wal_dsn, wal_schema, "events") == 15
+    with running_relay(RelayConfig(wal_dsn, schema=wal_schema, poll_interval=0.1), bootstrap=kafka):
+        wait_for(lambda: count(wal_dsn, wal_schema, "delivered") == 25, timeout=30, what="all 25")
+    messages = read_topic(kafka, topic, 25)
+    assert len(first_occurrences(messages)) == 25
+    assert_per_key_order(messages)
+    with psycopg.connect(wal_dsn, autocommit=True) as conn:
+        assert "slot" in capture.switch(conn, wal_schema, "table", drop_slot=True)
+        assert capture.state(conn, wal_schema).slot is None
+        assert (
+            conn.execute(
+                "SELECT 1 FROM pg_replication_slots WHERE slot_name = %s", (capture.slot_name(wal_schema),)
+            ).fetchone()
+            is None
+        )
