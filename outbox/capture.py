@@ -157,8 +157,12 @@ def switch(conn: psycopg.Connection[Any], schema: str, mode: str, *, drop_slot: 
         if drop_slot and current.slot is not None:
             if conn.execute(query("slot_of", schema), {"slot": current.slot}).fetchone():
                 conn.execute(query("drop_slot", schema), {"slot": current.slot})
+            if current.publication is not None:
+                conn.execute(
+                    query("drop_publication", schema, identifiers={"publication": current.publication})
+                )
             conn.execute(query("set_capture", schema), {"mode": "table", "slot": None, "publication": None})
-            return f"schema {schema}: table capture; slot {current.slot} dropped"
+            return f"schema {schema}: table capture; slot {current.slot} and its publication dropped"
         conn.execute(
             query("set_capture", schema),
             {"mode": "table", "slot": current.slot, "publication": current.publication},

@@ -19,6 +19,8 @@ from typing import Any
 
 import psycopg
 
+from outbox.capture import state as capture_state
+from outbox.capture import switch
 from outbox.config import RelayConfig
 from outbox.errors import ConfigError
 from outbox.harness.infra import infrastructure
@@ -43,6 +45,7 @@ def run_demo(
     seconds: float,
     rate: float,
     kafka_config: dict[str, Any],
+    capture: str = "table",
 ) -> int:
     if not rate > 0:
         raise ConfigError(f"--rate: must be > 0, got {rate}")
@@ -52,6 +55,8 @@ def run_demo(
         with infrastructure(dsn, bootstrap) as infra:
             with psycopg.connect(infra.dsn, autocommit=True) as conn:
                 migrate(conn, schema)
+                if capture != "table" or capture_state(conn, schema).mode != "table":
+                    print(switch(conn, schema, capture), file=sys.stderr, flush=True)
             prepare(infra.dsn, schema)
             return _run(infra.dsn, infra.bootstrap, schema, seconds, rate, kafka_config, stop)
     finally:

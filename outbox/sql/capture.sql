@@ -38,6 +38,10 @@ SET mode = %(mode)s, slot = %(slot)s, publication = %(publication)s, switched_at
 -- The server's wal_level and major version: WAL capture needs logical, and PostgreSQL 14+.
 SELECT current_setting('wal_level'), current_setting('server_version_num')::integer
 
+-- name: enable_logical_wal
+-- The embedded PostgreSQL of the demo and the bench: wal_level = logical (after a restart).
+ALTER SYSTEM SET wal_level = logical
+
 -- name: slot_of
 -- A replication slot: its plugin, database, whether a session reads it, and how far it is confirmed.
 SELECT plugin, database, active, confirmed_flush_lsn::text
@@ -64,6 +68,10 @@ SELECT EXISTS (SELECT 1 FROM pg_publication WHERE pubname = %(publication)s)
 -- An empty publication: pgoutput needs one to start, and the outbox publishes no table
 -- (its events are logical decoding messages, which pgoutput sends with `messages`).
 CREATE PUBLICATION {publication}
+
+-- name: drop_publication
+-- The outbox's publication, when its schema goes (the bench's workspaces).
+DROP PUBLICATION IF EXISTS {publication}
 
 -- name: emit_events
 -- WAL capture's write: one transactional logical decoding message per event, in order, under the

@@ -443,3 +443,19 @@ def test_switching_back_to_table_with_wal_events_pending_loses_nothing_and_keeps
             ).fetchone()
             is None
         )
+
+
+def test_the_demo_runs_in_wal_capture(wal_dsn: str, wal_schema: str, kafka: str) -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "outbox", "demo", "--dsn", wal_dsn, "--kafka-bootstrap", kafka,
+         "--schema", wal_schema, "--capture", "wal", "--seconds", "3", "--rate", "200"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stdout + out.stderr
+    line = next(ln for ln in out.stdout.splitlines() if ln.startswith("demo summary: "))
+    summary = json.loads(line.removeprefix("demo summary: "))
+    assert summary["committed"] > 100 and summary["rolled_back"] > 0
+    assert summary["missing"] == 0 and summary["rolled_back_but_consumed"] == 0
+    assert count(wal_dsn, wal_schema, "events") == 0  # the orders' events never touched the table
+    with psycopg.connect(wal_dsn) as conn:
+        assert capture.state(conn, wal_schema).mode == "wal"
