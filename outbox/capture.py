@@ -84,36 +84,31 @@ def publication_name(schema: str) -> str:
 
 
 def encode(ev: EncodedEvent) -> bytes:
-    """An event as its WAL message's content, after the creation time the statement adds."""
-    head = {
-        "id": str(ev.event_id),
-        "topic": ev.topic,
-        "key": None if ev.key is None else ev.key.hex(),
-        "headers": ev.headers,
-        "type": ev.type,
-        "subject": ev.subject,
-    }
-    return json.dumps(head, separators=(",", ":")).encode() + b"\n" + ev.payload
+    """An event as its WAL message's content, after the creation time the statement adds: a JSON
+    array (id, topic, key as hex, type, subject), a line break, the headers as JSON (empty when
+    none: JSON escapes line breaks, so neither line holds one), a line break, the payload."""
+    head = [str(ev.event_id), ev.topic, None if ev.key is None else ev.key.hex(), ev.type, ev.subject]
+    headers = json.dumps(ev.headers, separators=(",", ":")).encode() if ev.headers else b""
+    return json.dumps(head, separators=(",", ":")).encode() + b"\n" + headers + b"\n" + ev.payload
 
 
 def decode(content: bytes) -> tuple[Any, ...]:
-    """A message's content as a claimed row (``claim_batch``'s columns; the id is filled in
-    later). Raises ValueError if it is not an outbox event's encoding."""
-    created, head, payload = content.split(b"\n", 2)
-    fields = json.loads(head)
-    headers = fields["headers"]
-    key = fields["key"]
+    """A message's content as a claimed row (``claim_batch``'s columns, the headers as JSON text
+    as the claim sends them; the id is filled in later). Raises ValueError (or TypeError) if it
+    is not an outbox event's encoding."""
+    created, head, headers, payload = content.split(b"\n", 3)
+    event_id, topic, key, type_, subject = json.loads(head)
     return (
         0,
-        fields["id"],
-        fields["topic"],
+        event_id,
+        topic,
         None if key is None else bytes.fromhex(key),
         payload,
-        json.dumps(headers, separators=(",", ":")) if headers else None,
+        headers.decode() if headers else None,
         float(created),
         0,
-        fields["type"],
-        fields["subject"],
+        type_,
+        subject,
     )
 
 

@@ -436,13 +436,10 @@ class Relay:
         wal = lane.wal
         if wal is not None:
             # WAL capture: the slot's transactions and the table's events (retries, delayed, held
-            # behind a failure) take turns; one WAL batch at a time, so commit order holds.
+            # behind a failure) take turns. WAL batches go out pipelined like claimed ones, and
+            # finish in the order they were read (_finish_complete_batches).
             lane.table_turn = not lane.table_turn
-            if (
-                wal.waiting
-                and not lane.table_turn
-                and not any(isinstance(b, WalBatch) for b in lane.in_flight)
-            ):
+            if wal.waiting and not lane.table_turn:
                 return self._read_and_send(lane, limit)
             if lane.capture_mode == "table" and not (wal.reading and wal.caught_up):
                 # Switched back to table capture with the slot kept: the events still in the slot
@@ -590,8 +587,19 @@ class Relay:
 
     def _finish_complete_batches(self) -> None:
         for lane in self._rotation:
-            for batch in [b for b in lane.in_flight if b.complete]:
-                self._finish(lane, batch)
+            waiting_wal = False  # a WAL batch read earlier is not complete yet
+            for batch in list(lane.in_flight):
+                if batch not in lane.in_flight:  # abandoned by an earlier one's failure
+                    continue
+                if isinstance(batch, WalBatch):
+                    # In the order read: each commits the slot position it reaches, and a later
+                    # one committed first would have a restart skip the earlier one's events.
+                    if batch.complete and not waiting_wal:
+                        self._finish(lane, batch)
+                    else:
+                        waiting_wal = True
+                elif batch.complete:
+                    self._finish(lane, batch)
 
     def _finish(self, lane: Lane, batch: Batch) -> None:
         ack_start = time.time_ns()
@@ -692,14 +700,24 @@ class Relay:
     def _done(self, lane: Lane, batch: Batch) -> None:
         """The one place a batch leaves the loop: its session back to the pool, its key holds dropped;
         a WAL batch's position confirmed to the slot if it committed, else read again."""
-        if isinstance(batch, WalBatch) and lane.wal is not None:
-            if batch.finished:
-                lane.wal.confirm(batch.end)
-            else:
-                lane.wal.rewind()
+        if batch not in lane.in_flight:  # abandoned already: a WAL batch read before it failed
+            return
         lane.in_flight.remove(batch)
         lane.ordering.holds.release(id(batch))
         self.sessions.give_back(batch.conn)
+        if isinstance(batch, WalBatch) and lane.wal is not None:
+            if batch.finished:
+                lane.wal.confirm(batch.end)
+                return
+            # Not handed on: the slot sends it again, from the confirmed position; so every WAL
+            # batch read after it goes too (sent again, and not archived twice).
+            lane.wal.rewind()
+            for later in [b for b in lane.in_flight if isinstance(b, WalBatch)]:
+                self._end_spans(later, time.time_ns(), "released")
+                later.release()
+                lane.in_flight.remove(later)
+                lane.ordering.holds.release(id(later))
+                self.sessions.give_back(later.conn)
 
     def _release_in_flight(self, why: str) -> None:
         """Roll back every in-flight batch: their events can be claimed again at once."""
