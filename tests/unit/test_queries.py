@@ -23,7 +23,13 @@ def test_int_arrays_as_literals() -> None:
 def test_every_named_query_binds_its_placeholders() -> None:
     fillers = {
         "keywords": {"state": "ENABLE"},
-        "identifiers": {"partition": "delivered_p20260101", "role": "r", "relay": "r", "table": "events", "publication": "p"},
+        "identifiers": {
+            "partition": "delivered_p20260101",
+            "role": "r",
+            "relay": "r",
+            "table": "events",
+            "publication": "p",
+        },
         "literals": {
             "version": 1,
             "name": "n",
