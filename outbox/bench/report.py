@@ -19,6 +19,7 @@ TARGETS = {
     "relay_vs_best_peer": 10.0,  # the relay >= 10 x the fastest Python peer
     "relay_vs_sink_loop": 0.8,  # each sink: relay drain >= 0.8 x its minimal loop
     "console_page_p95_ms": 300.0,  # every console page at the full size (issue 27)
+    "wal_vs_table": 1.5,  # WAL capture's drain >= 1.5 x the table relay's (issue 30)
     "tenants_ratio_at_100": 0.8,  # the backlog over 100 outboxes >= 0.8 x over one (issue 28)
     "tenants_quiet_p99_ms": 100.0,  # a quiet outbox's commit -> ack p99 while a busy one drains
 }
@@ -43,6 +44,7 @@ def _against(value: float, target: str, *, most: bool = False) -> str:
 DRAIN_NAMES = {
     "relay": "outbox relay",
     "relay_unordered": "outbox relay, --ordering none",
+    "relay_wal": "outbox relay, WAL capture (read from the slot)",
     "ceiling": "minimal loop, plain tables (ceiling)",
     "bare": "minimal loop on the outbox's tables",
     "seeds": "seeds' loop",
@@ -90,6 +92,9 @@ def drain_markdown(d: dict[str, Any]) -> list[str]:
             extra.append(f"relay / loop on the outbox's tables {case['ratio_relay_to_bare']:.2f}")
         if "ratio_ordered_to_unordered" in case:
             extra.append(f"ordered / unordered {case['ratio_ordered_to_unordered']:.2f}")
+        if "ratio_wal_to_table" in case:
+            wal = case["ratio_wal_to_table"]
+            extra.append(f"WAL capture / table capture **{wal:.2f}** {_against(wal, 'wal_vs_table')}")
         if "ratio_relay_to_seeds" in case:
             seeds = case["ratio_relay_to_seeds"]
             extra.append(f"relay / seeds {seeds:.1f}× {_against(seeds, 'relay_vs_seeds')}")
