@@ -181,6 +181,14 @@ def markdown(results: dict[str, Any]) -> str:
                     f"{_ms(event['p50'])} / {_ms(event['p99'])} | "
                     f"**{x['enqueue_overhead_p50_ms']:.3f}** | {many} |"
                 )
+        for name, r in w.get("stacks_wal", {}).items():  # WAL capture: a message, no row
+            x = r["notify_on"]
+            plain, event = x["business_tx_ms"], x["business_tx_with_enqueue_ms"]
+            lines.append(
+                f"| {name}, WAL capture | – | {_ms(plain['p50'])} / {_ms(plain['p99'])} | "
+                f"{_ms(event['p50'])} / {_ms(event['p99'])} | "
+                f"**{x['enqueue_overhead_p50_ms']:.3f}** | {_ms(r['enqueue_many_1000_ms']['p50'])} |"
+            )
         for name, why in w.get("skipped", {}).items():
             lines.append(f"| {name} | skipped: {why} | | | | |")
         lines.append("")

@@ -17,12 +17,14 @@ from __future__ import annotations
 
 import asyncio
 import time
+import urllib.parse
 from collections.abc import Callable, Coroutine
 from typing import Any
 
 import psycopg
 from psycopg.conninfo import conninfo_to_dict
 
+from outbox import capture
 from outbox.bench.config import BenchConfig
 from outbox.bench.measure import percentiles
 from outbox.extras import missing
@@ -67,7 +69,11 @@ def sqlalchemy_url(dsn: str, driver: str) -> str:
     p = conninfo_to_dict(dsn)
     auth = str(p.get("user", "")) + (f":{p['password']}" if p.get("password") else "")
     scheme = f"postgresql+{driver}" if driver else "postgresql"
-    return f"{scheme}://{auth}@{p.get('host', '127.0.0.1')}:{p.get('port', 5432)}/{p.get('dbname', '')}"
+    host = str(p.get("host", "127.0.0.1"))
+    if host.startswith("/"):  # a socket directory (the embedded PostgreSQL): a query parameter
+        query = urllib.parse.urlencode({"host": host, "port": p.get("port", 5432)})
+        return f"{scheme}://{auth}@/{p.get('dbname', '')}?{query}"
+    return f"{scheme}://{auth}@{host}:{p.get('port', 5432)}/{p.get('dbname', '')}"
 
 
 class SyncStack:
@@ -268,12 +274,14 @@ def _set_notify(dsn: str, schema: str, on: bool) -> None:
         admin.execute(query("notify_trigger", schema, keywords={"state": "ENABLE" if on else "DISABLE"}))
 
 
-def _measure_sync(cfg: BenchConfig, name: str, schema: str) -> dict[str, Any]:
+def _measure_sync(
+    cfg: BenchConfig, name: str, schema: str, notifies: tuple[bool, ...] = (True, False)
+) -> dict[str, Any]:
     stack = SyncStack(name, cfg.dsn, schema)
     out: dict[str, Any] = {}
     try:
         stack.tx(0, True)  # warm: connections, the schema check, prepared plans
-        for notify in (True, False):
+        for notify in notifies:
             _set_notify(cfg.dsn, schema, notify)
             plain: list[float] = []
             with_event: list[float] = []
@@ -305,7 +313,9 @@ def _measure_sync(cfg: BenchConfig, name: str, schema: str) -> dict[str, Any]:
     return out
 
 
-async def _measure_async(cfg: BenchConfig, name: str, schema: str) -> dict[str, Any]:
+async def _measure_async(
+    cfg: BenchConfig, name: str, schema: str, notifies: tuple[bool, ...] = (True, False)
+) -> dict[str, Any]:
     # The same loop as _measure_sync, timed inside the event loop. One function for both
     # would need the sync stacks inside a loop too, which Django refuses (it raises
     # SynchronousOnlyOperation), or every async transaction through run_until_complete.
@@ -313,7 +323,7 @@ async def _measure_async(cfg: BenchConfig, name: str, schema: str) -> dict[str, 
     out: dict[str, Any] = {}
     try:
         await tx(0, True)
-        for notify in (True, False):
+        for notify in notifies:
             _set_notify(cfg.dsn, schema, notify)
             plain: list[float] = []
             with_event: list[float] = []
@@ -350,6 +360,11 @@ def writer(cfg: BenchConfig) -> dict[str, Any]:
     import uuid
 
     results: dict[str, Any] = {"iterations": cfg.writer_iterations, "stacks": {}, "skipped": {}}
+    with psycopg.connect(cfg.dsn) as conn:
+        level = conn.execute(query("wal_level", "public")).fetchone()
+    wal = bool(level and level[0] == "logical" and int(level[1]) >= capture.MIN_SERVER)
+    if wal:
+        results["stacks_wal"] = {}  # the same stacks, the outbox in WAL capture (issue 30)
     for name in STACKS:
         missing = _missing(name)
         if missing:
@@ -360,12 +375,23 @@ def writer(cfg: BenchConfig) -> dict[str, Any]:
         with psycopg.connect(cfg.dsn, autocommit=True) as conn:
             migrate(conn, schema)
         prepare(cfg.dsn, schema)
+        is_async = name in ("asyncpg", "sqlalchemy-async", "psycopg-async")
         try:
-            if name in ("asyncpg", "sqlalchemy-async", "psycopg-async"):
+            if is_async:
                 results["stacks"][name] = asyncio.run(_measure_async(cfg, name, schema))
             else:
                 results["stacks"][name] = _measure_sync(cfg, name, schema)
+            if wal:
+                # Fresh connections (each reads the mode once); NOTIFY plays no part (no row).
+                with psycopg.connect(cfg.dsn, autocommit=True) as conn:
+                    capture.switch(conn, schema, "wal")
+                if is_async:
+                    results["stacks_wal"][name] = asyncio.run(_measure_async(cfg, name, schema, (True,)))
+                else:
+                    results["stacks_wal"][name] = _measure_sync(cfg, name, schema, (True,))
         finally:
             with psycopg.connect(cfg.dsn, autocommit=True) as conn:
+                if wal:
+                    capture.switch(conn, schema, "table", drop_slot=True)
                 conn.execute(query("harness_drop_schema", schema))
     return results

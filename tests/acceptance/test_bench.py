@@ -79,7 +79,10 @@ def test_bench_smoke_steady_writer_and_tenants(pg_dsn: str, kafka: str, tmp_path
     for run in results["scenarios"]["steady"]["runs"]:
         assert run["acked"] == run["written"] > 0, "steady: an event was not acked"
         assert run["consumed"] == run["written"], "steady: an event was not consumed"
-    assert results["scenarios"]["writer"]["stacks"], "writer: no stack measured"
+    writer = results["scenarios"]["writer"]
+    assert writer["stacks"], "writer: no stack measured"
+    assert set(writer["stacks_wal"]) == set(writer["stacks"]), "writer: WAL capture not measured per stack"
+    assert ", WAL capture | – |" in table
     _png(tmp_path / "steady_latency.png")
     tenants = results["scenarios"]["tenants"]
     assert [r["outboxes"] for r in tenants["runs"]] == [1, 10]

@@ -151,3 +151,27 @@ def test_fault_scenarios_on_aws_lose_nothing(service: str, pg_dsn: str, tmp_path
         assert r["passed"] and r["lost"] == 0 and r["order_violations"] == 0, detail
         assert r["double_archived"] == 0 and r["committed"] > 200 and r["provoked"], detail
     assert out.returncode == 0, out.stderr[-3000:]
+
+
+@pytest.mark.slow
+def test_fault_scenarios_in_wal_capture_lose_nothing(tmp_path: Path) -> None:
+    """WAL capture under the faults (issue 30): the relays SIGKILLed in turn (the standby takes the
+    slot over), PostgreSQL restarted (the stream ends; the reader reads on from the confirmed
+    position), poison events (dead-lettered from the table, their keys parked) and the broker
+    frozen. Nothing lost, key order kept, nothing archived twice (the embedded PostgreSQL runs
+    with wal_level = logical)."""
+    chosen = ("kill", "pg-restart", "poison", "blackhole-sink")
+    out = subprocess.run(
+        [sys.executable, "-m", "outbox", "bench", "faults", "--short", "--capture", "wal",
+         "--scenarios", ",".join(chosen), "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    results = _results(out, tmp_path)
+    assert results["capture"] == "wal"
+    for scenario in chosen:
+        r = results["scenarios"][scenario]
+        detail = _detail(scenario, r)
+        assert r["passed"] and r["lost"] == 0 and r["order_violations"] == 0, detail
+        assert r["double_archived"] == 0 and r["committed"] > 300 and r["provoked"], detail  # as above
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "Fault suite (short, WAL capture)" in (tmp_path / "results.md").read_text()

@@ -459,3 +459,35 @@ def test_the_demo_runs_in_wal_capture(wal_dsn: str, wal_schema: str, kafka: str)
     assert count(wal_dsn, wal_schema, "events") == 0  # the orders' events never touched the table
     with psycopg.connect(wal_dsn) as conn:
         assert capture.state(conn, wal_schema).mode == "wal"
+
+
+def test_a_slot_that_cannot_be_read_makes_readyz_say_so(wal_dsn: str, wal_schema: str, kafka: str) -> None:
+    """The slot dropped under a running relay (an operator, max_slot_wal_keep_size): the relay is
+    not ready, and says which outbox and why; `outbox status` says the slot is missing."""
+    slot = capture.slot_name(wal_schema)
+    with running_relay(RelayConfig(wal_dsn, schema=wal_schema, poll_interval=0.1), bootstrap=kafka) as relay:
+        wait_for(lambda: relay.ready()[0], timeout=30, what="ready")
+        lane = relay.lanes["default"]
+        wait_for(lambda: lane.wal is not None and lane.wal.reading, timeout=30, what="the reader streaming")
+
+        def drop() -> bool:  # end the reader's session, and drop the slot before it is back
+            with psycopg.connect(wal_dsn, autocommit=True) as conn:
+                conn.execute(
+                    "SELECT pg_terminate_backend(active_pid) FROM pg_replication_slots WHERE slot_name = %s AND active",
+                    (slot,),
+                )
+                try:
+                    conn.execute("SELECT pg_drop_replication_slot(%s)", (slot,))
+                except psycopg.errors.ObjectInUse:
+                    return False
+                return True
+
+        wait_for(drop, timeout=30, what="the slot dropped")
+        wait_for(lambda: "does not exist" in relay.ready()[1], timeout=30, what="not ready: the slot is gone")
+        ready, why = relay.ready()
+        assert not ready and "outbox default: reading its WAL slot" in why and slot in why, why
+    out = subprocess.run(
+        [sys.executable, "-m", "outbox", "status", "--dsn", wal_dsn, "--schema", wal_schema],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert f"slot {slot} MISSING" in out.stdout, out.stdout

@@ -45,6 +45,13 @@ class FaultOptions:
     rate: int | None = setting(
         None, "business transactions per second", default_text="1000; --short 150", env="OUTBOX_FAULTS_RATE"
     )
+    capture: str = setting(
+        "table",
+        "how the load's events are captured: table, or wal (outbox migrate --capture wal: the relays "
+        "read a replication slot; needs wal_level=logical, which the embedded PostgreSQL has)",
+        choices=("table", "wal"),
+        env="OUTBOX_FAULTS_CAPTURE",
+    )
     pg_restart_command: str | None = setting(None, "with --dsn: a command that restarts that PostgreSQL")
     broker_stop_command: str | None = setting(None, "with --kafka-bootstrap: a command that stops the broker")
     broker_start_command: str | None = setting(None, "with --kafka-bootstrap: a command that starts it again")
@@ -76,6 +83,7 @@ def cmd_faults(args: argparse.Namespace) -> int:
         out=Path(opts.out),
         short=opts.short,
         rate=opts.rate,
+        capture=opts.capture,
         pg_restart_command=opts.pg_restart_command,
         broker_stop_command=opts.broker_stop_command,
         broker_start_command=opts.broker_start_command,

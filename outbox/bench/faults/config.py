@@ -18,6 +18,7 @@ class FaultConfig:
     start_broker: Callable[[], object] | None = None
     sink: str | None = None  # --sink: a URL (amqp://, nats://, redis://) or "http"; None: Kafka
     short: bool = False
+    capture: str = "table"  # --capture: table, or wal (the relays read the outbox's replication slot)
     rate: int = 1000  # business transactions (one event each) per second
     writers: int = 2
     keys: int = 200

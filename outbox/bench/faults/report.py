@@ -66,7 +66,8 @@ def _note(name: str, r: dict[str, Any]) -> str:
 def markdown(results: dict[str, Any]) -> str:
     m = results["machine"]
     lines = [
-        f"Fault suite ({'short' if results['short'] else 'full'}), {results['started_at']}, "
+        f"Fault suite ({'short' if results['short'] else 'full'}"
+        f"{', WAL capture' if results.get('capture') == 'wal' else ''}), {results['started_at']}, "
         f"{m.get('cpu_model', '?')}, {m.get('cores', '?')} cores, "
         f"PostgreSQL {m.get('postgresql', '?')}, {m.get('broker', '?')}",
         "",

@@ -12,6 +12,7 @@ from typing import Any
 import psycopg
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
+from outbox import capture
 from outbox.bench.faults.config import FaultConfig
 from outbox.bench.faults.relays import Relays, poll_until
 from outbox.bench.faults.tally import tally
@@ -117,6 +118,8 @@ class Run:
     def setup(self) -> None:
         with psycopg.connect(self.cfg.dsn, autocommit=True) as conn:
             migrate(conn, self.schema)
+            if self.cfg.capture != "table":
+                capture.switch(conn, self.schema, self.cfg.capture)
         prepare(self.cfg.dsn, self.schema)
         if self.pg_proxy is not None:
             self.pg_proxy.start()
@@ -138,7 +141,11 @@ class Run:
             self.tap.teardown()
 
     def close(self) -> None:
-        """Release what outlives a failed run too (the proxies, a broker of its own, a webhook receiver)."""
+        """Release what outlives a failed run too (the proxies, a broker of its own, a webhook receiver,
+        a replication slot: it would keep the server's WAL; a failed run's schema stays)."""
+        if self.cfg.capture != "table":
+            with contextlib.suppress(psycopg.Error), psycopg.connect(self.cfg.dsn, autocommit=True) as conn:
+                capture.switch(conn, self.schema, "table", drop_slot=True)
         if self.proxy is not None:
             self.proxy.stop()
         if self.broker is not None:

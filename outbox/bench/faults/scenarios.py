@@ -193,8 +193,12 @@ def _blackhole(run: Run, p: Progress, proxy: Proxy, what: str, drain_within: flo
     ok = poll_until(drained, cfg.drain_timeout, interval=0.25)
     run.fault_end = time.time()
     run.mark(f"backlog under {BACKLOG_DRAINED}: {ok}")
+    # Each relay must turn not ready; in WAL capture, the one that reads the slot: the others
+    # stand by with nothing in flight, so nothing tells them the sink is frozen.
+    needed = 1 if cfg.capture == "wal" and what.startswith("sink") else cfg.relays
     run.notes.update(
-        not_ready_seconds=round(max(not_ready.values()), 1) if len(not_ready) == cfg.relays else None,
+        not_ready_seconds=round(max(not_ready.values()), 1) if len(not_ready) >= needed else None,
+        relays_not_ready=len(not_ready),
         livez_200_throughout=live,
         drained_seconds=round(run.fault_end - healed, 1) if ok else None,
     )

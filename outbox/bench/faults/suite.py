@@ -33,6 +33,7 @@ def run_faults(
     broker_stop_command: str | None = None,
     broker_start_command: str | None = None,
     sink: str | None = None,
+    capture: str = "table",
 ) -> dict[str, Any]:
     unknown = [s for s in chosen if s not in SCENARIOS]
     if unknown:
@@ -80,6 +81,7 @@ def run_faults(
             start_broker=infra.start_broker,
             log_dir=logs,
             sink=sink,
+            capture=capture,
         )
         if short:
             cfg = replace(cfg, **SHORT)
@@ -89,6 +91,7 @@ def run_faults(
             "started_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "short": short,
             "sink": scheme,
+            "capture": capture,
             "machine": machine(infra.dsn, infra.broker_version),
             "config": {
                 k: v
