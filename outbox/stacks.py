@@ -233,7 +233,7 @@ class PsycopgWriter:
 
     def emit(self, schema: str, events: Sequence[EncodedEvent]) -> None:
         with psycopg.Cursor(self.conn) as cur:
-            cur.execute(_sql("emit_events", schema), _emitted(schema, events), prepare=False)
+            cur.execute(_sql("emit_events_binary", schema), _emitted(schema, events), prepare=False)
 
     def flag(self, name: str, schema: str, *params: Any) -> bool:
         """Run the named statement; whether it returned a row whose first column is true."""
@@ -281,7 +281,7 @@ class AsyncPsycopgWriter:
 
     async def emit(self, schema: str, events: Sequence[EncodedEvent]) -> None:
         async with psycopg.AsyncCursor(self.conn) as cur:
-            await cur.execute(_sql("emit_events", schema), _emitted(schema, events), prepare=False)
+            await cur.execute(_sql("emit_events_binary", schema), _emitted(schema, events), prepare=False)
 
     async def flag(self, name: str, schema: str, *params: Any) -> bool:
         async with psycopg.AsyncCursor(self.conn) as cur:

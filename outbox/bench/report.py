@@ -54,6 +54,13 @@ DRAIN_NAMES = {
 }
 
 
+def _wakeup(run: dict[str, Any]) -> str:
+    """How a steady run's relay learnt of new events: NOTIFY, a 50 ms poll, or the WAL stream."""
+    if run.get("capture") == "wal":
+        return "WAL capture (streamed)"
+    return "on" if run["notify"] else "off (poll 50 ms)"
+
+
 def later_run(name: str, d: dict[str, Any]) -> list[str]:
     """The line that says a scenario comes from a later run than the file's (scripts/merge-drain)."""
     if "run_at" not in d:
@@ -154,7 +161,7 @@ def markdown(results: dict[str, Any]) -> str:
         for r in s["steady"]["runs"]:
             a, c = r["commit_to_ack_ms"], r["commit_to_consumer_ms"]
             lines.append(
-                f"| {r['target_rate']:,}/s | {'on' if r['notify'] else 'off (poll 50 ms)'} | "
+                f"| {r['target_rate']:,}/s | {_wakeup(r)} | "
                 f"{r['achieved_write_rate']:,.0f}/s | {_ms(a['p50'])} / {_ms(a['p95'])} / "
                 f"{_ms(a['p99'])} / {_ms(a['max'])} | {_ms(c['p50'])} / {_ms(c['p99'])} | "
                 f"{'yes' if r['kept_up'] else 'no'} |"
@@ -351,7 +358,9 @@ def plots(results: dict[str, Any], out: Path) -> list[str]:
             if not xs:
                 continue
             ys = [(i + 1) / len(xs) for i in range(len(xs))]
-            label = f"{r['target_rate']:,}/s, NOTIFY {'on' if r['notify'] else 'off'}"
+            label = f"{r['target_rate']:,}/s, " + (
+                "WAL capture" if r.get("capture") == "wal" else f"NOTIFY {'on' if r['notify'] else 'off'}"
+            )
             ax.plot(xs, ys, label=label)
         ax.set_xscale("log")
         ax.set_xlabel("commit → broker ack, ms (log)")

@@ -251,9 +251,7 @@ def drain(cfg: BenchConfig) -> dict[str, Any]:
     run, by the parent's monotonic clock (see outbox.bench.measure)."""
     cases = [c for c in DRAIN_CASES if not (c.big and cfg.big_events <= 0)]
     skipped: dict[str, str] = {}
-    with psycopg.connect(cfg.dsn) as conn:
-        level = conn.execute(query("wal_level", "public")).fetchone()
-    if not level or level[0] != "logical" or int(level[1]) < capture.MIN_SERVER:
+    if not _wal_capable(cfg.dsn):
         skipped["relay_wal"] = (
             "WAL capture needs wal_level = logical and PostgreSQL 14+ (the embedded server has both)"
         )
@@ -395,9 +393,11 @@ class Writers:
 # -- steady -----------------------------------------------------------------------------
 
 
-def steady_once(cfg: BenchConfig, rate: int, notify: bool) -> dict[str, Any]:
-    label = f"steady {rate}/s notify={'on' if notify else 'off'}"
+def steady_once(cfg: BenchConfig, rate: int, notify: bool, capture_mode: str = "table") -> dict[str, Any]:
+    label = f"steady {rate}/s notify={'on' if notify else 'off'}" + (" WAL" if capture_mode == "wal" else "")
     with Workspace(cfg.dsn, cfg.bootstrap, "steady") as ws, tempfile.TemporaryDirectory() as tmp:
+        if capture_mode == "wal":
+            ws.capture_wal()  # the writers' events are messages read from the slot: no NOTIFY
         ack_log = str(Path(tmp) / "acks.json")
         options: dict[str, Any] = {"notify": notify}
         if not notify:
@@ -448,6 +448,7 @@ def steady_once(cfg: BenchConfig, rate: int, notify: bool) -> dict[str, Any]:
     return {
         "target_rate": rate,
         "notify": notify,
+        "capture": capture_mode,
         "written": len(commits),
         "achieved_write_rate": round(achieved, 1),
         "writer_processes": writers.n,
@@ -465,7 +466,16 @@ def steady_once(cfg: BenchConfig, rate: int, notify: bool) -> dict[str, Any]:
 def steady(cfg: BenchConfig) -> dict[str, Any]:
     out = [steady_once(cfg, rate, notify=True) for rate in cfg.rates]
     out.append(steady_once(cfg, cfg.rates[0], notify=False))
+    if _wal_capable(cfg.dsn):  # and each rate in WAL capture (issue 30), the same run
+        out += [steady_once(cfg, rate, notify=True, capture_mode="wal") for rate in cfg.rates]
     return {"runs": out, "seconds_per_rate": cfg.steady_seconds}
+
+
+def _wal_capable(dsn: str) -> bool:
+    """Can this server run WAL capture (wal_level = logical, PostgreSQL 14+)?"""
+    with psycopg.connect(dsn) as conn:
+        level = conn.execute(query("wal_level", "public")).fetchone()
+    return bool(level and level[0] == "logical" and int(level[1]) >= capture.MIN_SERVER)
 
 
 # -- writer overhead: outbox/bench/writers.py (every stack) ------------------------------

@@ -81,6 +81,13 @@ SELECT count(pg_logical_emit_message(true, %s::text,
            convert_to(extract(epoch FROM clock_timestamp())::text, 'UTF8') || '\x0a'::bytea || m))
 FROM unnest(%s::bytea[]) WITH ORDINALITY AS x (m, n)
 
+-- name: emit_events_binary
+-- emit_events for psycopg 3: the messages as one binary array (%b). In text, psycopg escapes
+-- each element in Python: enqueue_many(1,000) took 18 ms against COPY's 12 in table capture.
+SELECT count(pg_logical_emit_message(true, %s::text,
+           convert_to(extract(epoch FROM clock_timestamp())::text, 'UTF8') || '\x0a'::bytea || m))
+FROM unnest(%b::bytea[]) WITH ORDINALITY AS x (m, n)
+
 -- name: emit_events_numbered
 -- emit_events with numbered parameters (asyncpg), the messages as hex text[].
 SELECT count(pg_logical_emit_message(true, $1::text,

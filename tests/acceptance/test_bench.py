@@ -79,6 +79,8 @@ def test_bench_smoke_steady_writer_and_tenants(pg_dsn: str, kafka: str, tmp_path
     for run in results["scenarios"]["steady"]["runs"]:
         assert run["acked"] == run["written"] > 0, "steady: an event was not acked"
         assert run["consumed"] == run["written"], "steady: an event was not consumed"
+    assert [r["capture"] for r in results["scenarios"]["steady"]["runs"]] == ["table", "table", "wal"]
+    assert "| WAL capture (streamed) |" in table
     writer = results["scenarios"]["writer"]
     assert writer["stacks"], "writer: no stack measured"
     assert set(writer["stacks_wal"]) == set(writer["stacks"]), "writer: WAL capture not measured per stack"
