@@ -272,23 +272,29 @@ class Batch:
                 },
             )
             _check_rows(cur.rowcount, len(w.ok_ids), "archive")
-        if w.retry_ids:
+        self._failed(schema, w, w.retry_ids, w.dead_ids)
+
+    def _failed(self, schema: str, w: Written, retry_ids: list[int], dead_ids: list[int]) -> None:
+        """The failed attempts (``retry_ids``: backoff persisted) and the dead letters (``dead_ids``,
+        parking their keys with --on-dead park), by their rows' ids."""
+        conn = self.conn
+        if retry_ids:
             cur = conn.execute(
                 query("schedule_retry", schema),
                 {
-                    "ids": int_array(w.retry_ids),
+                    "ids": int_array(retry_ids),
                     "delays": w.retry_delays,
                     "errors": w.retry_errors,
                     "kinds": w.retry_kinds,
                 },
             )
-            _check_rows(cur.rowcount, len(w.retry_ids), "retry")
-        if w.dead_ids:
+            _check_rows(cur.rowcount, len(retry_ids), "retry")
+        if dead_ids:
             cur = conn.execute(
                 query("dead_letter", schema),
-                {"ids": int_array(w.dead_ids), "errors": w.dead_errors, "park": self._parks},
+                {"ids": int_array(dead_ids), "errors": w.dead_errors, "park": self._parks},
             )
-            _check_rows(cur.rowcount, len(w.dead_ids), "dead-letter")
+            _check_rows(cur.rowcount, len(dead_ids), "dead-letter")
 
     def release(self) -> None:
         """Give the batch up: roll back so its events can be claimed again at once."""
@@ -342,25 +348,7 @@ class WalBatch(Batch):
             cur = conn.execute(query("wal_to_events", schema), self._columns([rows[i] for i in rest]))
             new_id = {event_id: id_ for id_, event_id in cur.fetchall()}
             real = {i: int(new_id[rows[i][1]]) for i in rest}
-            if w.retry_ids:
-                conn.execute(
-                    query("schedule_retry", schema),
-                    {
-                        "ids": int_array([real[i] for i in w.retry_ids]),
-                        "delays": w.retry_delays,
-                        "errors": w.retry_errors,
-                        "kinds": w.retry_kinds,
-                    },
-                )
-            if w.dead_ids:
-                conn.execute(
-                    query("dead_letter", schema),
-                    {
-                        "ids": int_array([real[i] for i in w.dead_ids]),
-                        "errors": w.dead_errors,
-                        "park": self._parks,
-                    },
-                )
+            self._failed(schema, w, [real[i] for i in w.retry_ids], [real[i] for i in w.dead_ids])
             w.dead_events[:] = [(real[i], reason) for i, reason in w.dead_events]
         conn.execute(query("wal_handed_on", schema), {"lsn": capture.lsn_text(self.end)})
 

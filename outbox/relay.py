@@ -38,7 +38,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from functools import partial
-from typing import Any
+from typing import Any, TypeVar
 
 import psycopg
 
@@ -67,6 +67,8 @@ __all__ = ["OUTBOXES_NOT_SERVED", "Relay", "RelayConfig", "RelayStats"]
 log = logging.getLogger("outbox.relay")
 
 PARTITION_MAINTENANCE = 3600.0  # seconds between archive partition checks
+T = TypeVar("T")
+
 MAINTENANCE_RETRY = 10.0  # seconds before trying again after it failed
 CAPTURE_CHECK = 30.0  # seconds between looks at an outbox's capture mode (a slot to read?)
 REPORT_WAIT = 0.005  # seconds to wait for delivery reports while a claim could start
@@ -979,22 +981,31 @@ class Relay:
             return
         lane = due[0]
         lane.next_maintenance = now + PARTITION_MAINTENANCE
+        done = self._on_session(
+            lane,
+            "archive partition maintenance",
+            lambda conn: conn.execute(query("ensure_partitions", lane.schema)),
+        )
+        if done is None:
+            lane.next_maintenance = now + MAINTENANCE_RETRY
+
+    def _on_session(self, lane: Lane, what: str, work: Callable[[psycopg.Connection[Any]], T]) -> T | None:
+        """``work`` on a session of the pool, committed; its result, or None when no session was
+        free or it failed (said once: the session lost, or this outbox's own trouble)."""
         conn = self.sessions.take()
         if conn is None:
-            lane.next_maintenance = now + MAINTENANCE_RETRY
-            return
+            return None
         try:
-            conn.execute(query("ensure_partitions", lane.schema))
+            result = work(conn)
             conn.commit()
         except psycopg.OperationalError as exc:
-            self.sessions.lost(conn, f"archive partition maintenance failed: {self.sessions.clean(exc)}")
-            lane.next_maintenance = now + MAINTENANCE_RETRY
-            return
+            self.sessions.lost(conn, f"{what} failed: {self.sessions.clean(exc)}")
+            return None
         except psycopg.Error as exc:
-            lane.next_maintenance = now + MAINTENANCE_RETRY
-            self._lane_error(lane, conn, f"archive partition maintenance failed: {self.sessions.clean(exc)}")
-            return
+            self._lane_error(lane, conn, f"{what} failed: {self.sessions.clean(exc)}")
+            return None
         self.sessions.give_back(conn)
+        return result
 
     def _check_capture(self, now: float) -> None:
         """Each outbox's capture mode, every CAPTURE_CHECK s (one outbox a step): a slot to read
@@ -1009,22 +1020,10 @@ class Relay:
 
     def _check_lane_capture(self, lane: Lane, now: float) -> None:
         lane.next_capture = now + CAPTURE_CHECK
-        conn = self.sessions.take()
-        if conn is None:
+        found = self._on_session(lane, "capture check", lambda conn: capture.state(conn, lane.schema))
+        if found is None:
             lane.next_capture = now + MAINTENANCE_RETRY
             return
-        try:
-            found = capture.state(conn, lane.schema)
-            conn.commit()
-        except psycopg.OperationalError as exc:
-            self.sessions.lost(conn, f"capture check failed: {self.sessions.clean(exc)}")
-            lane.next_capture = now + MAINTENANCE_RETRY
-            return
-        except psycopg.Error as exc:
-            lane.next_capture = now + MAINTENANCE_RETRY
-            self._lane_error(lane, conn, f"capture check failed: {self.sessions.clean(exc)}")
-            return
-        self.sessions.give_back(conn)
         lane.capture_mode = found.mode
         if found.reads_slot and lane.wal is None:
             lane.wal = WalReader(

@@ -187,7 +187,13 @@ def test_paused_relay_is_fenced_and_order_holds(pg_dsn: str, schema: str, kafka:
 
             # b takes a's partitions fenced while a's sessions live; b ends those sessions after
             # its batch lease and the fences lift: only then is a resumed.
-            wait_for(fenced_then_all_taken, timeout=30, interval=0.1, what="fenced takeover")
+            try:
+                wait_for(fenced_then_all_taken, timeout=60, interval=0.1, what="fenced takeover")
+            except AssertionError:
+                raise AssertionError(
+                    f"fenced takeover not seen: fences seen {sorted(set(fences))[:5]}…, live relays "
+                    f"{_live_relays(pg_dsn, schema)}, still fenced {conn.execute(fenced).fetchall()[:5]}"
+                ) from None
         a.proc.send_signal(signal.SIGCONT)
         wait_for(lambda: count(pg_dsn, schema, "events") == 0, timeout=120, what="drain")
         assert a.stop() == 0 and b.stop() == 0
