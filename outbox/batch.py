@@ -327,6 +327,18 @@ class WalBatch(Batch):
         self.rows = rows
         self.end = end
 
+    def settle(self, index: int, outcome: Outcome) -> None:
+        """As a claimed batch's, and a held event holds its key too: it goes into the events
+        table only when this batch commits, so until then nothing else there stands for it. A
+        later batch that found the key's older rows delivered meanwhile would otherwise send the
+        key's next event ahead of it."""
+        fresh = not self.abandoned and self.outcomes[index] is None
+        if outcome is HELD and self._holds is not None and fresh:
+            event = self.events[index]
+            if event is not None and event.key is not None:
+                self._holds.add(id(self), event.key)
+        super().settle(index, outcome)
+
     def _write(self, schema: str, w: Written) -> None:
         conn = self.conn
         rows = self.rows

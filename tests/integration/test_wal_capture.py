@@ -233,6 +233,77 @@ def test_a_dead_letter_from_the_wal_parks_its_key_and_redrive_releases_it(
     assert count(wal_dsn, wal_schema, "delivered") == 5
 
 
+class _Gated(SinkWrapper):
+    """The real Kafka sink, but events whose payload names a gate wait, unsent, until the test
+    opens it (they are sent from the relay loop's next poll)."""
+
+    def __init__(self, bootstrap: str) -> None:
+        super().__init__(KafkaSink(bootstrap, delivery_timeout=5))
+        self.closed: set[str] = set()
+        self.waiting: dict[str, list[tuple[ClaimedEvent, Report]]] = {}
+        self._lock = threading.Lock()
+
+    def produce(self, event: ClaimedEvent, report: Report) -> Outcome | None:
+        gate = json.loads(event.payload).get("gate")
+        with self._lock:
+            if gate in self.closed:
+                self.waiting.setdefault(gate, []).append((event, report))
+                return None
+        return self.inner.produce(event, report)
+
+    def open(self, gate: str) -> None:
+        with self._lock:
+            self.closed.discard(gate)
+
+    def poll(self, timeout: float) -> int | None:
+        with self._lock:
+            due = [w for gate, ws in self.waiting.items() if gate not in self.closed for w in ws]
+            self.waiting = {g: ws for g, ws in self.waiting.items() if g in self.closed}
+        for event, report in due:
+            outcome = self.inner.produce(event, report)
+            if outcome is not None:
+                report(outcome)
+        return self.inner.poll(timeout)
+
+
+def test_a_key_held_into_the_table_stays_held_until_its_batch_commits(
+    wal_dsn: str, wal_schema: str, kafka: str, topic: str
+) -> None:
+    """A WAL event held behind its key's older row in the table (W1) goes into the table only when
+    its batch commits. If that older row is delivered meanwhile, the key's next WAL event (W2)
+    must still wait behind W1. (Found by the fault harness's blackhole row in WAL capture: the
+    standby relay drained the table's retries while the reader's batch was in flight, and W2
+    reached Kafka before W1.)"""
+    sink = _Gated(kafka)
+    sink.closed = {"T", "X"}
+    config = RelayConfig(wal_dsn, schema=wal_schema, poll_interval=0.05)
+
+    def emit(*events: tuple[str, int, str, float | None]) -> None:
+        with psycopg.connect(wal_dsn) as conn:
+            for key, seq, gate, delay in events:
+                body = {"k": key, "seq": seq, "gate": gate}
+                outbox.enqueue(conn, topic, body, key=key, schema=wal_schema, delay=delay)
+            conn.commit()
+
+    emit(("K", 0, "T", 0.01))  # delayed: a row in the table, the oldest of key K
+    with running_relay(config, lambda: sink) as relay:
+        wait_for(lambda: "T" in sink.waiting, timeout=30, what="T claimed from the table, gated")
+        emit(("K", 1, "", None), ("Y", 0, "X", None))  # one WAL transaction: W1 held, X gated
+        wait_for(lambda: "X" in sink.waiting, timeout=30, what="the WAL batch of W1 and X in flight")
+        sink.open("T")  # T delivered and archived: the table holds nothing of K now
+        wait_for(lambda: count(wal_dsn, wal_schema, "delivered") == 1, timeout=30, what="T archived")
+        assert count(wal_dsn, wal_schema, "events", "key = 'K'") == 0
+        claimed = relay.stats.claimed
+        emit(("K", 2, "", None))  # W2, from the WAL, while W1 waits in the batch still in flight
+        wait_for(lambda: relay.stats.claimed > claimed, timeout=30, what="W2 read and sent (or held)")
+        sink.open("X")
+        wait_for(lambda: count(wal_dsn, wal_schema, "delivered") == 4, timeout=30, what="everything")
+    messages = read_topic(kafka, topic, 4)
+    order = [json.loads(m.value)["seq"] for m in first_occurrences(messages) if m.key == b"K"]
+    assert order == [0, 1, 2], f"key K reached Kafka as {order}"
+    assert count(wal_dsn, wal_schema, "events") == 0
+
+
 def _reader(relays: list[RelayProcess]) -> RelayProcess | None:
     """The relay that streams the slot: it said it reads the slot, and not (since) that it stands by."""
     for r in relays:
