@@ -24,6 +24,10 @@ class BenchConfig:
     soak_rate: int = setting(2000, "soak: events/s")
     snapshot_seconds: float = setting(60.0, "soak: seconds a snapshot is held open")
     settle_seconds: float = setting(90.0, "soak: seconds allowed afterwards for the table to shrink")
+    snapshot_minutes: float = setting(
+        10.0, "snapshot: minutes of writes under a held snapshot, per capture mode"
+    )
+    snapshot_rate: int = setting(2000, "snapshot: events/s written meanwhile")
     scale_processes: list[int] = setting(default_factory=lambda: [1, 2, 4], help="scale: relay processes")
     sinks: list[str] = setting(
         default_factory=lambda: [
@@ -56,7 +60,7 @@ class BenchConfig:
 
 
 # What `outbox bench` (perf) can run, in the order it runs them.
-SCENARIOS = ("drain", "steady", "writer", "soak", "scale", "sinks", "console", "tenants")
+SCENARIOS = ("drain", "steady", "snapshot", "writer", "soak", "scale", "sinks", "console", "tenants")
 
 # --smoke: every scenario in seconds (CI checks that each runs and writes its outputs).
 SMOKE = {
@@ -75,6 +79,8 @@ SMOKE = {
     "soak_minutes": 0.1,
     "soak_rate": 200,
     "snapshot_seconds": 2.0,
+    "snapshot_minutes": 0.1,
+    "snapshot_rate": 200,
     "settle_seconds": 3.0,
     "scale_processes": [1, 2],
     "sink_events": 2000,

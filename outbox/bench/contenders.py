@@ -12,6 +12,11 @@ stops when the parent sets ``stop``.
   statement, commit. No leases, retries, telemetry or ordering.
 - ``bare``: the same loop on the outbox's own tables (generated partition
   column, partitioned archive): a second reference, not the ceiling.
+- ``ceiling_wal``: the minimal loop of WAL capture. Stream the outbox's slot (psycopg2,
+  pgoutput with ``messages``), produce each event of this outbox's prefix with its headers
+  and ``event-id`` as it is read, and at the first commit after 1,000 events: flush, archive
+  them into a plain table with one INSERT, commit, confirm the position to the slot. No
+  ordering, retries, telemetry or pipelining: what reading the WAL can do at most here.
 - ``seeds``: the loop most teams start with. One row per transaction: claim,
   mark the lease, publish, flush, delete.
 - ``txoutbox`` / ``faststream``: the Python peers (:mod:`outbox.bench.peers`).
@@ -27,6 +32,8 @@ from __future__ import annotations
 
 import json
 import os
+import select
+import struct
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -39,6 +46,7 @@ from typing import Any
 import psycopg
 from confluent_kafka import Producer
 
+from outbox import capture
 from outbox.events import ClaimedEvent
 from outbox.outboxes import Outbox
 from outbox.queries import query
@@ -54,7 +62,7 @@ PARENT_CHECK = 0.5  # seconds between a contender's looks at whether the bench i
 
 @dataclass
 class ContenderSpec:
-    kind: str  # relay | ceiling | bare | seeds | txoutbox | faststream | sink_relay | sink_loop
+    kind: str  # relay | ceiling | ceiling_wal | bare | seeds | txoutbox | faststream | sink_relay | sink_loop
     dsn: str
     schema: str
     bootstrap: str
@@ -62,6 +70,7 @@ class ContenderSpec:
     sink_url: str = ""  # sink_relay / sink_loop: the route URL (outbox.bench.sinks)
     topic: str = ""  # faststream: the Kafka topic its publisher writes to
     ack_log: str | None = None  # steady scenario: where the relay writes event-id -> ack time
+    ack_sample: bool = False  # keep the ack times of a sixteenth of the events (ack_sampled)
     schemas: list[str] = field(default_factory=list)  # tenants: every outbox one relay serves
     # The child's entry for the contenders defined above this module (peers, sinks); spawned
     # processes receive it by its qualified name.
@@ -69,6 +78,15 @@ class ContenderSpec:
 
 
 Contender = Callable[[ContenderSpec, "Synchronized[int]", Event], None]
+
+
+def ack_sampled(event_id: str) -> bool:
+    """The sixteenth of the events whose ack time a long run keeps (by the id's last hex digit)."""
+    return event_id.endswith("0")
+
+
+def _every(_event_id: str) -> bool:
+    return True
 
 
 def _headers(event_id: Any, headers: Any) -> list[tuple[str, str | bytes | None]]:
@@ -106,6 +124,8 @@ def run_contender(spec: ContenderSpec, counter: Synchronized[int], stop: Event) 
         _seeds(spec, counter, stop)
     elif spec.kind == "ceiling":
         _loop(spec, "ceiling_claim", "ceiling_archive", counter, stop)
+    elif spec.kind == "ceiling_wal":
+        _wal_loop(spec, counter, stop)
     else:
         raise ValueError(f"contender: unknown kind {spec.kind!r}")
 
@@ -113,9 +133,10 @@ def run_contender(spec: ContenderSpec, counter: Synchronized[int], stop: Event) 
 class AckTimingSink(SinkWrapper):
     """The Kafka sink, recording when each event's ack arrived (steady scenario)."""
 
-    def __init__(self, inner: KafkaSink) -> None:
+    def __init__(self, inner: KafkaSink, sample: bool = False) -> None:
         super().__init__(inner)
         self.acks: list[tuple[str, float]] = []
+        self.keep: Callable[[str], bool] = ack_sampled if sample else _every
 
     def produce(self, event: ClaimedEvent, report: Report) -> Outcome | None:
         return self.inner.produce(event, self._timed(event, report))
@@ -125,13 +146,13 @@ class AckTimingSink(SinkWrapper):
         many = getattr(self.inner, "produce_many", None)
         if many is None:
             return 0
-        return int(many(events, _TimedSlots(outcomes, events, self.acks), settle))
+        return int(many(events, _TimedSlots(outcomes, events, self.acks, self.keep), settle))
 
     def _timed(self, event: ClaimedEvent, report: Report) -> Report:
         event_id = str(event.event_id)
 
         def timed(outcome: Outcome) -> None:
-            if isinstance(outcome, Delivered):
+            if isinstance(outcome, Delivered) and self.keep(event_id):
                 self.acks.append((event_id, time.time()))
             report(outcome)
 
@@ -141,11 +162,19 @@ class AckTimingSink(SinkWrapper):
 class _TimedSlots:
     """A batch's outcome slots that note when each delivery is stored."""
 
-    def __init__(self, outcomes: OutcomeSlots, events: Sequence[ClaimedEvent], acks: list[tuple[str, float]]):
-        self.outcomes, self.events, self.acks = outcomes, events, acks
+    def __init__(
+        self,
+        outcomes: OutcomeSlots,
+        events: Sequence[ClaimedEvent],
+        acks: list[tuple[str, float]],
+        keep: Callable[[str], bool],
+    ) -> None:
+        self.outcomes, self.events, self.acks, self.keep = outcomes, events, acks, keep
 
     def __setitem__(self, index: int, outcome: Outcome, /) -> None:
-        self.acks.append((str(self.events[index].event_id), time.time()))
+        event_id = str(self.events[index].event_id)
+        if self.keep(event_id):
+            self.acks.append((event_id, time.time()))
         self.outcomes[index] = outcome
 
 
@@ -171,7 +200,7 @@ def _relay(spec: ContenderSpec, counter: Synchronized[int], stop: Event) -> None
         sink = KafkaSink(spec.bootstrap, delivery_timeout=config.delivery_timeout)
         if spec.ack_log is None:
             return sink
-        sinks.append(AckTimingSink(sink))
+        sinks.append(AckTimingSink(sink, spec.ack_sample))
         return sinks[-1]
 
     drive(Relay(config, factory, outboxes), counter, stop)
@@ -215,6 +244,90 @@ def _loop(
             conn.commit()
             moved += len(rows)
             counter.value = moved
+
+
+def _wal_loop(spec: ContenderSpec, counter: Synchronized[int], stop: Event) -> None:
+    """The minimal WAL loop (``ceiling_wal``): see the module's docstring."""
+    import psycopg2
+    import psycopg2.extras
+
+    producer = Producer({"bootstrap.servers": spec.bootstrap, **PRODUCER_CONFIG})
+    with psycopg.connect(spec.dsn, autocommit=True) as db:
+        state = capture.state(db, spec.schema)
+    assert state.slot is not None and state.publication is not None
+    prefix = capture.prefix_of(spec.schema).encode()
+    archive = query("ceiling_wal_archive", spec.schema)
+    stream = psycopg2.connect(spec.dsn, connection_factory=psycopg2.extras.LogicalReplicationConnection)
+    cur = stream.cursor()
+    cur.start_replication(
+        slot_name=state.slot,
+        decode=False,
+        options={"proto_version": "1", "publication_names": state.publication, "messages": "true"},
+    )
+    ids: list[int] = []
+    cols: list[list[Any]] = [[], [], [], [], []]  # event ids, topics, keys, payloads, headers
+    moved = committed = committed_end = 0  # events of whole transactions read; where they end
+    with psycopg.connect(spec.dsn) as conn:
+        while not stop.is_set():
+            msg = cur.read_message()
+            if msg is None:
+                if ids and committed == len(ids):  # the stream paused after a commit: archive
+                    moved = _wal_archive(conn, archive, ids, cols, moved, counter)
+                    cur.send_feedback(flush_lsn=committed_end)  # type: ignore[no-untyped-call]
+                    ids, cols = [], [[], [], [], [], []]
+                select.select([stream], [], [], IDLE_WAIT)
+                continue
+            data = msg.payload
+            kind = data[:1]
+            if kind == b"M":
+                end = data.index(b"\0", 10)
+                if data[10:end] != prefix:
+                    continue
+                _created, head, headers, payload = data[end + 5 :].split(b"\n", 3)
+                event_id, topic, key, _type, _subject = json.loads(head)
+                key_bytes = None if key is None else bytes.fromhex(key)
+                header_map = json.loads(headers) if headers else {}
+                while True:
+                    try:
+                        producer.produce(
+                            topic, value=payload, key=key_bytes, headers=_headers(event_id, header_map)
+                        )
+                        break
+                    except BufferError:
+                        producer.poll(0.05)
+                ids.append(moved + len(ids))
+                row = (event_id, topic, key_bytes, payload, headers.decode() or "{}")
+                for col, value in zip(cols, row, strict=True):
+                    col.append(value)
+            elif kind == b"C":
+                (committed_end,) = struct.unpack_from(">Q", data, 10)
+                committed = len(ids)
+                if committed >= BARE_BATCH:
+                    producer.flush()
+                    moved = _wal_archive(conn, archive, ids, cols, moved, counter)
+                    cur.send_feedback(flush_lsn=committed_end)  # type: ignore[no-untyped-call]
+                    ids, cols = [], [[], [], [], [], []]
+    stream.close()
+
+
+def _wal_archive(
+    conn: psycopg.Connection[Any],
+    archive: Any,
+    ids: list[int],
+    cols: list[list[Any]],
+    moved: int,
+    counter: Synchronized[int],
+) -> int:
+    """The WAL loop's archive: one INSERT of what was produced and flushed, committed."""
+    conn.execute(
+        archive,
+        {"ids": ids, "event_ids": cols[0], "topics": cols[1], "keys": cols[2],
+         "payloads": cols[3], "headers": cols[4]},
+    )  # fmt: skip
+    conn.commit()
+    moved += len(ids)
+    counter.value = moved
+    return moved
 
 
 def _seeds(spec: ContenderSpec, counter: Synchronized[int], stop: Event) -> None:

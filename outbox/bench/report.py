@@ -20,6 +20,7 @@ TARGETS = {
     "relay_vs_sink_loop": 0.8,  # each sink: relay drain >= 0.8 x its minimal loop
     "console_page_p95_ms": 300.0,  # every console page at the full size (issue 27)
     "wal_vs_table": 1.5,  # WAL capture's drain >= 1.5 x the table relay's (issue 30)
+    "snapshot_p99_flat": 1.10,  # under a held snapshot: every minute's p99 <= 1.1 x the first's (issue 30)
     "tenants_ratio_at_100": 0.8,  # the backlog over 100 outboxes >= 0.8 x over one (issue 28)
     "tenants_quiet_p99_ms": 100.0,  # a quiet outbox's commit -> ack p99 while a busy one drains
 }
@@ -46,6 +47,7 @@ DRAIN_NAMES = {
     "relay_unordered": "outbox relay, --ordering none",
     "relay_wal": "outbox relay, WAL capture (read from the slot)",
     "ceiling": "minimal loop, plain tables (ceiling)",
+    "ceiling_wal": "minimal loop reading the slot, plain archive (WAL ceiling)",
     "bare": "minimal loop on the outbox's tables",
     "seeds": "seeds' loop",
     "txoutbox": "txoutbox, strict ordering",
@@ -102,6 +104,13 @@ def drain_markdown(d: dict[str, Any]) -> list[str]:
         if "ratio_wal_to_table" in case:
             wal = case["ratio_wal_to_table"]
             extra.append(f"WAL capture / table capture **{wal:.2f}** {_against(wal, 'wal_vs_table')}")
+        if "ratio_wal_ceiling_to_table" in case:
+            extra.append(
+                f"WAL ceiling / table relay {case['ratio_wal_ceiling_to_table']:.2f} (the most any "
+                "WAL reader reached here)"
+            )
+        if "ratio_wal_to_wal_ceiling" in case:
+            extra.append(f"WAL relay / WAL ceiling {case['ratio_wal_to_wal_ceiling']:.2f}")
         if "ratio_relay_to_seeds" in case:
             seeds = case["ratio_relay_to_seeds"]
             extra.append(f"relay / seeds {seeds:.1f}× {_against(seeds, 'relay_vs_seeds')}")
@@ -125,8 +134,8 @@ def drain_markdown(d: dict[str, Any]) -> list[str]:
                 f"docs/performance.md): {'; '.join(parts)}. Against the fastest "
                 f"({DRAIN_NAMES[case['best_peer']]}): **{best:.1f}×** {_against(best, 'relay_vs_best_peer')}."
             )
-    for why in d.get("skipped", {}).values():
-        lines.append(f"- Peers skipped: {why}.")
+    for name, why in d.get("skipped", {}).items():
+        lines.append(f"- {DRAIN_NAMES.get(name, name)} skipped: {why}.")
     if "ratio_no_stats_to_analyzed" in d:
         x = d["ratio_no_stats_to_analyzed"]
         lines.append(
@@ -209,6 +218,8 @@ def markdown(results: dict[str, Any]) -> str:
             f"{'returned near zero' if k['returned_near_zero'] else '**did not return near zero**'}.",
             "",
         ]
+    if "snapshot" in s:
+        lines += snapshot_markdown(s["snapshot"])
     if "scale" in s:
         lines += [
             "**Scale** relay processes draining one outbox.",
@@ -247,6 +258,53 @@ def markdown(results: dict[str, Any]) -> str:
     if "tenants" in s:
         lines += tenants_markdown(s["tenants"])
     return "\n".join(lines)
+
+
+def snapshot_markdown(k: dict[str, Any]) -> list[str]:
+    """The snapshot scenario: each capture mode under a held snapshot, per window, side by side."""
+    limit = TARGETS["snapshot_p99_flat"]
+    lines = [
+        f"**Snapshot**: {k['minutes']:g} min at {k['rate']:,} events/s (an order and its event per "
+        "transaction) while another session holds a REPEATABLE READ snapshot open throughout; one "
+        "relay to Kafka. Commit -> broker ack of a sixteenth of the events (by id); the events table "
+        "and the slot sampled throughout.",
+        "",
+        "| capture | written | delivered | p99 first window ms | worst later / first | events table "
+        "first → peak → last MiB | slot WAL kept / not confirmed, peak MiB |",
+        "| --- | ---: | ---: | ---: | ---: | --- | --- |",
+    ]
+    mib = 2**20
+    for r in k["runs"]:
+        first = r["windows"][0]["ack_p99_ms"] if r["windows"] else None
+        worst = r["p99_worst_to_first"]
+        verdict = "–" if worst is None else f"**{worst:.2f}** ({_verdict(worst <= limit)})"
+        slot = (
+            f"{r['slot_retained_peak_bytes'] / mib:.1f} / {r['slot_unconfirmed_peak_bytes'] / mib:.1f}"
+            if r["capture"] == "wal"
+            else "–"
+        )
+        lines.append(
+            f"| {r['capture']} | {r['written']:,} | {r['delivered']:,} | {_ms(first)} | {verdict} | "
+            f"{r['table_bytes_first'] / mib:.1f} → {r['table_bytes_peak'] / mib:.1f} → "
+            f"{r['table_bytes_last'] / mib:.1f} | {slot} |"
+        )
+    if k["runs"]:
+        lines += ["", "| window from | " + " | ".join(
+            f"{r['capture']}: delivered/s, ack p50 / p99 ms" for r in k["runs"]) + " |",
+            "| ---: | " + " | ".join("---" for _ in k["runs"]) + " |"]  # fmt: skip
+        for i, w in enumerate(k["runs"][0]["windows"]):
+            cells = []
+            for r in k["runs"]:
+                x = r["windows"][i] if i < len(r["windows"]) else None
+                cells.append(
+                    "–" if x is None
+                    else f"{x['delivered_per_s']:,.0f}, {_ms(x['ack_p50_ms'])} / {_ms(x['ack_p99_ms'])}"
+                )  # fmt: skip
+            lines.append(f"| {w['from_s']:g} s | " + " | ".join(cells) + " |")
+    if "skipped" in k:
+        lines.append(f"- WAL capture skipped: {k['skipped']}.")
+    lines.append("")
+    return lines
 
 
 def tenants_markdown(t: dict[str, Any]) -> list[str]:
@@ -399,6 +457,33 @@ def plots(results: dict[str, Any], out: Path) -> list[str]:
         fig.savefig(out / "soak.png", dpi=110)
         plt.close(fig)
         made.append("soak.png")
+    if "snapshot" in s and s["snapshot"]["runs"]:
+        k = s["snapshot"]
+        fig, (a1, a2, a3) = plt.subplots(3, 1, figsize=(8, 8), sharex=True)
+        for r in k["runs"]:
+            label = f"{r['capture']} capture"
+            xs = [w["from_s"] + r["window_s"] / 2 for w in r["windows"]]
+            a1.plot(xs, [w["ack_p99_ms"] for w in r["windows"]], marker="o", label=f"{label}, p99")
+            a1.plot(xs, [w["ack_p50_ms"] for w in r["windows"]], ls=":", label=f"{label}, p50")
+            t = [x["t"] for x in r["samples"]]
+            a2.plot(t, [x["table_bytes"] / 2**20 for x in r["samples"]], label=f"{label}: events table")
+            if r["capture"] == "wal":
+                a2.plot(t, [x["slot_unconfirmed_bytes"] / 2**20 for x in r["samples"]], ls="--",
+                        label="WAL capture: WAL not confirmed")  # fmt: skip
+            ts, rates = _rate_curve(r["series"])
+            a3.plot(ts, rates, label=label)
+        a1.set_ylabel("commit → ack, ms")
+        a1.set_title(f"Writes at {k['rate']:,}/s under a held snapshot")
+        a2.set_ylabel("MiB")
+        a3.set_ylabel("delivered events/s")
+        a3.set_xlabel("seconds since the writers started")
+        for ax in (a1, a2, a3):
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(out / "snapshot.png", dpi=110)
+        plt.close(fig)
+        made.append("snapshot.png")
     if "scale" in s:
         runs = s["scale"]["runs"]
         fig, (a1, a2) = plt.subplots(1, 2, figsize=(9, 4))

@@ -8,85 +8,29 @@ to the baselines measured in the same run.
 from __future__ import annotations
 
 import json
-import multiprocessing as mp
 import tempfile
 import threading
 import time
-import uuid
 from dataclasses import dataclass, replace
-from multiprocessing.sharedctypes import Synchronized
 from pathlib import Path
 from typing import Any
 
 import psycopg
 
-from outbox import capture
-from outbox.bench import events, peers
+from outbox.bench import peers
 from outbox.bench.config import BenchConfig
 from outbox.bench.console import console as console  # the console scenario, run by name too
 from outbox.bench.contenders import ContenderSpec
 from outbox.bench.measure import median, middle_rate, percentiles, race
 from outbox.bench.sinks import sinks as sinks  # the sinks scenario, run by name like the others
+from outbox.bench.snapshot import snapshot as snapshot  # the held snapshot, table and WAL capture
 from outbox.bench.tenants import tenants as tenants  # the tenants scenario: many outboxes, one relay
+from outbox.bench.workspace import STEADY_GRACE_SECONDS, Workspace, Writers, wal_capable
 from outbox.bench.writers import writer as writer  # the writer scenario, every stack
 from outbox.extras import missing
-from outbox.harness.infra import create_topic
-from outbox.harness.load import Load, prepare
 from outbox.harness.tap import Tap
-from outbox.migrate import migrate
 from outbox.progress import Progress
 from outbox.queries import query
-
-KEYS = events.KEYS
-TOPIC_PARTITIONS = 4
-STEADY_GRACE_SECONDS = 120.0  # steady, soak: longest the relay runs past the writers' time box
-
-
-# -- set-up -----------------------------------------------------------------------
-
-
-class Workspace:
-    """A fresh migrated schema and topic, dropped at the end."""
-
-    def __init__(self, dsn: str, bootstrap: str, label: str) -> None:
-        self.dsn = dsn
-        self.bootstrap = bootstrap
-        suffix = uuid.uuid4().hex[:8]
-        self.schema = f"bench_{label}_{suffix}"
-        self.topic = f"bench.{label}.{suffix}"
-
-    def __enter__(self) -> Workspace:
-        with psycopg.connect(self.dsn, autocommit=True) as conn:
-            migrate(conn, self.schema)
-        prepare(self.dsn, self.schema)
-        create_topic(self.bootstrap, self.topic, TOPIC_PARTITIONS)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        with psycopg.connect(self.dsn, autocommit=True) as conn:
-            if capture.state(conn, self.schema).slot is not None:
-                capture.switch(conn, self.schema, "table", drop_slot=True)  # and its publication
-            conn.execute(query("harness_drop_schema", self.schema))
-
-    def capture_wal(self) -> None:
-        """Switch this workspace's outbox to WAL capture (before it is filled)."""
-        with psycopg.connect(self.dsn, autocommit=True) as conn:
-            capture.switch(conn, self.schema, "wal")
-
-    def fill(self, n: int, label: str, *, shape: str = "realistic", analyze: bool = False) -> None:
-        events.fill(self.dsn, self.schema, self.topic, n, label, shape=shape, analyze=analyze)
-
-    def plain_tables(self, *, analyze: bool) -> None:
-        """The ceiling's plain tables, holding the events just filled (moved out of the outbox)."""
-        with psycopg.connect(self.dsn, autocommit=True) as conn:
-            conn.execute(query("ceiling_tables", self.schema))
-            conn.execute(query("ceiling_fill", self.schema))
-            if analyze:
-                conn.execute(query("ceiling_analyze", self.schema))
-
-    def spec(self, kind: str, **relay_options: Any) -> ContenderSpec:
-        return ContenderSpec(kind, self.dsn, self.schema, self.bootstrap, dict(relay_options))
-
 
 # -- drain --------------------------------------------------------------------------
 
@@ -98,9 +42,15 @@ DRAIN_CONTENDERS: dict[str, tuple[str, dict[str, Any]]] = {
     # WAL capture: the same events emitted to the WAL by the same enqueue_many, read from the slot
     "relay_wal": ("relay", {}),
     "ceiling": ("ceiling", {}),  # the minimal loop on plain tables of its own, headers forwarded
+    # The minimal loop of WAL capture: the slot streamed, each event produced, archived in a plain table
+    "ceiling_wal": ("ceiling_wal", {}),
     "bare": ("bare", {}),  # the same loop on the outbox's own tables (a second reference)
     "seeds": ("seeds", {}),  # one row per transaction: the loop most teams start with
 }
+
+
+# The contenders that read a slot: their outbox is switched to WAL capture before the fill.
+WAL_CONTENDERS = ("relay_wal", "ceiling_wal")
 
 
 @dataclass(frozen=True)
@@ -123,7 +73,7 @@ DRAIN_CASES = (
         shape="realistic",
         analyze=False,
         big=False,
-        contenders=("relay", "relay_wal", "relay_unordered", "ceiling", "bare", "seeds"),
+        contenders=("relay", "relay_wal", "relay_unordered", "ceiling", "ceiling_wal", "bare", "seeds"),
     ),
     DrainCase(
         "analyzed",
@@ -162,11 +112,13 @@ def drain_once(cfg: BenchConfig, case: DrainCase, name: str, run: int) -> dict[s
         if kind == "seeds":
             # About 1.7k/s: fill what it can move in its time budget, with margin.
             n = min(n, int(cfg.seeds_seconds * 4000) + 1000)
-        if name == "relay_wal":
+        if name in WAL_CONTENDERS:
             ws.capture_wal()
         ws.fill(n, label, shape=case.shape, analyze=case.analyze and kind != "ceiling")
         if kind == "ceiling":
             ws.plain_tables(analyze=case.analyze)
+        elif kind == "ceiling_wal":
+            ws.plain_tables(analyze=False, move=False)  # its archive; the events wait in the slot
         progress = Progress(
             f"drain {label}",
             cfg.seeds_seconds if kind == "seeds" else n,
@@ -251,11 +203,14 @@ def drain(cfg: BenchConfig) -> dict[str, Any]:
     run, by the parent's monotonic clock (see outbox.bench.measure)."""
     cases = [c for c in DRAIN_CASES if not (c.big and cfg.big_events <= 0)]
     skipped: dict[str, str] = {}
-    if not _wal_capable(cfg.dsn):
-        skipped["relay_wal"] = (
-            "WAL capture needs wal_level = logical and PostgreSQL 14+ (the embedded server has both)"
-        )
-        cases = [replace(c, contenders=tuple(k for k in c.contenders if k != "relay_wal")) for c in cases]
+    if not wal_capable(cfg.dsn):
+        for name in WAL_CONTENDERS:
+            skipped[name] = (
+                "WAL capture needs wal_level = logical and PostgreSQL 14+ (the embedded server has both)"
+            )
+        cases = [
+            replace(c, contenders=tuple(k for k in c.contenders if k not in WAL_CONTENDERS)) for c in cases
+        ]
     if absent := missing("bench-peers"):
         skipped["peers"] = f"needs: pip install 'outbox[bench-peers]' (missing {', '.join(absent)})"
     else:
@@ -300,6 +255,16 @@ def drain(cfg: BenchConfig) -> dict[str, Any]:
             summary["ratio_wal_to_table"] = _ratio(
                 c["relay_wal"]["events_per_s_median"], relay["events_per_s_median"]
             )
+        if "ceiling_wal" in c:
+            # What reading the WAL can do at most here, against the table relay (the target's
+            # reach) and against the WAL relay (how near the relay comes to it).
+            summary["ratio_wal_ceiling_to_table"] = _ratio(
+                c["ceiling_wal"]["events_per_s_median"], relay["events_per_s_median"]
+            )
+            if "relay_wal" in c:
+                summary["ratio_wal_to_wal_ceiling"] = _ratio(
+                    c["relay_wal"]["events_per_s_median"], c["ceiling_wal"]["events_per_s_median"]
+                )
         if "relay_unordered" in c:
             summary["ratio_ordered_to_unordered"] = _ratio(
                 relay["events_per_s_median"], c["relay_unordered"]["events_per_s_median"]
@@ -325,69 +290,6 @@ def drain(cfg: BenchConfig) -> dict[str, Any]:
 
 
 # -- writers (steady, soak) ------------------------------------------------------------
-
-
-def _writer_proc(
-    dsn: str,
-    schema: str,
-    topic: str,
-    rate: float,
-    seconds: float,
-    written: Synchronized[int],
-    out_path: str | None,
-) -> None:
-    """A writer process: the harness's sample app at ``rate`` business transactions per second."""
-    load = Load(dsn, schema, topic, rate=rate, writers=1, keys=KEYS, seconds=seconds).start()
-    while load.alive():
-        written.value = load.count
-        time.sleep(0.1)
-    written.value = load.count
-    if out_path is not None:
-        Path(out_path).write_text(json.dumps([(w.event_id, w.at) for w in load.committed]))
-
-
-WRITER_RATE_PER_PROCESS = 1500  # business transactions/s one writer process sustains comfortably
-
-
-class Writers:
-    """Writer processes committing ``rate`` business transactions/s in all (the GIL stays theirs)."""
-
-    def __init__(self, ws: Workspace, rate: float, seconds: float, record: bool) -> None:
-        ctx = mp.get_context("spawn")
-        self.n = max(1, -(-int(rate) // WRITER_RATE_PER_PROCESS))
-        self.counts = [ctx.Value("q", 0) for _ in range(self.n)]
-        self.tmp = tempfile.TemporaryDirectory()
-        self.paths = [str(Path(self.tmp.name) / f"w{i}.json") if record else None for i in range(self.n)]
-        self.procs = [
-            ctx.Process(
-                target=_writer_proc,
-                daemon=True,
-                args=(ws.dsn, ws.schema, ws.topic, rate / self.n, seconds, count, path),
-            )
-            for path, count in zip(self.paths, self.counts, strict=True)
-        ]
-
-    @property
-    def written(self) -> int:
-        return sum(int(c.value) for c in self.counts)
-
-    def start(self) -> None:
-        for p in self.procs:
-            p.start()
-
-    def alive(self) -> bool:
-        return any(p.is_alive() for p in self.procs)
-
-    def join(self) -> dict[str, float]:
-        for p in self.procs:
-            p.join()
-        commits: dict[str, float] = {}
-        for path in self.paths:
-            if path is not None and Path(path).exists():
-                pairs: list[tuple[str, float]] = json.loads(Path(path).read_text())
-                commits.update(pairs)
-        self.tmp.cleanup()
-        return commits
 
 
 # -- steady -----------------------------------------------------------------------------
@@ -466,16 +368,9 @@ def steady_once(cfg: BenchConfig, rate: int, notify: bool, capture_mode: str = "
 def steady(cfg: BenchConfig) -> dict[str, Any]:
     out = [steady_once(cfg, rate, notify=True) for rate in cfg.rates]
     out.append(steady_once(cfg, cfg.rates[0], notify=False))
-    if _wal_capable(cfg.dsn):  # and each rate in WAL capture (issue 30), the same run
+    if wal_capable(cfg.dsn):  # and each rate in WAL capture (issue 30), the same run
         out += [steady_once(cfg, rate, notify=True, capture_mode="wal") for rate in cfg.rates]
     return {"runs": out, "seconds_per_rate": cfg.steady_seconds}
-
-
-def _wal_capable(dsn: str) -> bool:
-    """Can this server run WAL capture (wal_level = logical, PostgreSQL 14+)?"""
-    with psycopg.connect(dsn) as conn:
-        level = conn.execute(query("wal_level", "public")).fetchone()
-    return bool(level and level[0] == "logical" and int(level[1]) >= capture.MIN_SERVER)
 
 
 # -- writer overhead: outbox/bench/writers.py (every stack) ------------------------------

@@ -67,6 +67,14 @@ WITH done AS (
 INSERT INTO {schema}.plain_archive (id, event_id, topic, key, payload, headers)
 SELECT id, event_id, topic, key, payload, headers FROM done
 
+-- name: ceiling_wal_archive
+-- The WAL ceiling's archive: the events read from the slot and produced, into the plain archive
+-- (the arrays in binary, as the relay sends its own).
+INSERT INTO {schema}.plain_archive (id, event_id, topic, key, payload, headers)
+SELECT i, e, t, k, p, h
+FROM unnest(%(ids)s::bigint[], %(event_ids)b::uuid[], %(topics)b::text[], %(keys)b::bytea[],
+            %(payloads)b::bytea[], %(headers)b::jsonb[]) AS x (i, e, t, k, p, h)
+
 -- name: ceiling_analyze
 ANALYZE {schema}.plain_events
 
@@ -188,3 +196,10 @@ SELECT xact_commit + xact_rollback FROM pg_stat_database WHERE datname = current
 -- Autovacuum workers at work in this database (the tenants scenario waits for them before it
 -- counts an idle relay's transactions).
 SELECT count(*) FROM pg_stat_activity WHERE backend_type = 'autovacuum worker' AND datname = current_database()
+
+-- name: bench_slot_wal
+-- The snapshot scenario's look at a slot: the WAL it keeps (from its restart position) and the
+-- WAL not yet confirmed, in bytes.
+SELECT pg_wal_lsn_diff(pg_current_wal_lsn(), restart_lsn)::bigint,
+       pg_wal_lsn_diff(pg_current_wal_lsn(), confirmed_flush_lsn)::bigint
+FROM pg_replication_slots WHERE slot_name = %(slot)s

@@ -16,7 +16,7 @@ import pytest
 
 from outbox.bench.config import SCENARIOS
 
-GROUPS = [("drain",), ("steady", "writer", "tenants"), ("soak", "scale"), ("sinks", "console")]
+GROUPS = [("drain",), ("steady", "writer", "tenants"), ("soak", "scale", "snapshot"), ("sinks", "console")]
 
 
 def test_the_groups_cover_every_scenario_once() -> None:
@@ -61,8 +61,12 @@ def test_bench_smoke_drain(pg_dsn: str, kafka: str, tmp_path: Path) -> None:
     realistic = drain["cases"]["realistic"]["contenders"]
     peers = {"txoutbox", "txoutbox_unordered", "faststream_outbox"}  # the dev extras hold outbox[bench-peers]
     # WAL capture races too: the suite's server runs with wal_level = logical (scripts/bootstrap).
-    assert set(realistic) == {"relay", "relay_wal", "relay_unordered", "ceiling", "bare", "seeds"} | peers
+    assert (
+        set(realistic)
+        == {"relay", "relay_wal", "relay_unordered", "ceiling", "ceiling_wal", "bare", "seeds"} | peers
+    )
     assert drain["cases"]["realistic"]["ratio_wal_to_table"] > 0
+    assert drain["cases"]["realistic"]["ratio_wal_ceiling_to_table"] > 0
     compared = drain["cases"]["realistic"]["peers"]
     assert set(compared) == peers and drain["cases"]["realistic"]["best_peer"] in peers
     assert compared["txoutbox"]["versus"] == "relay"  # strict ordering against our default
@@ -71,6 +75,7 @@ def test_bench_smoke_drain(pg_dsn: str, kafka: str, tmp_path: Path) -> None:
     assert "outbox relay" in table and "plain tables (ceiling)" in table and "seeds' loop" in table
     assert "on the outbox's tables" in table and "middle 80 %" in table and "events/s" in table
     assert "WAL capture (read from the slot)" in table and "WAL capture / table capture" in table
+    assert "(WAL ceiling)" in table and "WAL relay / WAL ceiling" in table
 
 
 @pytest.mark.slow
@@ -98,8 +103,19 @@ def test_bench_smoke_steady_writer_and_tenants(pg_dsn: str, kafka: str, tmp_path
 
 
 @pytest.mark.slow
-def test_bench_smoke_soak_and_scale(pg_dsn: str, kafka: str, tmp_path: Path) -> None:
-    results, _ = _bench(pg_dsn, kafka, tmp_path, ("soak", "scale"))
+def test_bench_smoke_soak_scale_and_snapshot(pg_dsn: str, kafka: str, tmp_path: Path) -> None:
+    results, table = _bench(pg_dsn, kafka, tmp_path, ("soak", "scale", "snapshot"))
+    snap = results["scenarios"]["snapshot"]
+    assert [r["capture"] for r in snap["runs"]] == ["table", "wal"]  # the suite's server is logical
+    for r in snap["runs"]:
+        assert r["delivered"] >= r["written"] > 0 and r["all_acked"], r["capture"]
+        assert len(r["windows"]) == 5 and all(w["acked_sampled"] for w in r["windows"]), r["windows"]
+        assert r["samples"] and r["p99_worst_to_first"] is not None
+    wal = snap["runs"][1]
+    assert wal["slot_retained_peak_bytes"] > 0  # the slot was looked at
+    assert wal["table_bytes_peak"] <= snap["runs"][0]["table_bytes_peak"]  # WAL events touch no table
+    assert "**Snapshot**" in table and "| wal |" in table
+    _png(tmp_path / "snapshot.png")
     soak = results["scenarios"]["soak"]
     assert soak["delivered"] == soak["written"] > 0
     assert soak["samples"]
