@@ -319,13 +319,17 @@ class WalBatch(Batch):
     the reader confirm it."""
 
     def __init__(
-        self, conn: psycopg.Connection[Any], rows: list[tuple[Any, ...]], end: int, **kw: Any
+        self,
+        conn: psycopg.Connection[Any],
+        rows: list[tuple[Any, ...]],
+        after: capture.Position,
+        **kw: Any,
     ) -> None:
         # Each row's id is its index here until it has one of the table's (see _write).
         rows = [(i, *row[1:]) for i, row in enumerate(rows)]
         super().__init__(conn, rows, **kw)
         self.rows = rows
-        self.end = end
+        self.after = after  # the WAL's position once these events are handed on
 
     def settle(self, index: int, outcome: Outcome) -> None:
         """As a claimed batch's, and a held event holds its key too: it goes into the events
@@ -362,7 +366,15 @@ class WalBatch(Batch):
             real = {i: int(new_id[rows[i][1]]) for i in rest}
             self._failed(schema, w, [real[i] for i in w.retry_ids], [real[i] for i in w.dead_ids])
             w.dead_events[:] = [(real[i], reason) for i, reason in w.dead_events]
-        conn.execute(query("wal_handed_on", schema), {"lsn": capture.lsn_text(self.end)})
+        after = self.after
+        conn.execute(
+            query("wal_handed_on", schema),
+            {
+                "lsn": capture.lsn_text(after.lsn),
+                "part_commit": capture.lsn_text(after.commit) if after.commit else None,
+                "part_events": after.events,
+            },
+        )
 
     @staticmethod
     def _columns(rows: Sequence[tuple[Any, ...]]) -> dict[str, Any]:

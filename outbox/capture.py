@@ -54,6 +54,7 @@ MODES = ("table", "wal")
 MIN_SERVER = 140000  # pgoutput's `messages` option
 FAILOVER_SERVER = 170000  # slots that can be synchronised to standbys (failover = true)
 QUEUE_EVENTS = 20_000  # events read ahead of the relay at most (then the reader waits)
+PIECE_EVENTS = 1_000  # events of a large transaction handed on together at most
 STANDBY_RETRY = 1.0  # seconds between tries of a slot another relay reads
 RECONNECT = 1.0  # seconds before reading again after the connection failed
 FEEDBACK_EVERY = 1.0  # seconds between the reader's position reports while it is idle
@@ -121,6 +122,16 @@ class CaptureState:
     slot: str | None = None
     publication: str | None = None
     lsn: str | None = None  # handed on up to here
+    part_commit: str | None = None  # and the first part_events of the transaction committed here
+    part_events: int = 0
+
+    @property
+    def position(self) -> Position:
+        return Position(
+            lsn_int(self.lsn) if self.lsn else 0,
+            lsn_int(self.part_commit) if self.part_commit else 0,
+            self.part_events if self.part_commit else 0,
+        )
 
     @property
     def reads_slot(self) -> bool:
@@ -205,32 +216,72 @@ def lsn_int(text: str) -> int:
     return (int(high, 16) << 32) | int(low, 16)
 
 
+@dataclass(frozen=True)
+class Position:
+    """How far an outbox's WAL is handed on: every transaction ending at or before ``lsn``, and,
+    when ``commit`` is set, the first ``events`` events of the transaction whose commit record
+    starts at ``commit`` (a large transaction is handed on in pieces). Only ``lsn`` may be
+    confirmed to the slot: the server sends a transaction whole or not at all."""
+
+    lsn: int = 0
+    commit: int = 0
+    events: int = 0
+
+    @property
+    def key(self) -> tuple[int, int]:
+        """Orders positions: a transaction's pieces before its end, its end before the next one."""
+        return (self.commit, self.events) if self.commit else (self.lsn, 0)
+
+    def __ge__(self, other: Position) -> bool:
+        return self.key >= other.key
+
+    def __gt__(self, other: Position) -> bool:
+        return self.key > other.key
+
+
 @dataclass
-class Transaction:
-    """A committed transaction's outbox events, and where the WAL after it starts."""
+class Piece:
+    """Committed events of this outbox, in commit order: a whole transaction, or a piece of a
+    large one (at most ``PIECE_EVENTS``). ``after`` is the position once they are handed on."""
 
     rows: list[tuple[Any, ...]]
-    end: int  # LSN: confirming it says everything before it is handled
+    after: Position
     corrupt: int = 0
+    whole: bool = True  # a whole transaction, not a piece of one
     queued_at: float = 0.0  # monotonic time it was read
 
 
 @dataclass
 class Decoder:
-    """Assembles pgoutput's stream into committed transactions of this outbox's events."""
+    """Assembles pgoutput's stream into pieces of committed transactions of this outbox's events.
+
+    The server sends a transaction only once it committed (pgoutput without streaming), so the
+    pieces of one can go out before its commit message arrives: a large transaction is handed
+    on ``PIECE_EVENTS`` at a time, never held in memory whole. ``skip`` is what was handed on
+    before: whole transactions up to it are dropped, and so are the first events of the one it
+    names (the slot sends from its confirmed position, which may be behind)."""
 
     prefix: bytes
-    skip_to: int = 0  # transactions ending at or below it were handed on already
+    skip: Position = field(default_factory=Position)
+    piece: int = 0  # events per piece at most (0: PIECE_EVENTS)
     rows: list[tuple[Any, ...]] = field(default_factory=list)
     corrupt: int = 0
+    _commit: int = 0  # the commit LSN of the transaction being read
+    _seen: int = 0  # its events so far (handed on before, emitted in pieces, or in rows)
+    _skipping: int = 0  # its first events to drop: handed on before
+    _whole_skip: bool = False  # the whole transaction was handed on before
+    _pieces: int = 0  # its pieces emitted so far
 
-    def feed(self, data: bytes) -> Transaction | None:
+    def feed(self, data: bytes) -> Piece | None:
         kind = data[:1]
         if kind == b"M":
             # flags (1 byte) and the message's LSN (8), then the prefix from byte 10
             end = data.index(b"\0", 10)
-            if data[10:end] != self.prefix:
+            if data[10:end] != self.prefix or self._whole_skip:
                 return None
+            self._seen += 1
+            if self._seen <= self._skipping:
+                return None  # handed on before this stream began
             (length,) = struct.unpack_from(">I", data, end + 1)
             content = data[end + 5 : end + 5 + length]
             try:
@@ -240,17 +291,33 @@ class Decoder:
                 log.error(
                     "a WAL message under %s is not an outbox event, skipped: %s", self.prefix.decode(), exc
                 )
+            if len(self.rows) + self.corrupt >= (self.piece or PIECE_EVENTS):
+                return self._emit(Position(self.skip.lsn, self._commit, self._seen))
             return None
         if kind == b"B":
-            self.rows, self.corrupt = [], 0
+            (final_lsn, _, _) = _BEGIN.unpack_from(data, 1)
+            self.rows, self.corrupt, self._seen, self._pieces = [], 0, 0, 0
+            self._commit = final_lsn
+            # Handed on whole before: its commit record starts before the end of one that was.
+            self._whole_skip = final_lsn < self.skip.lsn
+            self._skipping = self.skip.events if final_lsn == self.skip.commit else 0
             return None
         if kind == b"C":
             _, _, end_lsn, _ = _COMMIT.unpack_from(data, 1)
-            rows, self.rows = self.rows, []
-            if end_lsn <= self.skip_to:
-                return None  # handed on before (the slot sends from its confirmed position)
-            return Transaction(rows, end_lsn, self.corrupt)
+            if self._whole_skip:
+                self.rows = []
+                return None
+            self.skip = Position(end_lsn)
+            # Its last piece carries the end (even empty, when earlier pieces went out); a
+            # transaction with nothing of ours is an empty piece too: the slot may move past it.
+            return self._emit(Position(end_lsn))
         return None  # relations, origins, types: no table is published
+
+    def _emit(self, after: Position) -> Piece:
+        piece = Piece(self.rows, after, self.corrupt, whole=not self._pieces and not after.commit)
+        self.rows, self.corrupt = [], 0
+        self._pieces += 1
+        return piece
 
 
 # -- the reader ---------------------------------------------------------------------------------
@@ -282,11 +349,12 @@ class WalReader(threading.Thread):
         self._wake = wake
         self._halt = threading.Event()
         self._lock = threading.Lock()
-        self._queue: deque[Transaction] = deque()
+        self._queue: deque[Piece] = deque()
         self._queued = 0  # events in the queue
         self._room = threading.Condition(self._lock)
-        self._handed = lsn_int(capture.lsn) if capture.lsn else 0  # queued (or skipped) up to here
-        self._confirm = self._handed  # handed on (committed) up to here: what the server may free
+        # Handed on (committed) up to here; the slot may be confirmed up to its whole transactions.
+        self._done = capture.position
+        self._read = self._done  # queued (or skipped) up to here
         self._rewind = False  # set by rewind(): reconnect and read from the confirmed position
         self.reading = False  # this relay streams the slot (the others stand by)
         self.caught_up = False  # since it began streaming, it has read all the server had sent
@@ -301,35 +369,38 @@ class WalReader(threading.Thread):
 
     # -- the relay loop's side --
 
-    def take(self, limit: int) -> tuple[list[tuple[Any, ...]], int, int] | None:
-        """Whole transactions, up to ``limit`` events (at least one transaction): their rows,
-        the position after them, and how many messages were not events. None when none waits."""
+    def take(self, limit: int) -> tuple[list[tuple[Any, ...]], Position, int] | None:
+        """Pieces in order, up to ``limit`` events (at least one piece): their rows, the position
+        once they are handed on, and how many messages were not events. None when none waits."""
         with self._lock:
             if not self._queue:
                 return None
             rows: list[tuple[Any, ...]] = []
-            end = corrupt = 0
+            corrupt = 0
+            after = self._queue[0].after
             while self._queue and (not rows or len(rows) + len(self._queue[0].rows) <= limit):
-                tx = self._queue.popleft()
-                rows.extend(tx.rows)
-                end, corrupt = tx.end, corrupt + tx.corrupt
+                piece = self._queue.popleft()
+                rows.extend(piece.rows)
+                after, corrupt = piece.after, corrupt + piece.corrupt
             self._queued -= len(rows)
             self._room.notify()
-            return rows, end, corrupt
+            return rows, after, corrupt
 
     @property
     def waiting(self) -> bool:
         return bool(self._queue)
 
     def oldest_wait(self) -> float:
-        """Seconds the oldest transaction read has waited to be taken (0: none waits)."""
+        """Seconds the oldest piece read has waited to be taken (0: none waits)."""
         with self._lock:
             return time.monotonic() - self._queue[0].queued_at if self._queue else 0.0
 
-    def confirm(self, lsn: int) -> None:
-        """Everything up to ``lsn`` is handed on, committed: the server may free that WAL."""
+    def confirm(self, position: Position) -> None:
+        """Everything up to ``position`` is handed on, committed: the server may free the WAL of
+        the whole transactions before it."""
         with self._lock:
-            self._confirm = max(self._confirm, lsn)
+            if position > self._done:
+                self._done = position
 
     def rewind(self) -> None:
         """What was taken was not handed on (a batch rolled back): read again from the slot's
@@ -388,12 +459,10 @@ class WalReader(threading.Thread):
             # Where the outbox's WAL is handed on up to, as committed (by this relay, or by the
             # reader that held the slot before it: the slot's own position may lag behind it).
             with psycopg.connect(self.dsn, autocommit=True, application_name="outbox-wal") as db:
-                handed = state(db, self.schema).lsn
+                handed = state(db, self.schema).position
                 end = db.execute(query("current_wal_lsn", self.schema)).fetchone()
             target = lsn_int(end[0]) if end else 0  # caught up once the server has sent this far
-            if handed:
-                with self._lock:
-                    self._confirm = max(self._confirm, lsn_int(handed))
+            self.confirm(handed)
             cur.start_replication(
                 slot_name=self.slot,
                 decode=False,
@@ -404,9 +473,9 @@ class WalReader(threading.Thread):
             with self._lock:
                 self._queue.clear()
                 self._queued = 0
-                self._handed = self._confirm
+                self._read = self._done
                 self._rewind = False
-            decoder = Decoder(prefix_of(self.schema).encode(), skip_to=self._confirm)
+            decoder = Decoder(prefix_of(self.schema).encode(), skip=self._done)
             if self.standing_by:
                 log.info(
                     "%staking over the WAL slot %s", self._said, self.slot, extra={"event": "wal.takeover"}
@@ -417,9 +486,10 @@ class WalReader(threading.Thread):
             while not self._halt.is_set() and not self._rewind:
                 msg = cur.read_message()
                 if msg is None:
-                    confirm = self._confirm
-                    idle = not self._queue and decoder.rows == []
-                    if idle and not self.caught_up:
+                    done = self._done
+                    quiet = not self._queue and decoder.rows == []  # nothing read waits
+                    idle = quiet and done >= self._read  # ... nor is in flight
+                    if quiet and not self.caught_up:
                         # Caught up once the server says it has decoded and sent up to where the
                         # WAL ended when this stream began (an empty read alone says nothing: the
                         # server may not have sent yet). A keepalive asked for says how far.
@@ -430,37 +500,37 @@ class WalReader(threading.Thread):
                             asked = time.monotonic()
                     now = time.monotonic()
                     due = now - last_feedback
-                    if (confirm > sent and due >= FEEDBACK_MIN) or (idle and due >= FEEDBACK_EVERY):
+                    if (done.lsn > sent and due >= FEEDBACK_MIN) or (idle and due >= FEEDBACK_EVERY):
                         # Idle with nothing queued or in flight: everything the server sent so far
                         # is handled (wal_end is how far it decoded), so the slot may move past
                         # WAL that held no event of this outbox.
-                        position = max(confirm, cur.wal_end) if idle and confirm >= self._handed else confirm
+                        position = max(done.lsn, cur.wal_end) if idle and not done.commit else done.lsn
                         cur.send_feedback(flush_lsn=position, force=True)  # type: ignore[no-untyped-call]
                         sent, last_feedback = max(sent, position), now
                     select.select([conn], [], [], 0.1)
                     continue
-                tx = decoder.feed(msg.payload)
-                if tx is None:
+                piece = decoder.feed(msg.payload)
+                if piece is None:
                     continue
                 self.last_commit = time.time()
-                if not tx.rows and not tx.corrupt:
+                if piece.whole and not piece.rows and not piece.corrupt:
                     with self._lock:
-                        if not self._queue and self._confirm >= self._handed:
-                            self._confirm = self._handed = tx.end  # nothing of ours: move on
+                        if not self._queue and self._done >= self._read:
+                            self._done = self._read = piece.after  # nothing of ours: move on
                         continue
                 with self._lock:
                     while self._queued >= QUEUE_EVENTS and not self._halt.is_set() and not self._rewind:
                         self._room.wait(0.5)
                     if self._rewind:
                         break
-                    tx.queued_at = time.monotonic()
-                    self._queue.append(tx)
-                    self._queued += len(tx.rows)
-                    self._handed = tx.end
+                    piece.queued_at = time.monotonic()
+                    self._queue.append(piece)
+                    self._queued += len(piece.rows)
+                    self._read = piece.after
                 self._wake()
         finally:
             self.reading = self.caught_up = False
-            if self._confirm > sent and not conn.closed:  # what was handed on since the last report
+            if self._done.lsn > sent and not conn.closed:  # what was handed on since the last report
                 with contextlib.suppress(psycopg2.Error):
-                    cur.send_feedback(flush_lsn=self._confirm, force=True)  # type: ignore[no-untyped-call]
+                    cur.send_feedback(flush_lsn=self._done.lsn, force=True)  # type: ignore[no-untyped-call]
             conn.close()

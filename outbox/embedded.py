@@ -129,12 +129,25 @@ class EmbeddedPostgres:
 
         pg_ctl = getattr(commands, "pg_ctl")  # noqa: B009 (the module defines it at import time)
         server = self._server
-        pg_ctl(
-            ["-w", "-m", "fast", "-l", str(server.log), "restart"],
-            pgdata=server.pgdata,
-            user=server.system_user,
-            timeout=120,
-        )
+        try:
+            pg_ctl(
+                ["-w", "-m", "fast", "-l", str(server.log), "restart"],
+                pgdata=server.pgdata,
+                user=server.system_user,
+                timeout=120,
+            )
+        except subprocess.CalledProcessError as exc:
+            # pg_ctl says only its exit status: the server's own log says why.
+            try:
+                lines = Path(server.log).read_text(errors="replace").splitlines()
+                # Without the refusals of clients trying meanwhile, which would fill the tail.
+                tail = [x for x in lines if "is shutting down" not in x and "STATEMENT:" not in x][-15:]
+            except OSError:
+                tail = []
+            said = (exc.stderr or exc.stdout or "").strip()
+            raise RuntimeError(
+                f"PostgreSQL restart failed (pg_ctl exit {exc.returncode}): {said}\n" + "\n".join(tail)
+            ) from exc
 
 
 @contextlib.contextmanager

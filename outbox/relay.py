@@ -156,7 +156,13 @@ class Relay:
         self._wakeup = threading.Event()
         # Every connection of the relay notices a dead peer within net_timeout seconds.
         self._dsn = with_net_timeouts(self.dsn, config.net_timeout)
-        self.sessions = Sessions(self._dsn, lease=config.lease, stop=self._stop, limit=config.max_connections)
+        self.sessions = Sessions(
+            self._dsn,
+            lease=config.lease,
+            stop=self._stop,
+            limit=config.max_connections,
+            unreachable=self._let_go_of_the_wal,
+        )
         # The outboxes' heartbeats share one connection, outside the sessions' budget.
         self._link = Link(partial(self.sessions.connect, pooled=False))
         self.lanes: dict[str, Lane] = {}
@@ -494,10 +500,10 @@ class Relay:
         if taken is None:
             self.sessions.give_back(conn)
             return 0
-        rows, end, _ = taken
+        rows, after, _ = taken
         ordering = lane.ordering
         batch = WalBatch(
-            conn, rows, end, holds=ordering.holds if ordering.ordered else None, parks=ordering.parks
+            conn, rows, after, holds=ordering.holds if ordering.ordered else None, parks=ordering.parks
         )
         keys = list({e.key for e in batch.events if e is not None and e.key is not None})
         try:
@@ -709,7 +715,7 @@ class Relay:
         self.sessions.give_back(batch.conn)
         if isinstance(batch, WalBatch) and lane.wal is not None:
             if batch.finished:
-                lane.wal.confirm(batch.end)
+                lane.wal.confirm(batch.after)
                 return
             # Not handed on: the slot sends it again, from the confirmed position; so every WAL
             # batch read after it goes too (sent again, and not archived twice).
@@ -720,6 +726,25 @@ class Relay:
                 lane.in_flight.remove(later)
                 lane.ordering.holds.release(id(later))
                 self.sessions.give_back(later.conn)
+
+    def _let_go_of_the_wal(self) -> None:
+        """The database cannot be reached (take() waits to try again): WAL capture's readers let
+        go of their streams. A reader keeps its stream open while the WAL it read is not handed
+        on, and a server shutting down waits for its walsender until the reader confirms all it
+        was sent (or wal_sender_timeout, 60 s): a restart stood still for a minute, pg_ctl gave
+        up, and this loop waited on the very database that waited on it. So the WAL batches in
+        flight are released (they cannot commit now) and the reader reads again once the
+        database is back, from the position last committed."""
+        for lane in self._rotation:
+            if lane.wal is None:
+                continue
+            first = next((b for b in lane.in_flight if isinstance(b, WalBatch)), None)
+            if first is None:
+                lane.wal.rewind()  # what it queued, and its stream
+                continue
+            self._end_spans(first, time.time_ns(), "released")
+            first.release()
+            self._done(lane, first)  # rewinds the reader, releases the WAL batches read after it
 
     def _release_in_flight(self, why: str) -> None:
         """Roll back every in-flight batch: their events can be claimed again at once."""

@@ -49,8 +49,19 @@ APPLICATION_NAME = "outbox-relay"
 class Sessions:
     """Open, idle and lost connections of one relay."""
 
-    def __init__(self, dsn: str, *, lease: float, stop: threading.Event, limit: int | None = None) -> None:
+    def __init__(
+        self,
+        dsn: str,
+        *,
+        lease: float,
+        stop: threading.Event,
+        limit: int | None = None,
+        unreachable: Callable[[], None] | None = None,
+    ) -> None:
         self._dsn = dsn
+        # Called on the loop's thread each time take() fails to reach the database and waits to
+        # try again: what the loop holds that only the database can settle must be let go of.
+        self._unreachable = unreachable
         self.limit = limit  # the most sessions open at once (the connection budget); None: no limit
         self._secrets = secrets_of(dsn)
         self._lease_ms = int(lease * 1000)
@@ -110,9 +121,7 @@ class Sessions:
                 retry=retry_if_exception_type(psycopg.OperationalError),
                 wait=wait_exponential_jitter(multiplier=0.1, max=RECONNECT_WAIT_MAX),
                 stop=stop_when_event_set(self._stop),
-                before_sleep=lambda rs: self.database.fail(
-                    self.clean(rs.outcome.exception() if rs.outcome else None)
-                ),
+                before_sleep=lambda rs: self._cannot_reach(rs.outcome.exception() if rs.outcome else None),
                 reraise=True,
             ):
                 with attempt:
@@ -120,6 +129,11 @@ class Sessions:
         except psycopg.OperationalError:
             pass  # stop was requested while reconnecting
         return None
+
+    def _cannot_reach(self, exc: BaseException | None) -> None:
+        self.database.fail(self.clean(exc))
+        if self._unreachable is not None:
+            self._unreachable()
 
     def give_back(self, conn: psycopg.Connection[Any]) -> None:
         """The one place a session returns to the idle list (a closed one is dropped)."""

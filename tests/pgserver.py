@@ -125,12 +125,14 @@ class Server:
         )  # fmt: skip
         return self
 
-    def stop(self) -> None:
-        as_postgres(
-            [str(self.bin / "pg_ctl"), "-D", str(self.data), "-m", "fast", "-w", "stop"],
+    def stop(self, wait: int = 60) -> int:
+        """A fast shutdown; pg_ctl's exit status (not 0: still shutting down after ``wait`` s)."""
+        done = as_postgres(
+            [str(self.bin / "pg_ctl"), "-D", str(self.data), "-m", "fast", "-w", "-t", str(wait), "stop"],
             env=self.env,
             stdout=subprocess.DEVNULL,
         )
+        return done.returncode
 
     def remove(self) -> None:
         self.stop()

@@ -5,7 +5,7 @@
 
 -- name: capture_state
 -- The outbox's capture mode, its slot and publication, and the position handed on so far.
-SELECT mode, slot, publication, lsn::text FROM {schema}.capture
+SELECT mode, slot, publication, lsn::text, part_commit::text, part_events FROM {schema}.capture
 
 -- name: capture_table_exists
 -- Whether the schema has migration 0013 (the capture table), for writers and relays that
@@ -136,8 +136,13 @@ FROM unnest(%(event_ids)b::uuid[], %(topics)b::text[], %(keys)b::bytea[], %(payl
     AS x (e, t, k, p, h, ty, su, c, sp, so, sr)
 
 -- name: wal_handed_on
--- The WAL up to this position is handed on (committed with what it handed on).
-UPDATE {schema}.capture SET lsn = %(lsn)s::pg_lsn WHERE lsn IS NULL OR lsn < %(lsn)s::pg_lsn
+-- The WAL is handed on up to this position (committed with what it handed on): the transactions
+-- ending at or before lsn, and the first part_events of the one committed at part_commit (NULL:
+-- none). Never moved back (a reader that lost the slot may still finish a batch).
+UPDATE {schema}.capture
+SET lsn = %(lsn)s::pg_lsn, part_commit = %(part_commit)s::pg_lsn, part_events = %(part_events)s
+WHERE (coalesce(part_commit, lsn, '0/0'), CASE WHEN part_commit IS NULL THEN 0 ELSE part_events END)
+    < (coalesce(%(part_commit)s::pg_lsn, %(lsn)s::pg_lsn), %(part_events)s)
 
 -- name: current_wal_lsn
 -- Where the WAL ends now: a reader that has been sent everything up to here has caught up.

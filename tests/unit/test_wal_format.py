@@ -31,20 +31,82 @@ def _message(prefix: bytes, content: bytes) -> bytes:
     return b"M" + struct.pack(">BQ", 1, 42) + prefix + b"\0" + struct.pack(">I", len(content)) + content
 
 
-def test_the_decoder_keeps_whole_committed_transactions_of_its_own_prefix_only() -> None:
+def _begin(commit: int) -> bytes:
+    return b"B" + struct.pack(">QqI", commit, 0, 7)
+
+
+def _commit(commit: int, end: int) -> bytes:
+    return b"C" + struct.pack(">BQQq", 0, commit, end, 0)
+
+
+def _event(seq: int) -> bytes:
+    return _message(
+        b"outbox:a", b"1\n" + capture.encode(encode_event("t", str(seq).encode(), key=None, headers=None))
+    )
+
+
+def test_the_decoder_keeps_committed_transactions_of_its_own_prefix_only() -> None:
     content = b"1\n" + capture.encode(encode_event("t", b"x", key=None, headers=None))
-    decoder = capture.Decoder(b"outbox:a", skip_to=100)
-    begin = b"B" + struct.pack(">QqI", 0, 0, 7)
-    commit = lambda end: b"C" + struct.pack(">BQQq", 0, end - 1, end, 0)  # noqa: E731
-    assert decoder.feed(begin) is None
+    decoder = capture.Decoder(b"outbox:a", skip=capture.Position(100))
+    assert decoder.feed(_begin(150)) is None
     assert decoder.feed(_message(b"outbox:a", content)) is None
     assert decoder.feed(_message(b"outbox:ab", content)) is None  # another outbox's prefix
     assert decoder.feed(_message(b"outbox:a", b"garbage")) is None  # counted, skipped, said
-    tx = decoder.feed(commit(200))
-    assert tx is not None and len(tx.rows) == 1 and tx.end == 200 and tx.corrupt == 1
-    decoder.feed(begin)
+    piece = decoder.feed(_commit(150, 200))
+    assert piece is not None and len(piece.rows) == 1 and piece.corrupt == 1 and piece.whole
+    assert piece.after == capture.Position(200)
+    decoder = capture.Decoder(b"outbox:a", skip=capture.Position(100))
+    decoder.feed(_begin(80))
     decoder.feed(_message(b"outbox:a", content))
-    assert decoder.feed(commit(90)) is None  # at or below what was handed on: skipped
+    assert decoder.feed(_commit(80, 90)) is None  # ended before what was handed on: skipped
+    decoder.feed(_begin(300))
+    empty = decoder.feed(_commit(300, 310))  # nothing of ours: the slot may move past it
+    assert empty is not None and empty.whole and not empty.rows and empty.after == capture.Position(310)
+
+
+def _payloads(piece: capture.Piece) -> list[int]:
+    return [int(row[4]) for row in piece.rows]
+
+
+def test_a_large_transaction_goes_in_pieces_each_with_its_position() -> None:
+    """Issue 30: a transaction is never held whole; each piece says how far it reaches inside its
+    transaction (the commit record's LSN and the events so far), and only its last piece carries
+    the transaction's end, the one position the slot may be confirmed to."""
+    decoder = capture.Decoder(b"outbox:a", skip=capture.Position(100), piece=1000)
+    decoder.feed(_begin(500))
+    pieces = [p for seq in range(2500) if (p := decoder.feed(_event(seq))) is not None]
+    pieces.append(decoder.feed(_commit(500, 600)))  # type: ignore[arg-type]
+    assert [len(p.rows) for p in pieces] == [1000, 1000, 500]
+    assert [p.after for p in pieces] == [
+        capture.Position(100, 500, 1000),
+        capture.Position(100, 500, 2000),
+        capture.Position(600),
+    ]
+    assert [p.whole for p in pieces] == [False, False, False]
+    assert _payloads(pieces[0])[0] == 0 and _payloads(pieces[2])[-1] == 2499
+    assert pieces[0].after < pieces[1].after < pieces[2].after  # a transaction's end after its pieces
+    assert capture.Position(600) < capture.Position(100, 600, 1)  # the next transaction after it
+    # A piece that is the transaction's last full one: an empty last piece still carries the end.
+    decoder.feed(_begin(700))
+    full = [p for seq in range(1000) if (p := decoder.feed(_event(seq))) is not None]
+    last = decoder.feed(_commit(700, 800))
+    assert len(full) == 1 and last is not None and not last.rows and not last.whole
+    assert last.after == capture.Position(800)
+
+
+def test_reading_again_resumes_inside_a_transaction_handed_on_in_part() -> None:
+    """The slot sends again from its confirmed position (whole transactions only): what was handed
+    on, down to the event inside a transaction, is skipped; nothing after it is."""
+    decoder = capture.Decoder(b"outbox:a", skip=capture.Position(100, 500, 1000), piece=1000)
+    decoder.feed(_begin(50))  # ended before 100: handed on whole
+    assert decoder.feed(_event(0)) is None
+    assert decoder.feed(_commit(50, 60)) is None
+    decoder.feed(_begin(500))
+    pieces = [p for seq in range(2500) if (p := decoder.feed(_event(seq))) is not None]
+    pieces.append(decoder.feed(_commit(500, 600)))  # type: ignore[arg-type]
+    assert [_payloads(p)[0] for p in pieces] == [1000, 2000]  # the first 1,000 were handed on
+    assert sum(len(p.rows) for p in pieces) == 1500
+    assert pieces[0].after == capture.Position(100, 500, 2000) and pieces[-1].after == capture.Position(600)
 
 
 def test_names_and_positions() -> None:
