@@ -173,7 +173,7 @@ def test_bench_smoke_sinks_on_aws(pg_dsn: str, kafka: str, moto_server: Any, aws
     endpoint = f"endpoint={moto_server.endpoint}&region=us-east-1"
     urls = [f"{s}://bench?{endpoint}" for s in ("sqs", "sns", "eventbridge", "kinesis")]
     proc = subprocess.run(
-        [sys.executable, "-m", "outbox", "bench", "--smoke", "--scenarios", "sinks", "--sink-events", "300",
+        [sys.executable, "-m", "outbox", "bench", "--smoke", "--scenarios", "sinks", "--sink-events", "100",
          *(a for url in urls for a in ("--sinks", url)), "--dsn", pg_dsn, "--kafka-bootstrap", kafka,
          "--out", str(tmp_path)],
         capture_output=True, text=True, timeout=600,
