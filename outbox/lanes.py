@@ -56,6 +56,10 @@ class Lane:
     paced: bool = False  # a slow batch made claims smaller, and they are not back to --batch-size yet
     wal: WalReader | None = None  # WAL capture: the reader of the outbox's slot
     table_turn: bool = False  # WAL capture: the table's turn to be claimed from next
+    # WAL capture: has the table work to claim (a NOTIFY since, or the last claim was full), and
+    # when to look anyway (retries come due without a NOTIFY). Monotonic seconds.
+    table_due: bool = True
+    next_table_claim: float = 0.0
     capture_mode: str = "table"  # as last read from its capture table
     next_capture: float = 0.0  # monotonic time of the next look at its capture mode
     stats: RelayStats = field(default_factory=RelayStats)

@@ -349,6 +349,8 @@ class Relay:
             self._check_capture(now)
         chosen = self._next_claim(now)
         if chosen is not None:
+            if chosen.woken:
+                chosen.table_due = True  # WAL capture: rows were inserted into its events table
             chosen.woken = False  # a NOTIFY arriving during the claim sets it again
             limit = self._batch_limit(chosen, now)
             claimed = self._claim_and_send(chosen, limit)
@@ -444,10 +446,14 @@ class Relay:
         wal = lane.wal
         if wal is not None:
             # WAL capture: the slot's transactions and the table's events (retries, delayed, held
-            # behind a failure) take turns. WAL batches go out pipelined like claimed ones, and
-            # finish in the order they were read (_finish_complete_batches).
+            # behind a failure) take turns while the table has work: a NOTIFY since its last
+            # claim (every insert into events sends one), a full last claim, or its poll timer.
+            # An empty claim every other batch was a round trip per WAL batch for nothing
+            # (8 % of the loop's time in a drain). WAL batches go out pipelined like claimed
+            # ones, and finish in the order they were read (_finish_complete_batches).
             lane.table_turn = not lane.table_turn
-            if wal.waiting and not lane.table_turn:
+            table_due = lane.table_due or time.monotonic() >= lane.next_table_claim
+            if wal.waiting and not (lane.table_turn and table_due):
                 return self._read_and_send(lane, limit)
             if lane.capture_mode == "table" and not (wal.reading and wal.caught_up):
                 # Switched back to table capture with the slot kept: the events still in the slot
@@ -476,6 +482,9 @@ class Relay:
             return 0
         self.sessions.database.ok()  # the claim went through, empty or not
         lane.trouble.ok()
+        if wal is not None:
+            lane.table_due = len(rows) >= limit
+            lane.next_table_claim = time.monotonic() + self._jittered_poll()
         self._loop_progress = time.monotonic()
         self.stats.claims += 1
         lane.stats.claims += 1
@@ -568,7 +577,9 @@ class Relay:
             if outcome is not None:
                 batch.settle(i, outcome)
         lane.in_flight.append(batch)
-        if len(batch) < limit:
+        # (WAL capture: a batch cut short by a transaction's end is no sign of an idle outbox
+        # while the reader holds more.)
+        if len(batch) < limit and not (lane.wal is not None and lane.wal.waiting):
             # No backlog behind this batch, nothing to batch it with: send it without waiting
             # out the client's linger (Kafka). A full batch lingers, and batches on the wire.
             send_now(sink)

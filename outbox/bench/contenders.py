@@ -14,9 +14,10 @@ stops when the parent sets ``stop``.
   column, partitioned archive): a second reference, not the ceiling.
 - ``ceiling_wal``: the minimal loop of WAL capture. Stream the outbox's slot (psycopg2,
   pgoutput with ``messages``), produce each event of this outbox's prefix with its headers
-  and ``event-id`` as it is read, and at the first commit after 1,000 events: flush, archive
-  them into a plain table with one INSERT, commit, confirm the position to the slot. No
-  ordering, retries, telemetry or pipelining: what reading the WAL can do at most here.
+  and ``event-id`` as it is read, and every 1,000 events (as the table's ceiling): flush,
+  archive them into a plain table with one INSERT, commit; the slot is confirmed up to the
+  last transaction read whole when the stream pauses. No ordering, retries, telemetry,
+  pipelining or exact resume: what reading the WAL can do at most here.
 - ``seeds``: the loop most teams start with. One row per transaction: claim,
   mark the lease, publish, flush, delete.
 - ``txoutbox`` / ``faststream``: the Python peers (:mod:`outbox.bench.peers`).
@@ -266,15 +267,18 @@ def _wal_loop(spec: ContenderSpec, counter: Synchronized[int], stop: Event) -> N
     )
     ids: list[int] = []
     cols: list[list[Any]] = [[], [], [], [], []]  # event ids, topics, keys, payloads, headers
-    moved = committed = committed_end = 0  # events of whole transactions read; where they end
+    moved = 0
+    ended = 0  # the end of the last transaction read whole: what the slot may be confirmed to
     with psycopg.connect(spec.dsn) as conn:
         while not stop.is_set():
             msg = cur.read_message()
             if msg is None:
-                if ids and committed == len(ids):  # the stream paused after a commit: archive
+                if ids:  # the stream paused: archive what was produced
+                    producer.flush()
                     moved = _wal_archive(conn, archive, ids, cols, moved, counter)
-                    cur.send_feedback(flush_lsn=committed_end)  # type: ignore[no-untyped-call]
                     ids, cols = [], [[], [], [], [], []]
+                if ended:
+                    cur.send_feedback(flush_lsn=ended)  # type: ignore[no-untyped-call]
                 select.select([stream], [], [], IDLE_WAIT)
                 continue
             data = msg.payload
@@ -299,14 +303,12 @@ def _wal_loop(spec: ContenderSpec, counter: Synchronized[int], stop: Event) -> N
                 row = (event_id, topic, key_bytes, payload, headers.decode() or "{}")
                 for col, value in zip(cols, row, strict=True):
                     col.append(value)
-            elif kind == b"C":
-                (committed_end,) = struct.unpack_from(">Q", data, 10)
-                committed = len(ids)
-                if committed >= BARE_BATCH:
+                if len(ids) >= BARE_BATCH:  # as the table's ceiling: flush and archive 1,000
                     producer.flush()
                     moved = _wal_archive(conn, archive, ids, cols, moved, counter)
-                    cur.send_feedback(flush_lsn=committed_end)  # type: ignore[no-untyped-call]
                     ids, cols = [], [[], [], [], [], []]
+            elif kind == b"C":
+                (ended,) = struct.unpack_from(">Q", data, 10)
     stream.close()
 
 

@@ -99,12 +99,13 @@ FROM unnest($2::text[]) WITH ORDINALITY AS x (m, n)
 -- not overtake, and since when: the creation time (epoch) of the key's oldest pending event
 -- (retrying, held, delayed, or written in table capture), or 0 for a parked dead letter (it holds
 -- every later event). A WAL event created before the key's oldest pending row may go first (rows
--- written after switching back to table capture).
+-- written after switching back to table capture). The keys go in binary (%b): in text psycopg
+-- escapes each one in Python.
 SELECT key, min(since) FROM (
     SELECT key, extract(epoch FROM min(created_at))::float8 AS since
-    FROM {schema}.events WHERE key = ANY(%(keys)s::bytea[]) GROUP BY key
+    FROM {schema}.events WHERE key = ANY(%(keys)b::bytea[]) GROUP BY key
     UNION ALL
-    SELECT key, 0 FROM {schema}.dead_letters WHERE parked AND key = ANY(%(keys)s::bytea[])
+    SELECT key, 0 FROM {schema}.dead_letters WHERE parked AND key = ANY(%(keys)b::bytea[])
 ) AS w
 GROUP BY key
 
@@ -124,11 +125,13 @@ RETURNING id, event_id::text
 
 -- name: wal_archive
 -- Events read from the WAL and acked by their sink, archived with the sink's coordinates; their
--- ids come from the events table's sequence, as a table event's would.
+-- ids come from the events table's sequence, as a table event's would. The sequence is looked up
+-- once (an uncorrelated subquery): looked up per row it cost 4 us an event, a tenth of the
+-- server's time per WAL event.
 INSERT INTO {schema}.delivered
     (id, event_id, topic, key, payload, headers, created_at, attempts,
      sink_partition, sink_offset, sink_ref, type, subject)
-SELECT nextval(pg_get_serial_sequence(format('%%I.events', %(schema)s::text), 'id')),
+SELECT nextval((SELECT pg_get_serial_sequence(format('%%I.events', %(schema)s::text), 'id')::regclass)),
        e, t, k, p, coalesce(h, '{{}}'::jsonb), to_timestamp(c), 1, sp, so, sr, ty, su
 FROM unnest(%(event_ids)b::uuid[], %(topics)b::text[], %(keys)b::bytea[], %(payloads)b::bytea[],
             %(headers)b::jsonb[], %(types)b::text[], %(subjects)b::text[], %(created)b::float8[],

@@ -432,9 +432,11 @@ def test_a_large_transaction_goes_in_pieces_and_a_relay_killed_inside_it_resumes
     finally:
         first.close()
     done = count(wal_dsn, wal_schema, "delivered")
+    # Handed on: archived, or put into the table for a retry (a send that timed out, under load).
+    handed = done + count(wal_dsn, wal_schema, "events")
     part = _rows(wal_dsn, f'SELECT part_commit IS NOT NULL, part_events FROM "{wal_schema}".capture')[0]
-    assert done < total, "the relay finished before the kill: the test proves nothing"
-    assert part == (True, done), f"capture says {part} with {done} archived"  # inside the transaction
+    assert handed < total, "the relay finished before the kill: the test proves nothing"
+    assert part == (True, handed), f"capture says {part} with {done} archived, {handed} handed on"
     second = RelayProcess(wal_dsn, wal_schema, kafka, *args)
     try:
         wait_for(lambda: count(wal_dsn, wal_schema, "delivered") >= total, timeout=120, what="the rest")
