@@ -213,8 +213,11 @@ def test_a_taken_over_partition_waits_for_the_old_owners_batch_to_end(pg_dsn: st
     hand it the key's later events, and they would overtake the first. A's batch is alive and
     busy (finish() runs statements, each resetting the idle timeout), so no time bound holds;
     when it ends by itself within B's batch lease, nothing is ended and B starts at the head."""
-    with _takeover(pg_dsn, schema, lease=1.0, batch_lease=3.0) as (a_batch, claim):
-        for _ in range(10):  # 2 s: past the ownership lease, within B's batch lease
+    # B's batch lease with room: ten rounds of "2 s" took over 3 s beside the matrices, and B
+    # ended A's session by design (the lease had passed). The rounds run 2 s by the clock.
+    with _takeover(pg_dsn, schema, lease=1.0, batch_lease=10.0) as (a_batch, claim):
+        until = time.monotonic() + 2.0  # past the ownership lease, well within B's batch lease
+        while time.monotonic() < until:
             a_batch.execute("SELECT 1")
             got = claim()
             assert got == [], f"B claimed {got} while A's batch held seq 0"
