@@ -304,6 +304,7 @@ def test_a_key_held_into_the_table_stays_held_until_its_batch_commits(
     assert count(wal_dsn, wal_schema, "events") == 0
 
 
+@pytest.mark.slow  # processes, or a server of its own: the matrices leave it out
 def test_a_database_restart_does_not_wait_on_the_reader_s_events_in_flight(kafka: str, topic: str) -> None:
     """A server shutting down waits for each walsender until its reader confirms what it was sent
     (or wal_sender_timeout, 60 s). The reader cannot confirm a WAL batch still in flight, and the
@@ -350,6 +351,7 @@ def _reader(relays: list[RelayProcess]) -> RelayProcess | None:
     return None
 
 
+@pytest.mark.slow  # processes, or a server of its own: the matrices leave it out
 def test_sigkilled_readers_are_taken_over_by_the_standby_and_nothing_is_lost(
     wal_dsn: str, wal_schema: str, kafka: str, topic: str
 ) -> None:
@@ -411,11 +413,11 @@ def test_sigkilled_readers_are_taken_over_by_the_standby_and_nothing_is_lost(
 def test_a_large_transaction_goes_in_pieces_and_a_relay_killed_inside_it_resumes_there(
     wal_dsn: str, wal_schema: str, kafka: str, topic: str
 ) -> None:
-    """One transaction of 60,000 events is handed on in pieces, each committing its position inside
+    """One transaction of 20,000 events is handed on in pieces, each committing its position inside
     the transaction (capture.part_commit, part_events). A relay SIGKILLed in the middle of it is
     replaced by one that resumes at that event: nothing lost, nothing archived twice, and what
     reaches Kafka twice is bounded by what was in flight."""
-    total = 60_000
+    total = 20_000
     with psycopg.connect(wal_dsn) as conn:
         events = [{"topic": topic, "payload": {"k": f"k{i % 10}", "seq": i // 10}, "key": f"k{i % 10}"}
                   for i in range(total)]  # fmt: skip
@@ -425,7 +427,7 @@ def test_a_large_transaction_goes_in_pieces_and_a_relay_killed_inside_it_resumes
     first = RelayProcess(wal_dsn, wal_schema, kafka, *args)
     try:
         wait_for(
-            lambda: count(wal_dsn, wal_schema, "delivered") >= 5_000, timeout=60, what="pieces handed on"
+            lambda: count(wal_dsn, wal_schema, "delivered") >= 2_000, timeout=60, what="pieces handed on"
         )
         first.proc.kill()
         first.proc.wait()
@@ -448,7 +450,7 @@ def test_a_large_transaction_goes_in_pieces_and_a_relay_killed_inside_it_resumes
     assert _rows(wal_dsn, f'SELECT part_commit FROM "{wal_schema}".capture') == [(None,)]  # the end
     messages = read_topic(kafka, topic, total)
     assert len(first_occurrences(messages)) == total
-    assert len(messages) - total <= 20_000, "more sent twice than a relay has in flight"
+    assert len(messages) - total <= 10_000, "more sent twice than a relay has in flight"
     assert_per_key_order(messages)
 
 
@@ -595,6 +597,7 @@ def test_switching_back_to_table_with_wal_events_pending_loses_nothing_and_keeps
         )
 
 
+@pytest.mark.slow  # processes, or a server of its own: the matrices leave it out
 def test_the_demo_runs_in_wal_capture(wal_dsn: str, wal_schema: str, kafka: str) -> None:
     out = subprocess.run(
         [sys.executable, "-m", "outbox", "demo", "--dsn", wal_dsn, "--kafka-bootstrap", kafka,
