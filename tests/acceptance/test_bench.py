@@ -185,3 +185,20 @@ def test_bench_smoke_sinks_on_aws(pg_dsn: str, kafka: str, moto_server: Any, aws
         assert r["relay_events_per_s_median"] > 0 and r["loop_events_per_s_median"] > 0, r
     assert "| kinesis |" in proc.stdout
     assert "Found credentials" not in proc.stderr  # botocore's INFO line, once per client, stays quiet
+
+
+def test_big_events_zero_leaves_the_larger_backlog_out_and_a_negative_one_is_named() -> None:
+    """--big-events 0 is what its help says skips the larger backlog; it was refused as not > 0."""
+
+    def bench(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "outbox", "bench", "--scenarios", "nothing", *args],
+            capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+
+    zero = bench("--big-events", "0")
+    assert zero.returncode == 2 and "--scenarios: unknown ['nothing']" in zero.stderr, zero.stderr
+    negative = bench("--big-events", "-1")
+    assert negative.returncode == 2 and "--big-events: must be > 0, got -1" in negative.stderr, (
+        negative.stderr
+    )
