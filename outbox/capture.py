@@ -390,6 +390,11 @@ class WalReader(threading.Thread):
     def waiting(self) -> bool:
         return bool(self._queue)
 
+    @property
+    def queued(self) -> int:
+        """Events read and not taken yet."""
+        return self._queued
+
     def oldest_wait(self) -> float:
         """Seconds the oldest piece read has waited to be taken (0: none waits)."""
         with self._lock:
