@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import tempfile
-import threading
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -25,7 +24,7 @@ from outbox.bench.measure import median, middle_rate, percentiles, race
 from outbox.bench.sinks import sinks as sinks  # the sinks scenario, run by name like the others
 from outbox.bench.snapshot import snapshot as snapshot  # the held snapshot, table and WAL capture
 from outbox.bench.tenants import tenants as tenants  # the tenants scenario: many outboxes, one relay
-from outbox.bench.workspace import STEADY_GRACE_SECONDS, Workspace, Writers, wal_capable
+from outbox.bench.workspace import STEADY_GRACE_SECONDS, SnapshotHolder, Workspace, Writers, wal_capable
 from outbox.bench.writers import writer as writer  # the writer scenario, every stack
 from outbox.extras import missing
 from outbox.harness.tap import Tap
@@ -387,19 +386,7 @@ def soak(cfg: BenchConfig) -> dict[str, Any]:
         # When the snapshot is taken (seconds into the load, then into the run) and released.
         snapshot_at = max(0.0, seconds / 2 - cfg.snapshot_seconds / 2)
         window: list[float] = []
-        holder_started = threading.Event()
-
-        def hold_snapshot() -> None:
-            # Another session keeps a snapshot open: vacuum cannot remove the rows
-            # deleted meanwhile. The table must recover once it is released.
-            with psycopg.connect(cfg.dsn) as conn:
-                conn.isolation_level = psycopg.IsolationLevel.REPEATABLE_READ
-                conn.execute(query("harness_count_orders", ws.schema))
-                holder_started.set()
-                time.sleep(cfg.snapshot_seconds)
-                conn.rollback()
-
-        holder = threading.Thread(target=hold_snapshot, daemon=True)
+        holder = SnapshotHolder(cfg.dsn, ws.schema, cfg.snapshot_seconds)  # then the table recovers
         health = query("hot_table_stats", ws.schema)
         last_sample = [-10.0]
         sample_every = max(0.5, seconds / 300)
@@ -431,7 +418,6 @@ def soak(cfg: BenchConfig) -> dict[str, Any]:
                 writers.start()
             if started_at and not window and elapsed - started_at[0] >= snapshot_at:
                 holder.start()
-                holder_started.wait(10)
                 window.extend([elapsed, elapsed + cfg.snapshot_seconds])
             if started_at and not writers.alive() and not drain_from:
                 drain_from.append(elapsed)
@@ -457,7 +443,7 @@ def soak(cfg: BenchConfig) -> dict[str, Any]:
             until=settled,
         )
         writers.join()
-        holder.join(5)
+        holder.release()
         final = monitor.execute(health, {"schema": ws.schema}).fetchone()
         monitor.close()
     peak = max((s["table_bytes"] for s in samples), default=0)

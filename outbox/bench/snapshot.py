@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -31,7 +30,7 @@ from outbox import capture
 from outbox.bench.config import BenchConfig
 from outbox.bench.contenders import ack_sampled
 from outbox.bench.measure import percentiles, race
-from outbox.bench.workspace import STEADY_GRACE_SECONDS, Workspace, Writers, wal_capable
+from outbox.bench.workspace import STEADY_GRACE_SECONDS, SnapshotHolder, Workspace, Writers, wal_capable
 from outbox.progress import Progress
 from outbox.queries import query
 
@@ -67,20 +66,7 @@ def snapshot_once(cfg: BenchConfig, mode: str) -> dict[str, Any]:
         spec.ack_log = ack_log
         spec.ack_sample = True
         writers = Writers(ws, cfg.snapshot_rate, seconds, record=True)
-        holding = threading.Event()
-        release = threading.Event()
-
-        def hold_snapshot() -> None:
-            # A REPEATABLE READ transaction that has read something keeps its snapshot (and the
-            # server's xmin horizon) until it ends: vacuum cannot remove what is deleted meanwhile.
-            with psycopg.connect(cfg.dsn) as conn:
-                conn.isolation_level = psycopg.IsolationLevel.REPEATABLE_READ
-                conn.execute(query("harness_count_orders", ws.schema))
-                holding.set()
-                release.wait()
-                conn.rollback()
-
-        holder = threading.Thread(target=hold_snapshot, name="snapshot-holder", daemon=True)
+        holder = SnapshotHolder(cfg.dsn, ws.schema)  # held from before the first write to the end
         monitor = psycopg.connect(cfg.dsn, autocommit=True)
         health = query("hot_table_stats", ws.schema)
         retained = query("bench_slot_wal", ws.schema)
@@ -96,7 +82,6 @@ def snapshot_once(cfg: BenchConfig, mode: str) -> dict[str, Any]:
                 wall.append(time.time() - elapsed)
             if not started and elapsed >= 1.5:  # the relay connected: hold, then write
                 holder.start()
-                holding.wait(10)
                 started.append(elapsed)
                 writers.start()
             if elapsed - last[0] < every:
@@ -131,8 +116,7 @@ def snapshot_once(cfg: BenchConfig, mode: str) -> dict[str, Any]:
             on_sample=on_sample,
             until=caught_up,
         )
-        release.set()
-        holder.join(10)
+        holder.release()
         monitor.close()
         commits = writers.join()
         acks: dict[str, float] = dict(json.loads(Path(ack_log).read_text())) if Path(ack_log).exists() else {}

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import multiprocessing as mp
 import tempfile
+import threading
 import time
 import uuid
 from multiprocessing.sharedctypes import Synchronized
@@ -133,6 +134,36 @@ class Writers:
                 commits.update(pairs)
         self.tmp.cleanup()
         return commits
+
+
+class SnapshotHolder:
+    """Another session holding a snapshot: a REPEATABLE READ transaction that has read something
+    keeps it (and the server's xmin horizon) until it ends, so vacuum cannot remove what is
+    deleted meanwhile. Held for ``seconds``, or (None) until :meth:`release`."""
+
+    def __init__(self, dsn: str, schema: str, seconds: float | None = None) -> None:
+        self.dsn, self.schema, self.seconds = dsn, schema, seconds
+        self.holding = threading.Event()
+        self._release = threading.Event()
+        self._thread = threading.Thread(target=self._hold, name="snapshot-holder", daemon=True)
+
+    def start(self, wait: float = 10.0) -> None:
+        """Take the snapshot (waits up to ``wait`` s for it to be held)."""
+        self._thread.start()
+        self.holding.wait(wait)
+
+    def release(self) -> None:
+        self._release.set()
+        if self._thread.is_alive():
+            self._thread.join(10)
+
+    def _hold(self) -> None:
+        with psycopg.connect(self.dsn) as conn:
+            conn.isolation_level = psycopg.IsolationLevel.REPEATABLE_READ
+            conn.execute(query("harness_count_orders", self.schema))
+            self.holding.set()
+            self._release.wait(self.seconds)
+            conn.rollback()
 
 
 def wal_capable(dsn: str) -> bool:
