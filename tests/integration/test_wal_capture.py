@@ -14,6 +14,7 @@ from typing import Any
 
 import psycopg
 import pytest
+from psycopg import sql
 
 import outbox
 from outbox import capture
@@ -646,3 +647,55 @@ def test_a_slot_that_cannot_be_read_makes_readyz_say_so(wal_dsn: str, wal_schema
         capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert f"slot {slot} MISSING" in out.stdout, out.stdout
+
+
+def test_an_idle_outbox_s_slot_moves_past_traffic_that_is_not_its_own(
+    wal_dsn: str, wal_schema: str, kafka: str, topic: str
+) -> None:
+    """The outbox delivers some events, then writes nothing while the app goes on writing its own
+    tables: the slot is confirmed past that WAL (read whole, none of it ours), so an idle outbox
+    does not pin the server's WAL. Two things report it: the reader's idle report (wal_end once
+    nothing is queued or in flight) and psycopg2, which moves the flush position to a
+    keepalive's wal_end once the last message read is confirmed; without both, the slot would
+    stay at the last event's transaction."""
+    slot = capture.slot_name(wal_schema)
+
+    def confirmed() -> int:
+        with psycopg.connect(wal_dsn, autocommit=True) as conn:
+            row = conn.execute(
+                "SELECT pg_wal_lsn_diff(confirmed_flush_lsn, '0/0')::bigint FROM pg_replication_slots"
+                " WHERE slot_name = %s",
+                (slot,),
+            ).fetchone()
+        assert row is not None
+        return int(row[0])
+
+    with running_relay(RelayConfig(wal_dsn, schema=wal_schema, poll_interval=0.1), bootstrap=kafka) as relay:
+        wait_for(lambda: relay.ready()[0], timeout=30, what="ready")
+        lane = relay.lanes["default"]
+        wait_for(lambda: lane.wal is not None and lane.wal.caught_up, timeout=30, what="the reader caught up")
+        _write_keyed(wal_dsn, wal_schema, topic, ["a", "b"], 10)
+        wait_for(lambda: count(wal_dsn, wal_schema, "delivered") == 20, timeout=30, what="delivered")
+        with psycopg.connect(wal_dsn, autocommit=True) as conn:  # an app's own tables, no event
+            other = sql.Identifier(f"{wal_schema}_app")
+            conn.execute(sql.SQL("CREATE SCHEMA {}").format(other))
+            try:
+                conn.execute(sql.SQL("CREATE TABLE {}.orders (id bigint, note text)").format(other))
+                for _ in range(5):
+                    conn.execute(
+                        sql.SQL(
+                            "INSERT INTO {}.orders SELECT g, repeat(%s, 50) FROM generate_series(1, 2000) g"
+                        ).format(other),
+                        ("x",),
+                    )
+                row = conn.execute("SELECT pg_wal_lsn_diff(pg_current_wal_lsn(), '0/0')::bigint").fetchone()
+                assert row is not None
+                written = int(row[0])
+                start = confirmed()
+                assert start < written
+                wait_for(
+                    lambda: confirmed() >= written, timeout=30, what="the slot confirmed past the app's WAL"
+                )
+            finally:
+                conn.execute(sql.SQL("DROP SCHEMA {} CASCADE").format(other))
+    assert count(wal_dsn, wal_schema, "delivered") == 20
