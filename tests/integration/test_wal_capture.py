@@ -305,6 +305,45 @@ def test_a_key_held_into_the_table_stays_held_until_its_batch_commits(
     assert count(wal_dsn, wal_schema, "events") == 0
 
 
+def test_a_slot_that_does_not_advance_turns_readyz_not_ready_and_back(
+    wal_dsn: str, wal_schema: str, kafka: str, topic: str
+) -> None:
+    """A sink that takes events and never answers (a frozen network, a hung broker) stops the
+    relay confirming the slot: transactions read wait behind the batches in flight, and WAL
+    piles up. /readyz says so by name once one has waited the stall timeout, and is ready again
+    when the sink answers; nothing is lost."""
+    sink = _Gated(kafka)
+    sink.closed = {"G"}
+    config = RelayConfig(
+        wal_dsn, schema=wal_schema, poll_interval=0.05, max_batches_in_flight=1, stall_timeout=2
+    )
+
+    def emit(seq: int) -> None:
+        with psycopg.connect(wal_dsn) as conn:
+            outbox.enqueue(conn, topic, {"seq": seq, "gate": "G"}, key="K", schema=wal_schema)
+            conn.commit()
+
+    with running_relay(config, lambda: sink) as relay:
+        wait_for(lambda: relay.ready()[0], timeout=30, what="ready")
+        emit(0)
+        wait_for(lambda: "G" in sink.waiting, timeout=30, what="the first batch in flight, unanswered")
+        emit(1)  # read, and waits: the one batch allowed is out
+        said: list[str] = []
+
+        def slot_named() -> bool:
+            ready, why = relay.ready()
+            said.append(why)
+            return not ready and "the WAL slot does not advance: a transaction read" in why
+
+        try:
+            wait_for(slot_named, timeout=30, what="not ready, naming the slot")
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}; /readyz said last: {said[-1:]}") from None
+        sink.open("G")
+        wait_for(lambda: count(wal_dsn, wal_schema, "delivered") == 2, timeout=30, what="both delivered")
+        wait_for(lambda: relay.ready()[0], timeout=30, what="ready again")
+
+
 @pytest.mark.slow  # processes, or a server of its own: the matrices leave it out
 def test_a_database_restart_does_not_wait_on_the_reader_s_events_in_flight(kafka: str, topic: str) -> None:
     """A server shutting down waits for each walsender until its reader confirms what it was sent
