@@ -60,6 +60,10 @@ class Lane:
     # when to look anyway (retries come due without a NOTIFY). Monotonic seconds.
     table_due: bool = True
     next_table_claim: float = 0.0
+    # Its events table has new work: a NOTIFY, new partitions, events due again after an outage
+    # (set by the listener's thread and the loop; read by the loop). The WAL reader's wake-up
+    # sets ``woken`` only: a transaction read is no sign of work in the table.
+    table_news: bool = False
     capture_mode: str = "table"  # as last read from its capture table
     next_capture: float = 0.0  # monotonic time of the next look at its capture mode
     stats: RelayStats = field(default_factory=RelayStats)

@@ -349,8 +349,9 @@ class Relay:
             self._check_capture(now)
         chosen = self._next_claim(now)
         if chosen is not None:
-            if chosen.woken:
-                chosen.table_due = True  # WAL capture: rows were inserted into its events table
+            if chosen.table_news:  # WAL capture: rows were inserted into its events table
+                chosen.table_news = False
+                chosen.table_due = True
             chosen.woken = False  # a NOTIFY arriving during the claim sets it again
             limit = self._batch_limit(chosen, now)
             claimed = self._claim_and_send(chosen, limit)
@@ -905,6 +906,14 @@ class Relay:
 
     def _woken(self, lane: Lane) -> None:
         """A NOTIFY for this outbox (the listener's thread): claim it at the next step."""
+        lane.table_news = True
+        lane.woken = True
+        self._wakeup.set()
+
+    def _wal_read(self, lane: Lane) -> None:
+        """The WAL reader queued a transaction (its thread): send it at the next step. Not a sign
+        of rows in the table: marking the table due here made every other WAL batch wait for an
+        empty claim of it (a round trip, and commit -> ack p50 6.6 ms against 4.2 for the table)."""
         lane.woken = True
         self._wakeup.set()
 
@@ -955,7 +964,7 @@ class Relay:
         ordering = lane.ordering
         lost_before = ordering.lost_partitions
         if ordering.tick(pids, (id(b) for b in lane.in_flight), self.sessions.stale, readiness):
-            lane.woken = True  # new partitions: there may be work right now
+            lane.woken = lane.table_news = True  # new partitions: there may be work right now
         if not ordering.heartbeat.active:
             self._loop_progress = time.monotonic()
         if self._metrics_on:
@@ -1007,7 +1016,7 @@ class Relay:
                 n,
                 extra={"outbox": lane.name},
             )
-            lane.woken = True
+            lane.woken = lane.table_news = True
 
     def _maintain_partitions(self, now: float) -> None:
         """The archive's day partitions of each outbox whose hourly check is due (one a step)."""
@@ -1065,7 +1074,11 @@ class Relay:
         lane.capture_mode = found.mode
         if found.reads_slot and lane.wal is None:
             lane.wal = WalReader(
-                lane.outbox.dsn, lane.schema, found, partial(self._woken, lane), name=lane.said and lane.name
+                lane.outbox.dsn,
+                lane.schema,
+                found,
+                partial(self._wal_read, lane),
+                name=lane.said and lane.name,
             )
             lane.wal.start()
             log.info(

@@ -305,6 +305,39 @@ def test_a_key_held_into_the_table_stays_held_until_its_batch_commits(
     assert count(wal_dsn, wal_schema, "events") == 0
 
 
+def test_transactions_read_from_the_wal_do_not_make_the_relay_claim_its_empty_table(
+    wal_dsn: str, wal_schema: str, kafka: str, topic: str
+) -> None:
+    """The table is claimed in WAL capture when it has news (a NOTIFY: a delayed or held event
+    went in) or on its poll timer, not because the reader woke the loop: that made every other
+    WAL batch wait for an empty claim of the table, a round trip in each event's latency."""
+    config = RelayConfig(wal_dsn, schema=wal_schema, poll_interval=5.0)
+    with running_relay(config, bootstrap=kafka) as relay:
+        wait_for(lambda: relay.ready()[0], timeout=30, what="ready")
+        lane = relay.lanes["default"]
+        wait_for(lambda: lane.wal is not None and lane.wal.caught_up, timeout=30, what="the reader caught up")
+        table_claims = [0]
+        claim = lane.ordering.claim
+
+        def counted(conn: Any, limit: int) -> list[tuple[Any, ...]]:
+            table_claims[0] += 1
+            return claim(conn, limit)
+
+        lane.ordering.claim = counted  # type: ignore[method-assign]
+        batches = relay.stats.claims
+        with psycopg.connect(wal_dsn) as conn:
+            for i in range(60):  # one transaction at a time, each read and sent on its own
+                outbox.enqueue(conn, topic, {"seq": i}, key=f"k{i}", schema=wal_schema)
+                conn.commit()
+                time.sleep(0.02)
+        wait_for(lambda: count(wal_dsn, wal_schema, "delivered") == 60, timeout=30, what="delivered")
+        wal_batches = relay.stats.claims - batches - table_claims[0]
+        assert wal_batches >= 20, wal_batches  # the case in point: many batches of few events
+        # The poll timer (5 s, jittered) allows a claim or two in these ~2 s; a claim per WAL
+        # wake-up made about one per two batches.
+        assert table_claims[0] <= 3, (table_claims[0], wal_batches)
+
+
 def test_a_slot_that_does_not_advance_turns_readyz_not_ready_and_back(
     wal_dsn: str, wal_schema: str, kafka: str, topic: str
 ) -> None:
