@@ -151,12 +151,25 @@ class Hygiene(threading.Thread):
         if dead_after >= self._threshold and dead_after > dead // 2:
             oldest = conn.execute(query("oldest_xmin_age", schema)).fetchone()
             age = float(oldest[0]) if oldest and oldest[0] is not None else None
+            if age is None or age < self._interval:
+                # No snapshot older than a check: a transaction that just began (the relay's own
+                # batches in a drain) or, before PostgreSQL 15, statistics that do not show the
+                # vacuum yet. Nothing is held open: look again at the next check, without a
+                # warning (backing off here left a drained table large for minutes).
+                log.debug(
+                    "vacuum of %s.events left %d dead tuples; no snapshot held longer than %.0f s: "
+                    "looking again at the next check",
+                    schema,
+                    dead_after,
+                    self._interval,
+                )
+                return self._interval
             log.warning(
                 "vacuum could not remove %d dead tuples of %s.events: a snapshot is held open "
-                "(oldest for %s); the table grows until it is released",
+                "(oldest for %.0f s); the table grows until it is released",
                 dead_after,
                 schema,
-                "unknown" if age is None else f"{age:.0f} s",
+                age,
             )
             # Scanning again will not help until that snapshot goes: back off.
             return min(MAX_BACKOFF, max(self._interval, took * 10))

@@ -514,7 +514,16 @@ def test_a_large_transaction_goes_in_pieces_and_a_relay_killed_inside_it_resumes
     assert part == (True, handed), f"capture says {part} with {done} archived, {handed} handed on"
     second = RelayProcess(wal_dsn, wal_schema, kafka, *args)
     try:
-        wait_for(lambda: count(wal_dsn, wal_schema, "delivered") >= total, timeout=120, what="the rest")
+        # The rest, and the transaction's end: its commit comes as a piece of its own (empty when
+        # the events filled whole pieces), which may be handed on just after the last events.
+        wait_for(
+            lambda: (
+                count(wal_dsn, wal_schema, "delivered") >= total
+                and _rows(wal_dsn, f'SELECT part_commit FROM "{wal_schema}".capture') == [(None,)]
+            ),
+            timeout=120,
+            what="the rest, and the transaction's end",
+        )
     finally:
         second.close()
     assert _rows(wal_dsn, f'SELECT count(*), count(DISTINCT event_id) FROM "{wal_schema}".delivered') == [
