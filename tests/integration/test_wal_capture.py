@@ -305,6 +305,35 @@ def test_a_key_held_into_the_table_stays_held_until_its_batch_commits(
     assert count(wal_dsn, wal_schema, "events") == 0
 
 
+def test_a_wal_batch_is_committed_when_it_finishes(
+    wal_dsn: str, wal_schema: str, kafka: str, topic: str
+) -> None:
+    """A WAL batch's archive rows and position are committed when it finishes (in one round trip,
+    psycopg's pipeline mode), and stay through the table's claims that follow on the same
+    session (an empty claim rolls back: work left open there would go with it)."""
+    # One session, so that the table's claims run where the WAL batches finished.
+    config = RelayConfig(
+        wal_dsn, schema=wal_schema, poll_interval=0.05, max_connections=1, max_batches_in_flight=1
+    )
+    with running_relay(config, bootstrap=kafka) as relay:
+        wait_for(lambda: relay.ready()[0], timeout=30, what="ready")
+        for i in range(3):
+            with psycopg.connect(wal_dsn) as conn:
+                # Keyless: no key check opens the batch's transaction before it finishes.
+                outbox.enqueue(conn, topic, {"seq": i}, schema=wal_schema)
+                conn.commit()
+            wait_for(
+                lambda i=i: count(wal_dsn, wal_schema, "delivered") == i + 1,  # type: ignore[misc]
+                timeout=10,
+                what=f"event {i} archived, committed",
+            )
+        claims = relay.stats.claims
+        wait_for(lambda: relay.stats.claims >= claims + 3, timeout=30, what="table claims on the sessions")
+        assert count(wal_dsn, wal_schema, "delivered") == 3
+        lsn = _rows(wal_dsn, f'SELECT lsn IS NOT NULL FROM "{wal_schema}".capture')
+        assert lsn == [(True,)]
+
+
 def test_transactions_read_from_the_wal_do_not_make_the_relay_claim_its_empty_table(
     wal_dsn: str, wal_schema: str, kafka: str, topic: str
 ) -> None:
@@ -504,14 +533,20 @@ def test_a_large_transaction_goes_in_pieces_and_a_relay_killed_inside_it_resumes
         )
         first.proc.kill()
         first.proc.wait()
+        first_log = first.output()
     finally:
         first.close()
     done = count(wal_dsn, wal_schema, "delivered")
-    # Handed on: archived, or put into the table for a retry (a send that timed out, under load).
-    handed = done + count(wal_dsn, wal_schema, "events")
+    # Handed on: archived, put into the table for a retry (a send that timed out, under load),
+    # or dead-lettered (none should be: the tail of the relay's log says why if one is).
+    dead = count(wal_dsn, wal_schema, "dead_letters")
+    handed = done + count(wal_dsn, wal_schema, "events") + dead
     part = _rows(wal_dsn, f'SELECT part_commit IS NOT NULL, part_events FROM "{wal_schema}".capture')[0]
     assert handed < total, "the relay finished before the kill: the test proves nothing"
-    assert part == (True, handed), f"capture says {part} with {done} archived, {handed} handed on"
+    assert part == (True, handed) and dead == 0, (
+        f"capture says {part} with {done} archived, {dead} dead, {handed} handed on; "
+        f"the relay's log ends: {first_log[-3000:]}"
+    )
     second = RelayProcess(wal_dsn, wal_schema, kafka, *args)
     try:
         # The rest, and the transaction's end: its commit comes as a piece of its own (empty when
