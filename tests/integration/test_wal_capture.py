@@ -792,6 +792,7 @@ def test_an_idle_outbox_s_slot_moves_past_traffic_that_is_not_its_own(
         wait_for(lambda: lane.wal is not None and lane.wal.caught_up, timeout=30, what="the reader caught up")
         _write_keyed(wal_dsn, wal_schema, topic, ["a", "b"], 10)
         wait_for(lambda: count(wal_dsn, wal_schema, "delivered") == 20, timeout=30, what="delivered")
+        start = confirmed()  # before the app's traffic (read after it, it may be confirmed already)
         with psycopg.connect(wal_dsn, autocommit=True) as conn:  # an app's own tables, no event
             other = sql.Identifier(f"{wal_schema}_app")
             conn.execute(sql.SQL("CREATE SCHEMA {}").format(other))
@@ -807,7 +808,6 @@ def test_an_idle_outbox_s_slot_moves_past_traffic_that_is_not_its_own(
                 row = conn.execute("SELECT pg_wal_lsn_diff(pg_current_wal_lsn(), '0/0')::bigint").fetchone()
                 assert row is not None
                 written = int(row[0])
-                start = confirmed()
                 assert start < written
                 wait_for(
                     lambda: confirmed() >= written, timeout=30, what="the slot confirmed past the app's WAL"
