@@ -247,18 +247,13 @@ class Batch:
             dead_ids, dead_errors, result.dead_events,
         )  # fmt: skip
         try:
-            self._write_and_commit(schema, written)
+            self._write(schema, written)
+            self.conn.commit()
             self.finished = True
         except FencingError:
             self.conn.rollback()
             raise
         return result
-
-    def _write_and_commit(self, schema: str, w: Written) -> None:
-        """The outcomes' statements and the commit. Each statement's row count is checked
-        before the commit (a lost lease changes fewer rows): one round trip each."""
-        self._write(schema, w)
-        self.conn.commit()
 
     def _write(self, schema: str, w: Written) -> None:
         """The outcomes' statements, in the batch's transaction (committed by ``finish``)."""
