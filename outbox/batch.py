@@ -39,6 +39,11 @@ _ID, _ATTEMPTS = itemgetter(0), itemgetter(7)  # of a claimed row (claim_batch's
 CORRUPT_TOPIC = "(corrupt)"  # the topic results of rows that could not be decoded are counted under
 
 
+# psycopg's pipeline mode needs libpq 14+ (the binary wheels bring their own; a system libpq
+# may be older): without it, each statement is its own round trip.
+PIPELINE = psycopg.Pipeline.is_supported()
+
+
 @dataclass(slots=True)
 class TopicResult:
     """What a finished batch did with its events of one topic."""
@@ -247,13 +252,18 @@ class Batch:
             dead_ids, dead_errors, result.dead_events,
         )  # fmt: skip
         try:
-            self._write(schema, written)
-            self.conn.commit()
+            self._write_and_commit(schema, written)
             self.finished = True
         except FencingError:
             self.conn.rollback()
             raise
         return result
+
+    def _write_and_commit(self, schema: str, w: Written) -> None:
+        """The outcomes' statements and the commit. Each statement's row count is checked
+        before the commit (a lost lease changes fewer rows): one round trip each."""
+        self._write(schema, w)
+        self.conn.commit()
 
     def _write(self, schema: str, w: Written) -> None:
         """The outcomes' statements, in the batch's transaction (committed by ``finish``)."""
@@ -342,6 +352,19 @@ class WalBatch(Batch):
             if event is not None and event.key is not None:
                 self._holds.add(id(self), event.key)
         super().settle(index, outcome)
+
+    def _write_and_commit(self, schema: str, w: Written) -> None:
+        """Every event delivered (the common case): the archive, the position and the commit go
+        in one round trip (pipeline mode); no row count needs checking first, as nothing here
+        was claimed. Three round trips held the relay's loop 1-2 ms per batch, during which
+        the transactions read waited. Atomic as before: the server commits the three together
+        or none of them, whether the relay dies before or after sending them."""
+        if len(w.ok_ids) == len(self.rows) and PIPELINE:
+            with self.conn.pipeline():
+                self._write(schema, w)
+                self.conn.commit()
+        else:
+            super()._write_and_commit(schema, w)
 
     def _write(self, schema: str, w: Written) -> None:
         conn = self.conn
