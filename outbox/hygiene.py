@@ -71,6 +71,10 @@ class Hygiene(threading.Thread):
         self._next: dict[str, float] = {}
         self._fruitless: dict[str, int] = {}  # vacuums in a row that did not shrink the table
         self.condition = Condition(log, "hygiene", "hot-table check failing")
+        # Per schema: a snapshot held open keeps its dead tuples. One line when that starts, a
+        # summary a minute while it lasts (the table is looked at every few seconds), one when
+        # a vacuum removes them again.
+        self.held: dict[str, Condition] = {}
 
     def run(self) -> None:
         wait = self._interval
@@ -169,16 +173,20 @@ class Hygiene(threading.Thread):
                     dead_after,
                     self._interval,
                 )
+                self._released(schema)
                 return self._interval
-            log.warning(
-                "vacuum could not remove %d dead tuples of %s.events: a snapshot is held open "
-                "(oldest for %.0f s); the table grows until it is released",
-                dead_after,
-                schema,
-                age,
+            held = self.held.get(schema)
+            if held is None:
+                held = self.held[schema] = Condition(
+                    log, "vacuum_held", f"vacuum of {schema}.events held back", fields={"schema": schema}
+                )
+            held.fail(
+                f"could not remove {dead_after} dead tuples: a snapshot is held open "
+                f"(oldest for {age:.0f} s); the table grows until it is released"
             )
             # Scanning again will not help until that snapshot goes: back off.
             return min(MAX_BACKOFF, max(self._interval, took * 10))
+        self._released(schema)
         heaps = conn.execute(query("hot_tables_stats", "public"), {"schemas": [schema]}).fetchall()
         if dead < self._threshold and heaps and int(heaps[0][3]) >= heap:
             # A nearly drained table whose last pages still hold pending events (a slow sink's
@@ -188,6 +196,12 @@ class Hygiene(threading.Thread):
             return min(MAX_BACKOFF, self._interval * float(2**n))
         self._fruitless.pop(schema, None)
         return 0.0
+
+    def _released(self, schema: str) -> None:
+        """A vacuum of ``schema``'s table was not held back: ends a held-snapshot episode (one line)."""
+        held = self.held.get(schema)
+        if held is not None:
+            held.ok()
 
 
 def _lock_key(schema: str) -> int:
