@@ -31,7 +31,8 @@ GRANT SELECT, UPDATE ON {schema}.partitions TO {relay};
 -- WAL capture: the slot's handed-on position, and the events it puts into the table for a retry
 -- (and the archive ids it takes from the events sequence). Reading the slot needs the login
 -- role's own REPLICATION attribute (not inherited through membership).
-GRANT SELECT, UPDATE (lsn, part_commit, part_events) ON {schema}.capture TO {relay};
+GRANT SELECT ON {schema}.capture TO {relay};
+GRANT SELECT, INSERT, DELETE ON {schema}.capture_positions TO {relay};
 GRANT INSERT ON {schema}.events TO {relay};
 GRANT USAGE ON SEQUENCE {sequence} TO {relay};
 GRANT EXECUTE ON FUNCTION {schema}.ensure_delivered_partitions(integer) TO {relay};
@@ -46,7 +47,8 @@ GRANT SELECT, INSERT, UPDATE, DELETE ON {schema}.claim_checks TO {relay};
 -- trail. It cannot change or delete a pending event or the archive, purge, or run DDL.
 GRANT USAGE ON SCHEMA {schema} TO {console};
 GRANT SELECT ON {schema}.schema_migrations, {schema}.events, {schema}.delivered, {schema}.dead_letters,
-    {schema}.relays, {schema}.partitions, {schema}.claim_checks, {schema}.capture TO {console};
+    {schema}.relays, {schema}.partitions, {schema}.claim_checks, {schema}.capture,
+    {schema}.capture_positions TO {console};
 GRANT INSERT ON {schema}.events TO {console};
 GRANT USAGE ON SEQUENCE {sequence} TO {console};
 GRANT DELETE, UPDATE (parked) ON {schema}.dead_letters TO {console};

@@ -390,14 +390,13 @@ class WalBatch(Batch):
             self._failed(schema, w, [real[i] for i in w.retry_ids], [real[i] for i in w.dead_ids])
             w.dead_events[:] = [(real[i], reason) for i, reason in w.dead_events]
         after = self.after
-        conn.execute(
-            query("wal_handed_on", schema),
-            {
-                "lsn": capture.lsn_text(after.lsn),
-                "part_commit": capture.lsn_text(after.commit) if after.commit else None,
-                "part_events": after.events,
-            },
-        )
+        position = {
+            "lsn": capture.lsn_text(after.lsn),
+            "part_commit": capture.lsn_text(after.commit) if after.commit else None,
+            "part_events": after.events if after.commit else 0,
+        }
+        conn.execute(query("wal_positions_superseded", schema), position)
+        conn.execute(query("wal_handed_on", schema), position)
 
     @staticmethod
     def _columns(rows: Sequence[tuple[Any, ...]]) -> dict[str, Any]:

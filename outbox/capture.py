@@ -12,7 +12,7 @@ machinery (backoff, dead letters, parking, per-key order) takes it from there: a
 and every later event of its key while the key has anything in the table, so a key never
 overtakes its own failure. The slot's position advances past a transaction only once its
 events are delivered and archived, or in the table, in a transaction that committed; that
-transaction also records the position in ``capture.lsn``, below which a relay skips what the
+transaction also records the position in ``capture_positions``, below which a relay skips what the
 slot sends again (after a crash between that commit and the slot's confirmation).
 
 One relay reads a slot at a time (PostgreSQL lets one session stream it): the others stand by
@@ -430,7 +430,7 @@ class WalReader(threading.Thread):
         while not self._halt.is_set():
             try:
                 self._stream()
-            except psycopg.Error as exc:  # reading capture.lsn
+            except psycopg.Error as exc:  # reading the position
                 self.reading = False
                 self.condition.fail(scrub(str(exc).strip(), secrets_of(self.dsn)))
                 self._halt.wait(RECONNECT)

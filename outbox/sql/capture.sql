@@ -4,8 +4,16 @@
 -- value is a bound parameter. Literal braces are doubled.
 
 -- name: capture_state
--- The outbox's capture mode, its slot and publication, and the position handed on so far.
-SELECT mode, slot, publication, lsn::text, part_commit::text, part_events FROM {schema}.capture
+-- The outbox's capture mode, its slot and publication, and the position handed on so far: the
+-- greatest in capture_positions (migration 0014), the last entry of its index.
+SELECT c.mode, c.slot, c.publication, p.lsn::text, p.part_commit::text, coalesce(p.part_events, 0)
+FROM {schema}.capture AS c
+LEFT JOIN LATERAL (
+    SELECT lsn, part_commit, part_events FROM {schema}.capture_positions
+    ORDER BY coalesce(part_commit, lsn, '0/0'::pg_lsn) DESC,
+             CASE WHEN part_commit IS NULL THEN 0 ELSE part_events END DESC
+    LIMIT 1
+) AS p ON true
 
 -- name: capture_table_exists
 -- Whether the schema has migration 0013 (the capture table), for writers and relays that
@@ -141,11 +149,20 @@ FROM unnest(%(event_ids)b::uuid[], %(topics)b::text[], %(keys)b::bytea[], %(payl
 -- name: wal_handed_on
 -- The WAL is handed on up to this position (committed with what it handed on): the transactions
 -- ending at or before lsn, and the first part_events of the one committed at part_commit (NULL:
--- none). Never moved back (a reader that lost the slot may still finish a batch).
-UPDATE {schema}.capture
-SET lsn = %(lsn)s::pg_lsn, part_commit = %(part_commit)s::pg_lsn, part_events = %(part_events)s
-WHERE (coalesce(part_commit, lsn, '0/0'), CASE WHEN part_commit IS NULL THEN 0 ELSE part_events END)
-    < (coalesce(%(part_commit)s::pg_lsn, %(lsn)s::pg_lsn), %(part_events)s)
+-- none). Appended (migration 0014: an update per batch left a dead row version that a held
+-- snapshot keeps, and every later update read them all); the greatest position counts.
+INSERT INTO {schema}.capture_positions (lsn, part_commit, part_events)
+VALUES (%(lsn)s::pg_lsn, %(part_commit)s::pg_lsn, %(part_events)s)
+
+-- name: wal_positions_superseded
+-- Before wal_handed_on, in its transaction: the positions it supersedes among the last 16 rows
+-- (by id; the newest is found through the primary key's last entry), so that one or two rows
+-- stay live and nothing reads the dead ones a held snapshot keeps. A lower position of a reader
+-- that lost the slot is deleted by the next batch; a higher one is never deleted here.
+DELETE FROM {schema}.capture_positions
+WHERE id > (SELECT max(id) FROM {schema}.capture_positions) - 16
+  AND (coalesce(part_commit, lsn, '0/0'::pg_lsn), CASE WHEN part_commit IS NULL THEN 0 ELSE part_events END)
+      <= (coalesce(%(part_commit)s::pg_lsn, %(lsn)s::pg_lsn), %(part_events)s)
 
 -- name: current_wal_lsn
 -- Where the WAL ends now: a reader that has been sent everything up to here has caught up.

@@ -137,6 +137,20 @@ def test_relay_runs_under_the_relay_role(
     assert row == migrator  # created through the SECURITY DEFINER function, owned by the migrating role
 
 
+def test_relay_role_writes_and_reads_the_wal_position(logins: Logins, schema: str) -> None:
+    """A WAL batch's position (migration 0014): inserted, the superseded ones deleted, read back."""
+    from outbox import capture
+    from outbox.queries import query
+
+    with psycopg.connect(logins.relay_dsn) as conn:
+        for lsn in ("1/100", "1/200"):
+            position = {"lsn": lsn, "part_commit": None, "part_events": 0}
+            conn.execute(query("wal_positions_superseded", schema), position)
+            conn.execute(query("wal_handed_on", schema), position)
+            conn.commit()
+        assert capture.state(conn, schema).lsn == "1/200"
+
+
 DENIED_TO_RELAY = [
     # It may insert events (WAL capture puts what it could not deliver into the table), but not
     # switch the capture mode: only migrate does.
