@@ -839,8 +839,8 @@ def test_the_position_written_per_wal_batch_reads_a_few_pages_under_a_held_snaps
     pg_dsn: str, schema: str
 ) -> None:
     """Every WAL batch commits its position. Kept in one row (migration 0013), each update left a
-    dead row version that a snapshot held open keeps, and every later update read them all: 148
-    heap pages after 20,000 batches, 1.13 ms an update (0.37 at first), and the relay's commit ->
+    dead row version that a snapshot held open keeps, and every later update read them all (148
+    heap pages after 20,000 batches, 1.13 ms an update, 0.37 at first), and the relay's commit ->
     ack p50 grew from 1.7 to 5.3 ms in the 10-minute held-snapshot bench. Appended, with the
     superseded rows deleted among the last few, the statements read a few pages however many
     batches went before, and the position read back is the last one written."""
@@ -866,7 +866,7 @@ def test_the_position_written_per_wal_batch_reads_a_few_pages_under_a_held_snaps
 
     try:
         with psycopg.connect(pg_dsn) as conn:
-            for n in range(1, 20_001):
+            for n in range(1, 10_001):
                 conn.execute(query("wal_positions_superseded", schema), position(n))
                 conn.execute(query("wal_handed_on", schema), position(n))
                 conn.commit()
@@ -874,17 +874,17 @@ def test_the_position_written_per_wal_batch_reads_a_few_pages_under_a_held_snaps
                 "SELECT pg_relation_size(%s::regclass) / 8192", (f'"{schema}".capture_positions',)
             ).fetchone()
             conn.commit()
-            assert heap is not None and heap[0] > 100, "the dead row versions were removed: nothing held"
+            assert heap is not None and heap[0] > 50, "the dead row versions were removed: nothing held"
             costs = {
-                "superseded": buffers(conn, "wal_positions_superseded", position(20_001)),
-                "handed_on": buffers(conn, "wal_handed_on", position(20_001)),
+                "superseded": buffers(conn, "wal_positions_superseded", position(10_001)),
+                "handed_on": buffers(conn, "wal_handed_on", position(10_001)),
                 "state": buffers(conn, "capture_state", None),
             }
             assert max(costs.values()) <= 20, (costs, f"{heap[0]} heap pages")
             live = conn.execute(f'SELECT count(*) FROM "{schema}".capture_positions').fetchone()
             assert live == (2,) or live == (1,), live
             found = capture.state(conn, schema)
-            assert (found.lsn, found.part_commit) == (position(20_000)["lsn"], None)
+            assert (found.lsn, found.part_commit) == (position(10_000)["lsn"], None)
     finally:
         holder.close()
 
