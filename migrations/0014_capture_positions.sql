@@ -8,8 +8,11 @@
 -- supersedes among the last few rows (by id), so one or two rows are live and no statement
 -- walks the dead ones. The handed-on position is the greatest (the last entry of the
 -- position index): a reader that lost the slot may still finish a batch with a lower one,
--- which never counts. `lsn`: the end of the last WAL transaction whose events were all handed
--- on; inside a large transaction, `part_commit` (its commit record's LSN) and `part_events`
+-- which never counts. capture's columns stay, as migrations are additive: a relay of the release
+-- before this one keeps updating them until it is replaced, and the position read is the
+-- greater of the two (capture.sql, capture_state), so a rolling upgrade hands it on.
+-- `lsn`: the end of the last WAL transaction whose events were all handed on; inside a large
+-- transaction, `part_commit` (its commit record's LSN) and `part_events`
 -- (how many of its events are handed on so far; NULL and 0 between transactions).
 CREATE TABLE {schema}.capture_positions (
     id          bigint  GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
@@ -19,7 +22,3 @@ CREATE TABLE {schema}.capture_positions (
 );
 CREATE INDEX capture_positions_position_idx ON {schema}.capture_positions
     ((coalesce(part_commit, lsn, '0/0'::pg_lsn)), (CASE WHEN part_commit IS NULL THEN 0 ELSE part_events END));
-INSERT INTO {schema}.capture_positions (lsn, part_commit, part_events)
-SELECT lsn, part_commit, part_events FROM {schema}.capture
-WHERE lsn IS NOT NULL OR part_commit IS NOT NULL;
-ALTER TABLE {schema}.capture DROP COLUMN lsn, DROP COLUMN part_commit, DROP COLUMN part_events;

@@ -31,8 +31,9 @@ GRANT SELECT, UPDATE ON {schema}.partitions TO {relay};
 -- WAL capture: the slot's handed-on position, and the events it puts into the table for a retry
 -- (and the archive ids it takes from the events sequence). Reading the slot needs the login
 -- role's own REPLICATION attribute (not inherited through membership).
-GRANT SELECT ON {schema}.capture TO {relay};
 GRANT SELECT, INSERT, DELETE ON {schema}.capture_positions TO {relay};
+-- (capture's own position columns: where relays before migration 0014 keep it.)
+GRANT SELECT, UPDATE (lsn, part_commit, part_events) ON {schema}.capture TO {relay};
 GRANT INSERT ON {schema}.events TO {relay};
 GRANT USAGE ON SEQUENCE {sequence} TO {relay};
 GRANT EXECUTE ON FUNCTION {schema}.ensure_delivered_partitions(integer) TO {relay};

@@ -5,11 +5,19 @@
 
 -- name: capture_state
 -- The outbox's capture mode, its slot and publication, and the position handed on so far: the
--- greatest in capture_positions (migration 0014), the last entry of its index.
+-- greatest in capture_positions (migration 0014; the last entry of its index), or capture's own
+-- columns if greater (where a relay before 0014 kept it: a rolling upgrade hands it on).
 SELECT c.mode, c.slot, c.publication, p.lsn::text, p.part_commit::text, coalesce(p.part_events, 0)
 FROM {schema}.capture AS c
 LEFT JOIN LATERAL (
-    SELECT lsn, part_commit, part_events FROM {schema}.capture_positions
+    SELECT lsn, part_commit, part_events FROM (
+        (SELECT lsn, part_commit, part_events FROM {schema}.capture_positions
+         ORDER BY coalesce(part_commit, lsn, '0/0'::pg_lsn) DESC,
+                  CASE WHEN part_commit IS NULL THEN 0 ELSE part_events END DESC
+         LIMIT 1)
+        UNION ALL
+        SELECT c.lsn, c.part_commit, c.part_events WHERE c.lsn IS NOT NULL OR c.part_commit IS NOT NULL
+    ) AS both_kept
     ORDER BY coalesce(part_commit, lsn, '0/0'::pg_lsn) DESC,
              CASE WHEN part_commit IS NULL THEN 0 ELSE part_events END DESC
     LIMIT 1

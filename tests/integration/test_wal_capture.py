@@ -890,7 +890,8 @@ def test_the_position_written_per_wal_batch_reads_a_few_pages_under_a_held_snaps
 
 
 def test_an_outbox_at_0013_keeps_its_handed_on_position_through_0014(pg_dsn: str) -> None:
-    """The position an outbox in WAL capture had in capture's row moves to capture_positions."""
+    """The position an outbox in WAL capture had in capture's row (0013) still counts after 0014,
+    until a new relay's appended position passes it."""
     from outbox.migrate import _preamble, _record, migrations
 
     name = f"m_{uuid.uuid4().hex[:10]}"
@@ -911,6 +912,17 @@ def test_an_outbox_at_0013_keeps_its_handed_on_position_through_0014(pg_dsn: str
             assert [m.version for m in migrate(conn, name)] == [m.version for m in every if m.version > 13]
             found = capture.state(conn, name)
             assert (found.lsn, found.part_commit, found.part_events) == ("2/A0", "2/F0", 7)
+            # A new relay's batches: the greater position counts, wherever it is kept (an old
+            # relay may still update capture's row during a rolling upgrade).
+            from outbox.queries import query
+
+            for lsn, expected in (("2/B0", ("2/A0", "2/F0", 7)), ("3/0", ("3/0", None, 0))):
+                position = {"lsn": lsn, "part_commit": None, "part_events": 0}
+                with conn.transaction():
+                    conn.execute(query("wal_positions_superseded", name), position)
+                    conn.execute(query("wal_handed_on", name), position)
+                found = capture.state(conn, name)
+                assert (found.lsn, found.part_commit, found.part_events) == expected, lsn
     finally:
         with psycopg.connect(pg_dsn, autocommit=True) as conn:
             conn.execute(sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(sql.Identifier(name)))
