@@ -109,7 +109,10 @@ def test_bench_smoke_soak_scale_and_snapshot(pg_dsn: str, kafka: str, tmp_path: 
     assert [r["capture"] for r in snap["runs"]] == ["table", "wal"]  # the suite's server is logical
     for r in snap["runs"]:
         assert r["delivered"] >= r["written"] > 0 and r["all_acked"], r["capture"]
-        assert len(r["windows"]) == 5 and all(w["acked_sampled"] for w in r["windows"]), r["windows"]
+        # A sixteenth of the events is sampled (by id): the first 1.2 s window of a writer that
+        # started slowly beside the suite held 18 events and, one time in three, none sampled.
+        sampled = [w for w in r["windows"] if w["acked_sampled"]]
+        assert len(r["windows"]) == 5 and len(sampled) >= 3, r["windows"]
         assert r["samples"] and r["p99_worst_to_first"] is not None
     wal = snap["runs"][1]
     assert wal["slot_retained_peak_bytes"] > 0  # the slot was looked at
