@@ -52,7 +52,7 @@ SHORT: dict[str, Any] = {
     "kill_window": 6.0,
     "kill_every": 1.5,
     "broker_outage": 4.0,
-    "blackhole_seconds": 18.0,  # long enough for /readyz to turn (stall timeout 10 s)
+    "blackhole_seconds": 18.0,  # PostgreSQL (a sink: at least its delivery + stall timeouts + 3 s)
     "snapshot_seconds": 4.0,
     "poison_window": 3.0,
     "soak_seconds": 16.0,

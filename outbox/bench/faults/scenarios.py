@@ -16,7 +16,7 @@ import psycopg
 from outbox.bench.faults.config import FaultConfig
 from outbox.bench.faults.relays import poll_until
 from outbox.bench.faults.run import MiB, Run
-from outbox.config import DELIVERY_TIMEOUT, LEASE
+from outbox.config import DELIVERY_TIMEOUT, LEASE, STALL_TIMEOUT
 from outbox.harness.proxy import Proxy
 from outbox.progress import Progress
 from outbox.queries import query
@@ -161,10 +161,18 @@ def _sink_outage(run: Run, p: Progress) -> None:
     run.sleep(cfg.tail * 2, p)
 
 
-def _blackhole(run: Run, p: Progress, proxy: Proxy, what: str, drain_within: float | None = None) -> None:
-    """Traffic frozen (sockets open, no bytes, no reset), then healed: each relay's /readyz must
-    turn 503 and /livez stay 200; measured: time to not-ready, time to drained after healing
-    (which must be at most ``drain_within`` seconds, if given)."""
+def _blackhole(
+    run: Run,
+    p: Progress,
+    proxy: Proxy,
+    what: str,
+    drain_within: float | None = None,
+    at_least: float = 0.0,
+) -> None:
+    """Traffic frozen (sockets open, no bytes, no reset) for the blackhole's seconds (or
+    ``at_least``), then healed: each relay's /readyz must turn 503 and /livez stay 200;
+    measured: time to not-ready, time to drained after healing (which must be at most
+    ``drain_within`` seconds, if given)."""
     cfg = run.cfg
     run.sleep(cfg.warmup, p)
     proxy.freeze()
@@ -172,7 +180,7 @@ def _blackhole(run: Run, p: Progress, proxy: Proxy, what: str, drain_within: flo
     run.mark(f"{what} blackholed")
     not_ready: dict[int, float] = {}
     live = True
-    end = time.monotonic() + cfg.blackhole_seconds
+    end = time.monotonic() + max(cfg.blackhole_seconds, at_least)
     while time.monotonic() < end:
         for i in range(cfg.relays):
             if i not in not_ready and run.relays.get(i, "/readyz")[0] == 503:
@@ -215,9 +223,18 @@ def _blackhole_pg(run: Run, p: Progress) -> None:
 
 
 def _blackhole_sink(run: Run, p: Progress) -> None:
-    """The sink's traffic frozen (sockets open, nothing moves), then healed."""
+    """The sink's traffic frozen (sockets open, nothing moves), then healed. Frozen for at least
+    the relays' delivery timeout and stall timeout and a margin: a sink whose client times the
+    frozen calls out (the AWS SDK, at the delivery timeout) reports each as failed, and /readyz
+    turns once every attempt has failed for the stall timeout. With the relay's own 15 s, the
+    short run's 18 s freeze was over before that on a loaded machine (Kinesis, in CI)."""
     assert run.proxy is not None
-    _blackhole(run, p, run.proxy, f"sink {run.tap.scheme}", drain_within=SINK_HEALED_DRAIN)
+    _blackhole(run, p, run.proxy, f"sink {run.tap.scheme}", SINK_HEALED_DRAIN, _sink_frozen(run.cfg))
+
+
+def _sink_frozen(cfg: FaultConfig) -> float:
+    """The least a sink's blackhole lasts (see _blackhole_sink)."""
+    return cfg.delivery_timeout + STALL_TIMEOUT + 3
 
 
 def _relay_defaults(cfg: FaultConfig) -> dict[str, Any]:
@@ -369,7 +386,7 @@ SCENARIOS: dict[str, Scenario] = {
     ),
     "blackhole-sink": Scenario(  # Kafka: a broker of the run's own, behind the proxy (run.py)
         _blackhole_sink,
-        lambda c: c.warmup + c.blackhole_seconds + SINK_HEALED_DRAIN + c.tail,
+        lambda c: c.warmup + max(c.blackhole_seconds, _sink_frozen(c)) + SINK_HEALED_DRAIN + c.tail,
         _blackhole_sink_provoked,
         settings=_relay_defaults,
     ),
