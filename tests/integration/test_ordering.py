@@ -17,7 +17,7 @@ import outbox
 from outbox import dead, status
 from outbox.events import ClaimedEvent
 from outbox.relay import RelayConfig
-from outbox.sinks.base import Dead, Outcome, Report, SinkWrapper
+from outbox.sinks.base import Dead, Delivered, Outcome, Report, Retry, SinkWrapper
 from outbox.sinks.kafka import KafkaSink
 from tests.helpers import count, first_occurrences, owners, read_topic, running_relay, wait_for
 
@@ -246,3 +246,88 @@ def test_a_stuck_old_owners_batch_is_ended_after_the_batch_lease_and_order_holds
         assert time.monotonic() - taken >= batch_lease - 0.2, "A's batch was ended before B's batch lease"
         with pytest.raises(psycopg.OperationalError):
             a_batch.execute("SELECT 1")
+
+
+class _Scripted:
+    """A sink that cannot order a key's in-flight events (so the relay chains them), whose
+    outcomes the test gives: ``answer(payload_p, outcome)``; ``auto`` delivers everything else
+    as it comes, but for the payloads in ``keep``. ``got`` lists the ``p`` of each event sent."""
+
+    keeps_key_order = False
+
+    def __init__(self) -> None:
+        self.got: list[str] = []
+        self.waiting: dict[str, list[Report]] = {}
+        self.answers: collections.deque[tuple[str, Outcome]] = collections.deque()
+        self.auto = False
+        self.keep: set[str] = set()
+
+    def produce(self, event: ClaimedEvent, report: Report) -> Outcome | None:
+        p = json.loads(event.payload)["p"]
+        self.got.append(p)
+        self.waiting.setdefault(p, []).append(report)
+        return None
+
+    def answer(self, p: str, outcome: Outcome) -> None:
+        self.answers.append((p, outcome))
+
+    def poll(self, timeout: float) -> int:
+        served = 0
+        while self.answers:
+            p, outcome = self.answers.popleft()
+            for report in self.waiting.pop(p, []):
+                report(outcome)
+                served += 1
+        if self.auto:
+            for p in [p for p in self.waiting if p not in self.keep]:
+                for report in self.waiting.pop(p):
+                    report(Delivered())
+                    served += 1
+        if not served and timeout > 0:
+            time.sleep(min(timeout, 0.005))
+        return served
+
+    def flush(self, timeout: float) -> int:
+        self.poll(0)
+        return sum(map(len, self.waiting.values()))
+
+    def healthy(self) -> bool:
+        return True
+
+    def close(self, timeout: float) -> None:
+        return None
+
+
+def test_a_held_event_holds_its_key_while_its_batch_is_out_even_if_the_failure_is_never_committed(
+    pg_dsn: str, schema: str
+) -> None:
+    """K's e0 fails in batch A, whose session is gone (its lease ran out): the failure is never
+    committed. K's e1 sits held, locked, in batch B, which is still out (another key's event
+    keeps it). A new claim skips e1's lock and takes e0 and e2: e2 must wait for e1, not go out
+    ahead of it. (The fault harness, a webhook blackholed past the batch lease: 46 events of
+    200 keys delivered after a later event of their key.)"""
+    sink = _Scripted()
+    config = RelayConfig(pg_dsn, schema=schema, poll_interval=0.05, max_batches_in_flight=2)
+    with running_relay(config, lambda: sink) as relay:
+        _enqueue_keyed(pg_dsn, schema, "t", "K", ["e0"])
+        wait_for(lambda: "e0" in sink.got, timeout=10, what="batch A sent e0")
+        with psycopg.connect(pg_dsn) as conn:
+            outbox.enqueue(conn, "t", {"p": "e1"}, key="K", schema=schema)
+            outbox.enqueue(conn, "t", {"p": "x1"}, key="X", schema=schema)
+            conn.commit()
+        wait_for(lambda: "x1" in sink.got, timeout=10, what="batch B sent x1 (e1 waits behind e0)")
+        (a,) = [
+            b for b in relay.lanes["default"].in_flight if any(e and b'"e0"' in e.payload for e in b.events)
+        ]
+        with psycopg.connect(pg_dsn, autocommit=True) as conn:  # A's lease ran out
+            conn.execute("SELECT pg_terminate_backend(%s)", (a.conn.info.backend_pid,))
+        sink.answer("e0", Retry("timeout", "no answer"))
+        wait_for(lambda: relay.stats.leases_lost == 1, timeout=10, what="A's ack refused")
+        sink.keep, sink.auto = {"x1"}, True  # B stays out while x1 does
+        _enqueue_keyed(pg_dsn, schema, "t", "K", ["e2"])
+        claims = relay.stats.claims
+        wait_for(lambda: relay.stats.claims >= claims + 3, timeout=10, what="claims while B is out")
+        sink.keep = set()
+        wait_for(lambda: count(pg_dsn, schema, "delivered") == 4, timeout=20, what="every event")
+    k = [p for p in sink.got if p.startswith("e")]
+    assert list(dict.fromkeys(k)) == ["e0", "e1", "e2"], k
