@@ -46,6 +46,7 @@ def test_first_occurrences_out_of_order_are_violations() -> None:
     ws = [_w(i) for i in range(1, 4)]
     r = _run(ws, [_s(ws[0]), _s(ws[2]), _s(ws[1])])
     assert not r["ok"] and r["order_violations"] == 1 and r["lost"] == 0
+    assert r["order_examples"] == ["a #2 after #3"]  # shown in a failed run's row
 
 
 def test_other_keys_do_not_order_each_other() -> None:

@@ -48,12 +48,15 @@ def tally(
     last: dict[str, int] = {}
     firsts: set[str] = set()
     violations = 0
+    examples: list[str] = []  # the first few, to tell one cause from another in a failed run
     for m in sorted(seen, key=lambda m: m.log):  # stable: equal positions keep arrival order
         if m.event_id in firsts or m.event_id not in by_id:
             continue
         firsts.add(m.event_id)
         if m.seq <= last.get(m.key, 0):
             violations += 1
+            if len(examples) < 5:
+                examples.append(f"{m.key} #{m.seq} after #{last[m.key]}")
         last[m.key] = m.seq
 
     recover: float | None = None
@@ -73,6 +76,7 @@ def tally(
         "duplicates": len(seen) - len(first_seen),
         "lost": len(lost),
         "order_violations": violations,
+        "order_examples": examples,
         "recover_seconds": recover,
         "double_archived": double_archived,
         "unarchived": len(unarchived),
