@@ -167,9 +167,13 @@ VALUES (%(lsn)s::pg_lsn, %(part_commit)s::pg_lsn, %(part_events)s)
 -- (by id; the newest is found through the primary key's last entry), so that one or two rows
 -- stay live and nothing reads the dead ones a held snapshot keeps. A lower position of a reader
 -- that lost the slot is deleted by the next batch; a higher one is never deleted here.
+-- The position is compared as coalesce(part_commit, lsn) (lsn is never NULL here), not as the
+-- position index's expression: matched, the planner took that index whenever the statistics
+-- said the table was small (after any ANALYZE), and walked every dead entry below the new
+-- position (108 buffers after 10,000 batches under a held snapshot, against 7 through the key).
 DELETE FROM {schema}.capture_positions
 WHERE id > (SELECT max(id) FROM {schema}.capture_positions) - 16
-  AND (coalesce(part_commit, lsn, '0/0'::pg_lsn), CASE WHEN part_commit IS NULL THEN 0 ELSE part_events END)
+  AND (coalesce(part_commit, lsn), CASE WHEN part_commit IS NULL THEN 0 ELSE part_events END)
       <= (coalesce(%(part_commit)s::pg_lsn, %(lsn)s::pg_lsn), %(part_events)s)
 
 -- name: current_wal_lsn
