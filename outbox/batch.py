@@ -146,15 +146,9 @@ class Batch:
         if self.abandoned or self.outcomes[index] is not None:
             return
         self.outcomes[index] = outcome
-        if type(outcome) is Delivered or self._holds is None:  # hot path first
+        if type(outcome) is Delivered or self._holds is None or outcome is HELD:  # hot path first
             return
-        # A held event holds its key too: it stays locked, untouched, until this batch ends, and a
-        # claim meanwhile skips its lock and takes the key's later events. The failure it waits
-        # behind is committed, and blocks them in the claim, only if its batch commits; one whose
-        # lease ran out commits nothing, and a later event then went out ahead of this one. (A WAL
-        # batch's held event goes into the table only when the batch commits: until then nothing
-        # there stands for it, and a later batch would send the key's next event ahead of it.)
-        if isinstance(outcome, Retry) or outcome is HELD or self._parks:
+        if isinstance(outcome, Retry) or self._parks:
             event = self.events[index] if index < len(self.events) else None
             if event is not None and event.key is not None:
                 self._holds.add(id(self), event.key)
@@ -346,6 +340,18 @@ class WalBatch(Batch):
         super().__init__(conn, rows, **kw)
         self.rows = rows
         self.after = after  # the WAL's position once these events are handed on
+
+    def settle(self, index: int, outcome: Outcome) -> None:
+        """As a claimed batch's, and a held event holds its key too: it goes into the events
+        table only when this batch commits, so until then nothing else there stands for it. A
+        later batch that found the key's older rows delivered meanwhile would otherwise send the
+        key's next event ahead of it."""
+        fresh = not self.abandoned and self.outcomes[index] is None
+        if outcome is HELD and self._holds is not None and fresh:
+            event = self.events[index]
+            if event is not None and event.key is not None:
+                self._holds.add(id(self), event.key)
+        super().settle(index, outcome)
 
     def _write_and_commit(self, schema: str, w: Written) -> None:
         """Every event delivered (the common case): the archive, the position and the commit go

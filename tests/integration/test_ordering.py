@@ -298,14 +298,15 @@ class _Scripted:
         return None
 
 
-def test_a_held_event_holds_its_key_while_its_batch_is_out_even_if_the_failure_is_never_committed(
+def test_the_keys_of_a_failing_batch_that_commits_nothing_stay_held_until_the_batches_out_end(
     pg_dsn: str, schema: str
 ) -> None:
     """K's e0 fails in batch A, whose session is gone (its lease ran out): the failure is never
     committed. K's e1 sits held, locked, in batch B, which is still out (another key's event
     keeps it). A new claim skips e1's lock and takes e0 and e2: e2 must wait for e1, not go out
-    ahead of it. (The fault harness, a webhook blackholed past the batch lease: 46 events of
-    200 keys delivered after a later event of their key.)"""
+    ahead of it: K stays held, and claims skip it, until B ends. (The fault harness, a webhook
+    blackholed past the batch lease: 46 events of 200 keys delivered after a later event of
+    their key.)"""
     sink = _Scripted()
     config = RelayConfig(pg_dsn, schema=schema, poll_interval=0.05, max_batches_in_flight=2)
     with running_relay(config, lambda: sink) as relay:
@@ -325,8 +326,11 @@ def test_a_held_event_holds_its_key_while_its_batch_is_out_even_if_the_failure_i
         wait_for(lambda: relay.stats.leases_lost == 1, timeout=10, what="A's ack refused")
         sink.keep, sink.auto = {"x1"}, True  # B stays out while x1 does
         _enqueue_keyed(pg_dsn, schema, "t", "K", ["e2"])
-        claims = relay.stats.claims
+        claims, claimed = relay.stats.claims, relay.stats.claimed
         wait_for(lambda: relay.stats.claims >= claims + 3, timeout=10, what="claims while B is out")
+        # Claims skip K meanwhile: a claim that took e0 and e2 and held them would hold K in turn,
+        # and batches out one after another would pass the hold on for as long as they overlap.
+        assert relay.stats.claimed == claimed, "K's events were claimed while B was out"
         sink.keep = set()
         wait_for(lambda: count(pg_dsn, schema, "delivered") == 4, timeout=20, what="every event")
     k = [p for p in sink.got if p.startswith("e")]

@@ -32,6 +32,25 @@ def test_a_key_is_held_while_any_in_flight_batch_holds_it() -> None:
     holds.release(3)  # a batch that held nothing
 
 
+def test_the_holds_of_a_batch_that_committed_nothing_pass_to_the_batches_out_and_end_with_them() -> None:
+    """A failing batch lost its lease: its keys stay held, and claims skip them, until the batches
+    in flight when it ended have ended too; a batch claimed later takes no part in it."""
+    holds = KeyHolds()
+    holds.add(1, b"k")  # batch 1's event of k failed
+    holds.add(1, b"j")
+    assert holds.hand_on(1, [2, 3]) == 2  # batches 2 and 3 are out
+    holds.release(1)
+    assert holds.keys == {b"k": 2, b"j": 2} and holds.skipped == {b"k": 2, b"j": 2}
+    holds.release(2)
+    assert set(holds.skipped) == {b"k", b"j"}
+    holds.release(4)  # claimed after the hand-on: it holds nothing of it
+    holds.release(3)
+    assert holds.keys == {} and holds.skipped == {}
+    assert holds.hand_on(5, [6]) == 0  # a batch that held nothing hands nothing on
+    holds.add(7, b"x")
+    assert holds.hand_on(7, []) == 0 and holds.skipped == {}  # nothing out: nothing to wait for
+
+
 def test_retries_hold_their_key_dead_letters_only_when_parking() -> None:
     holds = KeyHolds()
     batch = Batch(_Conn(), _rows([b"a", b"b", b"c", None]), holds=holds, parks=False)  # type: ignore[arg-type]
