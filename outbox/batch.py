@@ -146,12 +146,26 @@ class Batch:
         if self.abandoned or self.outcomes[index] is not None:
             return
         self.outcomes[index] = outcome
-        if type(outcome) is Delivered or self._holds is None or outcome is HELD:  # hot path first
+        if type(outcome) is Delivered or self._holds is None:  # hot path first
             return
-        if isinstance(outcome, Retry) or self._parks:
+        # A held event stays locked here, untouched, until this batch ends, and a claim skips
+        # locked rows. The failure it waits behind blocks its key in the claim only while that
+        # failed event waits in the table: retried and delivered meanwhile (or never committed:
+        # its batch lost its lease), the key's later events were claimed and went out ahead of
+        # this one. So claims skip the key's events after it until this batch ends. (A WAL
+        # batch's held event is not in the table until this batch commits: its key is held.)
+        if outcome is HELD:
+            event = self.events[index] if index < len(self.events) else None
+            if event is not None and event.key is not None:
+                self._holds.add(id(self), event.key, locked=self._locked_id(index))
+        elif isinstance(outcome, Retry) or self._parks:
             event = self.events[index] if index < len(self.events) else None
             if event is not None and event.key is not None:
                 self._holds.add(id(self), event.key)
+
+    def _locked_id(self, index: int) -> int | None:
+        """The table id of event ``index``, locked by this batch until it ends."""
+        return self.ids[index]
 
     def hold(self, index: int) -> None:
         """Leave event ``index`` untouched: an earlier event of its key failed and is not committed."""
@@ -341,17 +355,8 @@ class WalBatch(Batch):
         self.rows = rows
         self.after = after  # the WAL's position once these events are handed on
 
-    def settle(self, index: int, outcome: Outcome) -> None:
-        """As a claimed batch's, and a held event holds its key too: it goes into the events
-        table only when this batch commits, so until then nothing else there stands for it. A
-        later batch that found the key's older rows delivered meanwhile would otherwise send the
-        key's next event ahead of it."""
-        fresh = not self.abandoned and self.outcomes[index] is None
-        if outcome is HELD and self._holds is not None and fresh:
-            event = self.events[index]
-            if event is not None and event.key is not None:
-                self._holds.add(id(self), event.key)
-        super().settle(index, outcome)
+    def _locked_id(self, index: int) -> int | None:
+        return None  # not in the table (yet): nothing locked there
 
     def _write_and_commit(self, schema: str, w: Written) -> None:
         """Every event delivered (the common case): the archive, the position and the commit go

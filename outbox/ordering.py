@@ -55,12 +55,15 @@ batch is still in flight — the relay holds the key's events in memory:
 leaves them pending, untouched, in every batch it sends. :class:`KeyHolds`
 counts, per key, the in-flight batches that hold it.
 
-A failing batch that ends without committing (its lease ran out, it was
-fenced, its ack failed) leaves its keys unblocked in the table while their
-later events may sit held, locked, in other batches still out: a claim would
-skip those locks and take what comes after them. Its holds are then handed on
-to the batches in flight (:meth:`KeyHolds.hand_on`), and claims skip those
-keys until those batches end.
+An event held that way stays locked, untouched, in its batch until the batch
+ends, and a claim skips locked rows: once nothing in the table blocks the key
+(its failed event was retried and delivered meanwhile, or the failing batch
+lost its lease and committed nothing), a claim would take the key's later
+events and send them ahead of it. So until its batch ends, claims skip the
+key's events after a held one (``KeyHolds.skip_after``). They are skipped, not
+claimed and held: a claim that held them would lock them in turn, and batches
+out one after another would pass that on for as long as they overlap. The
+key's earlier events (the failed one, retried) are claimed and sent as usual.
 """
 
 from __future__ import annotations
@@ -95,44 +98,40 @@ class KeyHolds:
     def __init__(self) -> None:
         self.keys: dict[bytes, int] = {}  # key -> number of in-flight batches that hold it
         self._by_batch: dict[int, set[bytes]] = {}
-        # key -> in-flight batches a hold was handed on to (hand_on): claims skip these keys.
-        self.skipped: dict[bytes, int] = {}
+        # key -> {in-flight batch: the lowest id of the key's events it holds locked, untouched}:
+        # claims skip the key's events after that id (skip_after).
+        self._skip: dict[bytes, dict[int, int]] = {}
         self._skipped_by_batch: dict[int, set[bytes]] = {}
 
-    def hand_on(self, batch: int, to: Iterable[int]) -> int:
-        """Batch ``batch`` ends without committing its failures (its lease ran out, it was fenced,
-        or its ack failed): the keys it held are not blocked by a committed retry or dead letter,
-        yet later events of theirs may sit held, locked, in the batches ``to`` still in flight. A
-        claim skips those locks and would take the keys' events after them, which would go out
-        first. So each key stays held, and claims skip it, until every batch in ``to`` has ended;
-        a batch claimed meanwhile takes none of its events, so the hold cannot pass from batch
-        to batch for ever. Returns how many keys were handed on."""
-        keys = self._by_batch.get(batch)
-        targets = list(to)
-        if not keys or not targets:
-            return 0
-        for target in targets:
-            skipped = self._skipped_by_batch.setdefault(target, set())
-            for key in keys:
-                self.add(target, key)
-                if key not in skipped:
-                    skipped.add(key)
-                    self.skipped[key] = self.skipped.get(key, 0) + 1
-        return len(keys)
-
-    def add(self, batch: int, key: bytes) -> None:
-        """An event of ``key`` failed in batch ``batch``: hold the key until that batch ends."""
+    def add(self, batch: int, key: bytes, locked: int | None = None) -> None:
+        """An event of ``key`` failed in batch ``batch``: hold the key until that batch ends.
+        ``locked``: instead, batch ``batch`` holds the event of ``key`` with this id locked,
+        untouched (held behind an earlier failure): until the batch ends, claims skip the key's
+        events after it (the ones before it, the failed one retried, go as usual)."""
+        if locked is not None:
+            by_batch = self._skip.setdefault(key, {})
+            by_batch[batch] = min(locked, by_batch.get(batch, locked))
+            self._skipped_by_batch.setdefault(batch, set()).add(key)
+            return
         held = self._by_batch.setdefault(batch, set())
         if key not in held:
             held.add(key)
             self.keys[key] = self.keys.get(key, 0) + 1
+
+    def skip_after(self) -> tuple[list[bytes], list[int]]:
+        """(keys, ids) for the claim: each key's events after its id are skipped."""
+        keys = list(self._skip)
+        return keys, [min(self._skip[k].values()) for k in keys]
 
     def release(self, batch: int) -> None:
         """Batch ``batch`` ended (its failures committed, or rolled back): drop its holds."""
         for key in self._by_batch.pop(batch, ()):
             _drop(self.keys, key)
         for key in self._skipped_by_batch.pop(batch, ()):
-            _drop(self.skipped, key)
+            by_batch = self._skip[key]
+            del by_batch[batch]
+            if not by_batch:
+                del self._skip[key]
 
 
 def _drop(counts: dict[bytes, int], key: bytes) -> None:
@@ -192,7 +191,8 @@ class Ordering:
         # Binary results: the same Python types for these columns, without hex-decoding the
         # payloads or parsing numbers from text (fetch of 2,000 realistic rows 2.7 -> 1.2 ms).
         cur = conn.cursor(binary=True)
-        params = {"limit": limit, "owner": self.id, "skip": list(self.holds.skipped)}
+        keys, ids = self.holds.skip_after()
+        params = {"limit": limit, "owner": self.id, "skip_keys": keys, "skip_after": ids}
         return cur.execute(query(self._claim, self.schema), params).fetchall()
 
     @property

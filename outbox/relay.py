@@ -725,10 +725,7 @@ class Relay:
         if batch not in lane.in_flight:  # abandoned already: a WAL batch read before it failed
             return
         lane.in_flight.remove(batch)
-        holds = lane.ordering.holds
-        if not batch.finished:  # its failures not committed: the keys stay held (KeyHolds.hand_on)
-            holds.hand_on(id(batch), (id(b) for b in lane.in_flight))
-        holds.release(id(batch))
+        lane.ordering.holds.release(id(batch))
         self.sessions.give_back(batch.conn)
         if isinstance(batch, WalBatch) and lane.wal is not None:
             if batch.finished:

@@ -51,7 +51,13 @@ def test_claim_guards_use_their_partial_indexes_without_statistics(pg_dsn: str, 
     try:
         explain = sql.SQL("EXPLAIN (FORMAT JSON) ") + query("claim_batch", schema)
         row = relay.execute(
-            explain, {"owner": "00000000-0000-0000-0000-000000000001", "limit": 2000, "skip": []}
+            explain,
+            {
+                "owner": "00000000-0000-0000-0000-000000000001",
+                "limit": 2000,
+                "skip_keys": [],
+                "skip_after": [],
+            },
         ).fetchone()
         assert row is not None
         plan = row[0] if isinstance(row[0], list) else json.loads(row[0])
@@ -106,7 +112,13 @@ def test_claim_walks_the_primary_key_when_the_backlog_is_counted_but_not_analyze
         for name in ("claim_batch", "claim_batch_unordered"):
             explain = sql.SQL("EXPLAIN (FORMAT JSON) ") + query(name, schema)
             row = conn.execute(
-                explain, {"owner": "00000000-0000-0000-0000-000000000001", "limit": 2000, "skip": []}
+                explain,
+                {
+                    "owner": "00000000-0000-0000-0000-000000000001",
+                    "limit": 2000,
+                    "skip_keys": [],
+                    "skip_after": [],
+                },
             ).fetchone()
             assert row is not None
             plan = row[0] if isinstance(row[0], list) else json.loads(row[0])

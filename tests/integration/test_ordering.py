@@ -17,6 +17,7 @@ import outbox
 from outbox import dead, status
 from outbox.events import ClaimedEvent
 from outbox.relay import RelayConfig
+from outbox.retry import RetryPolicy
 from outbox.sinks.base import Dead, Delivered, Outcome, Report, Retry, SinkWrapper
 from outbox.sinks.kafka import KafkaSink
 from tests.helpers import count, first_occurrences, owners, read_topic, running_relay, wait_for
@@ -304,7 +305,7 @@ def test_the_keys_of_a_failing_batch_that_commits_nothing_stay_held_until_the_ba
     """K's e0 fails in batch A, whose session is gone (its lease ran out): the failure is never
     committed. K's e1 sits held, locked, in batch B, which is still out (another key's event
     keeps it). A new claim skips e1's lock and takes e0 and e2: e2 must wait for e1, not go out
-    ahead of it: K stays held, and claims skip it, until B ends. (The fault harness, a webhook
+    ahead of it: claims skip K's events after e1 until B ends. (The fault harness, a webhook
     blackholed past the batch lease: 46 events of 200 keys delivered after a later event of
     their key.)"""
     sink = _Scripted()
@@ -326,11 +327,46 @@ def test_the_keys_of_a_failing_batch_that_commits_nothing_stay_held_until_the_ba
         wait_for(lambda: relay.stats.leases_lost == 1, timeout=10, what="A's ack refused")
         sink.keep, sink.auto = {"x1"}, True  # B stays out while x1 does
         _enqueue_keyed(pg_dsn, schema, "t", "K", ["e2"])
-        claims, claimed = relay.stats.claims, relay.stats.claimed
+        claims = relay.stats.claims
         wait_for(lambda: relay.stats.claims >= claims + 3, timeout=10, what="claims while B is out")
-        # Claims skip K meanwhile: a claim that took e0 and e2 and held them would hold K in turn,
-        # and batches out one after another would pass the hold on for as long as they overlap.
-        assert relay.stats.claimed == claimed, "K's events were claimed while B was out"
+        # Claims skip e2 meanwhile (claimed and held, it would be locked in turn, and batches out
+        # one after another would pass that on for as long as they overlap); e0, before e1, goes.
+        assert "e2" not in sink.got, sink.got
+        sink.keep = set()
+        wait_for(lambda: count(pg_dsn, schema, "delivered") == 4, timeout=20, what="every event")
+    k = [p for p in sink.got if p.startswith("e")]
+    assert list(dict.fromkeys(k)) == ["e0", "e1", "e2"], k
+
+
+def test_a_held_event_keeps_its_key_after_the_failure_it_waited_behind_is_retried_and_delivered(
+    pg_dsn: str, schema: str
+) -> None:
+    """K's e0 fails in batch A, which commits the retry; e1 sits held, locked, in batch B, still
+    out. e0 is retried and delivered: nothing in the table blocks K any more, and a claim skips
+    e1's lock. e2 must still wait for e1. (The fault harness, a webhook blackholed for 28 s: the
+    events in flight at the freeze were retried and delivered at once when it healed, while the
+    batches holding the events behind them waited for their other events, and 29 keys' later
+    events went out first: "key-61 #4 after #19".)"""
+    sink = _Scripted()
+    config = RelayConfig(
+        pg_dsn, schema=schema, poll_interval=0.05, max_batches_in_flight=2,
+        retry=RetryPolicy(base=0.1, cap=0.1, max_attempts=10),
+    )  # fmt: skip
+    with running_relay(config, lambda: sink) as relay:
+        _enqueue_keyed(pg_dsn, schema, "t", "K", ["e0"])
+        wait_for(lambda: "e0" in sink.got, timeout=10, what="batch A sent e0")
+        with psycopg.connect(pg_dsn) as conn:
+            outbox.enqueue(conn, "t", {"p": "e1"}, key="K", schema=schema)
+            outbox.enqueue(conn, "t", {"p": "x1"}, key="X", schema=schema)
+            conn.commit()
+        wait_for(lambda: "x1" in sink.got, timeout=10, what="batch B sent x1 (e1 waits behind e0)")
+        sink.keep, sink.auto = {"x1"}, True  # B stays out while x1 does; the rest is delivered
+        sink.answer("e0", Retry("timeout", "no answer"))
+        wait_for(lambda: sink.got.count("e0") == 2, timeout=10, what="e0 retried")
+        _enqueue_keyed(pg_dsn, schema, "t", "K", ["e2"])
+        wait_for(lambda: count(pg_dsn, schema, "delivered") >= 1, timeout=10, what="e0 delivered")
+        claims = relay.stats.claims
+        wait_for(lambda: relay.stats.claims >= claims + 3, timeout=10, what="claims while B is out")
         sink.keep = set()
         wait_for(lambda: count(pg_dsn, schema, "delivered") == 4, timeout=20, what="every event")
     k = [p for p in sink.got if p.startswith("e")]

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import uuid
 
-from outbox.batch import Batch
+from outbox.batch import Batch, WalBatch
+from outbox.capture import Position
 from outbox.ordering import KeyHolds, fair_share
-from outbox.sinks.base import Dead, Delivered, Retry
+from outbox.sinks.base import HELD, Dead, Delivered, Retry
 
 
 class _Conn:  # Batch only stores its connection until finish()
@@ -32,23 +33,26 @@ def test_a_key_is_held_while_any_in_flight_batch_holds_it() -> None:
     holds.release(3)  # a batch that held nothing
 
 
-def test_the_holds_of_a_batch_that_committed_nothing_pass_to_the_batches_out_and_end_with_them() -> None:
-    """A failing batch lost its lease: its keys stay held, and claims skip them, until the batches
-    in flight when it ended have ended too; a batch claimed later takes no part in it."""
+def test_a_held_event_holds_its_key_and_claims_skip_what_follows_it_until_its_batch_ends() -> None:
+    """A held event stays locked in its batch: claims skip its key's events after it until that
+    batch ends (not before it: the failed event, retried, goes as usual); a failure holds its
+    key (its later events are held as they come); a WAL batch's held event, not in the table,
+    holds its key."""
     holds = KeyHolds()
-    holds.add(1, b"k")  # batch 1's event of k failed
-    holds.add(1, b"j")
-    assert holds.hand_on(1, [2, 3]) == 2  # batches 2 and 3 are out
-    holds.release(1)
-    assert holds.keys == {b"k": 2, b"j": 2} and holds.skipped == {b"k": 2, b"j": 2}
-    holds.release(2)
-    assert set(holds.skipped) == {b"k", b"j"}
-    holds.release(4)  # claimed after the hand-on: it holds nothing of it
-    holds.release(3)
-    assert holds.keys == {} and holds.skipped == {}
-    assert holds.hand_on(5, [6]) == 0  # a batch that held nothing hands nothing on
-    holds.add(7, b"x")
-    assert holds.hand_on(7, []) == 0 and holds.skipped == {}  # nothing out: nothing to wait for
+    batch = Batch(_Conn(), _rows([b"k", b"j", None, b"k"]), holds=holds, parks=False)  # type: ignore[arg-type]
+    batch.settle(3, HELD)
+    batch.settle(0, HELD)  # the lower id of the two counts
+    batch.settle(1, Retry("x", "x"))
+    batch.settle(2, HELD)  # no key, no order: nothing held
+    assert holds.keys == {b"j": 1} and holds.skip_after() == ([b"k"], [0])
+    holds.add(7, b"k", locked=5)
+    holds.release(id(batch))
+    assert holds.keys == {} and holds.skip_after() == ([b"k"], [5])
+    holds.release(7)
+    assert holds.keys == {} and holds.skip_after() == ([], [])
+    wal = WalBatch(_Conn(), _rows([b"w"]), Position(), holds=holds)  # type: ignore[arg-type]
+    wal.settle(0, HELD)
+    assert holds.keys == {b"w": 1} and holds.skip_after() == ([], [])
 
 
 def test_retries_hold_their_key_dead_letters_only_when_parking() -> None:
