@@ -30,6 +30,7 @@ from outbox.queries import query
 MiB = 1 << 20
 TOPIC_PARTITIONS = 3
 SWEEP_EVERY = 10.0  # seconds between re-reads of the topic while draining with a fetch gap
+WRITERS_START = 60.0  # seconds the app's process may take to commit its first event
 
 
 class Monitor(threading.Thread):
@@ -176,8 +177,12 @@ class Run:
             self.relays.start(i)
         for i in range(self.cfg.relays):
             self.relays.wait_ready(i)  # the fault must hit relays that are really working
-        self.started = time.time()
         self.writers.start()
+        # The scenario's clock starts with the first commit: the app's process took 10 s to write
+        # its first event on a loaded CI machine, and a 4 s sink outage (or a late-ack window)
+        # over before it began provoked nothing.
+        poll_until(lambda: self.writers.count > 0 or not self.writers.alive(), WRITERS_START, interval=0.05)
+        self.started = time.time()
         try:
             yield
         finally:

@@ -14,8 +14,10 @@ from outbox.sinks.kafka import KafkaSink
 class LateAcks(SinkWrapper):
     """The real Kafka sink, except that for a window its delivery reports come late.
 
-    From ``after`` seconds after start, for ``window`` seconds, every produced
-    event's report is held for ``delay`` seconds. The messages reach the broker at
+    From ``after`` seconds after the first event it is given (the writers' start: on a loaded
+    machine the app's first commit came 10 s after the relay's, when a window timed from the
+    relay's start was over), for ``window`` seconds, every produced event's report is held for
+    ``delay`` seconds. The messages reach the broker at
     once; only the worker's acknowledgement is slow. With ``delay`` longer than
     the batch lease this is a worker stalled past its lease (a GC pause, CPU
     starvation): its batch's session is ended by PostgreSQL, another relay
@@ -24,13 +26,15 @@ class LateAcks(SinkWrapper):
 
     def __init__(self, inner: KafkaSink, after: float, window: float, delay: float) -> None:
         super().__init__(inner)
-        start = time.monotonic()
-        self.window = (start + after, start + after + window)
+        self.after, self.length = after, window
+        self.window: tuple[float, float] | None = None  # set by the first event
         self.delay = delay
         self._held: list[tuple[float, Report, Outcome]] = []
 
     def produce(self, event: ClaimedEvent, report: Report) -> Outcome | None:
         now = time.monotonic()
+        if self.window is None:
+            self.window = (now + self.after, now + self.after + self.length)
         if not self.window[0] <= now < self.window[1]:
             return self.inner.produce(event, report)
         release_at = now + self.delay
