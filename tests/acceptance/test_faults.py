@@ -10,6 +10,7 @@ in docs/reliability.md.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -37,6 +38,11 @@ def _detail(scenario: str, r: dict[str, Any]) -> str:
     """A scenario's row for a failure message; printed too, since pytest shortens long messages."""
     text = f"{scenario}: " + json.dumps({k: v for k, v in r.items() if k != "relay_logs"}, default=str)
     print(text)
+    if not r.get("passed", True):  # the relays' warnings, which CI's run does not keep
+        for log in r.get("relay_logs", []):
+            with contextlib.suppress(OSError):
+                lines = [line for line in Path(log).read_text().splitlines() if '"level": "info"' not in line]
+                print(f"{Path(log).name}:", *lines[-12:], sep="\n  ")
     return text
 
 
