@@ -95,6 +95,11 @@ IDLE_POLLS = 50.0  # claims a second, at most, that poll quiet outboxes without 
 GC_THRESHOLD = 50_000  # allocations between collections of the youngest generation (Python: 700)
 
 
+def _failed_to_reach(batch: Batch) -> bool:
+    """Did some of the batch's events fail only because the sink could not be reached?"""
+    return any(isinstance(o, Retry) and o.kind in UNREACHABLE_KINDS for o in batch.outcomes)
+
+
 def _wal_failing(lane: Lane) -> bool:
     """Is the outbox's WAL slot failing to be read (gone, no REPLICATION, the server refusing)?"""
     return lane.wal is not None and lane.wal.condition.active
@@ -677,7 +682,10 @@ class Relay:
         cap = lane.claim_cap or full
         took = time.monotonic() - batch.claimed_at
         lease = self.config.lease
-        slow = lost or took > SLOW_BATCH * lease
+        # A batch slowed by an outage (its sends timed out, or the sink was down) says nothing of
+        # the sink's pace once it answers: the blackhole's 16 s batches, finishing as the sink
+        # healed, cut the claims to 50 just when the backlog had to drain.
+        slow = lost or (took > SLOW_BATCH * lease and not _failed_to_reach(batch))
         if slow:
             new = max(MIN_CLAIM, min(cap, len(batch)) // (4 if lost else 2))
         elif took < FAST_BATCH * lease and len(batch) >= cap and cap < full:

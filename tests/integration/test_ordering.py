@@ -371,3 +371,26 @@ def test_a_held_event_keeps_its_key_after_the_failure_it_waited_behind_is_retrie
         wait_for(lambda: count(pg_dsn, schema, "delivered") == 4, timeout=20, what="every event")
     k = [p for p in sink.got if p.startswith("e")]
     assert list(dict.fromkeys(k)) == ["e0", "e1", "e2"], k
+
+
+def test_a_batch_slowed_by_an_outage_does_not_make_the_claims_smaller(pg_dsn: str, schema: str) -> None:
+    """Claims get smaller after a batch that took more than half its lease (a slow sink), but not
+    when the batch was slow because its sends timed out: that was an outage, and the backlog it
+    left must drain at full size once the sink answers."""
+    sink = _Scripted()
+    config = RelayConfig(pg_dsn, schema=schema, poll_interval=0.05, lease=2.0, delivery_timeout=1.0)
+    with running_relay(config, lambda: sink) as relay:
+        with psycopg.connect(pg_dsn) as conn:
+            for i in range(20):
+                outbox.enqueue(conn, "t", {"p": f"a{i}"}, key=f"k{i}", schema=schema)
+            conn.commit()
+        wait_for(lambda: len(sink.got) == 20, timeout=10, what="the batch sent")
+        lane = relay.lanes["default"]
+        cap = lane.claim_cap  # the slow start's (or 0: full size)
+        time.sleep(1.3)  # more than half the 2 s lease
+        for i in range(20):
+            sink.answer(f"a{i}", Delivered() if i % 2 else Retry("timeout", "no answer"))
+        wait_for(lambda: count(pg_dsn, schema, "delivered") == 10, timeout=10, what="the batch finished")
+        assert not lane.paced and lane.claim_cap in (0, cap), (lane.paced, lane.claim_cap, cap)
+        sink.auto = True
+        wait_for(lambda: count(pg_dsn, schema, "delivered") == 20, timeout=20, what="the retries")
