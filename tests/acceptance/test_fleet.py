@@ -288,7 +288,11 @@ def test_200_schemas_and_three_databases_on_two_servers_one_relay(
         "--kafka-bootstrap", kafka, "--metrics-port", str(port), *FAST,
         # The default ownership lease: FAST's 3 s is for takeover tests, and 203 outboxes would
         # heartbeat 338 times a second (5 a lease each), more than a loaded CI machine gives.
-        "--ownership-lease", "10",
+        # The relay's own batch lease and delivery timeout too: beside the suite on a slow
+        # machine, one loop serving 203 outboxes took up to 20 s to settle a batch, past FAST's
+        # 4 s lease, and an outbox whose batches lost their lease again and again was not
+        # drained in 120 s. This test is about scale and isolation, not takeovers.
+        "--ownership-lease", "10", "--lease", "30", "--delivery-timeout", "15",
     )  # fmt: skip
     keys, rounds = 2, 3
 
