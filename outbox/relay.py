@@ -178,6 +178,7 @@ class Relay:
         self._next_maintenance_check = 0.0
         self._next_capture_check = 0.0
         self._chains: dict[str, KeyChains] = {}  # per outbox, around the sink, where it needs them
+        self._sinks_seen_down = -math.inf  # when a heartbeat last found a sink down (monotonic)
         self._listener: Listener | None = None
         self._hygiene: Hygiene | None = None
         self.stats = RelayStats()  # of every outbox served
@@ -682,10 +683,12 @@ class Relay:
         cap = lane.claim_cap or full
         took = time.monotonic() - batch.claimed_at
         lease = self.config.lease
-        # A batch slowed by an outage (its sends timed out, or the sink was down) says nothing of
-        # the sink's pace once it answers: the blackhole's 16 s batches, finishing as the sink
-        # healed, cut the claims to 50 just when the backlog had to drain.
-        slow = lost or (took > SLOW_BATCH * lease and not _failed_to_reach(batch))
+        # A batch slowed by an outage (the sink was found down while it was out, or some of its
+        # sends failed only to reach it) says nothing of the sink's pace once it answers: the
+        # blackhole's 16 s batches, finishing as the sink healed, cut the claims to 50 just when
+        # the backlog had to drain.
+        outage = batch.claimed_at <= self._sinks_seen_down or _failed_to_reach(batch)
+        slow = lost or (took > SLOW_BATCH * lease and not outage)
         if slow:
             new = max(MIN_CLAIM, min(cap, len(batch)) // (4 if lost else 2))
         elif took < FAST_BATCH * lease and len(batch) >= cap and cap < full:
@@ -994,6 +997,7 @@ class Relay:
                     inner.probe()
                 down = down or bool(inner.trouble())
         if down:
+            self._sinks_seen_down = time.monotonic()
             for lane in self._rotation:
                 lane.sinks_were_down = True
             return

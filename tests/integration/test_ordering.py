@@ -394,3 +394,42 @@ def test_a_batch_slowed_by_an_outage_does_not_make_the_claims_smaller(pg_dsn: st
         assert not lane.paced and lane.claim_cap in (0, cap), (lane.paced, lane.claim_cap, cap)
         sink.auto = True
         wait_for(lambda: count(pg_dsn, schema, "delivered") == 20, timeout=20, what="the retries")
+
+
+class _Down(_Scripted):
+    """A scripted sink that says it is down (``trouble``) while ``down`` is set."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.down = False
+
+    def trouble(self) -> str | None:
+        return "frozen" if self.down else None
+
+    def probe(self) -> None:
+        return None
+
+
+def test_a_batch_out_while_the_sink_was_down_does_not_make_the_claims_smaller(
+    pg_dsn: str, schema: str
+) -> None:
+    """The batch's events were all delivered, late: the sink was down (a blackhole) while they
+    were out, and answered them when it healed. That was the outage, not the sink's pace."""
+    sink = _Down()
+    config = RelayConfig(
+        pg_dsn, schema=schema, poll_interval=0.05, lease=2.0, delivery_timeout=1.0, ownership_lease=1.0
+    )
+    with running_relay(config, lambda: sink) as relay:
+        with psycopg.connect(pg_dsn) as conn:
+            for i in range(20):
+                outbox.enqueue(conn, "t", {"p": f"a{i}"}, key=f"k{i}", schema=schema)
+            conn.commit()
+        wait_for(lambda: len(sink.got) == 20, timeout=10, what="the batch sent")
+        lane = relay.lanes["default"]
+        cap = lane.claim_cap
+        sink.down = True
+        time.sleep(1.3)  # more than half the 2 s lease, heartbeats every 0.2 s
+        sink.down = False
+        sink.auto = True
+        wait_for(lambda: count(pg_dsn, schema, "delivered") == 20, timeout=10, what="the batch finished")
+        assert not lane.paced and lane.claim_cap in (0, cap), (lane.paced, lane.claim_cap, cap)
