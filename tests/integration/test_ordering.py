@@ -299,6 +299,17 @@ class _Scripted:
         return None
 
 
+def _e0_in_a_then_e1_behind_it_in_b(pg_dsn: str, schema: str, sink: _Scripted) -> None:
+    """K's e0 sent in batch A; then batch B with K's e1 (queued behind e0) and X's x1 (sent)."""
+    _enqueue_keyed(pg_dsn, schema, "t", "K", ["e0"])
+    wait_for(lambda: "e0" in sink.got, timeout=10, what="batch A sent e0")
+    with psycopg.connect(pg_dsn) as conn:
+        outbox.enqueue(conn, "t", {"p": "e1"}, key="K", schema=schema)
+        outbox.enqueue(conn, "t", {"p": "x1"}, key="X", schema=schema)
+        conn.commit()
+    wait_for(lambda: "x1" in sink.got, timeout=10, what="batch B sent x1 (e1 waits behind e0)")
+
+
 def test_the_keys_of_a_failing_batch_that_commits_nothing_stay_held_until_the_batches_out_end(
     pg_dsn: str, schema: str
 ) -> None:
@@ -311,13 +322,7 @@ def test_the_keys_of_a_failing_batch_that_commits_nothing_stay_held_until_the_ba
     sink = _Scripted()
     config = RelayConfig(pg_dsn, schema=schema, poll_interval=0.05, max_batches_in_flight=2)
     with running_relay(config, lambda: sink) as relay:
-        _enqueue_keyed(pg_dsn, schema, "t", "K", ["e0"])
-        wait_for(lambda: "e0" in sink.got, timeout=10, what="batch A sent e0")
-        with psycopg.connect(pg_dsn) as conn:
-            outbox.enqueue(conn, "t", {"p": "e1"}, key="K", schema=schema)
-            outbox.enqueue(conn, "t", {"p": "x1"}, key="X", schema=schema)
-            conn.commit()
-        wait_for(lambda: "x1" in sink.got, timeout=10, what="batch B sent x1 (e1 waits behind e0)")
+        _e0_in_a_then_e1_behind_it_in_b(pg_dsn, schema, sink)
         (a,) = [
             b for b in relay.lanes["default"].in_flight if any(e and b'"e0"' in e.payload for e in b.events)
         ]
@@ -353,13 +358,7 @@ def test_a_held_event_keeps_its_key_after_the_failure_it_waited_behind_is_retrie
         retry=RetryPolicy(base=0.1, cap=0.1, max_attempts=10),
     )  # fmt: skip
     with running_relay(config, lambda: sink) as relay:
-        _enqueue_keyed(pg_dsn, schema, "t", "K", ["e0"])
-        wait_for(lambda: "e0" in sink.got, timeout=10, what="batch A sent e0")
-        with psycopg.connect(pg_dsn) as conn:
-            outbox.enqueue(conn, "t", {"p": "e1"}, key="K", schema=schema)
-            outbox.enqueue(conn, "t", {"p": "x1"}, key="X", schema=schema)
-            conn.commit()
-        wait_for(lambda: "x1" in sink.got, timeout=10, what="batch B sent x1 (e1 waits behind e0)")
+        _e0_in_a_then_e1_behind_it_in_b(pg_dsn, schema, sink)
         sink.keep, sink.auto = {"x1"}, True  # B stays out while x1 does; the rest is delivered
         sink.answer("e0", Retry("timeout", "no answer"))
         wait_for(lambda: sink.got.count("e0") == 2, timeout=10, what="e0 retried")
@@ -373,6 +372,18 @@ def test_a_held_event_keeps_its_key_after_the_failure_it_waited_behind_is_retrie
     assert list(dict.fromkeys(k)) == ["e0", "e1", "e2"], k
 
 
+def _one_batch_of_20_out(pg_dsn: str, schema: str, sink: _Scripted, relay: Any) -> tuple[Any, int]:
+    """20 events of 20 keys, sent in one batch; the outbox's lane and its claim cap then (the slow
+    start's, or 0: full size)."""
+    with psycopg.connect(pg_dsn) as conn:
+        for i in range(20):
+            outbox.enqueue(conn, "t", {"p": f"a{i}"}, key=f"k{i}", schema=schema)
+        conn.commit()
+    wait_for(lambda: len(sink.got) == 20, timeout=10, what="the batch sent")
+    lane = relay.lanes["default"]
+    return lane, lane.claim_cap
+
+
 def test_a_batch_slowed_by_an_outage_does_not_make_the_claims_smaller(pg_dsn: str, schema: str) -> None:
     """Claims get smaller after a batch that took more than half its lease (a slow sink), but not
     when the batch was slow because its sends timed out: that was an outage, and the backlog it
@@ -380,13 +391,7 @@ def test_a_batch_slowed_by_an_outage_does_not_make_the_claims_smaller(pg_dsn: st
     sink = _Scripted()
     config = RelayConfig(pg_dsn, schema=schema, poll_interval=0.05, lease=2.0, delivery_timeout=1.0)
     with running_relay(config, lambda: sink) as relay:
-        with psycopg.connect(pg_dsn) as conn:
-            for i in range(20):
-                outbox.enqueue(conn, "t", {"p": f"a{i}"}, key=f"k{i}", schema=schema)
-            conn.commit()
-        wait_for(lambda: len(sink.got) == 20, timeout=10, what="the batch sent")
-        lane = relay.lanes["default"]
-        cap = lane.claim_cap  # the slow start's (or 0: full size)
+        lane, cap = _one_batch_of_20_out(pg_dsn, schema, sink, relay)
         time.sleep(1.3)  # more than half the 2 s lease
         for i in range(20):
             sink.answer(f"a{i}", Delivered() if i % 2 else Retry("timeout", "no answer"))
@@ -420,13 +425,7 @@ def test_a_batch_out_while_the_sink_was_down_does_not_make_the_claims_smaller(
         pg_dsn, schema=schema, poll_interval=0.05, lease=2.0, delivery_timeout=1.0, ownership_lease=1.0
     )
     with running_relay(config, lambda: sink) as relay:
-        with psycopg.connect(pg_dsn) as conn:
-            for i in range(20):
-                outbox.enqueue(conn, "t", {"p": f"a{i}"}, key=f"k{i}", schema=schema)
-            conn.commit()
-        wait_for(lambda: len(sink.got) == 20, timeout=10, what="the batch sent")
-        lane = relay.lanes["default"]
-        cap = lane.claim_cap
+        lane, cap = _one_batch_of_20_out(pg_dsn, schema, sink, relay)
         sink.down = True
         time.sleep(1.3)  # more than half the 2 s lease, heartbeats every 0.2 s
         sink.down = False
