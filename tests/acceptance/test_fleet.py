@@ -100,6 +100,9 @@ def test_schemas_of_two_databases_found_by_a_glob_and_again_while_it_runs(
         wait_for(lambda: f"{db1}.{prefix}_b" not in http_get(port, "/readyz")[1], timeout=30, what="let go")
         assert relay.stop() == 0
         log = relay.output()
+    except BaseException:
+        print(relay.output()[-6000:])  # shown with a failure (a CI run found the relay gone here)
+        raise
     finally:
         relay.close()
     assert f"outbox {db1}.{prefix}_b is no longer served" in log, log[-3000:]
