@@ -95,11 +95,6 @@ IDLE_POLLS = 50.0  # claims a second, at most, that poll quiet outboxes without 
 GC_THRESHOLD = 50_000  # allocations between collections of the youngest generation (Python: 700)
 
 
-def _failed_to_reach(batch: Batch) -> bool:
-    """Did some of the batch's events fail only because the sink could not be reached?"""
-    return any(isinstance(o, Retry) and o.kind in UNREACHABLE_KINDS for o in batch.outcomes)
-
-
 def _wal_failing(lane: Lane) -> bool:
     """Is the outbox's WAL slot failing to be read (gone, no REPLICATION, the server refusing)?"""
     return lane.wal is not None and lane.wal.condition.active
@@ -687,8 +682,7 @@ class Relay:
         # sends failed only to reach it) says nothing of the sink's pace once it answers: the
         # blackhole's 16 s batches, finishing as the sink healed, cut the claims to 50 just when
         # the backlog had to drain.
-        outage = batch.claimed_at <= self._sinks_seen_down or _failed_to_reach(batch)
-        slow = lost or (took > SLOW_BATCH * lease and not outage)
+        slow = lost or (took > SLOW_BATCH * lease and not self._outage(batch))  # rare: no scan per batch
         if slow:
             new = max(MIN_CLAIM, min(cap, len(batch)) // (4 if lost else 2))
         elif took < FAST_BATCH * lease and len(batch) >= cap and cap < full:
@@ -717,6 +711,13 @@ class Relay:
                 full,
                 extra={"event": "claims.unpaced", "outbox": lane.name},
             )
+
+    def _outage(self, batch: Batch) -> bool:
+        """Was the batch out while a heartbeat found a sink down, or did some of its events fail
+        only because the sink could not be reached?"""
+        if batch.claimed_at <= self._sinks_seen_down:
+            return True
+        return any(isinstance(o, Retry) and o.kind in UNREACHABLE_KINDS for o in batch.outcomes)
 
     def _lease_lost(self, lane: Lane, batch: Batch, why: str, ack_start: int) -> None:
         self.stats.leases_lost += 1
