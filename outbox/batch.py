@@ -154,14 +154,11 @@ class Batch:
         # its batch lost its lease), the key's later events were claimed and went out ahead of
         # this one. So claims skip the key's events after it until this batch ends. (A WAL
         # batch's held event is not in the table until this batch commits: its key is held.)
-        if outcome is HELD:
+        if outcome is HELD or isinstance(outcome, Retry) or self._parks:
             event = self.events[index] if index < len(self.events) else None
             if event is not None and event.key is not None:
-                self._holds.add(id(self), event.key, locked=self._locked_id(index))
-        elif isinstance(outcome, Retry) or self._parks:
-            event = self.events[index] if index < len(self.events) else None
-            if event is not None and event.key is not None:
-                self._holds.add(id(self), event.key)
+                locked = self._locked_id(index) if outcome is HELD else None
+                self._holds.add(id(self), event.key, locked=locked)
 
     def _locked_id(self, index: int) -> int | None:
         """The table id of event ``index``, locked by this batch until it ends."""

@@ -126,20 +126,16 @@ class KeyHolds:
     def release(self, batch: int) -> None:
         """Batch ``batch`` ended (its failures committed, or rolled back): drop its holds."""
         for key in self._by_batch.pop(batch, ()):
-            _drop(self.keys, key)
+            n = self.keys[key] - 1
+            if n:
+                self.keys[key] = n
+            else:
+                del self.keys[key]
         for key in self._skipped_by_batch.pop(batch, ()):
             by_batch = self._skip[key]
             del by_batch[batch]
             if not by_batch:
                 del self._skip[key]
-
-
-def _drop(counts: dict[bytes, int], key: bytes) -> None:
-    n = counts[key] - 1
-    if n:
-        counts[key] = n
-    else:
-        del counts[key]
 
 
 class Ordering:
