@@ -49,10 +49,20 @@ def machine(dsn: str, broker_version: str) -> dict[str, Any]:
 
 def postgres_cpu() -> dict[int, float]:
     """CPU seconds (user + system) of every PostgreSQL process, by pid."""
+    return _cpu_of(lambda name: name in ("postgres", "postmaster"))
+
+
+def broker_cpu() -> dict[int, float]:
+    """CPU seconds of every Tansu broker process on this machine, by pid (none when the bench
+    runs against a broker elsewhere: its CPU then reads 0)."""
+    return _cpu_of(lambda name: name.startswith("tansu"))
+
+
+def _cpu_of(wanted: Callable[[str], bool]) -> dict[int, float]:
     out: dict[int, float] = {}
     for proc in psutil.process_iter(["name"]):
         try:
-            if proc.info["name"] in ("postgres", "postmaster"):
+            if wanted(proc.info["name"] or ""):
                 t = proc.cpu_times()
                 out[proc.pid] = t.user + t.system
         except (psutil.NoSuchProcess, psutil.AccessDenied):
@@ -84,6 +94,7 @@ class Race:
     cpu_series: list[tuple[float, float]] = field(default_factory=list)  # (seconds, contenders' CPU s)
     relay_cpu_s: float = 0.0
     postgres_cpu_s: float = 0.0
+    broker_cpu_s: float = 0.0
     peak_rss_mb: float = 0.0
     moved: int = 0
     elapsed_s: float = 0.0
@@ -120,7 +131,7 @@ def race(
     for p in procs:
         p.start()
     result = Race()
-    pg_before = postgres_cpu()
+    pg_before, broker_before = postgres_cpu(), broker_cpu()
     started = time.monotonic()
     cpu_last: dict[int, float] = {}
     first_move: float | None = None
@@ -159,6 +170,7 @@ def race(
             raise RuntimeError(f"a contender process died (exit codes {dead})")
         time.sleep(SAMPLE_EVERY)
     result.postgres_cpu_s = cpu_delta(pg_before, postgres_cpu())
+    result.broker_cpu_s = cpu_delta(broker_before, broker_cpu())
     result.relay_cpu_s = sum(cpu_last.values())
     result.elapsed_s = time.monotonic() - started
     stop.set()

@@ -79,11 +79,12 @@ def drain_markdown(d: dict[str, Any]) -> list[str]:
         f"events had been moved to the moment 90 % had, on the parent's monotonic clock, which "
         f"reads each contender's shared counter every 50 ms); median of {d['repeat']} runs, "
         "contenders interleaved, each in a process of its own. Archive on for every contender. "
-        "CPU: the contender's process (user + system); PostgreSQL: all its server processes.",
+        "CPU: the contender's process (user + system); PostgreSQL: all its server processes; "
+        "broker: the Tansu process when it runs on this machine (0 for a broker elsewhere).",
         "",
         "| case | contender | events/s (median) | runs | CPU s / 1k ev | PostgreSQL CPU s / 1k ev "
-        "| peak RSS MB |",
-        "| --- | --- | ---: | --- | ---: | ---: | ---: |",
+        "| broker CPU s / 1k ev | peak RSS MB |",
+        "| --- | --- | ---: | --- | ---: | ---: | ---: | ---: |",
     ]
     for case in d["cases"].values():
         for kind, r in case["contenders"].items():
@@ -91,7 +92,8 @@ def drain_markdown(d: dict[str, Any]) -> list[str]:
             lines.append(
                 f"| {case['title']}, {case['events']:,} | {DRAIN_NAMES.get(kind, kind)} | "
                 f"{r['events_per_s_median']:,.0f} | {runs} | {r['relay_cpu_s_per_1k']:.3f} | "
-                f"{r['postgres_cpu_s_per_1k']:.3f} | {r['peak_rss_mb']:.0f} |"
+                f"{r['postgres_cpu_s_per_1k']:.3f} | {r.get('broker_cpu_s_per_1k', 0.0):.3f} | "
+                f"{r['peak_rss_mb']:.0f} |"
             )
     lines.append("")
     for case in d["cases"].values():

@@ -166,6 +166,7 @@ def _drained(name: str, result: Any, total: int) -> dict[str, Any]:
         "events_per_s": round(rate, 1),
         "relay_cpu_s_per_1k": round(1000 * result.relay_cpu_s / max(moved, 1), 4),
         "postgres_cpu_s_per_1k": round(1000 * result.postgres_cpu_s / max(moved, 1), 4),
+        "broker_cpu_s_per_1k": round(1000 * result.broker_cpu_s / max(moved, 1), 4),
         "peak_rss_mb": round(result.peak_rss_mb, 1),
         "series": [(round(t, 3), c) for t, c in result.series],
     }
@@ -179,6 +180,7 @@ def _summary(results: list[dict[str, Any]]) -> dict[str, Any]:
         "events_per_s_runs": rates,
         "relay_cpu_s_per_1k": mid["relay_cpu_s_per_1k"],
         "postgres_cpu_s_per_1k": mid["postgres_cpu_s_per_1k"],
+        "broker_cpu_s_per_1k": mid.get("broker_cpu_s_per_1k", 0.0),
         "peak_rss_mb": max(r["peak_rss_mb"] for r in results),
         "series": mid["series"],
     }
