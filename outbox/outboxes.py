@@ -159,5 +159,16 @@ def discover(
             skipped[schema] = str(exc)
             conn.rollback()
             continue
+        except (psycopg.errors.UndefinedTable, psycopg.errors.InvalidSchemaName):
+            # Dropped between the listing and this look (a tenant removed while a relay runs):
+            # it is not there, and not an error. Raised, it stopped the relay serving the rest.
+            conn.rollback()
+            continue
+        except psycopg.OperationalError:
+            raise  # the connection or the server: the whole look fails (the caller keeps the list)
+        except psycopg.Error as exc:  # this schema's own (e.g. no privilege on it): the rest go on
+            skipped[schema] = f"schema: {schema!r} cannot be read: {' '.join(str(exc).split())}"
+            conn.rollback()
+            continue
         served.append(Outbox(name, dsn, schema))
     return served, skipped

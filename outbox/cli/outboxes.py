@@ -14,7 +14,7 @@ from psycopg.conninfo import conninfo_to_dict
 
 from outbox.cli import options
 from outbox.cli.common import connect, dsn_of, schema_of
-from outbox.dsn import redact
+from outbox.dsn import redact, scrub, secrets_of
 from outbox.errors import ConfigError
 from outbox.outboxes import (
     DEFAULT_NAME,
@@ -120,6 +120,10 @@ def choose(args: argparse.Namespace, *, every_schema: bool = False) -> Chosen:
                         chosen.skipped.update({f"{prefix}{k}": v for k, v in skipped.items()})
             except ConfigError as exc:  # unreachable: the others still go on
                 chosen.skipped[redact(dsn) or "(PG* variables)"] = str(exc)
+                chosen.unreachable.append(dsn)
+            except psycopg.Error as exc:  # reached, but the look failed: as unreachable, this time
+                why = f"cannot look for outboxes: {scrub(' '.join(str(exc).split()), secrets_of(dsn))}"
+                chosen.skipped[redact(dsn) or "(PG* variables)"] = why
                 chosen.unreachable.append(dsn)
     chosen.outboxes = unique(found)
     return chosen
