@@ -157,3 +157,32 @@ def test_a_schema_the_role_may_not_read_is_named_not_served_and_the_look_goes_on
             conn.execute(sql.SQL("DROP ROLE {}").format(sql.Identifier(role)))
     assert [o.schema for o in served] == [readable]
     assert list(skipped) == [closed] and "cannot be read: permission denied" in skipped[closed], skipped
+
+
+def test_a_look_that_fails_midway_is_one_line_for_that_database_not_a_traceback(
+    pg_dsn: str, prefix: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The database answers, but the look for outboxes fails partway (here a statement timeout
+    while another session locks a tenant's migrations table): that database is reported as
+    unreadable, with the reason, and the command goes on (a relay keeps that database's outboxes
+    as they were). It used to end the command, and the relay, with a database error."""
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        migrate(conn, f"{prefix}_a")
+    locker = psycopg.connect(pg_dsn)
+    try:
+        locker.execute(
+            sql.SQL("LOCK TABLE {}.schema_migrations IN ACCESS EXCLUSIVE MODE").format(
+                sql.Identifier(f"{prefix}_a")
+            )
+        )
+        dsn = make_conninfo(pg_dsn, options="-c statement_timeout=300")
+        code = main(["status", "--dsn", dsn, "--schemas", f"{prefix}_*", "--json"])
+    finally:
+        locker.close()
+    out = capsys.readouterr()
+    assert code == 1, out
+    errors = [r.get("error", "") for r in json.loads(out.out)["outboxes"]]
+    assert any(
+        "cannot look for outboxes: canceling statement due to statement timeout" in e for e in errors
+    ), out
+    assert "Traceback" not in out.err
