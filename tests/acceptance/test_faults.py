@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from outbox.bench.faults.scenarios import SCENARIOS, SINK_HEALED_DRAIN
+from outbox.bench.faults.scenarios import SCENARIOS
 
 
 def _results(out: subprocess.CompletedProcess[str], directory: Path) -> dict[str, Any]:
@@ -78,9 +78,10 @@ def test_fault_scenario_loses_nothing(scenario: str, tmp_path: Path) -> None:
     if scenario == "blackhole-sink":
         # The relays run at their default delivery timeout, so their producers live through the
         # freeze and the broker fences them once healed (as users saw): replaced at once, the
-        # backlog drains within 20 s of healing, not after the stuck detector's 45 s.
+        # backlog drains within 20 s of healing, not after the stuck detector's 45 s (the full
+        # run's own bound; --short allows the loaded suite's webhook rows 40 s).
         assert r["producers_lost"] >= 1, f"no producer fenced: {detail}"
-        assert r["drained_seconds"] <= SINK_HEALED_DRAIN, detail
+        assert r["drained_seconds"] <= 20.0, detail
     assert f"| {scenario} |" in (tmp_path / "results.md").read_text()
 
 

@@ -23,7 +23,6 @@ from outbox.queries import query
 
 Body = Callable[[Run, Progress], None]
 BACKLOG_DRAINED = 100  # pending events under which a healed blackhole counts as drained
-SINK_HEALED_DRAIN = 20.0  # seconds after a sink's blackhole heals by which the backlog must drain
 
 
 def _kill(run: Run, p: Progress) -> None:
@@ -229,7 +228,7 @@ def _blackhole_sink(run: Run, p: Progress) -> None:
     turns once every attempt has failed for the stall timeout. With the relay's own 15 s, the
     short run's 18 s freeze was over before that on a loaded machine (Kinesis, in CI)."""
     assert run.proxy is not None
-    _blackhole(run, p, run.proxy, f"sink {run.tap.scheme}", SINK_HEALED_DRAIN, _sink_frozen(run.cfg))
+    _blackhole(run, p, run.proxy, f"sink {run.tap.scheme}", run.cfg.sink_healed_drain, _sink_frozen(run.cfg))
 
 
 def _sink_frozen(cfg: FaultConfig) -> float:
@@ -386,7 +385,7 @@ SCENARIOS: dict[str, Scenario] = {
     ),
     "blackhole-sink": Scenario(  # Kafka: a broker of the run's own, behind the proxy (run.py)
         _blackhole_sink,
-        lambda c: c.warmup + max(c.blackhole_seconds, _sink_frozen(c)) + SINK_HEALED_DRAIN + c.tail,
+        lambda c: c.warmup + max(c.blackhole_seconds, _sink_frozen(c)) + c.sink_healed_drain + c.tail,
         _blackhole_sink_provoked,
         settings=_relay_defaults,
     ),
