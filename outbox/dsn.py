@@ -29,6 +29,11 @@ def scrub(text: str, secrets: list[str]) -> str:
     return text
 
 
+def error_line(exc: BaseException, dsn: str) -> str:
+    """A driver's error as one line (libpq's messages span several), without ``dsn``'s password."""
+    return " ".join(scrub(str(exc), secrets_of(dsn)).split())
+
+
 def secrets_of(dsn: str) -> list[str]:
     """The secret values inside a DSN (its password), for scrubbing messages."""
     try:

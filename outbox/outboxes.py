@@ -25,7 +25,7 @@ from typing import Any
 import psycopg
 from psycopg.conninfo import conninfo_to_dict
 
-from outbox.dsn import redact
+from outbox.dsn import error_line, redact
 from outbox.errors import ConfigError, NotMigrated
 from outbox.migrate import require_migrated
 from outbox.queries import query
@@ -167,7 +167,7 @@ def discover(
         except psycopg.OperationalError:
             raise  # the connection or the server: the whole look fails (the caller keeps the list)
         except psycopg.Error as exc:  # this schema's own (e.g. no privilege on it): the rest go on
-            skipped[schema] = f"schema: {schema!r} cannot be read: {' '.join(str(exc).split())}"
+            skipped[schema] = f"schema: {schema!r} cannot be read: {error_line(exc, dsn)}"
             conn.rollback()
             continue
         served.append(Outbox(name, dsn, schema))

@@ -27,7 +27,7 @@ from typing import Any
 
 import psycopg
 
-from outbox.dsn import redact, scrub, secrets_of
+from outbox.dsn import error_line, redact
 from outbox.errors import ConfigError
 from outbox.queries import query
 
@@ -63,7 +63,7 @@ def require_own_sessions(dsn: str) -> None:
     try:
         shared = shares_sessions(dsn)
     except psycopg.OperationalError as exc:
-        reason = " ".join(scrub(str(exc), secrets_of(dsn)).split())
+        reason = error_line(exc, dsn)
         raise ConfigError(f"cannot connect to PostgreSQL ({redact(dsn)}): {reason}") from None
     if shared:
         raise ConfigError(

@@ -17,7 +17,7 @@ from outbox import migrate as migrations
 from outbox.cli import options
 from outbox.cli.common import add_common, add_confirm, confirm, connect, dsn_of, key_arg, schema_of
 from outbox.cli.outboxes import add_outboxes, choose, is_fleet
-from outbox.dsn import scrub, secrets_of
+from outbox.dsn import error_line
 from outbox.errors import ConfigError, NothingMatched, OutboxError
 from outbox.events import key_text
 from outbox.progress import Progress
@@ -249,7 +249,7 @@ def _migrate_each(args: argparse.Namespace, roles: migrations.Roles | None) -> i
                     switched = _switch(args, o.dsn, o.schema)
             except (OutboxError, ValueError, psycopg.Error) as exc:
                 failed += 1
-                print(f"{o.name}: failed: {' '.join(scrub(str(exc), secrets_of(o.dsn)).split())}")
+                print(f"{o.name}: failed: {error_line(exc, o.dsn)}")
                 if o.database in conns and not conns[o.database].closed:
                     conns[o.database].rollback()
                 continue
@@ -302,7 +302,7 @@ def _status_all(args: argparse.Namespace) -> int:
                 migrations.require_migrated(conn, o.schema, "schema")
                 row.update(status.summary(conn, o.schema))
             except (OutboxError, psycopg.Error) as exc:
-                row["error"] = " ".join(scrub(str(exc), secrets_of(o.dsn)).split())
+                row["error"] = error_line(exc, o.dsn)
             rows.append(row)
     finally:
         for conn in conns.values():

@@ -14,7 +14,7 @@ from psycopg.conninfo import conninfo_to_dict
 
 from outbox.cli import options
 from outbox.cli.common import connect, dsn_of, schema_of
-from outbox.dsn import redact, scrub, secrets_of
+from outbox.dsn import error_line, redact
 from outbox.errors import ConfigError
 from outbox.outboxes import (
     DEFAULT_NAME,
@@ -122,7 +122,7 @@ def choose(args: argparse.Namespace, *, every_schema: bool = False) -> Chosen:
                 chosen.skipped[redact(dsn) or "(PG* variables)"] = str(exc)
                 chosen.unreachable.append(dsn)
             except psycopg.Error as exc:  # reached, but the look failed: as unreachable, this time
-                why = f"cannot look for outboxes: {scrub(' '.join(str(exc).split()), secrets_of(dsn))}"
+                why = f"cannot look for outboxes: {error_line(exc, dsn)}"
                 chosen.skipped[redact(dsn) or "(PG* variables)"] = why
                 chosen.unreachable.append(dsn)
     chosen.outboxes = unique(found)
