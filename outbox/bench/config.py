@@ -28,6 +28,11 @@ class BenchConfig:
         10.0, "snapshot: minutes of writes under a held snapshot, per capture mode"
     )
     snapshot_rate: int = setting(2000, "snapshot: events/s written meanwhile")
+    snapshot_control: bool = setting(
+        True,
+        "snapshot: run each capture mode again with no snapshot held, the same minutes (the "
+        "machine's own minute-to-minute variation, to judge the held run's against)",
+    )
     scale_processes: list[int] = setting(default_factory=lambda: [1, 2, 4], help="scale: relay processes")
     sinks: list[str] = setting(
         default_factory=lambda: [
