@@ -79,10 +79,26 @@ def _relay(relay: Any) -> None:
 
     relay.Relay._send = timed_send
     if os.environ.get("OUTBOX_TRACE_LOOP"):
-        for name in ("_finish_complete_batches", "_read_and_send", "_claim_and_send", "_heartbeat", "_step"):
+        names = (
+            "_finish_complete_batches",
+            "_read_and_send",
+            "_claim_and_send",
+            "_heartbeat",
+            "_step",
+            "_record",
+        )
+        for name in names:
             setattr(relay.Relay, name, _span(name, getattr(relay.Relay, name)))
     if os.environ.get("OUTBOX_EXP_SLICE") and hasattr(relay, "REPORT_SLICE"):
         relay.REPORT_SLICE = float(os.environ["OUTBOX_EXP_SLICE"])
+
+
+def _batch(batch: Any) -> None:
+    if os.environ.get("OUTBOX_TRACE_LOOP"):
+        batch.Batch.finish = _span("Batch.finish", batch.Batch.finish)
+        for cls in (batch.Batch, batch.WalBatch):
+            name = f"{cls.__name__}._write_and_commit"
+            cls._write_and_commit = _span(name, cls.__dict__["_write_and_commit"])
 
 
 def _kafka(kafka: Any) -> None:
@@ -130,6 +146,7 @@ def _workspace(workspace: Any) -> None:
 _PATCHES: dict[str, tuple[str, Callable[[Any], None]]] = {
     "outbox.capture": ("WalReader", _capture),
     "outbox.relay": ("Relay", _relay),
+    "outbox.batch": ("WalBatch", _batch),
     "outbox.sinks.kafka": ("SEND_NOW_WAIT", _kafka),
     "outbox.bench.contenders": ("AckTimingSink", _contenders),
     "outbox.bench.workspace": ("Writers", _workspace),
