@@ -319,9 +319,10 @@ def snapshot_markdown(k: dict[str, Any]) -> list[str]:
     return lines
 
 
-def _snapshot_run(r: dict[str, Any]) -> str:
-    """A snapshot run's name: its capture mode, and whether it is the control (none held)."""
-    return r["capture"] if r.get("held", True) else f"{r['capture']}, none held"
+def _snapshot_run(r: dict[str, Any], kind: str = "") -> str:
+    """A snapshot run's name: its capture mode (then ``kind``), and whether it is the control
+    (none held; reports from before the control have no ``held``: held runs)."""
+    return f"{r['capture']}{kind}" + ("" if r.get("held", True) else ", none held")
 
 
 def tenants_markdown(t: dict[str, Any]) -> list[str]:
@@ -478,7 +479,7 @@ def plots(results: dict[str, Any], out: Path) -> list[str]:
         k = s["snapshot"]
         fig, (a1, a2, a3) = plt.subplots(3, 1, figsize=(8, 8), sharex=True)
         for r in k["runs"]:
-            label = f"{r['capture']} capture" + ("" if r.get("held", True) else ", none held")
+            label = _snapshot_run(r, " capture")
             xs = [w["from_s"] + r["window_s"] / 2 for w in r["windows"]]
             a1.plot(xs, [w["ack_p99_ms"] for w in r["windows"]], marker="o", label=f"{label}, p99")
             a1.plot(xs, [w["ack_p50_ms"] for w in r["windows"]], ls=":", label=f"{label}, p50")

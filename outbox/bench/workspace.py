@@ -4,6 +4,7 @@ processes committing business transactions at a rate (:class:`Writers`)."""
 from __future__ import annotations
 
 import json
+import math
 import multiprocessing as mp
 import tempfile
 import threading
@@ -83,7 +84,7 @@ def _writer_proc(
     out_path: str | None,
 ) -> None:
     """A writer process: the harness's sample app at ``rate`` business transactions per second."""
-    sessions = max(1, -(-int(rate) // WRITER_RATE_PER_SESSION))
+    sessions = max(1, math.ceil(rate / WRITER_RATE_PER_SESSION))
     load = Load(dsn, schema, topic, rate=rate, writers=sessions, keys=KEYS, seconds=seconds).start()
     while load.alive():
         written.value = load.count
