@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 
+from outbox.bench.faults.config import WINDOW_COMMITS
 from outbox.bench.faults.scenarios import SCENARIOS
 
 
@@ -44,6 +45,14 @@ def _detail(scenario: str, r: dict[str, Any]) -> str:
                 lines = [line for line in Path(log).read_text().splitlines() if '"level": "info"' not in line]
                 print(f"{Path(log).name}:", *lines[-12:], sep="\n  ")
     return text
+
+
+def _under_load(r: dict[str, Any]) -> bool:
+    """The run met its load: each window (warmup, fault, tail) saw its commits. The harness holds a
+    window open until it has them (Window): beside the loaded suite the writer's pace falls to a
+    third at worst, and once to a twentieth (73 commits in 11 s at 150/s, each 0.3 s), where a
+    fixed count of commits failed a run that had lost nothing."""
+    return r["short_windows"] == [] and r["committed"] >= 2 * WINDOW_COMMITS
 
 
 @pytest.mark.parametrize("scenario", [name for name, s in SCENARIOS.items() if s.sinks != "other"])
@@ -71,9 +80,7 @@ def test_fault_scenario_loses_nothing(scenario: str, tmp_path: Path) -> None:
     detail = _detail(scenario, r)
     assert out.returncode == 0, f"{out.stderr[-3000:]}\n{detail}\n{logs}"
     assert r["passed"] and r["lost"] == 0 and r["order_violations"] == 0 and r["double_archived"] == 0, detail
-    # It ran under load: 150 business transactions/s for 8 s or more. Beside the loaded suite the
-    # writer keeps a third of that pace at worst (CI: 447 and 370 commits); the faults still hit it.
-    assert r["committed"] > 300, detail
+    assert _under_load(r), detail
     assert r["provoked"], f"the fault did not happen: {detail}"  # judged by the scenario's own row
     if scenario == "blackhole-sink":
         # The relays run at their default delivery timeout, so their producers live through the
@@ -110,7 +117,7 @@ def test_fault_scenarios_on_every_sink_lose_nothing(sink: str, pg_dsn: str, tmp_
         r = results["scenarios"][scenario]
         detail = _detail(scenario, r)
         assert r["passed"] and r["lost"] == 0 and r["order_violations"] == 0, detail
-        assert r["double_archived"] == 0 and r["committed"] > 200 and r["provoked"], detail  # as above
+        assert r["double_archived"] == 0 and _under_load(r) and r["provoked"], detail
     assert out.returncode == 0, out.stderr[-3000:]
 
 
@@ -156,7 +163,7 @@ def test_fault_scenarios_on_aws_lose_nothing(service: str, pg_dsn: str, tmp_path
         r = results["scenarios"][scenario]
         detail = _detail(scenario, r)
         assert r["passed"] and r["lost"] == 0 and r["order_violations"] == 0, detail
-        assert r["double_archived"] == 0 and r["committed"] > 200 and r["provoked"], detail
+        assert r["double_archived"] == 0 and _under_load(r) and r["provoked"], detail
     assert out.returncode == 0, out.stderr[-3000:]
 
 
@@ -179,6 +186,6 @@ def test_fault_scenarios_in_wal_capture_lose_nothing(tmp_path: Path) -> None:
         r = results["scenarios"][scenario]
         detail = _detail(scenario, r)
         assert r["passed"] and r["lost"] == 0 and r["order_violations"] == 0, detail
-        assert r["double_archived"] == 0 and r["committed"] > 200 and r["provoked"], detail  # as above
+        assert r["double_archived"] == 0 and _under_load(r) and r["provoked"], detail
     assert out.returncode == 0, out.stderr[-3000:]
     assert "Fault suite (short, WAL capture)" in (tmp_path / "results.md").read_text()

@@ -8,6 +8,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+# Commits each load window (a warmup, a fault, a tail) waits for at least, however slow the
+# machine (bench.faults.run.Window).
+WINDOW_COMMITS = 50
+
 
 @dataclass(frozen=True)
 class FaultConfig:
@@ -28,6 +32,7 @@ class FaultConfig:
     ownership_lease: float = 6.0  # seconds
     warmup: float = 5.0  # seconds of load before the fault
     tail: float = 10.0  # seconds of load after it
+    window_commits: int = WINDOW_COMMITS
     kill_window: float = 60.0  # seconds of the SIGKILL loop
     kill_every: float = 4.0  # seconds between kills (jittered)
     broker_outage: float = 30.0  # seconds

@@ -58,7 +58,9 @@ def _note(name: str, r: dict[str, Any]) -> str:
         parts.append(f"{r['unexpected_dead']} UNEXPECTED DEAD LETTERS")
     if not r.get("drained"):
         parts.append("DID NOT DRAIN")
-    if not r.get("provoked", True):
+    if r.get("short_windows"):
+        parts.append("TOO FEW COMMITS: " + ", ".join(r["short_windows"]))
+    elif not r.get("provoked", True):
         parts.append("THE FAULT DID NOT HAPPEN")
     return "; ".join(parts)
 
