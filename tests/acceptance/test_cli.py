@@ -37,9 +37,10 @@ def test_demo_runs_the_whole_pipeline(pg_dsn: str, schema: str, kafka: str) -> N
     assert out.returncode == 0, out.stdout + out.stderr
     line = next(ln for ln in out.stdout.splitlines() if ln.startswith("demo summary: "))
     summary = json.loads(line.removeprefix("demo summary: "))
-    # Enough transactions that one in ten was rolled back; 3 s at 200/s beside the matrices'
-    # eight suites committed 96 (the demo's pace is the machine's, not what is checked here).
-    assert summary["committed"] >= 30 and summary["rolled_back"] > 0
+    # One transaction in ten of each writer is rolled back on purpose. The demo's pace is the
+    # machine's, not what is checked: 3 s at 200/s beside the matrices' eight suites committed 96,
+    # and the fault suite's writer once fell to a twentieth of its rate, so no count is asserted.
+    assert summary["rolled_back"] > 0 and summary["committed"] >= 9 * summary["rolled_back"]
     assert summary["missing"] == 0 and summary["rolled_back_but_consumed"] == 0
 
 
