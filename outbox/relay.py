@@ -962,10 +962,14 @@ class Relay:
 
     def _chain(self, lane: Lane) -> None:
         """A sink that cannot order a key's in-flight events gets key chains, one set per outbox:
-        keys are an outbox's own, and one outbox's failure must not hold another's events."""
+        keys are an outbox's own, and one outbox's failure must not hold another's events. A
+        router over several sinks gets them too, across its sinks: a key's event waits for the
+        key's events in flight to another sink (chains.py)."""
         assert self._sink is not None
-        if lane.ordering.ordered and not getattr(router.unwrap(self._sink), "keeps_key_order", True):
-            self._chains[lane.name] = KeyChains(self._sink, parks=lane.ordering.parks)
+        inner = router.unwrap(self._sink)
+        if lane.ordering.ordered and not getattr(inner, "keeps_key_order", True):
+            route = inner.destination if isinstance(inner, router.Router) else None
+            self._chains[lane.name] = KeyChains(self._sink, parks=lane.ordering.parks, route=route)
 
     def _heartbeat(self, lane: Lane, readiness: str) -> None:
         # The pids are recorded for operators (outbox status, pg_stat_activity), not for fencing.

@@ -94,10 +94,11 @@ def routed(
     cloudevents_source: str | None = None,
     claim_check: tuple[Store, int] | None = None,
 ) -> Callable[[], Sink]:
-    """The relay's sink factory for ``routes``: a Router over one sink per URL, with key
-    chains where the relay's ordering needs them; with ``cloudevents_source``, each sink
-    adds the CloudEvents attributes (:mod:`outbox.sinks.cloudevents`); with ``claim_check``
-    (a store and a size), payloads over the size go to the store (:mod:`outbox.claim_check`)."""
+    """The relay's sink factory for ``routes``: a Router over one sink per URL. The relay adds
+    each outbox's key chains where its ordering needs them (:meth:`~outbox.relay.Relay._chain`).
+    With ``cloudevents_source``, each sink adds the CloudEvents attributes
+    (:mod:`outbox.sinks.cloudevents`); with ``claim_check`` (a store and a size), payloads over
+    the size go to the store (:mod:`outbox.claim_check`)."""
     make = SinkMaker(
         kafka,
         dict(kafka_config or {}),
@@ -108,6 +109,8 @@ def routed(
     )
 
     def sink() -> Sink:
-        return build(routes, make, ordered=config.ordering == "key", parks=config.on_dead == "park")
+        # No chains inside: one set shared by every outbox would let one outbox's failure hold
+        # another's events of the same key.
+        return build(routes, make, ordered=False, parks=config.on_dead == "park")
 
     return sink

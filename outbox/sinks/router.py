@@ -74,6 +74,8 @@ class Router:
         self._signalled = [s for s in self.sinks if getattr(unwrap(s), "wake", None) is self.wake]
         self._others = [s for s in self.sinks if s not in self._signalled]
         self._by_topic: dict[str, Sink | None] = {}  # topic -> its sink, learnt on first sight
+        # id(sink) -> whether it keeps the order of a key's events in flight (Kafka), for key chains
+        self._keeps = {id(s): bool(getattr(unwrap(s), "keeps_key_order", True)) for s in self.sinks}
 
     def sink_for(self, topic: str) -> Sink | None:
         try:
@@ -82,6 +84,17 @@ class Router:
             route = route_for(self._routes, topic)
             sink = self._by_topic[topic] = None if route is None else self._sink_of_url[route.url.text]
             return sink
+
+    @property
+    def keeps_key_order(self) -> bool:
+        """One sink that keeps a key's in-flight order itself: the relay needs no key chains."""
+        return len(self.sinks) == 1 and self._keeps[id(self.sinks[0])]
+
+    def destination(self, event: ClaimedEvent) -> tuple[object, bool]:
+        """Where ``event`` goes, for a key chain across sinks (:class:`KeyChains` ``route``):
+        its sink, and whether that sink keeps the order of a key's events in flight."""
+        sink = self.sink_for(event.topic)
+        return sink, sink is not None and self._keeps[id(sink)]
 
     def produce(self, event: ClaimedEvent, report: Report) -> Outcome | None:
         sink = self.sink_for(event.topic)

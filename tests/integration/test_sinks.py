@@ -284,7 +284,9 @@ def test_one_sink_down_leaves_the_other_routes_flowing_and_readyz_names_it(
     pg_dsn: str, schema: str, kafka: str, topic: str
 ) -> None:
     """RabbitMQ refused: Kafka and Redis routes keep delivering; /readyz is 503 naming the
-    RabbitMQ sink while every sink has a line; then RabbitMQ is back and its events arrive."""
+    RabbitMQ sink while every sink has a line; then RabbitMQ is back and its events arrive.
+    Each route has keys of its own: a key with events on RabbitMQ waits for them on every sink
+    (the next test)."""
     rabbit, stream = target("amqp"), target("redis")
     proxy = Proxy(*rabbit.server).start()
     proxy.refuse()
@@ -294,12 +296,14 @@ def test_one_sink_down_leaves_the_other_routes_flowing_and_readyz_names_it(
             f"{stream.topic}={stream.url()}",
             f"*=kafka://{kafka}",
         )
-        config = _config(pg_dsn, schema, metrics_port=0, retry=RetryPolicy(base=0.05, cap=0.3))
+        # No dead letters while RabbitMQ is refused, however slowly the other routes start.
+        retry = RetryPolicy(base=0.05, cap=0.3, max_attempts=1000)
+        config = _config(pg_dsn, schema, metrics_port=0, retry=retry)
         with psycopg.connect(pg_dsn) as conn:
             for i in range(50):
-                outbox.enqueue(conn, "orders.created", f"o{i}".encode(), key=f"k{i % 5}", schema=schema)
-                outbox.enqueue(conn, topic, f"t{i}".encode(), key=f"k{i % 5}", schema=schema)
-                outbox.enqueue(conn, stream.topic, f"s{i}".encode(), key=f"k{i % 5}", schema=schema)
+                outbox.enqueue(conn, "orders.created", f"o{i}".encode(), key=f"o{i % 5}", schema=schema)
+                outbox.enqueue(conn, topic, f"t{i}".encode(), key=f"t{i % 5}", schema=schema)
+                outbox.enqueue(conn, stream.topic, f"s{i}".encode(), key=f"s{i % 5}", schema=schema)
         with running_relay(config, _factory(config, *routes)) as relay:
             wait_for(lambda: count(pg_dsn, schema, "delivered") == 100, timeout=30, what="kafka and redis")
             assert count(pg_dsn, schema, "delivered", "topic = 'orders.created'") == 0
@@ -317,6 +321,53 @@ def test_one_sink_down_leaves_the_other_routes_flowing_and_readyz_names_it(
         proxy.stop()
         rabbit.close()
         stream.close()
+
+
+def test_a_key_across_two_sinks_never_overtakes_its_failure_on_the_other(pg_dsn: str, schema: str) -> None:
+    """A key's events alternate between a webhook and a Redis stream. The webhook refuses each
+    event the first time (503), and the relay learns it after it has handed the batch's other
+    events out: the key's next event, to Redis, waits for it all the same, and reaches Redis only
+    after the webhook has taken the one before it."""
+    hook, stream = HttpTarget(), target("redis")
+    refused: set[bytes] = set()
+    taken_at: dict[bytes, float] = {}
+
+    def refuse_once(r: Any) -> tuple[int, dict[str, str], bytes]:
+        if r.body not in refused:
+            refused.add(r.body)
+            return 503, {"retry-after": "0"}, b"not yet"
+        taken_at[r.body] = time.time()
+        return 204, {}, b""
+
+    hook.decide = refuse_once
+    keys, rounds = 5, 4
+    try:
+        with psycopg.connect(pg_dsn) as conn:
+            for i in range(rounds):
+                for k in range(keys):
+                    topic = hook.topic if i % 2 == 0 else stream.topic
+                    outbox.enqueue(conn, topic, f"k{k}:{i}".encode(), key=f"k{k}", schema=schema)
+        config = _config(pg_dsn, schema, retry=RetryPolicy(base=0.2, cap=0.2, max_attempts=100))
+        routes = (f"{hook.topic}={hook.url()}", f"*={stream.url()}")
+        with running_relay(config, _factory(config, *routes)):
+            wait_for(lambda: count(pg_dsn, schema, "events") == 0, timeout=30, what="drain")
+        entries = stream.read(keys * rounds // 2)
+    finally:
+        hook.close()
+        stream.close()
+    assert len(taken_at) == keys * rounds // 2 and count(pg_dsn, schema, "dead_letters") == 0
+    for m in entries:
+        k, i = m.value.decode().split(":")
+        arrived_ms = int(m.headers["x-entry-id"].decode().split("-")[0])  # Redis's own clock
+        before = taken_at[f"{k}:{int(i) - 1}".encode()]
+        assert arrived_ms + 1 >= before * 1000, (
+            f"{m.value!r} reached Redis {before * 1000 - arrived_ms:.0f} ms before the webhook took the key's event before it"
+        )
+    with psycopg.connect(pg_dsn) as conn:
+        rows = conn.execute(f'SELECT key, delivered_at FROM "{schema}".delivered ORDER BY id').fetchall()
+    for k in range(keys):
+        times = [at for key, at in rows if key == f"k{k}".encode()]
+        assert times == sorted(times), f"k{k} archived out of order"
 
 
 def test_nats_replies_settle_each_event_no_stream_then_a_stream_and_a_stream_limit(

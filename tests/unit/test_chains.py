@@ -102,3 +102,62 @@ def test_an_outcome_known_at_once_moves_the_chain_on() -> None:
         _produce(chains, got, event_id, b"k")
     inner.answer(1, Delivered())  # 2 is refused at once, 3 goes out
     assert got[2] == Dead("bad", "refused") and inner.sent == [1, 2, 3]
+
+
+def _routed(ordered_topics: set[str]) -> tuple[KeyChains, _Manual, dict[int, Outcome]]:
+    """Chains across sinks: an event's topic is its sink; the topics in ``ordered_topics`` go to a
+    sink that keeps a key's in-flight order (Kafka)."""
+    inner = _Manual()
+    route = lambda e: (e.topic, e.topic in ordered_topics)  # noqa: E731
+    return KeyChains(inner, parks=True, route=route), inner, {}
+
+
+def _to(chains: KeyChains, got: dict[int, Outcome], event_id: int, topic: str, key: bytes | None) -> None:
+    event = ClaimedEvent(event_id, str(event_id), topic, key, b"", [], 0.0, 0)
+    outcome = chains.produce(event, lambda o: got.__setitem__(event_id, o))
+    if outcome is not None:
+        got[event_id] = outcome
+
+
+def test_across_sinks_a_key_waits_for_its_events_in_flight_to_another_sink() -> None:
+    chains, inner, got = _routed({"kafka"})
+    _to(chains, got, 1, "kafka", b"k")
+    _to(chains, got, 2, "kafka", b"k")  # the same ordered sink: in flight beside 1
+    _to(chains, got, 3, "amqp", b"k")  # another sink: waits for 1 and 2
+    _to(chains, got, 4, "amqp", b"j")  # another key: at once
+    assert inner.sent == [1, 2, 4] and chains.queued() == 1
+    inner.answer(1, Delivered())
+    assert inner.sent == [1, 2, 4]  # 2 is still in flight
+    inner.answer(2, Delivered())
+    assert inner.sent == [1, 2, 4, 3]
+    _to(chains, got, 5, "amqp", b"k")  # a sink that does not keep order: one at a time
+    assert inner.sent == [1, 2, 4, 3]
+    inner.answer(3, Delivered())
+    assert inner.sent == [1, 2, 4, 3, 5]
+
+
+def test_across_sinks_a_failure_holds_the_key_on_every_sink() -> None:
+    """The race the router had: the failure of a key's event to RabbitMQ came back after the
+    key's next event had gone to Kafka, which then overtook it."""
+    chains, inner, got = _routed({"kafka"})
+    _to(chains, got, 1, "amqp", b"k")
+    _to(chains, got, 2, "kafka", b"k")
+    _to(chains, got, 3, "kafka", b"k")
+    assert inner.sent == [1]
+    inner.answer(1, Retry("unavailable", "down"))
+    assert got == {1: Retry("unavailable", "down"), 2: HELD, 3: HELD} and inner.sent == [1]
+    assert chains.queued() == 0
+
+
+def test_across_sinks_the_queue_drains_in_order_through_sends_that_join() -> None:
+    chains, inner, got = _routed({"kafka"})
+    for event_id, topic in [(1, "amqp"), (2, "kafka"), (3, "kafka"), (4, "amqp"), (5, "kafka")]:
+        _to(chains, got, event_id, topic, b"k")
+    inner.answer(1, Delivered())
+    assert inner.sent == [1, 2, 3]  # 2 and 3 together to the ordered sink; 4 waits for both
+    inner.answer(2, Delivered())
+    inner.answer(3, Delivered())
+    assert inner.sent == [1, 2, 3, 4]
+    inner.answer(4, Delivered())
+    inner.answer(5, Delivered())
+    assert inner.sent == [1, 2, 3, 4, 5] and chains.queued() == 0 and len(got) == 5
