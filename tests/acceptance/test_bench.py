@@ -113,10 +113,10 @@ def test_bench_smoke_soak_scale_and_snapshot(pg_dsn: str, kafka: str, tmp_path: 
     ]  # fmt: skip
     for r in snap["runs"]:
         assert r["delivered"] >= r["written"] > 0 and r["all_acked"], r["capture"]
-        # A sixteenth of the events is sampled (by id): the first 1.2 s window of a writer that
-        # started slowly beside the suite held 18 events and, one time in three, none sampled.
-        sampled = [w for w in r["windows"] if w["acked_sampled"]]
-        assert len(r["windows"]) == 5 and len(sampled) >= 3, r["windows"]
+        # A short run times every event's ack, in whichever window it was written: beside the
+        # loaded suite a writer made 3 events/s, and a sixteenth of them left windows empty.
+        assert r["acks_kept"] == "all" and len(r["windows"]) == 5, r["windows"]
+        assert [w["acked_sampled"] for w in r["windows"]] == [w["written"] for w in r["windows"]]
         assert r["samples"] and r["p99_worst_to_first"] is not None
     wal = snap["runs"][2]
     assert wal["slot_retained_peak_bytes"] > 0  # the slot was looked at
