@@ -186,8 +186,8 @@ def test_sink_passwords_and_the_webhook_secret_never_reach_logs_errors_status_or
     scraped = []
     try:
         with psycopg.connect(pg_dsn) as conn:
-            for t in ("a.x", "r.x", "n.x", "h.x"):
-                outbox.enqueue(conn, t, b"x", key="k", schema=schema)
+            for t in ("a.x", "r.x", "n.x", "h.x"):  # a key each: a key waits behind its failure
+                outbox.enqueue(conn, t, b"x", key=t, schema=schema)
 
         def all_failed() -> bool:
             with psycopg.connect(pg_dsn, autocommit=True) as conn:

@@ -124,8 +124,12 @@ def test_per_key_order_through_failures_and_two_relay_processes(
     env = {"OUTBOX_TEST_FAILURE_RATE": "0.05", **aws_env}
     # moto answers a FIFO send in 50-500 ms (it scans the queue for duplicates), where SQS takes
     # tens of ms: a batch of 200 whose keys each go one at a time outlives FAST's 4 s lease, its
-    # ack is refused and it starts over. A longer lease and smaller batches, for moto.
-    opts = (*FAST, "--lease", "30", "--batch-size", "100", "--route", f"*={target.url()}")
+    # ack is refused and it starts over. A longer lease and smaller batches, for moto. And a longer
+    # delivery timeout: on a machine running at half its pace, FAST's 2 s timed out the two relays'
+    # requests queued behind one another at moto, they came again, and for 60 s every connection
+    # timed out (SNS, a CI run, 2026-11-26).
+    opts = (*FAST, "--lease", "30", "--delivery-timeout", "10", "--batch-size", "100")
+    opts = (*opts, "--route", f"*={target.url()}")
     relays = [
         RelayProcess(pg_dsn, schema, None, *opts, "--name", f"r{i}", env=env, module="tests.flaky_relay")
         for i in range(2)

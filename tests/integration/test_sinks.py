@@ -405,7 +405,8 @@ def test_nats_replies_settle_each_event_no_stream_then_a_stream_and_a_stream_lim
             waits = [outbox.enqueue(conn, later, f"w{i}".encode(), key="w", schema=schema) for i in range(3)]
             big = outbox.enqueue(conn, small, b"x" * 2000, key="s", schema=schema)
             fits = outbox.enqueue(conn, small, b"fits", key="t", schema=schema)
-        config = _config(pg_dsn, schema, retry=RetryPolicy(base=0.05, cap=0.3))
+        # The waiting events retry until the stream is made, however long the steps before take.
+        config = _config(pg_dsn, schema, retry=RetryPolicy(base=0.05, cap=0.3, max_attempts=1000))
         with running_relay(config, _factory(config, f"*=nats://{NATS[0]}:{NATS[1]}")):
             wait_for(lambda: count(pg_dsn, schema, "dead_letters") == 1, timeout=30, what="the dead letter")
             wait_for(lambda: count(pg_dsn, schema, "delivered") == 1, timeout=30, what="the small one")
