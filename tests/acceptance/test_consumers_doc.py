@@ -94,7 +94,14 @@ def _deliver_twice(pg_dsn: str, schema: str, target: Target, secrets: list[bytes
 
 
 def _assert_once(pg_dsn: str, schema: str, calls: int) -> None:
-    assert calls == N + AGAIN, "the recipe saw every copy"
+    with psycopg.connect(pg_dsn) as conn:
+        row = conn.execute(
+            sql.SQL("SELECT coalesce(sum(attempts - 1), 0) FROM {}.delivered").format(sql.Identifier(schema))
+        ).fetchone()
+    retries = int(row[0]) if row else 0
+    # Every copy, and at most one more per attempt the relay retried: a timed-out send may have
+    # arrived (moto, loaded by the suite, once went 5 s without answering 5 sends it had taken).
+    assert N + AGAIN <= calls <= N + AGAIN + retries, f"the recipe saw {calls} copies, {retries} retries"
     with psycopg.connect(pg_dsn) as conn:
         rows = conn.execute(
             sql.SQL("SELECT count(*), count(DISTINCT seq) FROM {}.effects").format(sql.Identifier(schema))

@@ -256,6 +256,33 @@ def _undelivered(places: list[tuple[str, str]], each: int) -> list[str]:
     return short
 
 
+def _why_short(places: list[tuple[str, str]], short: list[str], port: int, logs: str) -> None:
+    """What a short outbox looks like, printed with the failure (seen once, on a machine at half
+    its pace: one outbox of 203 archived nothing in 120 s, and its log lines had scrolled away)."""
+    for dsn, schema in places:
+        if not any(line.split(":")[0].endswith(f".{schema}") for line in short[:3]):
+            continue
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            q = sql.SQL(
+                "SELECT owner, count(*), min(expires_at - now()), bool_or(releasing), "
+                "max(fenced_until - now()) FROM {}.partitions GROUP BY owner"
+            )
+            print(schema, "partitions:", conn.execute(q.format(sql.Identifier(schema))).fetchall())
+            q = sql.SQL("SELECT id, partition, attempts, available_at - now(), last_error FROM {}.events")
+            print(schema, "events:", conn.execute(q.format(sql.Identifier(schema))).fetchall())
+            q = sql.SQL(
+                "SELECT pid, state, now() - xact_start, left(query, 80) FROM pg_stat_activity "
+                "WHERE application_name LIKE 'outbox-%%' AND state <> 'idle'"
+            )
+            print("relay sessions not idle:", conn.execute(q).fetchall())
+        print(schema, "in the relay's log:", [line for line in logs.splitlines() if schema in line][-20:])
+        print(
+            schema,
+            "in /readyz:",
+            [line for line in http_get(port, "/readyz")[1].splitlines() if schema in line],
+        )
+
+
 def _relay_sessions(dsn: str) -> int:
     """Sessions the relay holds in ``dsn``'s database (batches, heartbeat, LISTEN, vacuum, metrics)."""
     with psycopg.connect(dsn, autocommit=True) as conn:
@@ -327,6 +354,10 @@ def test_200_schemas_and_three_databases_on_two_servers_one_relay(
             wait_for(drained, timeout=120, what="every outbox drained")
         except AssertionError:
             print(f"{len(short)} outboxes short (archived, pending): {short[:20]}")
+            try:
+                _why_short(places, short, port, relay.output())
+            except Exception as exc:  # the diagnosis must not hide the failure
+                print(f"(could not look closer: {exc!r})")
             raise
         phase("drained")
         # Bounded: 200 outboxes in a database are one relay's few sessions there, not 200.
