@@ -27,14 +27,24 @@ from outbox.sinks.kafka import KafkaSink
 def wait_for(
     condition: Callable[[], Any], timeout: float = 30.0, interval: float = 0.05, what: str = ""
 ) -> Any:
-    """Poll ``condition`` until it returns a truthy value; fail after ``timeout`` seconds."""
+    """Poll ``condition`` until it returns a truthy value; fail after ``timeout`` seconds.
+
+    A condition that cannot reach PostgreSQL this time (``psycopg.OperationalError``) is polled
+    again: beside the loaded suite on a machine at half its pace, a test's own connection once
+    took over its 3 s connect timeout while the relays it watched were fine. The last such error
+    is given with the timeout."""
     deadline = time.monotonic() + timeout
+    error: psycopg.OperationalError | None = None
     while True:
-        value = condition()
+        try:
+            value = condition()
+        except psycopg.OperationalError as exc:
+            error, value = exc, None
         if value:
             return value
         if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what or condition}")
+            last = f" (last: {type(error).__name__}: {error})" if error is not None else ""
+            raise AssertionError(f"timed out after {timeout}s waiting for {what or condition}{last}")
         time.sleep(interval)
 
 
