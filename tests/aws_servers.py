@@ -69,10 +69,15 @@ class Moto:
         )
 
         def up() -> bool:
+            proc = self.proc
+            if proc is not None and proc.poll() is not None:
+                raise AssertionError(f"the moto server exited with {proc.returncode} before it listened")
             with socket.socket() as s:
                 return s.connect_ex(("127.0.0.1", self.port)) == 0
 
-        wait_for(up, timeout=30, what="moto server")
+        # moto imports for seconds; beside the suite on a machine at half its pace it took over
+        # 30 s once, and every AWS test of that worker failed at its start.
+        wait_for(up, timeout=120, what="moto server")
         return self
 
     def stop(self) -> None:

@@ -32,7 +32,18 @@ def _results(out: subprocess.CompletedProcess[str], directory: Path) -> dict[str
             f"no results.json (exit {out.returncode}):\n{out.stdout[-3000:]}\n{out.stderr[-6000:]}"
         )
     results: dict[str, Any] = json.loads(path.read_text())
+    missing = [s for s in _asked(out.args) if s not in results.get("scenarios", {})]
+    if missing:  # the run stopped partway (a CI run once kept only the first of two)
+        raise AssertionError(
+            f"no result for {missing} (exit {out.returncode}):\n{out.stdout[-3000:]}\n{out.stderr[-6000:]}"
+        )
     return results
+
+
+def _asked(args: Any) -> list[str]:
+    """The scenarios a bench command line asked for (``--scenarios a,b``)."""
+    args = list(args)
+    return args[args.index("--scenarios") + 1].split(",") if "--scenarios" in args else []
 
 
 def _detail(scenario: str, r: dict[str, Any]) -> str:
