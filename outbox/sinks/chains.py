@@ -68,27 +68,31 @@ class KeyChains(SinkWrapper):
         if key is None:
             return self.inner.produce(event, report)
         chain = self._chains.get(key)
+        to = None
         if chain is None:
             chain = self._chains[key] = _Chain()
-        elif chain.queue or not self._joins(chain, event):
+        elif chain.queue or (to := self._joining(chain, event)) is None:
             chain.queue.append((event, report))
             return None
-        outcome = self._send(key, chain, event, report)
+        outcome = self._send(key, chain, event, report, to)
         if outcome is not None:
             self._ended(key, chain, outcome)
         return outcome
 
-    def _joins(self, chain: _Chain, event: ClaimedEvent) -> bool:
-        """Whether ``event`` may go out beside its key's events in flight."""
+    def _joining(self, chain: _Chain, event: ClaimedEvent) -> tuple[object, bool] | None:
+        """``event``'s destination when it may go out beside its key's events in flight, else None."""
         if self._route is None or not chain.keeps:
-            return False
-        sink, _ = self._route(event)
-        return sink is chain.sink
+            return None
+        to = self._route(event)
+        return to if to[0] is chain.sink else None
 
-    def _send(self, key: bytes, chain: _Chain, event: ClaimedEvent, report: Report) -> Outcome | None:
+    def _send(
+        self, key: bytes, chain: _Chain, event: ClaimedEvent, report: Report, to: tuple[object, bool] | None
+    ) -> Outcome | None:
+        """Hand ``event`` to the sink; ``to``: its destination, when already looked up."""
         chain.flying += 1
         if self._route is not None:
-            chain.sink, chain.keeps = self._route(event)
+            chain.sink, chain.keeps = to or self._route(event)
         outcome = self.inner.produce(event, partial(self._settled, key, chain, report))
         if outcome is not None:
             chain.flying -= 1
@@ -107,14 +111,15 @@ class KeyChains(SinkWrapper):
                 for _, report in queue:
                     report(HELD)
                 queue.clear()
-            if chain.flying and (not queue or not self._joins(chain, queue[0][0])):
+            to = None
+            if chain.flying and (not queue or (to := self._joining(chain, queue[0][0])) is None):
                 return  # the rest of its events in flight report later, and continue the chain
             if not queue:
                 if self._chains.get(key) is chain:  # (not after close(): a report that came late)
                     del self._chains[key]
                 return
             event, report = queue.popleft()
-            sent = self._send(key, chain, event, report)
+            sent = self._send(key, chain, event, report, to)
             if sent is not None:
                 report(sent)
                 outcome = sent
