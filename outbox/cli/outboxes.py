@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import fnmatch
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -91,9 +92,15 @@ def _prefix(dsn: str, several: bool) -> str:
     return f"{dbname}."
 
 
-def choose(args: argparse.Namespace, *, every_schema: bool = False) -> Chosen:
+def choose(
+    args: argparse.Namespace,
+    *,
+    every_schema: bool = False,
+    known: Collection[tuple[str, str]] = (),
+) -> Chosen:
     """The outboxes of the command line. ``every_schema``: --schemas matches every schema that
     exists (migrate: a new tenant's schema gets its tables), not only those holding an outbox.
+    ``known``: (DSN, schema) pairs an earlier look found migrated, not looked into again.
     A database that cannot be reached for --schemas is reported in ``skipped``, not raised."""
     dsns: list[str] = args.dsn or []
     if not is_fleet(args):
@@ -112,10 +119,14 @@ def choose(args: argparse.Namespace, *, every_schema: bool = False) -> Chosen:
             prefix = _prefix(dsn, len(dsns) > 1)
             try:
                 with connect(args, dsn) as conn:
+                    # Each look its own statement: a transaction over 200 tenants' looks held a
+                    # snapshot (vacuum waits) and every migrations table's lock (migrate waits).
+                    conn.autocommit = True
                     if every_schema:
                         found += _every_schema(conn, args.schemas, dsn, prefix)
                     else:
-                        served, skipped = discover(conn, args.schemas, dsn, prefix=prefix)
+                        mine = {schema for d, schema in known if d == dsn}
+                        served, skipped = discover(conn, args.schemas, dsn, prefix=prefix, known=mine)
                         found += served
                         chosen.skipped.update({f"{prefix}{k}": v for k, v in skipped.items()})
             except ConfigError as exc:  # unreachable: the others still go on

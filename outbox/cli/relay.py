@@ -291,10 +291,11 @@ def _finder(args: argparse.Namespace) -> Callable[[], Found | None]:
     behind a transaction pooler is refused (the relay needs sessions of its own)."""
     said: dict[str, str] = {}
     pooled: dict[Any, str | None] = {}
+    known: set[tuple[str, str]] = set()  # found migrated by an earlier look
 
     def find() -> Found | None:
         try:
-            chosen = choose(args)
+            chosen = choose(args, known=known)
         except ConfigError as exc:  # the file became unreadable or wrong: keep everything as it is
             log.error("the list of outboxes cannot be read, nothing changes: %s", exc)
             return None
@@ -316,6 +317,8 @@ def _finder(args: argparse.Namespace) -> Callable[[], Found | None]:
                     "%s is not served: %s", what, why, extra={"event": "outbox.skipped", "outbox": what}
                 )
                 said[what] = why
+        known.clear()  # only what this look served: a dropped tenant is forgotten
+        known.update((o.dsn, o.schema) for o in chosen.outboxes)
         return Found(outboxes, unreadable={database_of(dsn) for dsn in chosen.unreachable})
 
     return find

@@ -124,6 +124,46 @@ def test_a_schema_dropped_while_a_glob_looks_at_it_is_left_out_not_raised(pg_dsn
     assert [o.schema for o in served] == [kept] and skipped == {}
 
 
+def test_a_schema_found_migrated_before_is_listed_but_not_looked_into_again(pg_dsn: str, prefix: str) -> None:
+    """A relay's discovery reads each new tenant's migrations once: the schemas an earlier look
+    served are only listed (200 tenants' migrations read every 2 s took a loaded relay seconds
+    a look, and their outboxes' leases lapsed meanwhile). A tenant not known is still refused
+    when it lacks a migration; a known one that is dropped is gone from the list."""
+    a, b, gone = f"{prefix}_a", f"{prefix}_b", f"{prefix}_gone"
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        for schema in (a, b, gone):
+            migrate(conn, schema)
+        # b now looks as if an older version migrated it: a look would refuse it
+        conn.execute(sql.SQL("DELETE FROM {}.schema_migrations WHERE version = 1").format(sql.Identifier(b)))
+        conn.execute(sql.SQL("DROP SCHEMA {} CASCADE").format(sql.Identifier(gone)))
+        served, skipped = discover(conn, f"{prefix}_*", pg_dsn)
+        assert [o.schema for o in served] == [a] and list(skipped) == [b], skipped
+        served, skipped = discover(conn, f"{prefix}_*", pg_dsn, known={a, b, gone})
+        assert [o.schema for o in served] == [a, b] and skipped == {}
+
+
+def test_the_relays_discovery_looks_into_a_tenant_once(pg_dsn: str, prefix: str) -> None:
+    """The relay's finder passes what it served to the next look: a tenant served once is served
+    by the next look too, even if its migrations would no longer be read as complete."""
+    from outbox.cli import build_parser
+    from outbox.cli.relay import _finder
+
+    a, b = f"{prefix}_a", f"{prefix}_b"
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        migrate(conn, a)
+        migrate(conn, b)
+    args = build_parser().parse_args(
+        ["relay", "--kafka-bootstrap", "k:1", "--dsn", pg_dsn, "--schemas", f"{prefix}_*"]
+    )
+    find = _finder(args)
+    first = find()
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        conn.execute(sql.SQL("DELETE FROM {}.schema_migrations WHERE version = 1").format(sql.Identifier(b)))
+    second = find()
+    assert first is not None and second is not None
+    assert [o.schema for o in first.outboxes] == [o.schema for o in second.outboxes] == [a, b]
+
+
 def test_a_schema_the_role_may_not_read_is_named_not_served_and_the_look_goes_on(
     pg_dsn: str, prefix: str
 ) -> None:
