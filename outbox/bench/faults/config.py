@@ -43,7 +43,7 @@ class FaultConfig:
     poison_window: float = 20.0  # seconds
     soak_seconds: float = 600.0
     drain_timeout: float = 120.0  # seconds allowed to drain after the load stops
-    ready_timeout: float = 30.0  # seconds a relay may take to become ready
+    ready_timeout: float = 60.0  # seconds a relay may take to become ready (beside a loaded CI)
     log_dir: Path = field(default_factory=lambda: Path(tempfile.gettempdir()))
 
 

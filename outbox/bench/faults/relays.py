@@ -79,6 +79,7 @@ class Relays:
         self.procs: dict[int, subprocess.Popen[bytes]] = {}
         self.ports: dict[int, int] = {}
         self.logs: list[Path] = []
+        self.log_of: dict[int, Path] = {}  # relay index -> its latest log
         self.starts = 0
 
     def start(self, index: int) -> None:
@@ -86,6 +87,7 @@ class Relays:
         self.starts += 1
         log = cfg.log_dir / f"{self.name}-relay{index}-{self.starts}.log"
         self.logs.append(log)
+        self.log_of[index] = log
         self.ports[index] = port = free_port()
         with open(log, "wb") as out:
             self.procs[index] = subprocess.Popen(
@@ -125,9 +127,28 @@ class Relays:
         return total
 
     def wait_ready(self, index: int) -> None:
-        """Until relay ``index`` answers /readyz with 200; fails loudly when it does not."""
-        if not poll_until(lambda: self.get(index, "/readyz")[0] == 200, self.cfg.ready_timeout):
-            raise RuntimeError(f"relay {index} did not become ready in {self.cfg.ready_timeout:.0f} s")
+        """Until relay ``index`` answers /readyz with 200; fails loudly when it does not, with
+        why: its exit, or its last /readyz answer and the end of its log."""
+        answer = [(0, "")]
+        proc = self.procs[index]
+
+        def ready() -> bool:
+            answer[0] = self.get(index, "/readyz")
+            return answer[0][0] == 200 or proc.poll() is not None
+
+        if poll_until(ready, self.cfg.ready_timeout) and proc.poll() is None:
+            return
+        status, body = answer[0]
+        why = (
+            f"exited with {proc.returncode}"
+            if proc.poll() is not None
+            else f"/readyz {status or 'no answer'}: {body.strip()[:300]!r}"
+        )
+        tail = self.log_of[index].read_text(errors="replace")[-1500:]
+        raise RuntimeError(
+            f"relay {index} did not become ready in {self.cfg.ready_timeout:.0f} s ({why}); "
+            f"its log ends:\n{tail}"
+        )
 
     def signal(self, index: int, sig: signal.Signals) -> None:
         self.procs[index].send_signal(sig)
