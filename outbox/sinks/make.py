@@ -109,8 +109,8 @@ def routed(
     )
 
     def sink() -> Sink:
-        # No chains inside: one set shared by every outbox would let one outbox's failure hold
-        # another's events of the same key.
-        return build(routes, make, ordered=False, parks=config.on_dead == "park")
+        # No key chains inside: the relay keeps a set per outbox, across the router's sinks
+        # (one set shared by every outbox let one outbox's failure hold another's keys).
+        return build(routes, make)
 
     return sink

@@ -4,10 +4,10 @@ An event whose topic matches no route is ``Dead("no_route", "no route for topic 
 at once: parked like any keyed dead letter, so adding the route and redriving it delivers
 it in order. Routes naming the same URL share one sink.
 
-:func:`build` also applies per-key chains (:class:`~outbox.sinks.chains.KeyChains`) to
-every sink that cannot keep several in-flight events of a key in order, and gives the
-relay what it asks of "the sink" as a whole: each topic's sink name (the ``sink`` metric
-label), its span shape, and which sinks are in trouble (``/readyz``). With a single
+The router gives the relay what it asks of "the sink" as a whole: each topic's sink name
+(the ``sink`` metric label), its span shape, which sinks are in trouble (``/readyz``), and
+for the relay's per-outbox key chains (:class:`~outbox.sinks.chains.KeyChains`) where an
+event goes and whether that sink keeps a key's in-flight order itself (Kafka). With a single
 catch-all route the relay still goes through a :class:`Router`; its cost is one dict
 lookup per event.
 """
@@ -22,7 +22,6 @@ from typing import Any, cast
 from outbox.events import TOPIC_OF, ClaimedEvent
 from outbox.routes import Route, SinkURL, route_for
 from outbox.sinks.base import Dead, Outcome, OutcomeSlots, Report, Settle, Sink, send_now
-from outbox.sinks.chains import KeyChains
 from outbox.tracing import kafka_shape
 
 NO_ROUTE = "no_route"  # the error kind of an event no route takes
@@ -53,9 +52,7 @@ def span_shape(sink: Sink, topic: str) -> tuple[str, dict[str, Any]]:
 class Router:
     """A sink that dispatches each event to its route's sink."""
 
-    def __init__(
-        self, routes: list[Route], make: Callable[[SinkURL], Sink], *, ordered: bool, parks: bool
-    ) -> None:
+    def __init__(self, routes: list[Route], make: Callable[[SinkURL], Sink]) -> None:
         self._routes = routes
         self.wake = threading.Event()  # shared by the sinks that signal their reports
         by_url: dict[str, Sink] = {}
@@ -66,8 +63,6 @@ class Router:
             inner = unwrap(sink)
             if isinstance(getattr(inner, "wake", None), threading.Event):
                 inner.wake = self.wake
-            if ordered and not getattr(inner, "keeps_key_order", True):
-                sink = KeyChains(sink, parks=parks)
             by_url[route.url.text] = sink
         self._sink_of_url = by_url
         self.sinks = list(by_url.values())
@@ -153,11 +148,9 @@ class Router:
             sink.close(max(0.0, deadline - time.monotonic()))
 
 
-def build(
-    routes: list[Route], make: Callable[[SinkURL], Sink], *, ordered: bool = True, parks: bool = True
-) -> Router:
+def build(routes: list[Route], make: Callable[[SinkURL], Sink]) -> Router:
     """The relay's sink for ``routes``: a Router over one sink per distinct URL."""
-    return Router(routes, make, ordered=ordered, parks=parks)
+    return Router(routes, make)
 
 
 # What the relay asks of its sink, whether a Router or a single (custom) sink.

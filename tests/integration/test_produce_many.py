@@ -102,7 +102,7 @@ def _long_linger_sink(kafka: str, wrap: str) -> Callable[[], Sink]:
     if wrap == "wrapper":
         return lambda: SinkWrapper(plain())
     routes = parse_routes([], kafka)
-    return lambda: Router(routes, lambda url: plain(), ordered=True, parks=False)
+    return lambda: Router(routes, lambda url: plain())
 
 
 def _warm_up(pg_dsn: str, schema: str, topic: str) -> None:

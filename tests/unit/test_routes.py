@@ -86,7 +86,7 @@ def test_the_router_sends_each_topic_to_its_first_route_and_refuses_the_rest() -
         return made.setdefault(url.text, _Recording())  # type: ignore[attr-defined]
 
     routes = parse_routes(["a.*=kafka://a:1", "b=kafka://b:1", "a.x=kafka://b:1"], None)
-    router = Router(routes, make, ordered=True, parks=True)
+    router = Router(routes, make)
     assert len(router.sinks) == 2  # two routes to the same URL share one sink
     for topic in ("a.x", "b", "a.y", "a.x"):
         assert router.produce(_event(topic), lambda o: None) == Delivered()
