@@ -132,6 +132,31 @@ def test_idle_relay_keeps_heartbeating_with_a_long_poll_interval(
         )
 
 
+def test_a_heartbeat_renews_membership_and_leases_in_one_transaction(pg_dsn: str, schema: str) -> None:
+    """The membership and the partitions' leases are renewed by one transaction (one commit, one
+    round trip with the live relays' list): a relay of many outboxes heartbeats each of them, and
+    three statements on an autocommit session were two commits and three round trips each."""
+    from outbox.ordering import Ordering
+    from outbox.sessions import Link
+
+    relay = Ordering(
+        link=Link(lambda: psycopg.connect(pg_dsn)),
+        schema=schema, name="a", lease=10.0, batch_lease=30.0, ordering="key", on_dead="park",
+    )  # fmt: skip
+    with contextlib.closing(relay.link), psycopg.connect(pg_dsn, autocommit=True) as conn:
+        relay.tick([], [])
+        assert len(relay.owned) == 64
+        relay.tick([], [])  # the steady state: renewals only
+        writers = conn.execute(
+            sql.SQL(
+                "SELECT (SELECT xmin::text FROM {s}.relays WHERE id = %(me)s), "
+                "(SELECT array_agg(DISTINCT xmin::text) FROM {s}.partitions WHERE owner = %(me)s)"
+            ).format(s=sql.Identifier(schema)),
+            {"me": relay.id},
+        ).fetchone()
+    assert writers is not None and writers[1] == [writers[0]], writers
+
+
 def test_a_lease_that_lapsed_untaken_is_renewed_not_lost_and_fenced(pg_dsn: str, schema: str) -> None:
     """A late heartbeat (a starved relay: hundreds of outboxes on a loaded machine) finds its
     leases lapsed but nobody else's: it keeps them. Losing and re-acquiring them fenced them behind
