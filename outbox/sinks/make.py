@@ -15,7 +15,7 @@ from outbox.config import RelayConfig
 from outbox.extras import require
 from outbox.routes import SCHEMES, Route, SinkURL
 from outbox.sinks.base import Sink
-from outbox.sinks.router import build
+from outbox.sinks.router import Router
 
 if TYPE_CHECKING:
     from outbox.claim_check import Store
@@ -111,6 +111,6 @@ def routed(
     def sink() -> Sink:
         # No key chains inside: the relay keeps a set per outbox, across the router's sinks
         # (one set shared by every outbox let one outbox's failure hold another's keys).
-        return build(routes, make)
+        return Router(routes, make)
 
     return sink

@@ -148,11 +148,6 @@ class Router:
             sink.close(max(0.0, deadline - time.monotonic()))
 
 
-def build(routes: list[Route], make: Callable[[SinkURL], Sink]) -> Router:
-    """The relay's sink for ``routes``: a Router over one sink per distinct URL."""
-    return Router(routes, make)
-
-
 # What the relay asks of its sink, whether a Router or a single (custom) sink.
 
 

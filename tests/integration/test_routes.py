@@ -21,7 +21,7 @@ def _sink(routes: list[str]) -> Sink:
     def make(url: SinkURL) -> Sink:
         return KafkaSink(url.kafka_bootstrap, delivery_timeout=5)
 
-    return router.build(parse_routes(routes, None), make)
+    return router.Router(parse_routes(routes, None), make)
 
 
 def test_an_unrouted_topic_parks_its_key_until_routed_and_redriven(

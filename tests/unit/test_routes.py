@@ -8,7 +8,7 @@ from outbox.errors import ConfigError
 from outbox.events import ClaimedEvent
 from outbox.routes import parse_route, parse_routes, route_for
 from outbox.sinks.base import Dead, Delivered, Outcome, Report, Sink
-from outbox.sinks.router import NO_ROUTE, SLICE, Router, build
+from outbox.sinks.router import NO_ROUTE, SLICE, Router
 
 
 def test_routes_parse_in_order_and_kafka_bootstrap_is_the_last_catch_all() -> None:
@@ -102,6 +102,6 @@ def test_the_router_sends_each_topic_to_its_first_route_and_refuses_the_rest() -
 
 def test_a_lone_sink_is_polled_with_the_whole_timeout() -> None:
     only = _Recording()
-    router = build(parse_routes([], "k:1"), lambda url: only)
+    router = Router(parse_routes([], "k:1"), lambda url: only)
     router.poll(0.05)
     assert only.polled == [0.05]
