@@ -10,6 +10,8 @@ when it ends, and a pause of that lane only).
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import logging
 import time
 from dataclasses import dataclass, field
@@ -101,3 +103,52 @@ class Lane:
     def due(self, now: float) -> bool:
         """May there be work: woken, a full batch came back, or the poll timer ran out."""
         return self.woken or self.more_work or now >= self.next_poll
+
+
+class Beats:
+    """The lanes' heartbeats, soonest due first: the loop finds the due ones, and how long it may
+    sleep, without looking at every lane. (A relay of 1,000 outboxes heartbeats 500 times a
+    second; looking at every lane each time kept half a core busy while nothing happened.)
+
+    A heap with lazy deletion: each lane has one live entry, at its ordering's ``due_at`` when
+    last scheduled; an entry of a lane rescheduled or forgotten since is dropped when it surfaces.
+    """
+
+    def __init__(self) -> None:
+        self._heap: list[tuple[float, int, Lane]] = []
+        self._at: dict[Lane, float] = {}  # the time of each lane's live entry
+        self._seq = itertools.count()  # ties: first scheduled, first due (lanes do not compare)
+
+    def __len__(self) -> int:
+        return len(self._at)
+
+    def schedule(self, lane: Lane) -> None:
+        """The lane's next heartbeat is when its ordering says (call after anything moved it)."""
+        at = lane.ordering.due_at
+        if self._at.get(lane) != at:
+            self._at[lane] = at
+            heapq.heappush(self._heap, (at, next(self._seq), lane))
+
+    def forget(self, lane: Lane) -> None:
+        self._at.pop(lane, None)
+
+    def due(self, now: float, most: int) -> list[Lane]:
+        """Up to ``most`` lanes whose heartbeat is due, the most overdue first. They leave the
+        schedule: their heartbeat schedules them again."""
+        out: list[Lane] = []
+        heap = self._heap
+        while heap and len(out) < most and heap[0][0] <= now:
+            at, _, lane = heapq.heappop(heap)
+            if self._at.get(lane) != at:
+                continue  # rescheduled or forgotten since
+            del self._at[lane]
+            if lane.ordering.due_at > now:  # moved later without being scheduled again
+                self.schedule(lane)
+                continue
+            out.append(lane)
+        return out
+
+    def next_at(self) -> float | None:
+        """When the soonest heartbeat is due (monotonic; None: no lane). Possibly earlier than
+        any lane's: a stale entry only wakes the loop once for nothing."""
+        return self._heap[0][0] if self._heap else None

@@ -50,7 +50,7 @@ from outbox.config import RelayConfig
 from outbox.dsn import with_net_timeouts
 from outbox.errors import ConfigError, FencingError
 from outbox.hygiene import Hygiene
-from outbox.lanes import Lane, RelayStats
+from outbox.lanes import Beats, Lane, RelayStats
 from outbox.listener import Listener
 from outbox.metrics import DatabaseGauges, HealthServer, RelayMetrics
 from outbox.ordering import Ordering
@@ -75,6 +75,14 @@ REPORT_WAIT = 0.005  # seconds to wait for delivery reports while a claim could 
 REPORT_WAIT_FULL = 0.05  # seconds to wait for delivery reports when all slots are busy
 NET_PAUSE = 1.0  # seconds to pause after a dropped connection caught by the loop's net
 HEARTBEATS_PER_STEP = 8  # outboxes heartbeating in one loop step at most (the rest: next step)
+# Seconds early a heartbeat may go with those due now: a relay's heartbeats are spread over the
+# interval, and each one alone woke the loop (500 times a second at 1,000 outboxes); taken a few
+# together, the loop wakes about a tenth as often. An interval is seconds: this is noise in it.
+BEAT_EARLY = 0.05
+# Seconds between looks at the relay's readiness for the heartbeats to record (its kind, shown by
+# status and the console). A look reads every lane: once a heartbeat, it kept a relay of 1,000
+# idle outboxes busy.
+READINESS_EVERY = 1.0
 WATCH_EVERY = 1.0  # seconds between the watchdog's looks at the loop's progress
 OUTBOXES_NOT_SERVED = "outboxes not served"  # /readyz: the relay is fine, some of its outboxes are not
 FAIR_BATCH = 500  # events per claim, at most, while another outbox of the relay is quiet but active
@@ -168,6 +176,12 @@ class Relay:
         self.lanes: dict[str, Lane] = {}
         self._rotation: list[Lane] = []  # the lanes in turn, for fair claims
         self._turn = 0
+        self._beats = Beats()  # when each lane's heartbeat is due
+        # The lanes with batches in flight, in the order they became so: what the loop's every
+        # step looks at, where looking at every lane cost a relay of many quiet outboxes.
+        self._busy: dict[Lane, None] = {}
+        self._readiness = "starting"  # the readiness kind the heartbeats record, and when it is
+        self._readiness_next = 0.0  # looked at again (monotonic)
         self._wanted: list[Outbox] | None = chosen  # the outboxes to serve from the next step
         self._wanted_lock = threading.Lock()
         self._next_maintenance_check = 0.0
@@ -321,8 +335,7 @@ class Relay:
     # -- the loop ---------------------------------------------------------------
 
     def _step(self) -> None:
-        lanes = self._rotation
-        waiting = sum(b.waiting for lane in lanes for b in lane.in_flight)
+        waiting = sum(b.waiting for lane in self._busy for b in lane.in_flight)
         if waiting != self._waiting:  # a sink reported (or a batch came or went)
             self._waiting = waiting
             self._sink_progress = time.monotonic()
@@ -332,14 +345,13 @@ class Relay:
         if self._sink is None or not self._sink.healthy():
             self._replace_sink()
         # The most overdue first, a few a step: with hundreds of outboxes, claims go on between them.
-        due = sorted((lane for lane in lanes if lane.ordering.due()), key=lambda lane: lane.ordering.due_at)
-        due = due[:HEARTBEATS_PER_STEP]
+        due = self._beats.due(time.monotonic() + BEAT_EARLY, HEARTBEATS_PER_STEP)
         if due:
-            if self._sink is not None and not any(lane.in_flight for lane in lanes):
+            if self._sink is not None and not self._busy:
                 # Idle, nothing else reads the sinks' clients: serve their callbacks here, so that a
                 # broker that went away is seen (readiness, the outage's log line) before events are due.
                 self._sink.poll(0)
-            readiness = self.ready()[1].split("\n", 1)[0].split(":", 1)[0]  # the kind, never the detail
+            readiness = self._readiness_kind()
             for lane in due:
                 self._heartbeat(lane, readiness)
             self._sinks_back(due)
@@ -367,15 +379,24 @@ class Relay:
                 # never read the reports that finish those batches (until their lease ran out).
                 assert self._sink is not None
                 self._sink.poll(REPORT_WAIT)
-        elif any(lane.in_flight for lane in lanes):
+        elif self._busy:
             assert self._sink is not None
             self._sink.poll(REPORT_WAIT if self._slot_free(now) else REPORT_WAIT_FULL)
         else:
             # Idle: sleep until the next poll, NOTIFY, or the next heartbeat (a long
             # poll interval must not let the ownership leases lapse).
             self._wakeup.clear()
-            if not any(lane.woken for lane in lanes):
+            if not any(lane.woken for lane in self._rotation):
                 self._wakeup.wait(self._idle_wait(now))
+
+    def _readiness_kind(self) -> str:
+        """The kind of the relay's /readyz state (never its detail), looked at once a
+        READINESS_EVERY at most."""
+        now = time.monotonic()
+        if now >= self._readiness_next:
+            self._readiness_next = now + READINESS_EVERY
+            self._readiness = self.ready()[1].split("\n", 1)[0].split(":", 1)[0]
+        return self._readiness
 
     def _slot_free(self, now: float) -> bool:
         """Could some outbox claim now (a session, and a slot of its own), were it due?"""
@@ -391,12 +412,15 @@ class Relay:
         n = len(lanes)
         per_lane = self.config.max_batches_in_flight
         backlog = polled = None
-        for k in range(n):
-            lane = lanes[(self._turn + k) % n]
-            if not lane.may_claim(now, per_lane):
+        turn = self._turn % n if n else 0
+        for k, lane in enumerate(lanes[turn:] + lanes[:turn]):
+            # Most lanes of a relay of many have nothing to do: that test first, it is the cheap one.
+            if not (lane.woken or lane.more_work or now >= lane.next_poll) or not lane.may_claim(
+                now, per_lane
+            ):
                 continue
             if lane.woken:
-                self._turn = (self._turn + k + 1) % n
+                self._turn = (turn + k + 1) % n
                 return lane
             if backlog is None and lane.more_work:
                 backlog = (k, lane)
@@ -405,7 +429,7 @@ class Relay:
         chosen = backlog or polled
         if chosen is None:
             return None
-        self._turn = (self._turn + chosen[0] + 1) % n
+        self._turn = (turn + chosen[0] + 1) % n
         return chosen[1]
 
     def _idle_wait(self, now: float) -> float:
@@ -413,7 +437,8 @@ class Relay:
         if not lanes:
             return self.config.poll_interval
         polls = min(max(0.0, lane.next_poll - now) for lane in lanes)
-        beats = min(lane.ordering.seconds_until_due() for lane in lanes)
+        beat = self._beats.next_at()
+        beats = max(0.0, beat - BEAT_EARLY - now) if beat is not None else polls
         return min(polls, beats, max(0.0, self._next_maintenance_check - now))
 
     def _jittered_poll(self) -> float:
@@ -579,6 +604,7 @@ class Relay:
             if outcome is not None:
                 batch.settle(i, outcome)
         lane.in_flight.append(batch)
+        self._busy[lane] = None
         # (WAL capture: a batch cut short by a transaction's end is no sign of an idle outbox
         # while the reader holds a full batch more. Anything waiting was too broad: at 1,000
         # single-event transactions a second one nearly always waits, and every batch then
@@ -609,7 +635,7 @@ class Relay:
         self.sessions.give_back(conn)
 
     def _finish_complete_batches(self) -> None:
-        for lane in self._rotation:
+        for lane in list(self._busy):
             waiting_wal = False  # a WAL batch read earlier is not complete yet
             for batch in list(lane.in_flight):
                 if batch not in lane.in_flight:  # abandoned by an earlier one's failure
@@ -739,6 +765,8 @@ class Relay:
         lane.in_flight.remove(batch)
         lane.ordering.holds.release(id(batch))
         self.sessions.give_back(batch.conn)
+        if not lane.in_flight:
+            self._busy.pop(lane, None)
         if isinstance(batch, WalBatch) and lane.wal is not None:
             if batch.finished:
                 lane.wal.confirm(batch.after)
@@ -752,6 +780,8 @@ class Relay:
                 lane.in_flight.remove(later)
                 lane.ordering.holds.release(id(later))
                 self.sessions.give_back(later.conn)
+            if not lane.in_flight:
+                self._busy.pop(lane, None)
 
     def _let_go_of_the_wal(self) -> None:
         """The database cannot be reached (take() waits to try again): WAL capture's readers let
@@ -884,6 +914,7 @@ class Relay:
         lane = Lane(o, ordering, next_maintenance=0.0, claim_cap=start)
         self.lanes[o.name] = lane
         self._rotation.append(lane)
+        self._beats.schedule(lane)
         if self._sink is not None:
             self._chain(lane)
         if self._listener is not None:
@@ -906,6 +937,7 @@ class Relay:
             self._stop_reader(lane)
             lane.ordering.release_all()
             self._rotation.remove(lane)
+            self._beats.forget(lane)
             del self.lanes[lane.name]
             self._chains.pop(lane.name, None)
             if self._listener is not None:
@@ -979,7 +1011,11 @@ class Relay:
         ]
         ordering = lane.ordering
         lost_before = ordering.lost_partitions
-        if ordering.tick(pids, (id(b) for b in lane.in_flight), self.sessions.stale, readiness):
+        try:
+            acquired = ordering.tick(pids, (id(b) for b in lane.in_flight), self.sessions.stale, readiness)
+        finally:
+            self._beats.schedule(lane)  # the next one (also after an error the loop's net caught)
+        if acquired:
             lane.woken = lane.table_news = True  # new partitions: there may be work right now
         if not ordering.heartbeat.active:
             self._loop_progress = time.monotonic()
@@ -1142,6 +1178,7 @@ class Relay:
         for k, lane in enumerate(self._rotation):
             if k:  # from here on, the outboxes' heartbeats spread over the interval, not all in one step
                 lane.ordering.delay_first_heartbeat(random.uniform(0, lane.ordering.interval))
+                self._beats.schedule(lane)
         if config.vacuum:
             self._hygiene = Hygiene(
                 self._dsn, lambda: [lane.schema for lane in self._rotation], self._stop,

@@ -12,6 +12,33 @@ ON CONFLICT (id) DO UPDATE
 SET heartbeat_at = now(), expires_at = excluded.expires_at, backend_pids = excluded.backend_pids,
     readiness = excluded.readiness
 
+-- name: heartbeat_ordered
+-- A heartbeat in key ordering, in one statement (one round trip, one transaction): the
+-- membership (relay_heartbeat), the leases' renewal (renew_partitions), and the live relays in
+-- join order (live_relays). Returns the partitions still owned, those being released, whether
+-- any is still fenced, and the live relays' ids. The list is read in the statement's snapshot,
+-- before the upsert: the relay counts itself live, as its upsert makes it (on its first
+-- heartbeat it is not there yet, and counts itself last, where its join puts it).
+WITH beat AS (
+    INSERT INTO {schema}.relays (id, name, expires_at, lease_seconds, backend_pids, ordering, readiness)
+    VALUES (%(me)s, %(name)s, now() + %(ttl)s * interval '1 second', %(lease)s,
+            %(pids)s::text::integer[], %(ordering)s, %(readiness)s)
+    ON CONFLICT (id) DO UPDATE
+    SET heartbeat_at = now(), expires_at = excluded.expires_at, backend_pids = excluded.backend_pids,
+        readiness = excluded.readiness
+), renewed AS (
+    UPDATE {schema}.partitions SET expires_at = now() + %(ttl)s * interval '1 second'
+    WHERE owner = %(me)s
+    RETURNING partition, releasing, fenced_until IS NOT NULL AS fenced
+)
+SELECT coalesce(array_agg(partition), '{{}}'),
+       coalesce(array_agg(partition) FILTER (WHERE releasing), '{{}}'),
+       coalesce(bool_or(fenced), false),
+       ARRAY(SELECT id FROM {schema}.relays
+             WHERE (expires_at > now() OR id = %(me)s) AND ordering = 'key'
+             ORDER BY started_at, id)
+FROM renewed
+
 -- name: live_relays
 -- Ids of relays whose membership has not expired, in join order.
 SELECT id FROM {schema}.relays WHERE expires_at > now() AND ordering = 'key'

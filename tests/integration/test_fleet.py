@@ -138,3 +138,43 @@ def test_quiet_outboxes_are_served_while_a_busy_one_drains(
     latencies.sort()
     p99 = latencies[int(len(latencies) * 0.99) - 1]
     assert len(latencies) == 90 and p99 < 2.0, f"quiet outboxes' p99 {p99:.3f} s while a busy one drained"
+
+
+def test_a_quiet_relay_heartbeats_every_outbox_and_reads_its_readiness_once_a_second(
+    pg_dsn: str, kafka: str, prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The loop finds the due heartbeats in a schedule, not by looking at every outbox each step,
+    and the readiness the heartbeats record is looked at once a second: it reads every outbox,
+    and looked at per heartbeat it kept a relay of 1,000 quiet outboxes half a core busy. Every
+    outbox still heartbeats within its lease (every 0.4 s here, 50 heartbeats a second in all)."""
+    from outbox.relay import Relay
+
+    looks: list[float] = []
+    ready = Relay.ready
+
+    def counted(self: Relay) -> tuple[bool, str]:
+        looks.append(time.monotonic())
+        return ready(self)
+
+    monkeypatch.setattr(Relay, "ready", counted)
+    boxes = _migrated(pg_dsn, prefix, 20)
+    config = RelayConfig(pg_dsn, poll_interval=0.2, ownership_lease=2.0)
+    with running_relay(config, bootstrap=kafka, outboxes=boxes) as relay:
+        wait_for(relay.running.is_set, timeout=30, what="the relay started")
+        time.sleep(1.0)  # past the start
+        start, before = time.monotonic(), len(looks)
+        time.sleep(3.0)
+        seconds, read = time.monotonic() - start, len(looks) - before
+        with psycopg.connect(pg_dsn) as conn:
+            ages = [
+                conn.execute(
+                    sql.SQL("SELECT extract(epoch FROM now() - max(heartbeat_at)) FROM {}.relays").format(
+                        sql.Identifier(o.schema)
+                    )
+                ).fetchone()
+                for o in boxes
+            ]
+    assert read <= seconds + 1, f"readiness read {read} times in {seconds:.1f} s"
+    assert all(
+        age is not None and age[0] is not None and float(age[0]) < config.ownership_lease for age in ages
+    ), ages

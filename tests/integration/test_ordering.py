@@ -183,6 +183,66 @@ def test_a_lease_that_lapsed_untaken_is_renewed_not_lost_and_fenced(pg_dsn: str,
         assert fenced == (0,), "the relay fenced its own partitions"
 
 
+class _Counting(psycopg.Cursor[Any]):
+    """Counts the statements a connection's cursors execute."""
+
+    executed = 0
+
+    def execute(self, *args: Any, **kwargs: Any) -> Any:
+        type(self).executed += 1
+        return super().execute(*args, **kwargs)
+
+
+def test_a_steady_heartbeat_is_one_statement(pg_dsn: str, schema: str) -> None:
+    """A relay heartbeats each of its outboxes every few seconds: the membership, the leases'
+    renewal and the live list are one statement, where three (even pipelined) cost the relay's
+    loop three times psycopg's work per statement, the bound of a relay of a thousand outboxes."""
+    from outbox.ordering import Ordering
+    from outbox.sessions import Link
+
+    relay = Ordering(
+        link=Link(lambda: psycopg.connect(pg_dsn, cursor_factory=_Counting)),
+        schema=schema, name="a", lease=10.0, batch_lease=30.0, ordering="key", on_dead="park",
+    )  # fmt: skip
+    with contextlib.closing(relay.link):
+        relay.tick([], [])
+        assert len(relay.owned) == 64
+        _Counting.executed = 0
+        relay.tick([], [])
+        relay.tick([], [])
+    assert _Counting.executed == 2
+    assert len(relay.owned) == 64
+
+
+def test_a_late_heartbeat_counts_its_relay_where_it_joined(pg_dsn: str, schema: str) -> None:
+    """The live list is read in the heartbeat's own snapshot, before its membership's renewal:
+    a relay whose membership lapsed (a late heartbeat) still counts itself live, where it joined.
+    Counted last, the first of three relays would take its share for 21 partitions, not 22, and
+    hand one over for nothing on every late heartbeat."""
+    from outbox.ordering import Ordering
+    from outbox.sessions import Link
+
+    def relay(name: str, lease: float) -> Ordering:
+        return Ordering(
+            link=Link(lambda: psycopg.connect(pg_dsn)),
+            schema=schema, name=name, lease=lease, batch_lease=30.0, ordering="key", on_dead="park",
+        )  # fmt: skip
+
+    first, second, third = relay("first", 1.0), relay("second", 30.0), relay("third", 30.0)
+    with contextlib.closing(first.link), contextlib.closing(second.link), contextlib.closing(third.link):
+        for _ in range(6):  # join in this order, then rebalance until each has its share
+            for each in (first, second, third):
+                each.tick([], [])
+        assert [len(each.owned) for each in (first, second, third)] == [22, 21, 21]
+        time.sleep(1.2)  # the first relay's heartbeat is late: its membership lapsed
+        first.tick([], [])
+        with psycopg.connect(pg_dsn) as conn:
+            releasing = conn.execute(
+                sql.SQL("SELECT count(*) FROM {}.partitions WHERE releasing").format(sql.Identifier(schema))
+            ).fetchone()
+    assert (len(first.owned), releasing) == (22, (0,))
+
+
 def _seqs(rows: list[tuple[object, ...]]) -> list[int]:
     return [json.loads(bytes(r[4]))["seq"] for r in rows]  # type: ignore[arg-type]
 
