@@ -195,9 +195,6 @@ class Ordering:
     def interval(self) -> float:
         return self.lease / HEARTBEAT_FRACTION
 
-    def due(self) -> bool:
-        return time.monotonic() >= self._next
-
     def delay_first_heartbeat(self, seconds: float) -> None:
         """The next heartbeat in ``seconds`` (a relay spreads its outboxes' heartbeats)."""
         self._next = time.monotonic() + seconds
@@ -206,9 +203,6 @@ class Ordering:
     def due_at(self) -> float:
         """When the next heartbeat is due (monotonic seconds)."""
         return self._next
-
-    def seconds_until_due(self) -> float:
-        return max(0.0, self._next - time.monotonic())
 
     def tick(
         self,

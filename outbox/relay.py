@@ -352,8 +352,12 @@ class Relay:
                 # broker that went away is seen (readiness, the outage's log line) before events are due.
                 self._sink.poll(0)
             readiness = self._readiness_kind()
-            for lane in due:
-                self._heartbeat(lane, readiness)
+            try:
+                for lane in due:
+                    self._heartbeat(lane, readiness)
+            finally:  # left the schedule when taken: back in it, even past an error the loop's net caught
+                for lane in due:
+                    self._beats.schedule(lane)
             self._sinks_back(due)
         now = time.monotonic()
         if now >= self._next_maintenance_check:
@@ -415,9 +419,7 @@ class Relay:
         turn = self._turn % n if n else 0
         for k, lane in enumerate(lanes[turn:] + lanes[:turn]):
             # Most lanes of a relay of many have nothing to do: that test first, it is the cheap one.
-            if not (lane.woken or lane.more_work or now >= lane.next_poll) or not lane.may_claim(
-                now, per_lane
-            ):
+            if not lane.due(now) or not lane.may_claim(now, per_lane):
                 continue
             if lane.woken:
                 self._turn = (turn + k + 1) % n
@@ -1011,10 +1013,8 @@ class Relay:
         ]
         ordering = lane.ordering
         lost_before = ordering.lost_partitions
-        try:
-            acquired = ordering.tick(pids, (id(b) for b in lane.in_flight), self.sessions.stale, readiness)
-        finally:
-            self._beats.schedule(lane)  # the next one (also after an error the loop's net caught)
+        acquired = ordering.tick(pids, (id(b) for b in lane.in_flight), self.sessions.stale, readiness)
+        self._beats.schedule(lane)  # the next one
         if acquired:
             lane.woken = lane.table_news = True  # new partitions: there may be work right now
         if not ordering.heartbeat.active:
