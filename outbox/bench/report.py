@@ -354,16 +354,14 @@ def tenants_markdown(t: dict[str, Any]) -> list[str]:
     f = t["fairness"]
     q = f["quiet_latency_ms"]
     acked = f.get("quiet_acked", f["quiet_events"])
-    target = f"target p99 <= {TARGETS['tenants_quiet_p99_ms']:g} ms"
+    goal = f"target p99 <= {TARGETS['tenants_quiet_p99_ms']:g} ms"
     if acked < FAIRNESS_SAMPLES:  # a p99 of a few events says nothing either way
         verdict = (
-            f"{target}: not judged, {acked} events acked where a p99 needs {FAIRNESS_SAMPLES}; "
+            f"{goal}: not judged, {acked} events acked where a p99 needs {FAIRNESS_SAMPLES}; "
             "a larger --tenants-busy drains longer"
         )
     else:
-        verdict = (
-            f"{target}: {_verdict(q['p99'] is not None and q['p99'] <= TARGETS['tenants_quiet_p99_ms'])}"
-        )
+        verdict = f"{goal}: {_verdict(q['p99'] is not None and q['p99'] <= TARGETS['tenants_quiet_p99_ms'])}"
     lines += [
         "",
         f"**Fairness** a busy outbox draining {f['busy_events']:,} events ({f['busy_events_per_s']:,.0f} "

@@ -4,21 +4,18 @@
 -- value is a bound parameter. Literal braces are doubled.
 
 -- name: relay_heartbeat
--- Register or refresh this relay; returns the live relays in a stable order.
-INSERT INTO {schema}.relays (id, name, expires_at, lease_seconds, backend_pids, ordering, readiness)
-VALUES (%(me)s, %(name)s, now() + %(ttl)s * interval '1 second', %(lease)s,
-        %(pids)s::text::integer[], %(ordering)s, %(readiness)s)
-ON CONFLICT (id) DO UPDATE
-SET heartbeat_at = now(), expires_at = excluded.expires_at, backend_pids = excluded.backend_pids,
-    readiness = excluded.readiness
-
--- name: heartbeat_ordered
--- A heartbeat in key ordering, in one statement (one round trip, one transaction): the
--- membership (relay_heartbeat), the leases' renewal (renew_partitions), and the live relays in
--- join order (live_relays). Returns the partitions still owned, those being released, whether
--- any is still fenced, and the live relays' ids. The list is read in the statement's snapshot,
--- before the upsert: the relay counts itself live, as its upsert makes it (on its first
+-- Register or refresh this relay, extend its partitions' leases, and list the live relays, in
+-- one statement (one round trip, one transaction: a relay heartbeats every outbox it serves).
+-- Returns the partitions it still owns, those being released, whether any is still fenced (a
+-- previous owner's batch may hold its lock), and the ids of the live key-ordering relays in
+-- join order. (A relay in --ordering none owns no partition; it uses the membership only.)
+-- The list is read in the statement's snapshot, before the upsert: the relay counts itself
+-- live, as its upsert makes it, in its place even when its membership had lapsed (on its first
 -- heartbeat it is not there yet, and counts itself last, where its join puts it).
+-- A lease that lapsed while no other relay took the partition is renewed too: nobody claimed
+-- from it meanwhile (claims check the lease, and only the owner claims), so it is still ours.
+-- Losing and taking it back would fence it behind this relay's own batches, and with many
+-- outboxes on a starved machine that churn fed itself (heartbeats late, leases lapsed, fences).
 WITH beat AS (
     INSERT INTO {schema}.relays (id, name, expires_at, lease_seconds, backend_pids, ordering, readiness)
     VALUES (%(me)s, %(name)s, now() + %(ttl)s * interval '1 second', %(lease)s,
@@ -38,22 +35,6 @@ SELECT coalesce(array_agg(partition), '{{}}'),
              WHERE (expires_at > now() OR id = %(me)s) AND ordering = 'key'
              ORDER BY started_at, id)
 FROM renewed
-
--- name: live_relays
--- Ids of relays whose membership has not expired, in join order.
-SELECT id FROM {schema}.relays WHERE expires_at > now() AND ordering = 'key'
-ORDER BY started_at, id
-
--- name: renew_partitions
--- Extend this relay's leases; returns the partitions it still owns, whether each is being
--- released, and whether it is still fenced (a previous owner's batch may hold its lock).
--- A lease that lapsed while no other relay took the partition is renewed too: nobody claimed
--- from it meanwhile (claims check the lease, and only the owner claims), so it is still ours.
--- Losing and taking it back would fence it behind this relay's own batches, and with many
--- outboxes on a starved machine that churn fed itself (heartbeats late, leases lapsed, fences).
-UPDATE {schema}.partitions SET expires_at = now() + %(ttl)s * interval '1 second'
-WHERE owner = %(me)s
-RETURNING partition, releasing, fenced_until IS NOT NULL
 
 -- name: acquire_partitions
 -- Take up to %(count)s partitions that are free or whose owner's lease expired.
