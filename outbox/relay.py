@@ -355,7 +355,7 @@ class Relay:
             try:
                 for lane in due:
                     self._heartbeat(lane, readiness)
-            finally:  # left the schedule when taken: back in it, even past an error the loop's net caught
+            finally:  # left the schedule when taken: back in it at their next (or now, past an error)
                 for lane in due:
                     self._beats.schedule(lane)
             self._sinks_back(due)
@@ -1013,9 +1013,7 @@ class Relay:
         ]
         ordering = lane.ordering
         lost_before = ordering.lost_partitions
-        acquired = ordering.tick(pids, (id(b) for b in lane.in_flight), self.sessions.stale, readiness)
-        self._beats.schedule(lane)  # the next one
-        if acquired:
+        if ordering.tick(pids, (id(b) for b in lane.in_flight), self.sessions.stale, readiness):
             lane.woken = lane.table_news = True  # new partitions: there may be work right now
         if not ordering.heartbeat.active:
             self._loop_progress = time.monotonic()
@@ -1178,7 +1176,7 @@ class Relay:
         for k, lane in enumerate(self._rotation):
             if k:  # from here on, the outboxes' heartbeats spread over the interval, not all in one step
                 lane.ordering.delay_first_heartbeat(random.uniform(0, lane.ordering.interval))
-                self._beats.schedule(lane)
+            self._beats.schedule(lane)
         if config.vacuum:
             self._hygiene = Hygiene(
                 self._dsn, lambda: [lane.schema for lane in self._rotation], self._stop,
