@@ -37,6 +37,7 @@ import random
 import threading
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from functools import partial
 from typing import Any, TypeVar
 
@@ -180,6 +181,12 @@ class Relay:
         # The lanes with batches in flight, in the order they became so: what the loop's every
         # step looks at, where looking at every lane cost a relay of many quiet outboxes.
         self._busy: dict[Lane, None] = {}
+        # Batches being finished (their statements and commit) by the finishers, with the time
+        # each was handed over; the loop records each once its future is done. A finisher per
+        # session of the budget (each batch has a session of its own): one outbox's finish that
+        # waits (a lock on its archive) holds up no other outbox's.
+        self._finisher = ThreadPoolExecutor(config.max_connections, thread_name_prefix="outbox-finish")
+        self._finishing: dict[Batch, tuple[Future[BatchResult], int]] = {}
         self._readiness = "starting"  # the readiness kind the heartbeats record, and when it is
         self._readiness_next = 0.0  # looked at again (monotonic)
         self._wanted: list[Outbox] | None = chosen  # the outboxes to serve from the next step
@@ -385,7 +392,9 @@ class Relay:
                 self._sink.poll(REPORT_WAIT)
         elif self._busy:
             assert self._sink is not None
-            self._sink.poll(REPORT_WAIT if self._slot_free(now) else REPORT_WAIT_FULL)
+            # A batch on the finisher frees its slot when the loop next looks: look again soon.
+            full = not self._finishing and not self._slot_free(now)
+            self._sink.poll(REPORT_WAIT_FULL if full else REPORT_WAIT)
         else:
             # Idle: sleep until the next poll, NOTIFY, or the next heartbeat (a long
             # poll interval must not let the ownership leases lapse).
@@ -637,35 +646,89 @@ class Relay:
         self.sessions.give_back(conn)
 
     def _finish_complete_batches(self) -> None:
+        """Hand each batch whose every event has an outcome to a finisher thread, and record
+        those finished. A lane's WAL batches go one at a time, in the order read: each
+        commits the slot position it reaches, and a later one committed first would have a
+        restart skip the earlier one's events; one that fails rewinds the reader and releases
+        those read after it before any of them is handed over."""
         for lane in list(self._busy):
-            waiting_wal = False  # a WAL batch read earlier is not complete yet
+            wal_waiting = False  # a WAL batch read earlier is not finished yet
             for batch in list(lane.in_flight):
                 if batch not in lane.in_flight:  # abandoned by an earlier one's failure
                     continue
+                pending = self._finishing.get(batch)
+                if pending is not None:
+                    if pending[0].done():
+                        self._finished(lane, batch)
+                    elif isinstance(batch, WalBatch):
+                        wal_waiting = True
+                    continue
                 if isinstance(batch, WalBatch):
-                    # In the order read: each commits the slot position it reaches, and a later
-                    # one committed first would have a restart skip the earlier one's events.
-                    if batch.complete and not waiting_wal:
-                        self._finish(lane, batch)
-                    else:
-                        waiting_wal = True
+                    if batch.complete and not wal_waiting:
+                        self._hand_over(lane, batch)
+                    wal_waiting = True
                 elif batch.complete:
-                    self._finish(lane, batch)
+                    self._hand_over(lane, batch)
+
+    def _hand_over(self, lane: Lane, batch: Batch) -> None:
+        """Finish ``batch`` on a finisher thread: its statements and commit, a round trip the
+        loop does not wait for. The next batch is produced meanwhile; the server's work of
+        archiving one batch (about 20 ms for 1,000 events) was the loop's own wait before."""
+        ack_start = time.time_ns()
+        future = self._finisher.submit(
+            batch.finish,
+            lane.schema,
+            self.config.retry,
+            archive=self.config.archive,
+            latencies=self._metrics_on,  # for the latency histogram only
+        )
+        self._finishing[batch] = (future, ack_start)
+
+    def _await_finishing(self) -> None:
+        """Wait for the finishers and record what they finished: before anything that rolls back,
+        settles or finishes batches in flight on the loop itself (a finisher owns a batch's
+        session until then)."""
+        for lane in list(self._busy):
+            for batch in list(lane.in_flight):
+                pending = self._finishing.get(batch)
+                if pending is not None:
+                    pending[0].exception()  # waits
+                    self._finished(lane, batch)
+
+    def _finished(self, lane: Lane, batch: Batch) -> None:
+        future, ack_start = self._finishing.pop(batch)
+        exc = future.exception()
+        if exc is None:
+            self._after_finish(lane, batch, future.result(), ack_start)
+        elif isinstance(exc, (FencingError, psycopg.Error)):
+            self._after_finish(lane, batch, exc, ack_start)
+        else:
+            raise exc
 
     def _finish(self, lane: Lane, batch: Batch) -> None:
+        """Finish ``batch`` on the loop (a sink replaced: its batches settled at once)."""
         ack_start = time.time_ns()
+        outcome: BatchResult | Exception
         try:
-            result = batch.finish(
+            outcome = batch.finish(
                 lane.schema,
                 self.config.retry,
                 archive=self.config.archive,
                 latencies=self._metrics_on,  # for the latency histogram only
             )
-        except FencingError as exc:
-            self._lease_lost(lane, batch, str(exc), ack_start)
+        except (FencingError, psycopg.Error) as exc:
+            outcome = exc
+        self._after_finish(lane, batch, outcome, ack_start)
+
+    def _after_finish(
+        self, lane: Lane, batch: Batch, outcome: BatchResult | Exception, ack_start: int
+    ) -> None:
+        if isinstance(outcome, FencingError):
+            self._lease_lost(lane, batch, str(outcome), ack_start)
             self._done(lane, batch)  # fenced: its partition was taken over, nothing about the sink
             return
-        except psycopg.Error as exc:
+        if isinstance(outcome, psycopg.Error):
+            exc = outcome
             if batch.conn.closed or batch.conn.broken:
                 # The lease ran out (idle_in_transaction_session_timeout ended the
                 # session) or the connection broke: the ack did not commit.
@@ -684,6 +747,8 @@ class Relay:
                 batch.release()
             self._done(lane, batch)
             return
+        assert isinstance(outcome, BatchResult)
+        result = outcome
         self._done(lane, batch)
         self._record(lane, batch, result, ack_start)
         if result.delivered:  # a batch that only failed says nothing about the sink's pace
@@ -793,6 +858,7 @@ class Relay:
         up, and this loop waited on the very database that waited on it. So the WAL batches in
         flight are released (they cannot commit now) and the reader reads again once the
         database is back, from the position last committed."""
+        self._await_finishing()
         for lane in self._rotation:
             if lane.wal is None:
                 continue
@@ -806,6 +872,7 @@ class Relay:
 
     def _release_in_flight(self, why: str) -> None:
         """Roll back every in-flight batch: their events can be claimed again at once."""
+        self._await_finishing()
         for lane in self._rotation:
             for batch in list(lane.in_flight):
                 now = time.time_ns()
@@ -967,6 +1034,7 @@ class Relay:
 
     def _replace_sink(self) -> None:
         if self._sink is not None:
+            self._await_finishing()
             self.stats.sinks_replaced += 1
             self.metrics.sinks_replaced.inc()
             in_flight = [(lane, b) for lane in self._rotation for b in lane.in_flight]
@@ -1228,6 +1296,7 @@ class Relay:
                 "grace budget spent: releasing %d unfinished batches (their events stay pending)", unfinished
             )
             self._release_in_flight("")
+        self._finisher.shutdown()
         if self._sink is not None:
             self._sink.close(max(0.0, min(1.0, deadline - time.monotonic())))
             self._sink = None

@@ -352,3 +352,14 @@ def catalog(conn: psycopg.Connection[Any], schema: str) -> dict[str, list[tuple[
                 for r in conn.execute(text, (schema,)).fetchall()
             ]
     return out
+
+
+def waiting_on_a_lock(dsn: str, schema: str) -> bool:
+    """Is a session waiting for a lock in a statement that names ``schema``'s archive?"""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        row = conn.execute(
+            "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND query LIKE %s",
+            (f'%"{schema}".delivered%',),
+        ).fetchone()
+        assert row is not None
+        return int(row[0]) > 0

@@ -15,7 +15,15 @@ import outbox
 from outbox.migrate import migrate
 from outbox.outboxes import Outbox
 from outbox.relay import RelayConfig
-from tests.helpers import assert_per_key_order, count, read_topic, running_relay, wait_for, write_rounds
+from tests.helpers import (
+    assert_per_key_order,
+    count,
+    read_topic,
+    running_relay,
+    wait_for,
+    waiting_on_a_lock,
+    write_rounds,
+)
 
 
 def _migrated(pg_dsn: str, prefix: str, n: int) -> list[Outbox]:
@@ -178,3 +186,41 @@ def test_a_quiet_relay_heartbeats_every_outbox_and_reads_its_readiness_once_a_se
     assert all(
         age is not None and age[0] is not None and float(age[0]) < config.ownership_lease for age in ages
     ), ages
+
+
+def test_an_outbox_whose_archive_waits_on_a_lock_holds_up_no_other(
+    pg_dsn: str, kafka: str, topic: str, prefix: str
+) -> None:
+    """A batch's finish (its archive, its commit) runs off the loop: while one outbox's archive
+    waits on a lock (a migration, a long maintenance job), the loop goes on delivering and
+    archiving the other outbox's events, and heartbeating both. When the finish ran on the loop
+    itself, every outbox waited for the lock."""
+    stuck, other = _migrated(pg_dsn, prefix, 2)
+    with psycopg.connect(pg_dsn) as conn:
+        for o in (stuck, other):
+            outbox.enqueue(conn, topic, {"first": o.name}, key="k", schema=o.schema)
+        conn.commit()
+    with running_relay(_config(pg_dsn), bootstrap=kafka, outboxes=[stuck, other]):
+        wait_for(lambda: all(count(pg_dsn, o.schema, "delivered") == 1 for o in (stuck, other)))
+        with psycopg.connect(pg_dsn) as locker:
+            locker.execute(
+                sql.SQL("LOCK TABLE {}.delivered IN ACCESS EXCLUSIVE MODE").format(
+                    sql.Identifier(stuck.schema)
+                )
+            )
+            with psycopg.connect(pg_dsn) as conn:
+                outbox.enqueue(conn, topic, {"n": 0}, key="k", schema=stuck.schema)
+                conn.commit()
+                # The stuck outbox's batch is sent, and its finish waits for the lock.
+                wait_for(lambda: waiting_on_a_lock(pg_dsn, stuck.schema), what="the stuck finish")
+                for n in range(1, 21):
+                    outbox.enqueue(conn, topic, {"n": n}, key=f"k{n % 4}", schema=other.schema)
+                    conn.commit()
+            wait_for(
+                lambda: count(pg_dsn, other.schema, "delivered") == 21, timeout=20, what="the other outbox"
+            )
+            assert count(pg_dsn, stuck.schema, "events") == 1  # still locked in its batch
+            locker.rollback()
+        wait_for(lambda: count(pg_dsn, stuck.schema, "delivered") == 2, what="the stuck outbox, unlocked")
+        assert count(pg_dsn, stuck.schema, "events") == 0
+    assert len({m.event_id for m in read_topic(kafka, topic, 23)}) == 23

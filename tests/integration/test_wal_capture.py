@@ -22,6 +22,7 @@ from outbox import capture
 from outbox.errors import ConfigError
 from outbox.events import ClaimedEvent
 from outbox.migrate import migrate
+from outbox.outboxes import Outbox
 from outbox.relay import RelayConfig
 from outbox.retry import RetryPolicy
 from outbox.sinks.base import Dead, Outcome, Report, Retry, SinkWrapper
@@ -34,6 +35,7 @@ from tests.helpers import (
     read_topic,
     running_relay,
     wait_for,
+    waiting_on_a_lock,
 )
 
 
@@ -333,6 +335,64 @@ def test_a_wal_batch_is_committed_when_it_finishes(
         assert count(wal_dsn, wal_schema, "delivered") == 3
         lsn = _rows(wal_dsn, f"SELECT lsn IS NOT NULL FROM {_position(wal_schema)} AS p")
         assert lsn == [(True,)]
+
+
+# The handed-on position as a number (the subquery of _position).
+_LSN = "SELECT (coalesce(part_commit, lsn) - '0/0'::pg_lsn)::bigint FROM {} AS p"
+
+
+def test_a_wal_batch_whose_archive_waits_on_a_lock_holds_up_its_outbox_only(
+    wal_dsn: str, wal_schema: str, kafka: str, topic: str
+) -> None:
+    """A WAL batch's finish runs off the loop: while its archive waits on a lock, a table outbox
+    of the same relay keeps flowing. The WAL batch read after it is sent but not committed
+    before it (each commits the position it reaches): once the lock goes, both are archived, in
+    the order read, and the position is past both."""
+    other = f"t_{uuid.uuid4().hex[:12]}"
+    with psycopg.connect(wal_dsn, autocommit=True) as conn:
+        migrate(conn, other)
+    try:
+        boxes = [Outbox(wal_schema, wal_dsn, wal_schema), Outbox(other, wal_dsn, other)]
+        config = RelayConfig(wal_dsn, poll_interval=0.1)
+        with running_relay(config, bootstrap=kafka, outboxes=boxes):
+            with psycopg.connect(wal_dsn) as conn:
+                outbox.enqueue(conn, topic, {"first": True}, key="k", schema=wal_schema)
+                conn.commit()
+            wait_for(lambda: count(wal_dsn, wal_schema, "delivered") == 1, what="the first WAL event")
+            first = _rows(wal_dsn, _LSN.format(_position(wal_schema)))
+            with psycopg.connect(wal_dsn) as locker:
+                locker.execute(
+                    sql.SQL("LOCK TABLE {}.delivered IN ACCESS EXCLUSIVE MODE").format(
+                        sql.Identifier(wal_schema)
+                    )
+                )
+                with psycopg.connect(wal_dsn) as conn:
+                    outbox.enqueue(conn, topic, {"seq": 0}, key="k", schema=wal_schema)
+                    conn.commit()
+                    wait_for(lambda: waiting_on_a_lock(wal_dsn, wal_schema), what="the WAL batch's finish")
+                    outbox.enqueue(conn, topic, {"seq": 1}, key="k", schema=wal_schema)
+                    conn.commit()
+                    for n in range(20):
+                        outbox.enqueue(conn, topic, {"n": n}, key=f"k{n % 4}", schema=other)
+                        conn.commit()
+                wait_for(
+                    lambda: count(wal_dsn, other, "delivered") == 20, timeout=20, what="the table outbox"
+                )
+                # Neither WAL batch committed (the archive itself is locked: its position is read).
+                assert _rows(wal_dsn, _LSN.format(_position(wal_schema))) == first
+                locker.rollback()
+            wait_for(lambda: count(wal_dsn, wal_schema, "delivered") == 3, what="the WAL batches, unlocked")
+            after = _rows(wal_dsn, _LSN.format(_position(wal_schema)))
+            assert after[0][0] > first[0][0]
+        archived = _rows(
+            wal_dsn,
+            f'SELECT payload FROM "{wal_schema}".delivered'
+            " WHERE convert_from(payload, 'UTF8')::jsonb ? 'seq' ORDER BY id",
+        )
+        assert [json.loads(bytes(p))["seq"] for (p,) in archived] == [0, 1]
+    finally:
+        with psycopg.connect(wal_dsn, autocommit=True) as conn:
+            conn.execute(sql.SQL("DROP SCHEMA {} CASCADE").format(sql.Identifier(other)))
 
 
 def test_transactions_read_from_the_wal_do_not_make_the_relay_claim_its_empty_table(
