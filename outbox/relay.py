@@ -6,7 +6,8 @@ bottom::
 
     while not stopping:
         apply changes to the outboxes served                  (discovery, SIGHUP)
-        finish the batches whose every event has an outcome   (ack/retry/dead + commit)
+        finish the batches whose every event has an outcome   (ack/retry/dead + commit, on a
+                                                              finisher thread; recorded here)
         heartbeat each outbox whose turn it is                (partition leases)
         if a session is free and an outbox may have work:     claim a batch of it, produce it
                                                               (empty, with batches out: serve reports)
