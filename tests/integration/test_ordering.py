@@ -457,6 +457,14 @@ def test_a_held_event_keeps_its_key_after_the_failure_it_waited_behind_is_retrie
     assert list(dict.fromkeys(k)) == ["e0", "e1", "e2"], k
 
 
+# A batch held for more than half its lease, then finished well within it. The finish has the
+# rest of the lease: 2.7 s. With a 2 s lease (0.7 s left), the finish of a batch answered at
+# 1.35 s came at 2.3 s in CI's version matrix (five suites at once on two cores); the lease had
+# ended and the test timed out.
+LEASE = 6.0
+MORE_THAN_HALF_THE_LEASE = 3.3
+
+
 def _one_batch_of_20_out(pg_dsn: str, schema: str, sink: _Scripted, relay: Any) -> tuple[Any, int]:
     """20 events of 20 keys, sent in one batch; the outbox's lane and its claim cap then (the slow
     start's, or 0: full size)."""
@@ -474,10 +482,10 @@ def test_a_batch_slowed_by_an_outage_does_not_make_the_claims_smaller(pg_dsn: st
     when the batch was slow because its sends timed out: that was an outage, and the backlog it
     left must drain at full size once the sink answers."""
     sink = _Scripted()
-    config = RelayConfig(pg_dsn, schema=schema, poll_interval=0.05, lease=2.0, delivery_timeout=1.0)
+    config = RelayConfig(pg_dsn, schema=schema, poll_interval=0.05, lease=LEASE, delivery_timeout=1.0)
     with running_relay(config, lambda: sink) as relay:
         lane, cap = _one_batch_of_20_out(pg_dsn, schema, sink, relay)
-        time.sleep(1.3)  # more than half the 2 s lease
+        time.sleep(MORE_THAN_HALF_THE_LEASE)
         for i in range(20):
             sink.answer(f"a{i}", Delivered() if i % 2 else Retry("timeout", "no answer"))
         wait_for(lambda: count(pg_dsn, schema, "delivered") == 10, timeout=10, what="the batch finished")
@@ -507,12 +515,12 @@ def test_a_batch_out_while_the_sink_was_down_does_not_make_the_claims_smaller(
     were out, and answered them when it healed. That was the outage, not the sink's pace."""
     sink = _Down()
     config = RelayConfig(
-        pg_dsn, schema=schema, poll_interval=0.05, lease=2.0, delivery_timeout=1.0, ownership_lease=1.0
+        pg_dsn, schema=schema, poll_interval=0.05, lease=LEASE, delivery_timeout=1.0, ownership_lease=1.0
     )
     with running_relay(config, lambda: sink) as relay:
         lane, cap = _one_batch_of_20_out(pg_dsn, schema, sink, relay)
         sink.down = True
-        time.sleep(1.3)  # more than half the 2 s lease, heartbeats every 0.2 s
+        time.sleep(MORE_THAN_HALF_THE_LEASE)  # heartbeats every 0.2 s meanwhile
         sink.down = False
         sink.auto = True
         wait_for(lambda: count(pg_dsn, schema, "delivered") == 20, timeout=10, what="the batch finished")
