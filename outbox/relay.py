@@ -135,6 +135,10 @@ def tune_gc() -> None:
     gc.set_threshold(GC_THRESHOLD, older, oldest)
 
 
+class _NotHandedOn(Exception):
+    """A WAL batch's finisher gave up: the batch read before it did not commit."""
+
+
 class Relay:
     """One worker over the outboxes of one database: a loop over claimed batches. Call
     ``run()``; ``stop()`` from anywhere; ``serve(outboxes)`` from anywhere to change the
@@ -648,12 +652,16 @@ class Relay:
 
     def _finish_complete_batches(self) -> None:
         """Hand each batch whose every event has an outcome to a finisher thread, and record
-        those finished. A lane's WAL batches go one at a time, in the order read: each
+        those finished. A lane's WAL batches commit one at a time, in the order read: each
         commits the slot position it reaches, and a later one committed first would have a
-        restart skip the earlier one's events; one that fails rewinds the reader and releases
-        those read after it before any of them is handed over."""
+        restart skip the earlier one's events. So one complete while the one read before it
+        is still on a finisher is handed over to wait for it there, and to commit only if that
+        one did (the loop would see that one done only at its next look, up to REPORT_WAIT
+        later, and the slot was then idle meanwhile); one that fails rewinds the reader and
+        releases those read after it (see _done)."""
         for lane in list(self._busy):
-            wal_waiting = False  # a WAL batch read earlier is not finished yet
+            earlier: tuple[WalBatch, Future[BatchResult]] | None = None  # on a finisher, not done
+            wal_waiting = False  # a WAL batch read earlier is not complete yet
             for batch in list(lane.in_flight):
                 if batch not in lane.in_flight:  # abandoned by an earlier one's failure
                     continue
@@ -662,28 +670,52 @@ class Relay:
                     if pending[0].done():
                         self._finished(lane, batch)
                     elif isinstance(batch, WalBatch):
-                        wal_waiting = True
+                        earlier = (batch, pending[0])
                     continue
                 if isinstance(batch, WalBatch):
                     if batch.complete and not wal_waiting:
-                        self._hand_over(lane, batch)
-                    wal_waiting = True
+                        self._hand_over(lane, batch, earlier)
+                        earlier = (batch, self._finishing[batch][0])
+                    else:
+                        wal_waiting = True
                 elif batch.complete:
                     self._hand_over(lane, batch)
 
-    def _hand_over(self, lane: Lane, batch: Batch) -> None:
+    def _hand_over(
+        self, lane: Lane, batch: Batch, earlier: tuple[WalBatch, Future[BatchResult]] | None = None
+    ) -> None:
         """Finish ``batch`` on a finisher thread: its statements and commit, a round trip the
         loop does not wait for. The next batch is produced meanwhile; the server's work of
-        archiving one batch (about 20 ms for 1,000 events) was the loop's own wait before."""
+        archiving one batch (about 20 ms for 1,000 events) was the loop's own wait before.
+        ``earlier``: the WAL batch read before it, to wait for (see _finish_after)."""
         ack_start = time.time_ns()
-        future = self._finisher.submit(
-            batch.finish,
+        if earlier is None:
+            future = self._finisher.submit(self._finish_batch, lane, batch)
+        else:
+            future = self._finisher.submit(self._finish_after, *earlier, lane, batch)
+        self._finishing[batch] = (future, ack_start)
+
+    def _finish_batch(self, lane: Lane, batch: Batch) -> BatchResult:
+        """The batch's statements and commit (on a finisher, or on the loop)."""
+        return batch.finish(
             lane.schema,
             self.config.retry,
             archive=self.config.archive,
             latencies=self._metrics_on,  # for the latency histogram only
         )
-        self._finishing[batch] = (future, ack_start)
+
+    def _finish_after(
+        self, earlier: WalBatch, its: Future[BatchResult], lane: Lane, batch: Batch
+    ) -> BatchResult:
+        """On a finisher: wait for the WAL batch read before ``batch``, then finish ``batch`` if
+        that one committed. If it did not, ``batch`` is left as it is, unwritten: the loop
+        rewinds the reader and releases it with every batch read after the failed one. (Futures
+        are handed over in the order read and never wait for a later one, and a lane's batches
+        in flight each hold a session, so no more run than the finisher has threads.)"""
+        its.exception()  # waits
+        if not earlier.finished:
+            raise _NotHandedOn("the WAL batch read before it did not commit")
+        return self._finish_batch(lane, batch)
 
     def _await_finishing(self) -> None:
         """Wait for the finishers and record what they finished: before anything that rolls back,
@@ -711,12 +743,7 @@ class Relay:
         ack_start = time.time_ns()
         outcome: BatchResult | Exception
         try:
-            outcome = batch.finish(
-                lane.schema,
-                self.config.retry,
-                archive=self.config.archive,
-                latencies=self._metrics_on,  # for the latency histogram only
-            )
+            outcome = self._finish_batch(lane, batch)
         except (FencingError, psycopg.Error) as exc:
             outcome = exc
         self._after_finish(lane, batch, outcome, ack_start)
@@ -843,6 +870,9 @@ class Relay:
             # batch read after it goes too (sent again, and not archived twice).
             lane.wal.rewind()
             for later in [b for b in lane.in_flight if isinstance(b, WalBatch)]:
+                waiting = self._finishing.pop(later, None)
+                if waiting is not None:  # its finisher waited for this one: it gives up, unwritten
+                    waiting[0].exception()
                 self._end_spans(later, time.time_ns(), "released")
                 later.release()
                 lane.in_flight.remove(later)

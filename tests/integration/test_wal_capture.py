@@ -395,6 +395,53 @@ def test_a_wal_batch_whose_archive_waits_on_a_lock_holds_up_its_outbox_only(
             conn.execute(sql.SQL("DROP SCHEMA {} CASCADE").format(sql.Identifier(other)))
 
 
+def test_a_wal_batch_waiting_behind_one_that_fails_is_not_committed_and_both_are_read_again(
+    wal_dsn: str, wal_schema: str, kafka: str, topic: str
+) -> None:
+    """A WAL batch complete while the one read before it is still finishing goes to a finisher
+    at once, to wait there and commit only after that one. If that one fails (here its session
+    is killed while its archive waits on a lock), the later one gives up unwritten: committed,
+    its position would have a restart skip the failed one's events. Both are read again from
+    the slot and archived once each, in the order read."""
+    config = RelayConfig(wal_dsn, schema=wal_schema, poll_interval=0.1)
+    with running_relay(config, bootstrap=kafka) as relay:
+        with psycopg.connect(wal_dsn) as conn:
+            outbox.enqueue(conn, topic, {"first": True}, key="k", schema=wal_schema)
+            conn.commit()
+        wait_for(lambda: count(wal_dsn, wal_schema, "delivered") == 1, what="the first WAL event")
+        first = _rows(wal_dsn, _LSN.format(_position(wal_schema)))
+        with psycopg.connect(wal_dsn) as locker:
+            locker.execute(
+                sql.SQL("LOCK TABLE {}.delivered IN ACCESS EXCLUSIVE MODE").format(sql.Identifier(wal_schema))
+            )
+            with psycopg.connect(wal_dsn) as conn:
+                outbox.enqueue(conn, topic, {"seq": 0}, key="k", schema=wal_schema)
+                conn.commit()
+                wait_for(lambda: waiting_on_a_lock(wal_dsn, wal_schema), what="the first batch's finish")
+                outbox.enqueue(conn, topic, {"seq": 1}, key="k", schema=wal_schema)
+                conn.commit()
+            # The second batch, acked, is on a finisher too, waiting for the first.
+            wait_for(lambda: len(relay._finishing) == 2, what="the second batch handed over")
+            with psycopg.connect(wal_dsn, autocommit=True) as admin:
+                admin.execute(
+                    "SELECT pg_terminate_backend(pid) FROM pg_stat_activity"
+                    " WHERE wait_event_type = 'Lock' AND query LIKE %s",
+                    (f'%"{wal_schema}".delivered%',),
+                )
+            wait_for(lambda: not relay._finishing, what="both batches given up")
+            assert _rows(wal_dsn, _LSN.format(_position(wal_schema))) == first
+            locker.rollback()
+        wait_for(lambda: count(wal_dsn, wal_schema, "delivered") == 3, what="both read again and archived")
+        assert _rows(wal_dsn, _LSN.format(_position(wal_schema)))[0][0] > first[0][0]
+    archived = _rows(
+        wal_dsn,
+        f'SELECT payload FROM "{wal_schema}".delivered'
+        " WHERE convert_from(payload, 'UTF8')::jsonb ? 'seq' ORDER BY id",
+    )
+    assert [json.loads(bytes(p))["seq"] for (p,) in archived] == [0, 1]
+    assert relay.stats.leases_lost == 1
+
+
 def test_transactions_read_from_the_wal_do_not_make_the_relay_claim_its_empty_table(
     wal_dsn: str, wal_schema: str, kafka: str, topic: str
 ) -> None:
