@@ -7,22 +7,30 @@ stops when the parent sets ``stop``.
 
 - ``relay``: this project's relay, default settings (archive on, ordering on).
 - ``ceiling``: the minimal loop, on plain tables of its own (no generated
-  column, no partitions, no trigger). Lock 1,000 rows with SKIP LOCKED, produce
-  each with its headers and ``event-id``, flush, delete + archive in one
-  statement, commit. No leases, retries, telemetry or ordering.
+  column, no partitions, no trigger). Lock 2,000 rows (the relay's --batch-size)
+  with SKIP LOCKED, produce each with its headers and ``event-id``; once their
+  delivery reports are in, delete + archive in one statement and commit, on a
+  finisher thread, while the next 2,000 are claimed on a second session (two
+  batches out at most, the relay's default). No leases, retries, telemetry or
+  ordering.
 - ``bare``: the same loop on the outbox's own tables (generated partition
   column, partitioned archive): a second reference, not the ceiling.
 - ``ceiling_wal``: the minimal loop of WAL capture. Stream the outbox's slot (psycopg2,
   pgoutput with ``messages``), produce each event of this outbox's prefix with its headers
-  and ``event-id`` as it is read, and every 1,000 events (as the table's ceiling): flush,
-  archive them into a plain table with one INSERT, commit; the slot is confirmed up to the
-  last transaction read whole when the stream pauses. No ordering, retries, telemetry,
-  pipelining or exact resume: what reading the WAL can do at most here.
+  and ``event-id`` as it is read, and every 2,000 events (as the table's ceiling): once
+  their reports are in, archive them into a plain table with one INSERT and commit, on a
+  finisher thread (one: in order), while the next are read and produced; the slot is
+  confirmed up to the last transaction read whole when the stream pauses. No ordering,
+  retries, telemetry or exact resume: what reading the WAL can do at most here.
 - ``seeds``: the loop most teams start with. One row per transaction: claim,
   mark the lease, publish, flush, delete.
 - ``txoutbox`` / ``faststream``: the Python peers (:mod:`outbox.bench.peers`).
 - ``sink_relay`` / ``sink_loop``: the relay and the minimal loop for a sink beyond
   Kafka (:mod:`outbox.bench.sinks`).
+
+Both ceilings overlap a batch's archive with the next batch and claim what the relay
+claims, as the relay does: serial and 1,000 at a time, they fell to 0.74x the relay once it
+finished its batches off its loop (2026-11-27), a ceiling no longer.
 
 The peers and the sink contenders live in modules above this one: their specs carry
 their own ``entry`` function, so this module (and :mod:`outbox.bench.measure`, which
@@ -37,10 +45,14 @@ import select
 import struct
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from itertools import repeat
 from multiprocessing.sharedctypes import Synchronized
 from multiprocessing.synchronize import Event
+from operator import length_hint
 from pathlib import Path
 from typing import Any
 
@@ -48,15 +60,18 @@ import psycopg
 from confluent_kafka import Producer
 
 from outbox import capture
-from outbox.events import ClaimedEvent
+from outbox.config import BATCH_SIZE, MAX_BATCHES_IN_FLIGHT
+from outbox.events import EVENT_ID_HEADER, ClaimedEvent, MessageHeaders, decode_headers
 from outbox.outboxes import Outbox
 from outbox.queries import query
 from outbox.relay import Relay, RelayConfig, tune_gc
 from outbox.sinks.base import Delivered, Outcome, OutcomeSlots, Report, Settle, SinkWrapper
-from outbox.sinks.kafka import KafkaSink
+from outbox.sinks.kafka import UNASSIGNED, KafkaSink
 
-BARE_BATCH = 1000  # rows per transaction of the bare loop
+BARE_BATCH = BATCH_SIZE  # rows per batch of the minimal loops: the relay's default claim
 IDLE_WAIT = 0.005  # seconds a baseline sleeps when it finds nothing to do
+REPORT_WAIT = 0.001  # seconds a minimal loop waits for a delivery report when it can do nothing else
+FLIGHTS = MAX_BATCHES_IN_FLIGHT  # batches a minimal loop has out at once, as the relay by default
 PRODUCER_CONFIG = {"enable.idempotence": True, "acks": "all", "linger.ms": 5}
 PARENT_CHECK = 0.5  # seconds between a contender's looks at whether the bench is still there
 
@@ -210,41 +225,166 @@ def _relay(spec: ContenderSpec, counter: Synchronized[int], stop: Event) -> None
         Path(spec.ack_log).write_text(json.dumps(acks))
 
 
+class _Flight:
+    """A batch a minimal loop produced: its delivery reports outstanding, then its archive."""
+
+    def __init__(self, conn: psycopg.Connection[Any] | None = None) -> None:
+        self.conn = conn  # the session holding its rows' locks (the table loops)
+        self.ids: list[int] = []
+        self.cols: list[list[Any]] = [
+            [],
+            [],
+            [],
+            [],
+            [],
+        ]  # the WAL loop's: event ids, topics, keys, payloads, headers
+        self.pending = 0
+        self.future: Future[None] | None = None
+
+    def acked(self, _err: Any, _msg: Any) -> None:
+        self.pending -= 1
+
+
+class _Pipeline:
+    """A minimal loop's batches out at once, at most FLIGHTS (the relay's default): each is
+    archived on a finisher thread once its delivery reports are in, while the loop claims or
+    reads and produces the next. That is the overlap the relay has (it finishes batches off
+    its loop); a ceiling without it was a third slower than the relay. ``ordered``: one
+    finisher, oldest batch first, as a WAL loop must commit (the relay too)."""
+
+    def __init__(
+        self,
+        producer: Producer,
+        finish: Callable[[_Flight], None],
+        counter: Synchronized[int],
+        *,
+        ordered: bool,
+    ) -> None:
+        self.producer, self.finish, self.counter, self.ordered = producer, finish, counter, ordered
+        self.flights: list[_Flight] = []
+        self.pool = ThreadPoolExecutor(1 if ordered else FLIGHTS, thread_name_prefix="ceiling-finish")
+        self.moved = 0
+
+    @property
+    def full(self) -> bool:
+        return len(self.flights) >= FLIGHTS
+
+    def produce(
+        self,
+        flight: _Flight,
+        topics: list[str],
+        payloads: list[bytes],
+        keys: list[bytes | None],
+        headers: list[Any],
+    ) -> None:
+        """Queue a batch in one C-level loop, as the relay's Kafka sink does (``produce_many``):
+        no Python runs between two messages, so the batch goes out in one ``linger.ms``
+        window (queued one by one with Python in between, librdkafka's broker thread wakes
+        about once a message). Each report is one call of ``flight.acked``."""
+        flight.pending += len(topics)
+        start = 0
+        while start < len(topics):
+            pending = iter(topics[start:])
+            try:
+                deque(
+                    map(
+                        self.producer.produce,
+                        pending,
+                        payloads[start:],
+                        keys[start:],
+                        repeat(UNASSIGNED),
+                        repeat(flight.acked),
+                        repeat(None),
+                        repeat(0),
+                        headers[start:],
+                    ),
+                    maxlen=0,
+                )
+                return
+            except BufferError:  # the client's queue is full: map() took the refused one's arguments
+                start = len(topics) - 1 - length_hint(pending)
+                self.producer.poll(0.05)
+
+    def add(self, flight: _Flight) -> None:
+        self.flights.append(flight)
+        self.producer.poll(0)  # what librdkafka queued goes out now
+
+    def step(self, timeout: float) -> list[_Flight]:
+        """Serve delivery reports (waiting ``timeout`` at most for one), hand each batch whose
+        reports are all in to a finisher, and return those archived (committed)."""
+        self.producer.poll(timeout)
+        done: list[_Flight] = []
+        for flight in list(self.flights):
+            if flight.future is None:
+                if flight.pending:
+                    if self.ordered:
+                        break
+                    continue
+                flight.future = self.pool.submit(self.finish, flight)
+            elif flight.future.done():
+                flight.future.result()
+                self.flights.remove(flight)
+                done.append(flight)
+                self.moved += len(flight.ids)
+                self.counter.value = self.moved
+        return done
+
+    def drain(self) -> None:
+        """Wait until every batch produced is archived."""
+        while self.flights:
+            self.step(REPORT_WAIT)
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True)
+
+
 def _loop(
     spec: ContenderSpec, claim_name: str, archive_name: str, counter: Synchronized[int], stop: Event
 ) -> None:
-    """The minimal loop: lock 1,000 rows with SKIP LOCKED, produce each with its headers and
-    event-id, flush, delete + archive in one statement, commit. ``ceiling`` runs it on plain
-    tables of its own; ``bare`` on the outbox's tables."""
+    """The minimal loop: lock 2,000 rows with SKIP LOCKED, produce each with its headers and
+    event-id; once their reports are in, delete + archive in one statement and commit, on a
+    finisher thread, while the next batch is claimed on a second session. ``ceiling`` runs it
+    on plain tables of its own; ``bare`` on the outbox's tables."""
     producer = Producer({"bootstrap.servers": spec.bootstrap, **PRODUCER_CONFIG})
     claim = query(claim_name, spec.schema)
     archive = query(archive_name, spec.schema)
     outbox_tables = archive_name == "archive_delivered"
-    moved = 0
-    with psycopg.connect(spec.dsn) as conn:
+
+    def finish(flight: _Flight) -> None:
+        assert flight.conn is not None
+        ids = flight.ids
+        if outbox_tables:
+            nulls = [None] * len(ids)
+            flight.conn.execute(archive, {"ids": ids, "partitions": nulls, "offsets": nulls, "refs": nulls})
+        else:
+            flight.conn.execute(archive, {"ids": ids})
+        flight.conn.commit()
+
+    pipe = _Pipeline(producer, finish, counter, ordered=False)
+    conns = [psycopg.connect(spec.dsn) for _ in range(FLIGHTS)]
+    free = list(conns)
+    try:
         while not stop.is_set():
+            free += [f.conn for f in pipe.step(0 if free else REPORT_WAIT) if f.conn is not None]
+            if not free:
+                continue
+            conn = free.pop()
             rows = conn.execute(claim, {"limit": BARE_BATCH}).fetchall()
             if not rows:
                 conn.rollback()
-                time.sleep(IDLE_WAIT)
+                free.append(conn)
+                if not pipe.flights:
+                    time.sleep(IDLE_WAIT)
                 continue
-            for _id, event_id, topic, key, payload, headers in rows:
-                while True:
-                    try:
-                        producer.produce(topic, value=payload, key=key, headers=_headers(event_id, headers))
-                        break
-                    except BufferError:
-                        producer.poll(0.05)
-            producer.flush()
-            ids = [r[0] for r in rows]
-            if outbox_tables:
-                nulls = [None] * len(ids)
-                conn.execute(archive, {"ids": ids, "partitions": nulls, "offsets": nulls, "refs": nulls})
-            else:
-                conn.execute(archive, {"ids": ids})
-            conn.commit()
-            moved += len(rows)
-            counter.value = moved
+            flight = _Flight(conn)
+            ids, event_ids, topics, keys, payloads, headers = map(list, zip(*rows, strict=True))
+            flight.ids = ids
+            pipe.produce(flight, topics, payloads, keys, list(map(_kafka_headers, event_ids, headers)))
+            pipe.add(flight)
+    finally:
+        pipe.close()
+        for conn in conns:
+            conn.close()
 
 
 def _wal_loop(spec: ContenderSpec, counter: Synchronized[int], stop: Event) -> None:
@@ -265,18 +405,28 @@ def _wal_loop(spec: ContenderSpec, counter: Synchronized[int], stop: Event) -> N
         decode=False,
         options={"proto_version": "1", "publication_names": state.publication, "messages": "true"},
     )
-    ids: list[int] = []
-    cols: list[list[Any]] = [[], [], [], [], []]  # event ids, topics, keys, payloads, headers
-    moved = 0
     ended = 0  # the end of the last transaction read whole: what the slot may be confirmed to
-    with psycopg.connect(spec.dsn) as conn:
+    read = 0  # events read so far (the plain archive's ids)
+    conn = psycopg.connect(spec.dsn)
+
+    def finish(flight: _Flight) -> None:  # one finisher: the batches' archives commit in order
+        cols = flight.cols
+        conn.execute(
+            archive,
+            {"ids": flight.ids, "event_ids": cols[0], "topics": cols[1], "keys": cols[2],
+             "payloads": cols[3], "headers": cols[4]},
+        )  # fmt: skip
+        conn.commit()
+
+    pipe = _Pipeline(producer, finish, counter, ordered=True)
+    flight = _Flight()
+    try:
         while not stop.is_set():
             msg = cur.read_message()
             if msg is None:
-                if ids:  # the stream paused: archive what was produced
-                    producer.flush()
-                    moved = _wal_archive(conn, archive, ids, cols, moved, counter)
-                    ids, cols = [], [[], [], [], [], []]
+                if flight.ids:  # the stream paused: send and archive what was read
+                    flight = _wal_send(pipe, flight, stop)
+                pipe.drain()
                 if ended:
                     cur.send_feedback(flush_lsn=ended)  # type: ignore[no-untyped-call]
                 select.select([stream], [], [], IDLE_WAIT)
@@ -289,47 +439,43 @@ def _wal_loop(spec: ContenderSpec, counter: Synchronized[int], stop: Event) -> N
                     continue
                 _created, head, headers, payload = data[end + 5 :].split(b"\n", 3)
                 event_id, topic, key, _type, _subject = json.loads(head)
-                key_bytes = None if key is None else bytes.fromhex(key)
-                header_map = json.loads(headers) if headers else {}
-                while True:
-                    try:
-                        producer.produce(
-                            topic, value=payload, key=key_bytes, headers=_headers(event_id, header_map)
-                        )
-                        break
-                    except BufferError:
-                        producer.poll(0.05)
-                ids.append(moved + len(ids))
-                row = (event_id, topic, key_bytes, payload, headers.decode() or "{}")
-                for col, value in zip(cols, row, strict=True):
+                flight.ids.append(read)
+                read += 1
+                row = (
+                    event_id,
+                    topic,
+                    None if key is None else bytes.fromhex(key),
+                    payload,
+                    headers.decode(),
+                )
+                for col, value in zip(flight.cols, row, strict=True):
                     col.append(value)
-                if len(ids) >= BARE_BATCH:  # as the table's ceiling: flush and archive 1,000
-                    producer.flush()
-                    moved = _wal_archive(conn, archive, ids, cols, moved, counter)
-                    ids, cols = [], [[], [], [], [], []]
+                if len(flight.ids) >= BARE_BATCH:  # as the table's ceiling: 2,000 a batch
+                    flight = _wal_send(pipe, flight, stop)
             elif kind == b"C":
                 (ended,) = struct.unpack_from(">Q", data, 10)
-    stream.close()
+    finally:
+        pipe.close()
+        conn.close()
+        stream.close()
 
 
-def _wal_archive(
-    conn: psycopg.Connection[Any],
-    archive: Any,
-    ids: list[int],
-    cols: list[list[Any]],
-    moved: int,
-    counter: Synchronized[int],
-) -> int:
-    """The WAL loop's archive: one INSERT of what was produced and flushed, committed."""
-    conn.execute(
-        archive,
-        {"ids": ids, "event_ids": cols[0], "topics": cols[1], "keys": cols[2],
-         "payloads": cols[3], "headers": cols[4]},
-    )  # fmt: skip
-    conn.commit()
-    moved += len(ids)
-    counter.value = moved
-    return moved
+def _wal_send(pipe: _Pipeline, flight: _Flight, stop: Event) -> _Flight:
+    """The WAL loop's batch to Kafka, once fewer than FLIGHTS are out; the next batch's flight."""
+    while pipe.full and not stop.is_set():
+        pipe.step(REPORT_WAIT)
+    event_ids, topics, keys, payloads, headers = flight.cols
+    pipe.produce(flight, topics, payloads, keys, list(map(_kafka_headers, event_ids, headers)))
+    pipe.add(flight)
+    return _Flight()
+
+
+def _kafka_headers(event_id: str, text: str | None) -> MessageHeaders:
+    """An event's headers (JSON text, as the relay's claim sends them) and its event-id, as
+    Kafka headers: what the relay sends, converted as the relay converts them."""
+    out = decode_headers(text or None)
+    out.append((EVENT_ID_HEADER, event_id.encode()))
+    return out
 
 
 def _seeds(spec: ContenderSpec, counter: Synchronized[int], stop: Event) -> None:

@@ -122,7 +122,7 @@ def _text_headers(event_id: str, key: bytes | None, headers: dict[str, str] | No
 async def _loop(dsn: str, schema: str, url: str, counter: Synchronized[int], stop: Event) -> None:
     scheme = url.split("://")[0]
     publish, close = await _publisher(scheme, url)
-    claim = query("bare_claim", schema)
+    claim = query("sink_loop_claim", schema)
     archive = query("archive_delivered", schema)
     moved = 0
     with psycopg.connect(dsn) as conn:

@@ -2,7 +2,17 @@
 -- rules as queries.sql: {schema} is an identifier, values are parameters.
 
 -- name: bare_claim
--- The bare loop: lock a batch in id order, no lease column, no ordering check.
+-- The bare loop: lock a batch in id order, no lease column, no ordering check. The id and the
+-- headers come as text, as the relay's claim sends them (the cheapest to turn into Kafka's).
+SELECT id, event_id::text, topic, key, payload, nullif(headers, '{{}}'::jsonb)::text
+FROM {schema}.events
+ORDER BY id
+LIMIT %(limit)s
+FOR UPDATE SKIP LOCKED
+
+-- name: sink_loop_claim
+-- The sink benchmark's minimal loops: as bare_claim, the headers as a JSON object (their
+-- clients take a mapping).
 SELECT id, event_id, topic, key, payload, headers
 FROM {schema}.events
 ORDER BY id
@@ -53,7 +63,8 @@ INSERT INTO {schema}.plain_events (event_id, topic, key, payload, headers)
 SELECT event_id, topic, key, payload, headers FROM moved ORDER BY id
 
 -- name: ceiling_claim
-SELECT id, event_id, topic, key, payload, headers
+-- As bare_claim, on the ceiling's plain table.
+SELECT id, event_id::text, topic, key, payload, nullif(headers, '{{}}'::jsonb)::text
 FROM {schema}.plain_events
 ORDER BY id
 LIMIT %(limit)s
