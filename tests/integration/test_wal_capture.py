@@ -362,6 +362,16 @@ def _archive_locked(dsn: str, schema: str) -> Iterator[psycopg.Connection[Any]]:
         yield locker
 
 
+def _two_batches_behind_the_lock(conn: psycopg.Connection[Any], dsn: str, schema: str, topic: str) -> None:
+    """Event seq 0, committed and read: its batch's finish waits on the locked archive; then seq 1,
+    read as the next batch."""
+    outbox.enqueue(conn, topic, {"seq": 0}, key="k", schema=schema)
+    conn.commit()
+    wait_for(lambda: waiting_on_a_lock(dsn, schema), what="the first WAL batch's finish")
+    outbox.enqueue(conn, topic, {"seq": 1}, key="k", schema=schema)
+    conn.commit()
+
+
 def _archived_seqs(dsn: str, schema: str) -> list[int]:
     """The ``seq`` of each archived event that has one, in archive order."""
     archived = _rows(
@@ -389,11 +399,7 @@ def test_a_wal_batch_whose_archive_waits_on_a_lock_holds_up_its_outbox_only(
             first = _one_delivered(wal_dsn, wal_schema, topic)
             with _archive_locked(wal_dsn, wal_schema) as locker:
                 with psycopg.connect(wal_dsn) as conn:
-                    outbox.enqueue(conn, topic, {"seq": 0}, key="k", schema=wal_schema)
-                    conn.commit()
-                    wait_for(lambda: waiting_on_a_lock(wal_dsn, wal_schema), what="the WAL batch's finish")
-                    outbox.enqueue(conn, topic, {"seq": 1}, key="k", schema=wal_schema)
-                    conn.commit()
+                    _two_batches_behind_the_lock(conn, wal_dsn, wal_schema, topic)
                     for n in range(20):
                         outbox.enqueue(conn, topic, {"n": n}, key=f"k{n % 4}", schema=other)
                         conn.commit()
@@ -425,11 +431,7 @@ def test_a_wal_batch_waiting_behind_one_that_fails_is_not_committed_and_both_are
         first = _one_delivered(wal_dsn, wal_schema, topic)
         with _archive_locked(wal_dsn, wal_schema) as locker:
             with psycopg.connect(wal_dsn) as conn:
-                outbox.enqueue(conn, topic, {"seq": 0}, key="k", schema=wal_schema)
-                conn.commit()
-                wait_for(lambda: waiting_on_a_lock(wal_dsn, wal_schema), what="the first batch's finish")
-                outbox.enqueue(conn, topic, {"seq": 1}, key="k", schema=wal_schema)
-                conn.commit()
+                _two_batches_behind_the_lock(conn, wal_dsn, wal_schema, topic)
             # The second batch, acked, is on a finisher too, waiting for the first.
             wait_for(lambda: len(relay._finishing) == 2, what="the second batch handed over")
             with psycopg.connect(wal_dsn, autocommit=True) as admin:
