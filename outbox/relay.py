@@ -667,9 +667,14 @@ class Relay:
                     continue
                 pending = self._finishing.get(batch)
                 if pending is not None:
-                    if pending[0].done():
+                    if not isinstance(batch, WalBatch):
+                        if pending[0].done():
+                            self._finished(lane, batch)
+                    # A WAL batch's result is taken only after the one before it: that one may
+                    # have finished (and this one, behind it, given up) since it was looked at.
+                    elif pending[0].done() and earlier is None:
                         self._finished(lane, batch)
-                    elif isinstance(batch, WalBatch):
+                    else:
                         earlier = (batch, pending[0])
                     continue
                 if isinstance(batch, WalBatch):
