@@ -45,14 +45,12 @@ import select
 import struct
 import threading
 import time
-from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from itertools import repeat
 from multiprocessing.sharedctypes import Synchronized
 from multiprocessing.synchronize import Event
-from operator import length_hint
 from pathlib import Path
 from typing import Any
 
@@ -66,7 +64,7 @@ from outbox.outboxes import Outbox
 from outbox.queries import query
 from outbox.relay import Relay, RelayConfig, tune_gc
 from outbox.sinks.base import Delivered, Outcome, OutcomeSlots, Report, Settle, SinkWrapper
-from outbox.sinks.kafka import UNASSIGNED, KafkaSink
+from outbox.sinks.kafka import KafkaSink, produce_each
 
 BARE_BATCH = BATCH_SIZE  # rows per batch of the minimal loops: the relay's default claim
 IDLE_WAIT = 0.005  # seconds a baseline sleeps when it finds nothing to do
@@ -231,13 +229,8 @@ class _Flight:
     def __init__(self, conn: psycopg.Connection[Any] | None = None) -> None:
         self.conn = conn  # the session holding its rows' locks (the table loops)
         self.ids: list[int] = []
-        self.cols: list[list[Any]] = [
-            [],
-            [],
-            [],
-            [],
-            [],
-        ]  # the WAL loop's: event ids, topics, keys, payloads, headers
+        # The WAL loop's columns: event ids, topics, keys, payloads, headers.
+        self.cols: list[list[Any]] = [[] for _ in range(5)]
         self.pending = 0
         self.future: Future[None] | None = None
 
@@ -277,33 +270,22 @@ class _Pipeline:
         keys: list[bytes | None],
         headers: list[Any],
     ) -> None:
-        """Queue a batch in one C-level loop, as the relay's Kafka sink does (``produce_many``):
-        no Python runs between two messages, so the batch goes out in one ``linger.ms``
-        window (queued one by one with Python in between, librdkafka's broker thread wakes
-        about once a message). Each report is one call of ``flight.acked``."""
+        """Queue a batch as the relay's Kafka sink does (``produce_each``: one C-level loop, one
+        call of ``flight.acked`` per report); a full client queue is served, then the rest."""
         flight.pending += len(topics)
         start = 0
-        while start < len(topics):
-            pending = iter(topics[start:])
-            try:
-                deque(
-                    map(
-                        self.producer.produce,
-                        pending,
-                        payloads[start:],
-                        keys[start:],
-                        repeat(UNASSIGNED),
-                        repeat(flight.acked),
-                        repeat(None),
-                        repeat(0),
-                        headers[start:],
-                    ),
-                    maxlen=0,
-                )
+        while True:
+            start += produce_each(
+                self.producer.produce,
+                topics[start:],
+                payloads[start:],
+                keys[start:],
+                repeat(flight.acked),
+                headers[start:],
+            )
+            if start >= len(topics):
                 return
-            except BufferError:  # the client's queue is full: map() took the refused one's arguments
-                start = len(topics) - 1 - length_hint(pending)
-                self.producer.poll(0.05)
+            self.producer.poll(0.05)
 
     def add(self, flight: _Flight) -> None:
         self.flights.append(flight)
