@@ -6,7 +6,7 @@ import contextlib
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import psycopg
@@ -43,10 +43,12 @@ class Window:
     window that ends short of its commits is recorded in ``run.short_windows``, and the run's
     fault then counts as not provoked."""
 
-    def __init__(self, run: Run, name: str, seconds: float) -> None:
-        self.run, self.name, self.seconds = run, name, seconds
+    def __init__(
+        self, run: Run, name: str, seconds: float, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.run, self.name, self.seconds, self.clock = run, name, seconds, clock
         self.since = run.writers.count
-        self.start = time.monotonic()
+        self.start = clock()
         self.end = self.start + seconds
         self.limit = self.start + max(seconds * WINDOW_PATIENCE, seconds + WINDOW_GRACE)
         self.held = False  # kept open past its seconds for its commits
@@ -55,7 +57,7 @@ class Window:
         return self.run.writers.count - self.since
 
     def open(self) -> bool:
-        now = time.monotonic()
+        now = self.clock()
         if now < self.end:
             return True
         short = self.committed() < self.run.cfg.window_commits
@@ -64,10 +66,10 @@ class Window:
 
     def left(self) -> float:
         """Seconds to the window's planned end (after it: how often to look at the commits)."""
-        return max(self.end - time.monotonic(), 0.1)
+        return max(self.end - self.clock(), 0.1)
 
     def close(self) -> None:
-        took, n = time.monotonic() - self.start, self.committed()
+        took, n = self.clock() - self.start, self.committed()
         if n < self.run.cfg.window_commits:
             self.run.short_windows.append(f"{self.name}: {n} commits in {took:.1f} s")
         elif self.held:
