@@ -10,8 +10,9 @@ repeat, in child processes, interleaved:
 - ``loop``: the minimal loop for that sink, written the way a careful hand-written
   relay would be: lock 1,000 rows with SKIP LOCKED, publish all of them at once with the
   sink's confirmation (publisher confirms; JetStream async publish acks; one pipeline of
-  ``XADD``; concurrent POSTs), delete + archive in one statement, commit. Same client
-  library, same message, no ordering, retries, leases or telemetry.
+  ``XADD``; concurrent POSTs), delete + archive in one statement, commit; two such workers
+  at once on their own connections, as the relay has two batches out. Same client library,
+  same message, no ordering, retries, leases or telemetry.
 
 The webhook receiver runs in a process of its own (asyncio, 204 to everything).
 Reported: median events/s over the repeats, and the same-run ratio relay / loop.
@@ -34,7 +35,7 @@ from outbox.bench.config import BenchConfig
 from outbox.bench.contenders import Contender, ContenderSpec, drive
 from outbox.bench.events import fill
 from outbox.bench.measure import median, middle_rate, race
-from outbox.config import RelayConfig
+from outbox.config import MAX_BATCHES_IN_FLIGHT, RelayConfig
 from outbox.harness.sinktaps import Receiver, SinkTap
 from outbox.harness.taps import tap_class
 from outbox.migrate import migrate
@@ -45,6 +46,7 @@ from outbox.routes import parse_routes
 from outbox.sinks.make import routed
 
 LOOP_BATCH = 1000
+FLIGHTS = MAX_BATCHES_IN_FLIGHT  # the loop's batches out at once: the relay's default
 QUEUE_BACKED = ("sqs", "sns", "eventbridge")  # read through an SQS queue (SNS and EventBridge: subscribed)
 
 
@@ -120,26 +122,38 @@ def _text_headers(event_id: str, key: bytes | None, headers: dict[str, str] | No
 
 
 async def _loop(dsn: str, schema: str, url: str, counter: Synchronized[int], stop: Event) -> None:
+    """FLIGHTS workers, each on its own connection: claim, publish and confirm, archive, commit.
+    SKIP LOCKED keeps their batches apart, so one publishes while the other claims or archives:
+    the relay's two batches in flight, written the way an asyncio program would."""
     scheme = url.split("://")[0]
     publish, close = await _publisher(scheme, url)
     claim = query("sink_loop_claim", schema)
     archive = query("archive_delivered", schema)
     moved = 0
-    with psycopg.connect(dsn) as conn:
-        while not stop.is_set():
-            rows = conn.execute(claim, {"limit": LOOP_BATCH}).fetchall()
-            if not rows:
-                conn.rollback()
-                await asyncio.sleep(0.005)
-                continue
-            await publish(rows)
-            ids = [r[0] for r in rows]
-            nulls = [None] * len(ids)
-            conn.execute(archive, {"ids": ids, "partitions": nulls, "offsets": nulls, "refs": nulls})
-            conn.commit()
-            moved += len(rows)
-            counter.value = moved
-    await close()
+
+    async def worker() -> None:
+        nonlocal moved
+        async with await psycopg.AsyncConnection.connect(dsn) as conn:
+            while not stop.is_set():
+                rows = await (await conn.execute(claim, {"limit": LOOP_BATCH})).fetchall()
+                if not rows:
+                    await conn.rollback()
+                    await asyncio.sleep(0.005)
+                    continue
+                await publish(rows)
+                ids = [r[0] for r in rows]
+                nulls = [None] * len(ids)
+                await conn.execute(
+                    archive, {"ids": ids, "partitions": nulls, "offsets": nulls, "refs": nulls}
+                )
+                await conn.commit()
+                moved += len(rows)
+                counter.value = moved
+
+    try:
+        await asyncio.gather(*(worker() for _ in range(FLIGHTS)))
+    finally:
+        await close()
 
 
 async def _publisher(scheme: str, url: str) -> Any:
@@ -180,7 +194,7 @@ async def _publisher(scheme: str, url: str) -> Any:
         import nats
 
         nc = await nats.connect(url)
-        js = nc.jetstream(publish_async_max_pending=LOOP_BATCH * 2)
+        js = nc.jetstream(publish_async_max_pending=LOOP_BATCH * FLIGHTS)
 
         async def jetstream(rows: list[Any]) -> None:
             futures = []
