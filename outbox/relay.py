@@ -667,14 +667,11 @@ class Relay:
                     continue
                 pending = self._finishing.get(batch)
                 if pending is not None:
-                    if not isinstance(batch, WalBatch):
-                        if pending[0].done():
-                            self._finished(lane, batch)
                     # A WAL batch's result is taken only after the one before it: that one may
                     # have finished (and this one, behind it, given up) since it was looked at.
-                    elif pending[0].done() and earlier is None:
+                    if pending[0].done() and (earlier is None or not isinstance(batch, WalBatch)):
                         self._finished(lane, batch)
-                    else:
+                    elif isinstance(batch, WalBatch):
                         earlier = (batch, pending[0])
                     continue
                 if isinstance(batch, WalBatch):
