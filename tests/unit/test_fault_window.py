@@ -32,7 +32,7 @@ class _Writers:
     clock: _Clock
     per_second: float
     alive_: bool = True
-    began: float = 0.0
+    began: float = field(init=False)
 
     def __post_init__(self) -> None:
         self.began = self.clock()
