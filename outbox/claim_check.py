@@ -19,12 +19,19 @@ Stores:
 Retention: ``outbox purge --older-than D`` deletes stored payloads older than its cutoff
 with the archive partitions of those days. Consumers resolve references with
 :func:`fetch` (``outbox.inbox.consume_kafka`` does it before the handler sees a message).
+
+A reference arrives in a message, and whoever can produce to the topic chooses it: a consumer
+follows one only into the store it names itself (``store=``: ``postgres:<schema>`` or
+``s3://bucket/prefix``), never into another schema, bucket or prefix that its own credentials
+could read. A reference that is malformed or points elsewhere raises :class:`ClaimCheckRefused`.
+The header itself is the relay's: ``enqueue`` refuses a writer's copy.
 """
 
 from __future__ import annotations
 
 import datetime as dt
 import logging
+import uuid
 from collections.abc import Callable
 from typing import Any, Protocol
 from urllib.parse import parse_qs, urlsplit
@@ -49,6 +56,11 @@ class StoreUnavailable(OutboxError):
     """The store could not take or give a payload now (retry later)."""
 
     exit_code = 1
+
+
+class ClaimCheckRefused(OutboxError):
+    """A reference that is malformed, or points outside the store the consumer follows: that
+    message fails for good (it is not retried, and the consumer goes on)."""
 
 
 class Store(Protocol):
@@ -100,8 +112,8 @@ class PostgresStore:
     def get(self, reference: str) -> bytes:
         schema, event_id = _postgres_reference(reference)
         if schema != self.schema:
-            raise ConfigError(
-                f"reference: {reference!r} is in schema {schema!r}, this store reads {self.schema!r}"
+            raise ClaimCheckRefused(
+                f"reference: points into schema {schema[:63]!r}, this store reads {self.schema!r}"
             )
         row = self._run("claim_check_get", (event_id,)).fetchone()
         if row is None:
@@ -241,19 +253,55 @@ def _first_line(exc: BaseException) -> str:
     return text.splitlines()[0] if text else type(exc).__name__
 
 
+def _shown(reference: str) -> str:
+    return repr(reference[:120])  # a reference is a message's: shown short
+
+
 def _postgres_reference(reference: str) -> tuple[str, str]:
     schema, sep, event_id = reference[len("postgres:") :].partition("/")
-    if not reference.startswith("postgres:") or not sep or not schema or not event_id:
-        raise ConfigError(f"reference: expected postgres:<schema>/<event id>, got {reference!r}")
+    if not reference.startswith("postgres:") or not sep or not schema or not _is_uuid(event_id):
+        raise ClaimCheckRefused(f"reference: expected postgres:<schema>/<event id>, got {_shown(reference)}")
     return schema, event_id
 
 
+def _is_uuid(text: str) -> bool:
+    try:
+        return str(uuid.UUID(text)) == text
+    except ValueError:
+        return False
+
+
 def _s3_reference(reference: str) -> tuple[str, str]:
-    parts = urlsplit(reference)
+    try:
+        parts = urlsplit(reference)
+    except ValueError:
+        parts = urlsplit("")
     key = parts.path.lstrip("/")
-    if parts.scheme != "s3" or not parts.hostname or not key:
-        raise ConfigError(f"reference: expected s3://<bucket>/<key>, got {reference!r}")
-    return parts.hostname, key
+    if parts.scheme != "s3" or not parts.hostname or not key or parts.query or parts.fragment:
+        raise ClaimCheckRefused(f"reference: expected s3://<bucket>/<key>, got {_shown(reference)}")
+    return parts.netloc, key
+
+
+def _within(reference: str, store: str) -> None:
+    """ClaimCheckRefused unless ``reference`` is well formed and points into ``store``
+    (``postgres:<schema>``, or ``s3://bucket[/prefix]``)."""
+    if store.startswith("postgres:"):
+        schema, _ = _postgres_reference(reference) if reference.startswith("postgres:") else ("", "")
+        if schema != store[len("postgres:") :]:
+            raise ClaimCheckRefused(f"reference: {_shown(reference)} is not in the store {store}")
+        return
+    bucket, _, prefix = store[len("s3://") :].partition("/")
+    prefix = prefix.strip("/")
+    if not reference.startswith("s3://"):
+        raise ClaimCheckRefused(f"reference: {_shown(reference)} is not in the store {store}")
+    got_bucket, key = _s3_reference(reference)
+    segments = key.split("/")
+    if (
+        got_bucket != bucket
+        or (prefix and not key.startswith(prefix + "/"))
+        or any(s in ("", ".", "..") for s in segments)
+    ):
+        raise ClaimCheckRefused(f"reference: {_shown(reference)} is not in the store {store}")
 
 
 def open_store(url: str, *, dsn: str | None = None, schema: str = DEFAULT_SCHEMA) -> Store:
@@ -269,28 +317,40 @@ def open_store(url: str, *, dsn: str | None = None, schema: str = DEFAULT_SCHEMA
     )
 
 
-def fetch(reference: str | bytes, *, dsn: str | None = None, endpoint: str | None = None) -> bytes:
-    """The payload a ``outbox-claim-check`` header refers to.
+def fetch(
+    reference: str | bytes,
+    *,
+    store: str = "postgres:" + DEFAULT_SCHEMA,
+    dsn: str | None = None,
+    endpoint: str | None = None,
+) -> bytes:
+    """The payload a ``outbox-claim-check`` header refers to, from ``store`` only.
 
-    ``postgres:<schema>/<id>``: read through ``dsn`` (the outbox's database). ``s3://…``:
-    read with boto3's credentials, from ``endpoint`` (else boto3's, e.g. AWS_ENDPOINT_URL).
-    LookupError if it is gone (purged); StoreUnavailable if the store cannot answer now.
+    ``store``: where this consumer's references may point, as the relay's
+    ``--claim-check-store`` names it: ``postgres:<schema>`` (read through ``dsn``, the outbox's
+    database) or ``s3://bucket[/prefix]`` (boto3's credentials, from ``endpoint``, else
+    boto3's, e.g. AWS_ENDPOINT_URL). ClaimCheckRefused if the reference is malformed or points
+    anywhere else; LookupError if it is gone (purged); StoreUnavailable if the store cannot
+    answer now.
     """
-    ref = reference.decode() if isinstance(reference, bytes) else reference
-    if ref.startswith("postgres:"):
+    try:
+        ref = reference.decode() if isinstance(reference, bytes) else reference
+    except UnicodeDecodeError:
+        raise ClaimCheckRefused("reference: not UTF-8 text") from None
+    if not (store.startswith("postgres:") and store[len("postgres:") :]) and not store.startswith("s3://"):
+        raise ConfigError(f"store: expected postgres:<schema> or s3://bucket[/prefix], got {store!r}")
+    _within(ref, store)
+    if store.startswith("postgres:"):
         if dsn is None:
             raise ConfigError("dsn: a postgres: reference is read from the outbox's database; pass dsn=")
-        schema, _ = _postgres_reference(ref)
-        store: Store = PostgresStore(dsn, schema)
-    elif ref.startswith("s3://"):
-        bucket, _ = _s3_reference(ref)
-        store = S3Store(f"s3://{bucket}" + (f"?endpoint={endpoint}" if endpoint else ""))
+        opened: Store = PostgresStore(dsn, store[len("postgres:") :])
     else:
-        raise ConfigError(f"reference: expected postgres:… or s3://…, got {ref!r}")
+        bucket, _ = _s3_reference(ref)
+        opened = S3Store(f"s3://{bucket}" + (f"?endpoint={endpoint}" if endpoint else ""))
     try:
-        return store.get(ref)
+        return opened.get(ref)
     finally:
-        store.close()
+        opened.close()
 
 
 class ClaimCheckSink(SinkWrapper):

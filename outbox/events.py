@@ -12,6 +12,7 @@ import base64
 import json
 import json.scanner
 import math
+import re
 import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -31,9 +32,17 @@ MAX_TYPE_CHARS = 255
 MAX_SUBJECT_CHARS = 1024
 
 EVENT_ID_HEADER = "event-id"
+KEY_HEADER = "event-key"  # the event's key, on sinks whose messages have no key of their own
 CLAIM_CHECK_HEADER = "outbox-claim-check"  # a big payload's reference (outbox.claim_check)
 CONTENT_TYPE_HEADER = "content-type"
 JSON_CONTENT_TYPE = "application/json"
+# Header names the relay sets itself: a writer's copy would stand for the relay's (a forged
+# event id, key or claim-check reference), so enqueue refuses them, and the relay dead-letters
+# a stored row that holds one. Compared case-insensitively (HTTP's and NATS's names are).
+RESERVED_HEADERS = frozenset({EVENT_ID_HEADER, KEY_HEADER, CLAIM_CHECK_HEADER})
+# A header name is an RFC 9110 token: what HTTP, NATS and the other sinks' protocols can carry
+# as a name without a space, a colon or a line break ending it early.
+_TOKEN = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
 
 # Header values that are not UTF-8 text (or contain NUL, which jsonb cannot hold)
 # are stored as {"b64": "..."}.
@@ -165,6 +174,19 @@ def _header_value(name: str, value: object) -> str | dict[str, str]:
     raise InvalidEventType(f"{field}: expected str or bytes, got {type(value).__name__}")
 
 
+def header_name_problem(name: str) -> str | None:
+    """Why ``name`` cannot be an event's header name, or None: it must be an RFC 9110 token of
+    at most MAX_HEADER_NAME_CHARS, and not one of the relay's own (:data:`RESERVED_HEADERS`)."""
+    if not name or len(name) > MAX_HEADER_NAME_CHARS or not _TOKEN.fullmatch(name):
+        return (
+            f"header name {name!r} must be 1-{MAX_HEADER_NAME_CHARS} characters of an HTTP token "
+            "(letters, digits and !#$%&'*+-.^_`|~; no spaces, colons or line breaks)"
+        )
+    if name.lower() in RESERVED_HEADERS:
+        return f"{name!r} is set by outbox, not by the caller"
+    return None
+
+
 def encode_headers(headers: object) -> dict[str, Any]:
     if headers is None:
         return {}
@@ -176,13 +198,9 @@ def encode_headers(headers: object) -> dict[str, Any]:
     for name, value in headers.items():
         if not isinstance(name, str):
             raise InvalidEventType(f"headers: header names must be str, got {type(name).__name__}")
-        if not name or len(name) > MAX_HEADER_NAME_CHARS or "\x00" in name:
-            raise InvalidEvent(
-                f"headers: header name {name!r} must be 1-{MAX_HEADER_NAME_CHARS} characters, without NUL"
-            )
-        _text(name, f"headers[{name!r}]")
-        if name == EVENT_ID_HEADER:
-            raise InvalidEvent(f"headers: {EVENT_ID_HEADER!r} is set by outbox, not by the caller")
+        problem = header_name_problem(name)
+        if problem is not None:
+            raise InvalidEvent(f"headers: {problem}")
         out[name] = _header_value(name, value)
     return out
 
@@ -276,6 +294,8 @@ def decode_headers(raw: object) -> MessageHeaders:
         raw = _parse_json(raw)
     if not isinstance(raw, dict):
         raise CorruptEvent(f"headers: expected a JSON object, found {type(raw).__name__}")
+    if not _CHECKED_NAMES.issuperset(raw):
+        _check_names(raw)
     out: MessageHeaders = [(name, value.encode()) for name, value in raw.items() if value.__class__ is str]
     if len(out) == len(raw):
         return out
@@ -291,6 +311,25 @@ def decode_headers(raw: object) -> MessageHeaders:
         else:
             raise CorruptEvent(f"headers[{name!r}]: expected a string, found {type(value).__name__}")
     return out
+
+
+# Header names a stored row may hold, once checked: names repeat from event to event
+# (content-type, traceparent), so the relay checks each once, not once per event.
+_CHECKED_NAMES: set[str] = set()
+_CHECKED_MAX = 10_000  # names remembered at most (then the set starts again)
+
+
+def _check_names(headers: dict[str, Any]) -> None:
+    """CorruptEvent for the first stored header name enqueue would have refused: rows written
+    before the check, or by SQL of its own, may hold one, and no sink may send it."""
+    for name in headers:
+        if name not in _CHECKED_NAMES:
+            problem = header_name_problem(name)
+            if problem is not None:
+                raise CorruptEvent(f"headers: {problem}")
+            if len(_CHECKED_NAMES) >= _CHECKED_MAX:
+                _CHECKED_NAMES.clear()
+            _CHECKED_NAMES.add(name)
 
 
 # The C scanner (typeshed declares make_scanner's argument as the scanner itself, not a decoder).

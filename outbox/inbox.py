@@ -195,6 +195,7 @@ class ConsumeStats:
     handled: int = 0  # handler ran and its transaction committed
     duplicates: int = 0  # already recorded: skipped, offset committed
     failures: int = 0  # handler raised (or the database failed): rolled back, tried again
+    refused: int = 0  # a claim-check reference refused (malformed, or outside the store): skipped
     offsets: dict[tuple[str, int], int] = field(default_factory=dict)  # committed next offset
 
 
@@ -243,6 +244,7 @@ def consume_kafka(
     retry_base: float = 0.5,
     retry_cap: float = 30.0,
     claim_check: Callable[[str], bytes] | None = None,
+    claim_check_store: str | None = None,
 ) -> ConsumeStats:
     """Consume ``topics`` and call ``handler(conn, delivery)`` once per event, effectively.
 
@@ -260,8 +262,12 @@ def consume_kafka(
       messages of its partition wait, so per-partition order holds.
     - A message with an ``outbox-claim-check`` header gets its payload from the store
       before the handler sees it (``delivery.value``): ``claim_check(reference)``, by
-      default :func:`outbox.claim_check.fetch` on ``dsn`` (``postgres:`` references) or
-      with boto3's settings (``s3://``). A store that cannot answer is a failure: retried.
+      default :func:`outbox.claim_check.fetch` from ``claim_check_store`` only
+      (``postgres:<schema>`` on ``dsn``, the default with this inbox's schema, or
+      ``s3://bucket/prefix`` with boto3's settings). A store that cannot answer is a failure:
+      retried. A reference that is malformed or points outside the store
+      (:class:`~outbox.claim_check.ClaimCheckRefused`) fails that message alone: it is
+      skipped, logged and counted (``refused``), and the consumer goes on.
     - Stops when ``stop`` is set or, in the main thread with ``handle_signals``, on
       SIGTERM/SIGINT: the message in hand finishes, the offsets are committed
       synchronously, the consumer leaves its group.
@@ -274,13 +280,17 @@ def consume_kafka(
     settings["enable.auto.commit"] = False
     settings["enable.auto.offset.store"] = False
     consumer_name = _text(name if name is not None else str(settings["group.id"]), "name", MAX_CONSUMER)
+    from outbox.claim_check import ClaimCheckRefused
+
+    schema = schema_or_default(schema)
     if claim_check is None:
         from outbox.claim_check import fetch
 
-        def claim_check(reference: str) -> bytes:
-            return fetch(reference, dsn=dsn)
+        store = claim_check_store or f"postgres:{schema}"
 
-    schema = schema_or_default(schema)
+        def claim_check(reference: str) -> bytes:
+            return fetch(reference, store=store, dsn=dsn)
+
     stop = stop or threading.Event()
     stats = ConsumeStats()
     consumer = Consumer(settings)
@@ -304,7 +314,8 @@ def consume_kafka(
                 try:
                     reference = delivery.headers.get(CLAIM_CHECK_HEADER)
                     if reference:
-                        delivery = replace(delivery, value=claim_check(reference.decode()))
+                        text = reference.decode("utf-8", "replace")  # not UTF-8: refused as malformed
+                        delivery = replace(delivery, value=claim_check(text))
                     if conn is None or conn.closed:
                         conn = psycopg.connect(dsn, autocommit=True)
                     with conn.transaction():
@@ -313,6 +324,17 @@ def consume_kafka(
                             stats.handled += 1
                         else:
                             stats.duplicates += 1
+                except ClaimCheckRefused as exc:  # this message's own, for good: the next one
+                    stats.refused += 1
+                    log.warning(
+                        "consumer %s: %s at %s/%d/%d skipped: %s",
+                        consumer_name,
+                        delivery.event_id,
+                        delivery.topic,
+                        delivery.partition,
+                        delivery.offset,
+                        exc,
+                    )
                 except (NotMigrated, ConfigError):
                     raise
                 except Exception as exc:  # the handler's, or the database's: rolled back

@@ -9,11 +9,13 @@ the route and redriving delivers it in order.
 
 A route or URL that cannot be used is refused at start, with an error naming it.
 Credentials in a URL never appear in what is shown: :attr:`SinkURL.display` is
-the scheme, host and path without them (it is the ``sink`` metric label too).
+the scheme, host and path without them (it is the ``sink`` metric label too); a webhook's
+path and query, which often hold its token, are shown as a short digest.
 """
 
 from __future__ import annotations
 
+import hashlib
 import re
 from dataclasses import dataclass
 from fnmatch import fnmatchcase
@@ -88,9 +90,28 @@ class SinkURL:
             port = f":{self.parts.port}" if self.parts.port else ""
         except ValueError:  # refused by parse_url; shown as given
             port = ""
-        # A webhook URL's query may hold a token: never shown. The others hold only options.
-        query = f"?{self.parts.query}" if self.parts.query and self.scheme not in ("http", "https") else ""
+        if self.scheme in ("http", "https"):
+            # A webhook URL's path and query often hold its token (a Slack-style hook's is in the
+            # path): never shown. A short digest of the whole URL tells two routes apart.
+            if self.parts.path.strip("/") or self.parts.query:
+                digest = hashlib.sha256(self.text.encode()).hexdigest()[:6]
+                return f"{self.scheme}://{host}{port}/…({digest})"
+            return f"{self.scheme}://{host}{port}/"
+        query = f"?{self.parts.query}" if self.parts.query else ""  # options only
         return f"{self.scheme}://{host}{port}{self.parts.path}{query}"
+
+    @property
+    def hidden(self) -> list[str]:
+        """Parts of the URL as given that must not be shown: its password, and a webhook's path
+        and query (whole, and each fixed piece of a ``{topic}``/``{key}`` template longer than a
+        character), for masking in a client's error messages."""
+        out = {self.text}
+        if self.scheme in ("http", "https"):
+            for part in (self.parts.path, self.parts.query):
+                out.update(p for p in [part, *re.split(r"\{topic\}|\{key\}", part)] if len(p) > 1)
+        if self.parts.password:
+            out.add(self.parts.password)
+        return sorted(out, key=len, reverse=True)  # the longest first: a piece masks no longer one
 
     @property
     def options(self) -> dict[str, str]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import os
 import signal
 import threading
 from collections.abc import Callable, Sequence
@@ -30,7 +31,7 @@ from outbox.sinks.base import Sink
 from outbox.sinks.cloudevents import validate_source
 from outbox.sinks.kafka import KafkaSink
 from outbox.sinks.make import check_sinks, require_clients, routed
-from outbox.sinks.signing import parse_secrets
+from outbox.sinks.signing import parse_secret_envs, parse_secrets
 
 log = logging.getLogger("outbox")
 
@@ -67,6 +68,14 @@ class WebhookOptions:
         "Standard Webhooks signing secret whsec_<base64> for http(s):// routes; several, "
         "space-separated, give one signature each (rotation). Prefer the variable: a flag shows in ps",
         metavar="whsec_...",
+    )
+    webhook_secret_env: list[str] = setting(
+        default_factory=list,
+        help="GLOB=VARIABLE: events whose topic matches GLOB (as routes match, first match wins) "
+        "are signed with the whsec_ secrets in the environment variable VARIABLE instead of "
+        "--webhook-secret: a secret per receiver, so that one cannot forge requests to another; "
+        "repeatable (in the variable: separated by whitespace)",
+        metavar="GLOB=VARIABLE",
     )
 
 
@@ -233,6 +242,7 @@ def cmd_relay(args: argparse.Namespace) -> int:
     routes = parse_routes(args.route, args.kafka_bootstrap)
     require_clients(routes)
     secrets = parse_secrets(args.webhook_secret) if args.webhook_secret else []
+    secrets_for = parse_secret_envs(args.webhook_secret_env, os.environ)
     source = validate_source(args.cloudevents_source) if args.cloudevents else None
     if args.cloudevents_source is not None and not args.cloudevents:
         raise ConfigError("--cloudevents-source: given without --cloudevents (which switches CloudEvents on)")
@@ -266,6 +276,7 @@ def cmd_relay(args: argparse.Namespace) -> int:
         webhook_secrets=secrets,
         cloudevents_source=source,
         claim_check=claim_check,
+        webhook_secrets_for=secrets_for,
     )
 
     sink().close(0)  # validates every sink's configuration now, with a clear error

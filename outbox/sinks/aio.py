@@ -43,7 +43,7 @@ from collections.abc import Iterable
 from typing import Any, ClassVar
 
 from outbox.conditions import Condition
-from outbox.events import ClaimedEvent
+from outbox.events import KEY_HEADER, ClaimedEvent
 from outbox.routes import SinkURL
 from outbox.sinks.base import Dead, Outcome, Report, Retry
 
@@ -81,9 +81,6 @@ Item = tuple[ClaimedEvent, Report]
 def as_bytes(value: str | bytes | None) -> bytes:
     """A header value as bytes (decoded rows always hold bytes; custom callers may not)."""
     return value if isinstance(value, bytes) else (value or "").encode("utf-8")
-
-
-KEY_HEADER = "event-key"  # the event's key, on sinks whose messages have no key of their own
 
 
 def text_headers(event: ClaimedEvent) -> dict[str, str]:
@@ -127,7 +124,7 @@ class AsyncSink:
         self.name = url.display
         self.timeout = timeout
         self.wake = threading.Event()  # set when reports are ready (a Router shares one)
-        self._secrets = [s for s in (url.parts.password, url.text) if s]
+        self._secrets = url.hidden  # masked in every error's text (clean)
         self._incoming: deque[Item] = deque()
         self._reports: deque[tuple[Report, Outcome]] = deque()
         self._pending = 0  # produced and not yet reported (relay thread only)

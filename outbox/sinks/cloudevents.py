@@ -81,12 +81,16 @@ class CloudEventsSink(SinkWrapper):
             raise ConfigError(f"--cloudevents: no CloudEvents mapping for {scheme}:// routes")
         prefix = PREFIXES[scheme]
         self._names = tuple(prefix + a for a in ("id", "source", "specversion", "type", "time", "subject"))
+        self._lower = frozenset(n.lower() for n in self._names)
         self._source = validate_source(source).encode()
 
     def produce(self, event: ClaimedEvent, report: Report) -> Outcome | None:
         id_, source, specversion, type_, time_, subject = self._names
+        # The attributes are the relay's: a writer's header of the same name (ce_id, ce-type...)
+        # would stand beside them, and a consumer might read the writer's. Its extensions stay.
+        lower = self._lower
         headers = [
-            *event.headers,
+            *(h for h in event.headers if h[0].lower() not in lower),
             (id_, event.event_id.encode()),
             (source, self._source),
             (specversion, SPECVERSION),

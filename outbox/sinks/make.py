@@ -49,6 +49,8 @@ class SinkMaker:
     kafka_config: Mapping[str, str] = field(default_factory=dict)
     timeout: float = 15.0  # seconds a sink may take to confirm one event
     webhook_secrets: list[bytes] = field(default_factory=list)
+    # (topic glob, secrets) for the webhook routes: a receiver's own secrets (first match wins)
+    webhook_secrets_for: list[tuple[str, list[bytes]]] = field(default_factory=list)
     cloudevents_source: str | None = None  # set: CloudEvents attributes as headers (binary mode)
     claim_check: tuple[Store, int] | None = None  # (store, over): big payloads by reference
 
@@ -70,7 +72,9 @@ class SinkMaker:
         module, name = SCHEMES[url.scheme].sink.split(":")
         cls = getattr(importlib.import_module(module), name)
         if url.scheme in ("http", "https"):
-            sink: Sink = cls(url, timeout=self.timeout, secrets=self.webhook_secrets)
+            sink: Sink = cls(
+                url, timeout=self.timeout, secrets=self.webhook_secrets, secrets_for=self.webhook_secrets_for
+            )
         elif url.scheme == "eventbridge":  # its Source: ?source=, else the CloudEvents source
             sink = cls(url, timeout=self.timeout, source=self.cloudevents_source)
         else:
@@ -93,6 +97,7 @@ def routed(
     webhook_secrets: list[bytes] | None = None,
     cloudevents_source: str | None = None,
     claim_check: tuple[Store, int] | None = None,
+    webhook_secrets_for: list[tuple[str, list[bytes]]] | None = None,
 ) -> Callable[[], Sink]:
     """The relay's sink factory for ``routes``: a Router over one sink per URL. The relay adds
     each outbox's key chains where its ordering needs them (:meth:`~outbox.relay.Relay._chain`).
@@ -104,6 +109,7 @@ def routed(
         dict(kafka_config or {}),
         config.delivery_timeout,
         list(webhook_secrets or []),
+        list(webhook_secrets_for or []),
         cloudevents_source,
         claim_check,
     )

@@ -19,6 +19,10 @@ one connection and each is settled by its PubAck.
 NATS headers are text. A header value that is not UTF-8, or holds a line
 break, cannot be sent as it is: such an event is dead-lettered
 (``invalid_header``, naming the header) rather than altered silently.
+
+Headers named ``Nats-*`` are the server's instructions (``Nats-Rollup`` purges a subject or
+the stream, ``Nats-Expected-*`` and ``Nats-TTL`` change what it stores): they are the
+relay's, never a writer's. An event that carries one is dead-lettered (``reserved_header``).
 """
 
 from __future__ import annotations
@@ -39,6 +43,17 @@ log = logging.getLogger("outbox.sinks")
 
 LOST = (nats.errors.ConnectionClosedError, nats.errors.StaleConnectionError, ConnectionError)
 NO_RESPONDERS = "503"  # the status of the reply when no stream takes the subject
+RESERVED_PREFIX = "nats-"  # header names the server acts on (compared in lower case)
+
+
+def server_headers(headers: dict[str, str]) -> None:
+    """Refused when an event's headers hold one the NATS server acts on (``Nats-*``)."""
+    for name in headers:
+        if name[:5].lower() == RESERVED_PREFIX:
+            raise Refused(
+                "reserved_header",
+                f"header {name!r}: Nats-* headers instruct the NATS server; only the relay sets them",
+            )
 
 
 class Connection:
@@ -117,6 +132,7 @@ class NatsSink(AsyncSink):
             token = ""
             try:
                 headers = text_headers(event)
+                server_headers(headers)
                 headers["Nats-Msg-Id"] = event.event_id
                 if len(event.payload) > max_payload:
                     raise Refused(
@@ -170,6 +186,8 @@ class NatsSink(AsyncSink):
         """The outcome of a publish that raised ``exc``."""
         if isinstance(exc, nats.errors.BadSubjectError):
             return Dead("invalid_subject", f"{topic!r} is not a valid NATS subject")
+        if isinstance(exc, nats.errors.BadHeaderError):  # a name the client cannot send
+            return Dead("invalid_header", f"{self.name}: {self.clean(exc)}")
         if isinstance(exc, nats.errors.MaxPayloadError):
             return Dead("message_too_large", f"{self.name}: {self.clean(exc)}")
         if isinstance(exc, LOST):

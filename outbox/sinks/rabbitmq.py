@@ -32,9 +32,9 @@ from aiormq.abc import DeliveredMessage
 from pamqp import commands as spec
 from pamqp.common import FieldTable
 
-from outbox.events import ClaimedEvent
+from outbox.events import KEY_HEADER, ClaimedEvent
 from outbox.routes import SinkURL
-from outbox.sinks.aio import KEY_HEADER, AsyncSink, Refused, Unavailable, as_bytes
+from outbox.sinks.aio import AsyncSink, Refused, Unavailable, as_bytes
 from outbox.sinks.base import Delivered, Outcome, Retry
 
 log = logging.getLogger("outbox.sinks")

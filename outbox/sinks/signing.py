@@ -8,23 +8,48 @@ from __future__ import annotations
 import base64
 import hashlib
 import hmac
+import re
+from collections.abc import Mapping, Sequence
 
 from outbox.errors import ConfigError
 
 
-def parse_secrets(text: str | None) -> list[bytes]:
+def parse_secrets(text: str | None, field: str = "--webhook-secret") -> list[bytes]:
     """``whsec_<base64>`` secrets, space-separated, as keys; ConfigError without echoing them."""
     keys: list[bytes] = []
     for i, item in enumerate((text or "").split(), 1):
         if not item.startswith("whsec_"):
-            raise ConfigError(f"--webhook-secret: secret {i} does not start with 'whsec_'")
+            raise ConfigError(f"{field}: secret {i} does not start with 'whsec_'")
         try:
             keys.append(base64.b64decode(item[len("whsec_") :], validate=True))
         except ValueError:
-            raise ConfigError(f"--webhook-secret: secret {i} is not whsec_ followed by base64") from None
+            raise ConfigError(f"{field}: secret {i} is not whsec_ followed by base64") from None
         if not keys[-1]:
-            raise ConfigError(f"--webhook-secret: secret {i} is empty")
+            raise ConfigError(f"{field}: secret {i} is empty")
     return keys
+
+
+_VARIABLE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+def parse_secret_envs(items: Sequence[str], environ: Mapping[str, str]) -> list[tuple[str, list[bytes]]]:
+    """``--webhook-secret-env GLOB=VARIABLE`` values (each may hold several, whitespace-separated)
+    as (topic glob, secrets), in order: the secrets are read from the variable, so they never
+    stand on a command line. Errors name the option and the variable, never a secret."""
+    out: list[tuple[str, list[bytes]]] = []
+    for text in (t for item in items for t in item.split()):
+        glob, sep, name = text.partition("=")
+        if not sep or not glob or not _VARIABLE.fullmatch(name):
+            raise ConfigError(
+                f"--webhook-secret-env: expected GLOB=VARIABLE (a topic glob and the name of an "
+                f"environment variable), got {glob or '(no glob)'}={'…' if name else ''}"
+            )
+        field = f"--webhook-secret-env {glob}={name}"
+        value = environ.get(name)
+        if not value or not value.strip():
+            raise ConfigError(f"{field}: the variable {name} is not set")
+        out.append((glob, parse_secrets(value, field)))
+    return out
 
 
 def signature(keys: list[bytes], msg_id: str, timestamp: int, body: bytes) -> str:

@@ -15,14 +15,21 @@ Request:
   ``application/octet-stream``.
 - Standard Webhooks signature: ``webhook-id`` = event id, ``webhook-timestamp``
   = Unix seconds, ``webhook-signature`` = ``v1,<base64 HMAC-SHA256 of
-  "<id>.<timestamp>.<body>">`` under each secret of ``--webhook-secret`` /
-  ``OUTBOX_WEBHOOK_SECRET`` (``whsec_<base64>``, space-separated for rotation:
-  one signature per secret). Without a secret, requests are not signed.
-- The event's other headers go as HTTP headers of the same name (``traceparent``,
-  ``tracestate`` and ``event-id`` among them; ``event-key`` is the key), except
-  the names HTTP or the signature own (:data:`RESERVED`), which are dropped. A
-  value that is not one line of UTF-8 text cannot be an HTTP header: that event
-  is dead-lettered (``invalid_header``).
+  "<id>.<timestamp>.<body>">`` under each secret of the event's topic: the first
+  ``--webhook-secret-env GLOB=VARIABLE`` whose glob matches it, else ``--webhook-secret`` /
+  ``OUTBOX_WEBHOOK_SECRET`` (``whsec_<base64>``, space-separated for rotation: one
+  signature per secret). A secret per receiver keeps one receiver from forging requests to
+  another. Without a secret, requests are not signed.
+- The event's headers are a writer's, and a receiver (or a proxy before it) acts on many HTTP
+  header names: ``Authorization``, ``Cookie``, ``Host``, ``X-Original-URL``, ``Transfer-Encoding``.
+  So only trace context (``traceparent``, ``tracestate``, ``baggage``), ``event-id``,
+  ``event-key`` (the key), the relay's ``outbox-claim-check`` and the CloudEvents binding's
+  ``ce-*`` go under their own names;
+  every other event header goes as ``event-header-<name>``. A value that is not one line of
+  UTF-8 text cannot be an HTTP header: that event is dead-lettered (``invalid_header``).
+- ``{topic}`` and ``{key}`` are percent-encoded, ``/`` included; a value that would be a
+  ``.`` or ``..`` path segment on a receiver that decodes it (``..``, ``a/../b``, ``%2e%2e``)
+  is dead-lettered (``invalid_topic`` / ``invalid_key``): it would move the request's path.
 
 Response: 2xx delivered; 408, 425, 429, 5xx, timeouts and connection errors
 retried (``Retry-After`` honoured, up to the retry cap); any other status (3xx
@@ -32,11 +39,14 @@ included) dead, with the status and the first 200 bytes of the body.
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 from collections import deque
+from collections.abc import Sequence
 from email.utils import parsedate_to_datetime
+from fnmatch import fnmatchcase
 from typing import Any
-from urllib.parse import quote
+from urllib.parse import quote, unquote_to_bytes
 
 import aiohttp
 from yarl import URL
@@ -50,13 +60,43 @@ from outbox.sinks.signing import signature
 RETRIED_STATUSES = frozenset({408, 425, 429})
 BODY_KEPT = 200  # bytes of a refusing response's body kept in the dead letter
 MAX_CONNECTIONS = 100  # concurrent requests per endpoint host, at most
-RESERVED = frozenset(
-    {
-        "host", "content-length", "content-type", "transfer-encoding", "connection", "keep-alive",
-        "te", "trailer", "upgrade", "proxy-authorization", "proxy-connection", "expect",
-        "webhook-id", "webhook-timestamp", "webhook-signature",
-    }
-)  # fmt: skip
+# Event headers sent under their own names (lower case); every other one is renamed.
+FORWARDED = frozenset({"traceparent", "tracestate", "baggage", "event-id", "event-key", "outbox-claim-check"})
+FORWARDED_PREFIX = "ce-"  # the CloudEvents HTTP binding's attributes and extensions
+RENAMED_PREFIX = "event-header-"
+_SEGMENTS = re.compile(rb"[/\\]")
+
+
+def request_headers(headers: dict[str, str]) -> dict[str, str]:
+    """An event's text headers as the request's: the forwarded names as they are, the rest
+    under :data:`RENAMED_PREFIX`; ``content-type`` is set apart (the body's type)."""
+    out: dict[str, str] = {}
+    for name, value in headers.items():
+        lower = name.lower()
+        if lower in FORWARDED or lower.startswith(FORWARDED_PREFIX):
+            out[name] = value
+        elif lower != "content-type":
+            out[RENAMED_PREFIX + name] = value
+    return out
+
+
+def moves_path(value: bytes) -> bool:
+    """Would ``value``, put into a URL path, be or hold a ``.``/``..`` segment on a receiver that
+    decodes it (once, or once more)? Such a segment moves the request to another path."""
+    for text in (value, unquote_to_bytes(value)):
+        if any(segment in (b".", b"..") for segment in _SEGMENTS.split(text)):
+            return True
+    return False
+
+
+def path_value(value: bytes, field: str) -> str:
+    """``value`` percent-encoded for a path, ``/`` included; Refused if it would move the path."""
+    if moves_path(value):
+        raise Refused(
+            f"invalid_{field}",
+            f"the {field} {value[:100]!r} would be a '.' or '..' segment of the webhook URL's path",
+        )
+    return quote(value, safe="")
 
 
 def retry_after(value: str | None) -> float | None:
@@ -75,9 +115,18 @@ def retry_after(value: str | None) -> float | None:
 class WebhookSink(AsyncSink):
     scheme = "http"
 
-    def __init__(self, url: SinkURL, *, timeout: float, secrets: list[bytes]) -> None:
+    def __init__(
+        self,
+        url: SinkURL,
+        *,
+        timeout: float,
+        secrets: list[bytes],
+        secrets_for: Sequence[tuple[str, list[bytes]]] = (),
+    ) -> None:
         self._template = url.text
-        self._keys = secrets
+        self._keys = secrets  # for topics no glob of secrets_for matches
+        self._keys_for = list(secrets_for)  # (topic glob, secrets), first match wins
+        self._topic_keys: dict[str, list[bytes]] = {}
         self._templated = "{topic}" in url.text or "{key}" in url.text
         self._session: aiohttp.ClientSession | None = None
         self._fixed_url = None if self._templated else URL(url.text, encoded=True)
@@ -125,24 +174,36 @@ class WebhookSink(AsyncSink):
     def target(self, event: ClaimedEvent) -> str:
         if not self._templated:
             return self._template
-        key = "" if event.key is None else quote(event.key, safe="")
-        return self._template.replace("{topic}", quote(event.topic, safe="")).replace("{key}", key)
+        key = "" if event.key is None else path_value(event.key, "key")
+        topic = path_value(event.topic.encode(), "topic")
+        return self._template.replace("{topic}", topic).replace("{key}", key)
+
+    def keys(self, topic: str) -> list[bytes]:
+        """The signing secrets of ``topic``'s events."""
+        keys = self._topic_keys.get(topic)
+        if keys is None:
+            keys = next((k for glob, k in self._keys_for if fnmatchcase(topic, glob)), self._keys)
+            if len(self._topic_keys) < 10_000:
+                self._topic_keys[topic] = keys
+        return keys
 
     async def deliver(self, event: ClaimedEvent) -> Outcome:
-        headers = {k: v for k, v in text_headers(event).items() if k.lower() not in RESERVED}
+        url = self._fixed_url or URL(self.target(event), encoded=True)
+        headers = request_headers(text_headers(event))
         content_type = next((v for k, v in event.headers if k.lower() == "content-type"), None)
         headers["content-type"] = (
             as_bytes(content_type).decode("latin-1") if content_type else "application/octet-stream"
         )
-        if self._keys:
+        keys = self.keys(event.topic) if self._keys_for else self._keys
+        if keys:
             now = int(time.time())
             headers["webhook-id"] = event.event_id
             headers["webhook-timestamp"] = str(now)
-            headers["webhook-signature"] = signature(self._keys, event.event_id, now, event.payload)
+            headers["webhook-signature"] = signature(keys, event.event_id, now, event.payload)
         session = self._client_session()
         try:
             async with session.post(
-                self._fixed_url or URL(self.target(event), encoded=True),
+                url,
                 data=event.payload,
                 headers=headers,
                 allow_redirects=False,

@@ -106,7 +106,11 @@ def test_big_payloads_go_by_reference_through_kafka_in_key_order_and_the_consume
     assert all(m.headers[HEADER] == f"postgres:{schema}/{m.event_id}".encode() for m in big)
     assert all(m.headers["seq"] in (b"1", b"4") for m in big), "only the big ones went by reference"
     for m in messages:  # small ones unchanged, big ones resolvable, byte-exact
-        value = fetch(m.headers[HEADER], dsn=pg_dsn) if HEADER in m.headers else m.value
+        value = (
+            fetch(m.headers[HEADER], store=f"postgres:{schema}", dsn=pg_dsn)
+            if HEADER in m.headers
+            else m.value
+        )
         assert value == sent[m.event_id]
     _assert_key_order([(m.key.decode(), int(m.headers["seq"])) for m in messages])  # type: ignore[union-attr]
 
@@ -155,7 +159,7 @@ def test_a_big_payload_through_a_webhook_by_s3_reference(pg_dsn: str, schema: st
         day = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%d")
         assert big.headers[HEADER] == f"s3://payloads/outbox/{day}/{event_id}".encode()
         assert big.value == b"" and json.loads(small.value) == {"small": True}
-        assert fetch(big.headers[HEADER], endpoint=moto.endpoint) == payload
+        assert fetch(big.headers[HEADER], store="s3://payloads/outbox", endpoint=moto.endpoint) == payload
         assert store.held() == (1, BIG)
     finally:
         target.close()
@@ -190,7 +194,11 @@ def test_the_store_down_then_back_loses_nothing_and_keeps_key_order(
     messages = read_topic(kafka, topic, len(sent))
     assert len({m.event_id for m in messages}) == len(sent)
     for m in messages:
-        value = fetch(m.headers[HEADER], endpoint=moto.endpoint) if HEADER in m.headers else m.value
+        value = (
+            fetch(m.headers[HEADER], store="s3://payloads", endpoint=moto.endpoint)
+            if HEADER in m.headers
+            else m.value
+        )
         assert value == sent[m.event_id]
     _assert_key_order([(m.key.decode(), int(m.headers["seq"])) for m in messages])  # type: ignore[union-attr]
 
