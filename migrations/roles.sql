@@ -9,12 +9,18 @@
 -- relays connect as: GRANT outbox_writer TO orders_app;
 
 -- The writer (the application): append events, nothing else. It cannot read,
--- change or delete any event, the archive or the dead letters.
+-- change or delete any event, the archive or the dead letters. It inserts only the columns
+-- an event is written with: the relay's (id, attempts, the lease, errors, created_at) are not
+-- its to choose (an id given with OVERRIDING SYSTEM VALUE could land before other events).
+REVOKE INSERT ON {schema}.events FROM {writer};
 GRANT USAGE ON SCHEMA {schema} TO {writer};
-GRANT INSERT ON {schema}.events TO {writer};
+GRANT INSERT (event_id, topic, key, payload, headers, type, subject, available_at)
+    ON {schema}.events TO {writer};
 GRANT USAGE ON SEQUENCE {sequence} TO {writer};
 -- The capture mode (table or WAL), read once per connection.
 GRANT SELECT ON {schema}.capture TO {writer};
+-- WAL capture: events are emitted, signed, only through emit_events (migration 0015).
+GRANT EXECUTE ON FUNCTION {schema}.emit_events(bytea[]) TO {writer};
 
 -- The relay: claim (SELECT ... FOR UPDATE needs UPDATE), retry (UPDATE), ack and
 -- dead-letter (DELETE from events, INSERT into the archive and dead letters),
@@ -36,6 +42,8 @@ GRANT SELECT, INSERT, DELETE ON {schema}.capture_positions TO {relay};
 GRANT SELECT, UPDATE (lsn, part_commit, part_events) ON {schema}.capture TO {relay};
 GRANT INSERT ON {schema}.events TO {relay};
 GRANT USAGE ON SEQUENCE {sequence} TO {relay};
+-- ... and the key their signatures are checked with (migration 0015).
+GRANT SELECT (key) ON {schema}.capture_key TO {relay};
 GRANT EXECUTE ON FUNCTION {schema}.ensure_delivered_partitions(integer) TO {relay};
 -- The audit trail of operators' actions: read by `outbox audit` and `outbox status`.
 GRANT SELECT ON {schema}.audit TO {relay};

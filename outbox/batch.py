@@ -131,7 +131,8 @@ class Batch:
                 except CorruptEvent as exc:
                     self.events.append(None)
                     self.corrupt += 1
-                    self.settle(i, Dead(CORRUPT_EVENT, f"corrupt event row: {exc}"))
+                    reason = f"corrupt event row: {exc}" if exc.kind == CORRUPT_EVENT else str(exc)
+                    self.settle(i, Dead(exc.kind, reason))
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -386,9 +387,17 @@ class WalBatch(Batch):
             )
         rest = [i for i in range(len(rows)) if i not in settled]
         if rest:
-            cur = conn.execute(query("wal_to_events", schema), self._columns([rows[i] for i in rest]))
-            new_id = {event_id: id_ for id_, event_id in cur.fetchall()}
-            real = {i: int(new_id[rows[i][1]]) for i in rest}
+            # A row that could not be decoded goes in without its headers (they may be no JSON,
+            # or none jsonb takes): it is dead-lettered, its content kept as the payload.
+            events = self.events
+            kept = [rows[i] if events[i] is not None else (*rows[i][:5], None, *rows[i][6:]) for i in rest]
+            cur = conn.execute(query("wal_to_events", schema), self._columns(kept))
+            # Each event id's new ids in insertion order (the rows' order): an id may come twice
+            # (a writer's own message may repeat one), so not a plain mapping of id to id.
+            new_ids: dict[str, list[int]] = {}
+            for id_, event_id in sorted(cur.fetchall()):
+                new_ids.setdefault(event_id, []).append(int(id_))
+            real = {i: new_ids[rows[i][1]].pop(0) for i in rest}
             self._failed(schema, w, [real[i] for i in w.retry_ids], [real[i] for i in w.dead_ids])
             w.dead_events[:] = [(real[i], reason) for i, reason in w.dead_events]
         after = self.after

@@ -18,15 +18,25 @@ slot sends again (after a crash between that commit and the slot's confirmation)
 One relay reads a slot at a time (PostgreSQL lets one session stream it): the others stand by
 and take over when the reader's session ends. So the order is commit order.
 
-Each message's content: the creation time (epoch seconds, text, from the server's clock), a
-line break, one line of JSON (id, topic, key as hex, headers, type, subject), a line break,
-and the payload's bytes as they are.
+Each message's content: its signature (32 bytes), the creation time (epoch seconds, text,
+from the server's clock), a line break, one line of JSON (id, topic, key as hex, type,
+subject), a line break, the headers as one line of JSON, a line break, and the payload's bytes
+as they are.
+
+Writers emit through the outbox's ``emit_events`` function (migration 0015), which signs each
+message with HMAC-SHA256 under the outbox's key (``capture_key``, readable by the function's
+owner and the relay alone). ``pg_logical_emit_message`` is open to every role: a message under
+the prefix that is not signed is no writer's, and the reader turns it into a row that is
+dead-lettered at once (``unsigned_event``), under a new event id and without its key, so it can
+neither be delivered nor park a key. A signed message whose fields do not parse (a writer's
+own SQL) is dead-lettered too (``corrupt_event``). Neither stops the reader.
 """
 
 from __future__ import annotations
 
 import contextlib
 import hashlib
+import hmac
 import json
 import logging
 import re
@@ -34,6 +44,7 @@ import select
 import struct
 import threading
 import time
+import uuid
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -44,7 +55,7 @@ import psycopg
 from outbox.conditions import Condition
 from outbox.dsn import scrub, secrets_of
 from outbox.errors import ConfigError
-from outbox.events import EncodedEvent
+from outbox.events import MAX_TOPIC_CHARS, EncodedEvent, Unusable
 from outbox.extras import require
 from outbox.queries import query
 
@@ -59,6 +70,13 @@ STANDBY_RETRY = 1.0  # seconds between tries of a slot another relay reads
 RECONNECT = 1.0  # seconds before reading again after the connection failed
 FEEDBACK_EVERY = 1.0  # seconds between the reader's position reports while it is idle
 FEEDBACK_MIN = 0.1  # seconds at least between its reports of what was handed on
+SIGNATURE_BYTES = 32  # HMAC-SHA256, before each message's content
+UNSIGNED_EVENT = "unsigned_event"  # the dead letter's kind of a message that is not signed
+CORRUPT_EVENT = "corrupt_event"  # ... of a signed one that is no event's encoding
+UNSIGNED_TOPIC = "(unsigned)"  # the topic such dead letters are kept under
+CORRUPT_TOPIC = "(corrupt)"
+_NUL_ESCAPE = re.compile(rb"(?<!\\)(?:\\\\)*\\u0000")  # \u0000 not itself escaped
+_UUID_TEXT = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
 
 
 def prefix_of(schema: str) -> str:
@@ -94,11 +112,22 @@ def encode(ev: EncodedEvent) -> bytes:
 
 
 def decode(content: bytes) -> tuple[Any, ...]:
-    """A message's content as a claimed row (``claim_batch``'s columns, the headers as JSON text
-    as the claim sends them; the id is filled in later). Raises ValueError (or TypeError) if it
-    is not an outbox event's encoding."""
+    """A message's content (after its signature) as a claimed row (``claim_batch``'s columns, the
+    headers as JSON text as the claim sends them; the id is filled in later). Raises ValueError
+    (or TypeError) if it is not an outbox event's encoding: an id that is not a UUID, a topic
+    that is not text a topic may be, and so on. The headers are checked where every claimed
+    row's are (:func:`outbox.events.decode_row`)."""
     created, head, headers, payload = content.split(b"\n", 3)
     event_id, topic, key, type_, subject = json.loads(head)
+    if event_id.__class__ is not str or not _UUID_TEXT.fullmatch(event_id):
+        raise ValueError("id: not a UUID")
+    if topic.__class__ is not str or not 0 < len(topic) <= MAX_TOPIC_CHARS or not _storable(topic):
+        raise ValueError("topic: not a topic's text")
+    for name, value in (("type", type_), ("subject", subject)):
+        if value is not None and (value.__class__ is not str or not _storable(value)):
+            raise ValueError(f"{name}: not text")
+    if b"u0000" in headers and _NUL_ESCAPE.search(headers):  # jsonb refuses; enqueue never writes it
+        raise ValueError("headers: a NUL character")
     return (
         0,
         event_id,
@@ -111,6 +140,32 @@ def decode(content: bytes) -> tuple[Any, ...]:
         type_,
         subject,
     )
+
+
+def _storable(text: str) -> bool:
+    """Can PostgreSQL store ``text`` (no NUL, no lone surrogate from a JSON escape)?"""
+    if "\0" in text:
+        return False
+    if text.isascii():
+        return True
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def sign(key: bytes, content: bytes) -> bytes:
+    """``content`` as emit_events emits it: its HMAC-SHA256 under ``key``, then itself."""
+    return hmac.digest(key, content, "sha256") + content
+
+
+def unusable_row(kind: str, reason: str, content: bytes) -> tuple[Any, ...]:
+    """A message that is no deliverable event, as a row the batch dead-letters at once: under a
+    new event id (its own may be forged, or no id), without a key (it must not park one), with
+    its whole content as the payload (nothing is lost), and why (:class:`Unusable`)."""
+    topic = UNSIGNED_TOPIC if kind == UNSIGNED_EVENT else CORRUPT_TOPIC
+    return (0, str(uuid.uuid4()), topic, None, content, Unusable(kind, reason), time.time(), 0, None, None)
 
 
 # -- switching an outbox (outbox migrate --capture) ------------------------------------------
@@ -198,7 +253,14 @@ def switch(conn: psycopg.Connection[Any], schema: str, mode: str, *, drop_slot: 
         conn.execute(query(name, schema), {"slot": slot})
         made.append(f"slot {slot}")
     conn.execute(query("set_capture", schema), {"mode": "wal", "slot": slot, "publication": publication})
-    return f"schema {schema}: WAL capture" + (f"; created {', '.join(made)}" if made else "")
+    return (
+        f"schema {schema}: WAL capture"
+        + (f"; created {', '.join(made)}" if made else "")
+        + f"; events are signed by {schema}.emit_events (writers need EXECUTE on it: --roles grants "
+        f"it to the writer role); not revoked: pg_logical_emit_message, which every role may run as "
+        f"PostgreSQL ships it, so any role can still write WAL messages under {prefix_of(schema)}, "
+        "but the relay dead-letters them as unsigned_event, never delivers them"
+    )
 
 
 # -- pgoutput ---------------------------------------------------------------------------------
@@ -246,7 +308,6 @@ class Piece:
 
     rows: list[tuple[Any, ...]]
     after: Position
-    corrupt: int = 0
     whole: bool = True  # a whole transaction, not a piece of one
     queued_at: float = 0.0  # monotonic time it was read
 
@@ -264,8 +325,8 @@ class Decoder:
     prefix: bytes
     skip: Position = field(default_factory=Position)
     piece: int = 0  # events per piece at most (0: PIECE_EVENTS)
+    key: bytes = b""  # the outbox's signing key (capture_key)
     rows: list[tuple[Any, ...]] = field(default_factory=list)
-    corrupt: int = 0
     _commit: int = 0  # the commit LSN of the transaction being read
     _seen: int = 0  # its events so far (handed on before, emitted in pieces, or in rows)
     _skipping: int = 0  # its first events to drop: handed on before
@@ -283,20 +344,13 @@ class Decoder:
             if self._seen <= self._skipping:
                 return None  # handed on before this stream began
             (length,) = struct.unpack_from(">I", data, end + 1)
-            content = data[end + 5 : end + 5 + length]
-            try:
-                self.rows.append(decode(content))
-            except (ValueError, KeyError, TypeError) as exc:
-                self.corrupt += 1
-                log.error(
-                    "a WAL message under %s is not an outbox event, skipped: %s", self.prefix.decode(), exc
-                )
-            if len(self.rows) + self.corrupt >= (self.piece or PIECE_EVENTS):
+            self.rows.append(self._row(data[end + 5 : end + 5 + length]))
+            if len(self.rows) >= (self.piece or PIECE_EVENTS):
                 return self._emit(Position(self.skip.lsn, self._commit, self._seen))
             return None
         if kind == b"B":
             (final_lsn, _, _) = _BEGIN.unpack_from(data, 1)
-            self.rows, self.corrupt, self._seen, self._pieces = [], 0, 0, 0
+            self.rows, self._seen, self._pieces = [], 0, 0
             self._commit = final_lsn
             # Handed on whole before: its commit record starts before the end of one that was.
             self._whole_skip = final_lsn < self.skip.lsn
@@ -313,9 +367,26 @@ class Decoder:
             return self._emit(Position(end_lsn))
         return None  # relations, origins, types: no table is published
 
+    def _row(self, content: bytes) -> tuple[Any, ...]:
+        """A message's row: its event if it is signed and parses, else one dead-lettered at once."""
+        body = content[SIGNATURE_BYTES:]
+        signature = hmac.digest(self.key, body, "sha256")
+        if len(content) < SIGNATURE_BYTES or not hmac.compare_digest(signature, content[:SIGNATURE_BYTES]):
+            return unusable_row(
+                UNSIGNED_EVENT,
+                f"a WAL message under {self.prefix.decode(errors='replace')} whose signature does not "
+                "verify: not emitted by the outbox's emit_events (another role's "
+                "pg_logical_emit_message?); kept as the payload, never delivered",
+                content,
+            )
+        try:
+            return decode(body)
+        except (ValueError, KeyError, TypeError, RecursionError) as exc:
+            return unusable_row(CORRUPT_EVENT, f"a signed WAL message that is no outbox event: {exc}", body)
+
     def _emit(self, after: Position) -> Piece:
-        piece = Piece(self.rows, after, self.corrupt, whole=not self._pieces and not after.commit)
-        self.rows, self.corrupt = [], 0
+        piece = Piece(self.rows, after, whole=not self._pieces and not after.commit)
+        self.rows = []
         self._pieces += 1
         return piece
 
@@ -369,22 +440,21 @@ class WalReader(threading.Thread):
 
     # -- the relay loop's side --
 
-    def take(self, limit: int) -> tuple[list[tuple[Any, ...]], Position, int] | None:
-        """Pieces in order, up to ``limit`` events (at least one piece): their rows, the position
-        once they are handed on, and how many messages were not events. None when none waits."""
+    def take(self, limit: int) -> tuple[list[tuple[Any, ...]], Position] | None:
+        """Pieces in order, up to ``limit`` events (at least one piece): their rows, and the
+        position once they are handed on. None when none waits."""
         with self._lock:
             if not self._queue:
                 return None
             rows: list[tuple[Any, ...]] = []
-            corrupt = 0
             after = self._queue[0].after
             while self._queue and (not rows or len(rows) + len(self._queue[0].rows) <= limit):
                 piece = self._queue.popleft()
                 rows.extend(piece.rows)
-                after, corrupt = piece.after, corrupt + piece.corrupt
+                after = piece.after
             self._queued -= len(rows)
             self._room.notify()
-            return rows, after, corrupt
+            return rows, after
 
     @property
     def waiting(self) -> bool:
@@ -466,6 +536,9 @@ class WalReader(threading.Thread):
             with psycopg.connect(self.dsn, autocommit=True, application_name="outbox-wal") as db:
                 handed = state(db, self.schema).position
                 end = db.execute(query("current_wal_lsn", self.schema)).fetchone()
+                signing = db.execute(query("capture_key", self.schema)).fetchone()
+            if signing is None:
+                raise psycopg.DataError(f"{self.schema}.capture_key is empty: run `outbox migrate`")
             target = lsn_int(end[0]) if end else 0  # caught up once the server has sent this far
             self.confirm(handed)
             cur.start_replication(
@@ -480,7 +553,7 @@ class WalReader(threading.Thread):
                 self._queued = 0
                 self._read = self._done
                 self._rewind = False
-            decoder = Decoder(prefix_of(self.schema).encode(), skip=self._done)
+            decoder = Decoder(prefix_of(self.schema).encode(), skip=self._done, key=bytes(signing[0]))
             if self.standing_by:
                 log.info(
                     "%staking over the WAL slot %s", self._said, self.slot, extra={"event": "wal.takeover"}
@@ -518,7 +591,7 @@ class WalReader(threading.Thread):
                 if piece is None:
                     continue
                 self.last_commit = time.time()
-                if piece.whole and not piece.rows and not piece.corrupt:
+                if piece.whole and not piece.rows:
                     with self._lock:
                         if not self._queue and self._done >= self._read:
                             self._done = self._read = piece.after  # nothing of ours: move on

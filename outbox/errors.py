@@ -78,4 +78,10 @@ class FencingError(OutboxError, RuntimeError):
 
 
 class CorruptEvent(OutboxError, ValueError):
-    """A row in the events table that the relay cannot turn into a message."""
+    """A row in the events table (or a WAL message) that the relay cannot turn into a message.
+    ``kind``: the dead letter's error kind (``corrupt_event``, or ``unsigned_event`` for a WAL
+    message whose signature does not verify)."""
+
+    def __init__(self, message: str, kind: str = "corrupt_event") -> None:
+        super().__init__(message)
+        self.kind = kind

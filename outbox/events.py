@@ -67,6 +67,14 @@ class EncodedEvent:
     subject: str | None = None
 
 
+class Unusable(NamedTuple):
+    """In a claimed row's headers column: the row stands for a WAL message that is no event
+    (unsigned, or malformed), which the batch dead-letters at once with this kind and reason."""
+
+    kind: str
+    reason: str
+
+
 class ClaimedEvent(NamedTuple):
     """An event as the relay hands it to a sink.
 
@@ -291,18 +299,30 @@ def decode_headers(raw: object) -> MessageHeaders:
     if raw is None:
         return []
     if isinstance(raw, str):  # the claim queries send jsonb as text: valid JSON, maybe not an object
-        raw = _parse_json(raw)
+        try:
+            raw = _parse_json(raw)
+        except (ValueError, RecursionError) as exc:  # a WAL message's: written by no jsonb
+            raise CorruptEvent(f"headers: not JSON: {exc}") from None
     if not isinstance(raw, dict):
+        if isinstance(raw, Unusable):
+            raise CorruptEvent(raw.reason, raw.kind)
         raise CorruptEvent(f"headers: expected a JSON object, found {type(raw).__name__}")
     if not _CHECKED_NAMES.issuperset(raw):
         _check_names(raw)
-    out: MessageHeaders = [(name, value.encode()) for name, value in raw.items() if value.__class__ is str]
+    out: MessageHeaders
+    try:
+        out = [(name, value.encode()) for name, value in raw.items() if value.__class__ is str]
+    except UnicodeEncodeError:  # a lone surrogate (\ud800): a WAL message's; jsonb has none
+        raise CorruptEvent("headers: a value is not valid Unicode text") from None
     if len(out) == len(raw):
         return out
     out = []
     for name, value in raw.items():
         if isinstance(value, str):
-            out.append((name, value.encode("utf-8")))
+            try:
+                out.append((name, value.encode("utf-8")))
+            except UnicodeEncodeError:
+                raise CorruptEvent(f"headers[{name!r}]: not valid Unicode text") from None
         elif isinstance(value, dict) and set(value) == {_B64} and isinstance(value[_B64], str):
             try:
                 out.append((name, base64.b64decode(value[_B64], validate=True)))

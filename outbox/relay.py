@@ -552,7 +552,7 @@ class Relay:
         if taken is None:
             self.sessions.give_back(conn)
             return 0
-        rows, after, _ = taken
+        rows, after = taken
         ordering = lane.ordering
         batch = WalBatch(
             conn, rows, after, holds=ordering.holds if ordering.ordered else None, parks=ordering.parks

@@ -104,9 +104,10 @@ def _remember(seen: set[str], schema: str, mode: str | None) -> None:
         seen.add(WAL + schema)
 
 
-def _emitted(schema: str, events: Sequence[EncodedEvent]) -> tuple[str, list[bytes]]:
-    """``emit_events``'s parameters: the outbox's message prefix, and each event's content."""
-    return capture.prefix_of(schema), [capture.encode(ev) for ev in events]
+def _emitted(events: Sequence[EncodedEvent]) -> tuple[list[bytes]]:
+    """``emit_events``'s parameter: each event's content (the function signs it and adds the
+    prefix and the creation time)."""
+    return ([capture.encode(ev) for ev in events],)
 
 
 def unknown_schema(schema: str) -> NotMigrated:
@@ -233,7 +234,7 @@ class PsycopgWriter:
 
     def emit(self, schema: str, events: Sequence[EncodedEvent]) -> None:
         with psycopg.Cursor(self.conn) as cur:
-            cur.execute(_sql("emit_events_binary", schema), _emitted(schema, events), prepare=False)
+            cur.execute(_sql("emit_events_binary", schema), _emitted(events), prepare=False)
 
     def flag(self, name: str, schema: str, *params: Any) -> bool:
         """Run the named statement; whether it returned a row whose first column is true."""
@@ -281,7 +282,7 @@ class AsyncPsycopgWriter:
 
     async def emit(self, schema: str, events: Sequence[EncodedEvent]) -> None:
         async with psycopg.AsyncCursor(self.conn) as cur:
-            await cur.execute(_sql("emit_events_binary", schema), _emitted(schema, events), prepare=False)
+            await cur.execute(_sql("emit_events_binary", schema), _emitted(events), prepare=False)
 
     async def flag(self, name: str, schema: str, *params: Any) -> bool:
         async with psycopg.AsyncCursor(self.conn) as cur:
@@ -341,7 +342,7 @@ class Psycopg2Writer:
 
     def emit(self, schema: str, events: Sequence[EncodedEvent]) -> None:
         with self.conn.cursor() as cur:
-            cur.execute(_sql("emit_events", schema), _emitted(schema, events))
+            cur.execute(_sql("emit_events", schema), _emitted(events))
 
     def flag(self, name: str, schema: str, *params: Any) -> bool:
         with self.conn.cursor() as cur:
@@ -416,9 +417,9 @@ class AsyncpgWriter:
         )
 
     async def emit(self, schema: str, events: Sequence[EncodedEvent]) -> None:
-        prefix, messages = _emitted(schema, events)
+        (messages,) = _emitted(events)
         statement = await _unnamed(self.conn, _sql("emit_events_numbered", schema))
-        await statement.fetch(prefix, [m.hex() for m in messages])
+        await statement.fetch([m.hex() for m in messages])
 
     async def flag(self, name: str, schema: str, *params: Any) -> bool:
         return bool(await (await _unnamed(self.conn, _sql(name + "_numbered", schema))).fetchval(*params))

@@ -8,6 +8,7 @@ import pytest
 
 from outbox import capture
 from outbox.bench.writers import sqlalchemy_url
+from outbox.errors import CorruptEvent
 from outbox.events import decode_row, encode_event
 
 
@@ -27,8 +28,36 @@ def test_an_event_survives_its_wal_message_byte_exact() -> None:
         capture.decode(b"not an event")
 
 
-def _message(prefix: bytes, content: bytes) -> bytes:
-    return b"M" + struct.pack(">BQ", 1, 42) + prefix + b"\0" + struct.pack(">I", len(content)) + content
+@pytest.mark.parametrize(
+    ("head", "headers", "why"),
+    [
+        (b'["not-a-uuid","t",null,null,null]', b"", "id: not a UUID"),
+        (b'["00000000-0000-4000-8000-000000000000","",null,null,null]', b"", "topic"),
+        (b'["00000000-0000-4000-8000-000000000000","a\\u0000b",null,null,null]', b"", "topic"),
+        (b'["00000000-0000-4000-8000-000000000000","\\ud800",null,null,null]', b"", "topic"),
+        (b'["00000000-0000-4000-8000-000000000000",7,null,null,null]', b"", "topic"),
+        (b'["00000000-0000-4000-8000-000000000000","t","zz",null,null]', b"", "non-hexadecimal"),
+        (b'["00000000-0000-4000-8000-000000000000","t",null,5,null]', b"", "type"),
+        (b'["00000000-0000-4000-8000-000000000000","t",null,null,null]', b'{"a":"\\u0000"}', "NUL"),
+        (b'{"a":1}', b"", "not enough values"),
+    ],
+)
+def test_a_signed_message_whose_fields_do_not_parse_is_refused_naming_the_field(
+    head: bytes, headers: bytes, why: str
+) -> None:
+    """What PostgreSQL could not store (no UUID, NUL, a lone surrogate) or a sink not send: a
+    ValueError, which the decoder turns into a row dead-lettered at once."""
+    with pytest.raises((ValueError, TypeError), match=why):
+        capture.decode(b"1\n" + head + b"\n" + headers + b"\npayload")
+
+
+KEY = b"k" * 32  # the outbox's signing key in these tests
+
+
+def _message(prefix: bytes, content: bytes, key: bytes | None = KEY) -> bytes:
+    """A pgoutput message record; its content signed with ``key`` (None: as given)."""
+    signed = content if key is None else capture.sign(key, content)
+    return b"M" + struct.pack(">BQ", 1, 42) + prefix + b"\0" + struct.pack(">I", len(signed)) + signed
 
 
 def _begin(commit: int) -> bytes:
@@ -47,15 +76,27 @@ def _event(seq: int) -> bytes:
 
 def test_the_decoder_keeps_committed_transactions_of_its_own_prefix_only() -> None:
     content = b"1\n" + capture.encode(encode_event("t", b"x", key=None, headers=None))
-    decoder = capture.Decoder(b"outbox:a", skip=capture.Position(100))
+    decoder = capture.Decoder(b"outbox:a", skip=capture.Position(100), key=KEY)
     assert decoder.feed(_begin(150)) is None
     assert decoder.feed(_message(b"outbox:a", content)) is None
     assert decoder.feed(_message(b"outbox:ab", content)) is None  # another outbox's prefix
-    assert decoder.feed(_message(b"outbox:a", b"garbage")) is None  # counted, skipped, said
+    assert decoder.feed(_message(b"outbox:a", b"garbage")) is None  # signed, but no event
+    assert decoder.feed(_message(b"outbox:a", content, key=b"another key")) is None  # not ours
+    assert decoder.feed(_message(b"outbox:a", content, key=None)) is None  # not signed at all
     piece = decoder.feed(_commit(150, 200))
-    assert piece is not None and len(piece.rows) == 1 and piece.corrupt == 1 and piece.whole
+    assert piece is not None and len(piece.rows) == 4 and piece.whole
     assert piece.after == capture.Position(200)
-    decoder = capture.Decoder(b"outbox:a", skip=capture.Position(100))
+    event, garbage, *unsigned = (decode_row(piece.rows[0]), *piece.rows[1:])
+    assert event.topic == "t" and event.payload == b"x"
+    # The others are rows the batch dead-letters at once: a new id, no key, the content kept.
+    assert garbage[2] == "(corrupt)" and garbage[4] == b"garbage" and garbage[3] is None
+    assert [row[2] for row in unsigned] == ["(unsigned)", "(unsigned)"]
+    assert unsigned[1][4] == content and unsigned[1][1] != event.event_id
+    for row in (garbage, *unsigned):
+        with pytest.raises(CorruptEvent) as err:
+            decode_row(row)
+        assert err.value.kind == ("corrupt_event" if row is garbage else "unsigned_event")
+    decoder = capture.Decoder(b"outbox:a", skip=capture.Position(100), key=KEY)
     decoder.feed(_begin(80))
     decoder.feed(_message(b"outbox:a", content))
     assert decoder.feed(_commit(80, 90)) is None  # ended before what was handed on: skipped
@@ -72,7 +113,7 @@ def test_a_large_transaction_goes_in_pieces_each_with_its_position() -> None:
     """Issue 30: a transaction is never held whole; each piece says how far it reaches inside its
     transaction (the commit record's LSN and the events so far), and only its last piece carries
     the transaction's end, the one position the slot may be confirmed to."""
-    decoder = capture.Decoder(b"outbox:a", skip=capture.Position(100), piece=1000)
+    decoder = capture.Decoder(b"outbox:a", skip=capture.Position(100), piece=1000, key=KEY)
     decoder.feed(_begin(500))
     pieces = [p for seq in range(2500) if (p := decoder.feed(_event(seq))) is not None]
     pieces.append(decoder.feed(_commit(500, 600)))  # type: ignore[arg-type]
@@ -97,7 +138,7 @@ def test_a_large_transaction_goes_in_pieces_each_with_its_position() -> None:
 def test_reading_again_resumes_inside_a_transaction_handed_on_in_part() -> None:
     """The slot sends again from its confirmed position (whole transactions only): what was handed
     on, down to the event inside a transaction, is skipped; nothing after it is."""
-    decoder = capture.Decoder(b"outbox:a", skip=capture.Position(100, 500, 1000), piece=1000)
+    decoder = capture.Decoder(b"outbox:a", skip=capture.Position(100, 500, 1000), piece=1000, key=KEY)
     decoder.feed(_begin(50))  # ended before 100: handed on whole
     assert decoder.feed(_event(0)) is None
     assert decoder.feed(_commit(50, 60)) is None

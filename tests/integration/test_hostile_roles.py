@@ -1,0 +1,164 @@
+"""Other database roles and tenants are not trusted: each attack mounted on the real PostgreSQL.
+
+- Any role that can log in may call ``pg_logical_emit_message`` (PostgreSQL grants it to
+  PUBLIC): in WAL capture it must not get an event delivered, forge an event id, or park a key.
+- The writer role appends events; it must not choose the relay's columns.
+- A tenant who owns a schema that ``--schemas`` finds must not run code as the relay.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+import uuid
+from collections.abc import Iterator
+
+import psycopg
+import pytest
+from psycopg import errors, sql
+from psycopg.conninfo import make_conninfo
+
+import outbox
+from outbox import capture
+from outbox.events import encode_event
+from outbox.migrate import Roles, grant_roles
+from outbox.relay import RelayConfig
+from tests.helpers import count, read_topic, running_relay, wait_for
+
+
+@pytest.fixture
+def intruder(wal_dsn: str) -> Iterator[str]:
+    """A login role with no grant at all (a DSN to it), dropped after."""
+    name = f"intruder_{uuid.uuid4().hex[:8]}"
+    with psycopg.connect(wal_dsn, autocommit=True) as conn:
+        conn.execute(sql.SQL("CREATE ROLE {} LOGIN").format(sql.Identifier(name)))
+    yield make_conninfo(wal_dsn, user=name)
+    with psycopg.connect(wal_dsn, autocommit=True) as conn:
+        conn.execute(sql.SQL("DROP OWNED BY {} CASCADE").format(sql.Identifier(name)))
+        conn.execute(sql.SQL("DROP ROLE {}").format(sql.Identifier(name)))
+
+
+def test_a_role_without_the_writer_grant_cannot_get_a_wal_event_delivered(
+    wal_dsn: str, wal_schema: str, intruder: str, kafka: str, topic: str
+) -> None:
+    """The intruder re-emits a genuine event's message (same id, another topic, a parked-worthy
+    key) unsigned, with a signature of its own making, and as garbage; it cannot call the
+    writers' function. None of it is delivered or takes a real event's id: each is a dead letter
+    under a new id, without a key. The genuine events (one after the forgeries) are delivered."""
+    with psycopg.connect(wal_dsn) as conn:
+        genuine = outbox.enqueue(conn, topic, {"real": True}, key="acct-1", schema=wal_schema)
+    stolen = encode_event(f"{topic}-stolen", {"forged": True}, key="acct-1", headers={"x": "y"})
+    forged = dataclasses.replace(stolen, event_id=genuine)
+    content = b"%f\n" % time.time() + capture.encode(forged)
+    prefix = capture.prefix_of(wal_schema)
+    with psycopg.connect(intruder, autocommit=True) as conn:
+        for message in (content, os.urandom(getattr(capture, "SIGNATURE_BYTES", 32)) + content, b"garbage"):
+            conn.execute("SELECT pg_logical_emit_message(true, %s, %s::bytea)", (prefix, message))
+        with pytest.raises(errors.InsufficientPrivilege):
+            conn.execute(
+                sql.SQL("SELECT {}.emit_events(ARRAY[%s::bytea])").format(sql.Identifier(wal_schema)),
+                (content,),
+            )
+    with psycopg.connect(wal_dsn) as conn:
+        after = outbox.enqueue(conn, topic, {"real": "after"}, key="acct-1", schema=wal_schema)
+    with running_relay(RelayConfig(wal_dsn, schema=wal_schema, poll_interval=0.1), bootstrap=kafka):
+        wait_for(lambda: count(wal_dsn, wal_schema, "delivered") == 2, timeout=30, what="the genuine events")
+        wait_for(lambda: count(wal_dsn, wal_schema, "dead_letters") == 3, timeout=30, what="the forgeries")
+        messages = read_topic(kafka, topic, 2)
+    assert [m.event_id for m in messages] == [str(genuine), str(after)]
+    assert read_topic(kafka, f"{topic}-stolen", 0, timeout=2) == []
+    with psycopg.connect(wal_dsn) as conn:
+        dead = conn.execute(
+            sql.SQL("SELECT event_id, topic, key, payload, error, parked FROM {}.dead_letters").format(
+                sql.Identifier(wal_schema)
+            )
+        ).fetchall()
+    assert all(
+        event_id != genuine and t == "(unsigned)" and k is None and not p for event_id, t, k, _, _, p in dead
+    )
+    assert all("signature does not verify" in error for *_, error, _ in dead)
+    payloads = [bytes(payload) for _, _, _, payload, _, _ in dead]  # each kept whole: nothing lost
+    assert b"garbage" in payloads and sum(p.endswith(capture.encode(forged)) for p in payloads) == 2
+
+
+def test_a_signed_message_that_is_no_event_is_dead_lettered_and_the_reader_goes_on(
+    wal_dsn: str, wal_schema: str, kafka: str, topic: str
+) -> None:
+    """A writer's own SQL through emit_events: an id that is no UUID, a topic with NUL, headers
+    that are no JSON or hold what jsonb refuses. Each is a dead letter (corrupt_event); the
+    reader never stops on one, and the event committed after them is delivered."""
+    ok_id = str(uuid.uuid4())
+    bad = [
+        b'["not-a-uuid","t",null,null,null]\n\npayload',
+        b'["%s","a\\u0000b",null,null,null]\n\npayload' % ok_id.encode(),
+        b'["%s","t",null,null,null]\n{not json\npayload' % ok_id.encode(),
+        b'["%s","t",null,null,null]\n{"h":"\\ud800"}\npayload' % ok_id.encode(),
+        b'["%s","t",null,null,null]\n{"a b":"v"}\npayload' % ok_id.encode(),
+    ]
+    with psycopg.connect(wal_dsn) as conn:
+        conn.execute(sql.SQL("SELECT {}.emit_events(%s::bytea[])").format(sql.Identifier(wal_schema)), (bad,))
+        conn.commit()
+        good = outbox.enqueue(conn, topic, b"good", key="k", schema=wal_schema)
+    with running_relay(RelayConfig(wal_dsn, schema=wal_schema, poll_interval=0.1), bootstrap=kafka):
+        wait_for(lambda: count(wal_dsn, wal_schema, "delivered") == 1, timeout=30, what="the good event")
+        wait_for(
+            lambda: count(wal_dsn, wal_schema, "dead_letters") == len(bad), timeout=30, what="dead letters"
+        )
+        (message,) = read_topic(kafka, topic, 1)
+    assert message.event_id == str(good)
+    with psycopg.connect(wal_dsn) as conn:
+        errors_ = [
+            r[0]
+            for r in conn.execute(
+                sql.SQL("SELECT error FROM {}.dead_letters ORDER BY id").format(sql.Identifier(wal_schema))
+            )
+        ]
+    assert all(
+        e.startswith(("corrupt event row: ", "a signed WAL message that is no outbox event")) for e in errors_
+    ), errors_
+
+
+# -- the writer role --------------------------------------------------------------------------
+
+
+@pytest.fixture
+def writer(pg_dsn: str, schema: str) -> Iterator[str]:
+    """A login role in the outbox's writer role (a DSN to it)."""
+    tag = uuid.uuid4().hex[:8]
+    roles = Roles(writer=f"w_{tag}", relay=f"r_{tag}", console=f"c_{tag}")
+    login = f"app_{tag}"
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        grant_roles(conn, schema, roles)
+        conn.execute(
+            sql.SQL("CREATE ROLE {} LOGIN IN ROLE {}").format(
+                sql.Identifier(login), sql.Identifier(roles.writer)
+            )
+        )
+    yield make_conninfo(pg_dsn, user=login)
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        for role in (login, roles.writer, roles.relay, roles.console):
+            conn.execute(sql.SQL("DROP OWNED BY {} CASCADE").format(sql.Identifier(role)))
+            conn.execute(sql.SQL("DROP ROLE {}").format(sql.Identifier(role)))
+
+
+@pytest.mark.parametrize(
+    "statement",
+    [
+        # An id of its choosing: before the events of other writers in the claim order.
+        "INSERT INTO {s}.events (id, event_id, topic, payload) OVERRIDING SYSTEM VALUE "
+        "VALUES (1, gen_random_uuid(), 't', 'x')",
+        "INSERT INTO {s}.events (event_id, topic, payload, attempts) VALUES (gen_random_uuid(), 't', 'x', 9)",
+        "INSERT INTO {s}.events (event_id, topic, payload, created_at) "
+        "VALUES (gen_random_uuid(), 't', 'x', '2000-01-01')",
+        "INSERT INTO {s}.events (event_id, topic, payload, last_error) VALUES (gen_random_uuid(), 't', 'x', 'e')",
+        "SELECT key FROM {s}.capture_key",
+    ],
+)
+def test_the_writer_role_cannot_choose_the_relays_columns(writer: str, schema: str, statement: str) -> None:
+    with psycopg.connect(writer) as conn:
+        with pytest.raises(errors.InsufficientPrivilege):
+            conn.execute(sql.SQL(statement).format(s=sql.Identifier(schema)))
+        conn.rollback()
+        outbox.enqueue(conn, "t", b"allowed", key="k", headers={"h": "v"}, delay=1, schema=schema)
+        outbox.enqueue_many(conn, [{"topic": "t", "payload": b"x"}] * 3, schema=schema)
