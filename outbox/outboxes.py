@@ -143,6 +143,21 @@ def matching_schemas(conn: psycopg.Connection[Any], pattern: str) -> list[str]:
     return sorted(n for n in names if fnmatch.fnmatchcase(n, pattern))
 
 
+def untrusted(
+    conn: psycopg.Connection[Any], schemas: Collection[str], owners: Collection[str] = ()
+) -> dict[str, str]:
+    """Of ``schemas``, those a role other than the trusted owners could have put code into that
+    a relay (or ``outbox status``) would run with its own rights: schema -> the first reason.
+    Trusted: ``owners`` (``--schema-owner``), else the connecting role and the database's owner;
+    superusers always. A tenant who owns its schema, or may create in it, is not trusted."""
+    if not schemas:
+        return {}
+    rows = conn.execute(
+        query("untrusted_schemas", "public"), {"schemas": list(schemas), "owners": list(owners)}
+    ).fetchall()
+    return {str(schema): str(why) for schema, why in rows}
+
+
 def discover(
     conn: psycopg.Connection[Any],
     pattern: str,
@@ -150,16 +165,26 @@ def discover(
     *,
     prefix: str = "",
     known: Collection[str] = (),
+    owners: Collection[str] = (),
 ) -> tuple[list[Outbox], dict[str, str]]:
     """The migrated outboxes among the schemas matching ``pattern`` in ``conn``'s database,
     named ``prefix + schema``; and the others, schema -> why they are not served (not migrated
-    to this version, or not a usable name).
+    to this version, not a usable name, or not owned by a trusted role: :func:`untrusted`).
 
     ``known``: schemas an earlier look found migrated (a relay's discovery, every few seconds).
     They must still be listed, but their migrations are not read again: migrations are never
-    undone, and reading 200 tenants' every 2 s took a loaded relay seconds per look."""
+    undone, and reading 200 tenants' every 2 s took a loaded relay seconds per look. Their
+    owners are read again on every look (one statement for all): ownership can change."""
     served, skipped = [], {}
-    for schema in matching_schemas(conn, pattern):
+    matching = matching_schemas(conn, pattern)
+    refused = untrusted(conn, matching, owners)
+    for schema in matching:
+        if schema in refused:
+            skipped[schema] = (
+                f"schema: {schema!r} is not trusted: {refused[schema]}, not by a trusted role "
+                "(the relay's own, the database's owner, or --schema-owner); it could run code as the relay"
+            )
+            continue
         try:
             validate_schema(schema, "schema")
             if schema not in known:

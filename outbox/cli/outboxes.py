@@ -51,6 +51,14 @@ class OutboxOptions:
         "a file of NAME=DSN[#SCHEMA] lines (# comments); the relay re-reads it on SIGHUP",
         metavar="PATH",
     )
+    schema_owner: list[str] = setting(
+        default_factory=list,
+        help="a schema --schemas finds is served only when it and everything in it is owned by this "
+        "role, repeatable (in the variable: separated by whitespace); default: the role the "
+        "command connects as and the database's owner (superusers always). A schema a tenant "
+        "owns, or may create in, could run code as the relay: it is refused, saying why",
+        metavar="ROLE",
+    )
 
 
 @dataclass
@@ -78,6 +86,11 @@ def given_specs(args: argparse.Namespace) -> list[str]:
     """Every --outbox spec, the variable's lines split (a key=value DSN holds spaces: only a new
     line separates two specs)."""
     return [line.strip() for item in args.outbox or [] for line in item.splitlines() if line.strip()]
+
+
+def schema_owners(args: argparse.Namespace) -> list[str]:
+    """The --schema-owner roles (the variable's split on whitespace)."""
+    return [name for item in getattr(args, "schema_owner", None) or [] for name in item.split()]
 
 
 def is_fleet(args: argparse.Namespace) -> bool:
@@ -126,7 +139,9 @@ def choose(
                         found += _every_schema(conn, args.schemas, dsn, prefix)
                     else:
                         mine = {schema for d, schema in known if d == dsn}
-                        served, skipped = discover(conn, args.schemas, dsn, prefix=prefix, known=mine)
+                        served, skipped = discover(
+                            conn, args.schemas, dsn, prefix=prefix, known=mine, owners=schema_owners(args)
+                        )
                         found += served
                         chosen.skipped.update({f"{prefix}{k}": v for k, v in skipped.items()})
             except ConfigError as exc:  # unreachable: the others still go on

@@ -61,3 +61,56 @@ ORDER BY n.nspname
 SELECT nspname FROM pg_namespace
 WHERE nspname !~ '^pg_' AND nspname <> 'information_schema'
 ORDER BY nspname
+
+-- name: untrusted_schemas
+-- Of these schemas (found by `--schemas GLOB`), those that a role other than the trusted owners
+-- could have put code into that the relay would run with its own rights, and the first reason
+-- for each (schema order): the schema or an object in it (a table, view, sequence, function,
+-- type, operator, or the function of a trigger on one of its tables) owned by another role, or
+-- another role (PUBLIC included) allowed to create in it or to add triggers to its tables.
+-- Trusted: the roles named (--schema-owner), else the connecting role and the database's
+-- owner; superusers always (they can do anything anyway).
+WITH s AS (
+    SELECT oid, nspname, nspowner, nspacl FROM pg_namespace WHERE nspname = ANY(%(schemas)s::text[])
+), trusted AS (
+    SELECT oid FROM pg_roles
+    WHERE rolsuper
+       OR (cardinality(%(owners)s::text[]) > 0 AND rolname = ANY(%(owners)s::text[]))
+       OR (cardinality(%(owners)s::text[]) = 0 AND (rolname = current_user OR oid = (
+              SELECT datdba FROM pg_database WHERE datname = current_database())))
+), owned AS (
+    SELECT s.nspname, 0 AS rank, 'the schema itself' AS what, s.nspowner AS owner FROM s
+    UNION ALL
+    SELECT s.nspname, 1, format('%%s %%I', CASE c.relkind WHEN 'v' THEN 'view' WHEN 'm' THEN 'view'
+                                WHEN 'S' THEN 'sequence' WHEN 'i' THEN 'index' WHEN 'I' THEN 'index'
+                                ELSE 'table' END, c.relname), c.relowner
+    FROM s JOIN pg_class AS c ON c.relnamespace = s.oid
+    UNION ALL
+    SELECT s.nspname, 2, format('function %%I', p.proname), p.proowner
+    FROM s JOIN pg_proc AS p ON p.pronamespace = s.oid
+    UNION ALL
+    SELECT s.nspname, 3, format('type %%I', t.typname), t.typowner
+    FROM s JOIN pg_type AS t ON t.typnamespace = s.oid
+    UNION ALL
+    SELECT s.nspname, 4, format('operator %%s', o.oprname), o.oprowner
+    FROM s JOIN pg_operator AS o ON o.oprnamespace = s.oid
+    UNION ALL
+    SELECT s.nspname, 5, format('function %%s of trigger %%I on %%I', p.oid::regprocedure, g.tgname, c.relname),
+           p.proowner
+    FROM s JOIN pg_class AS c ON c.relnamespace = s.oid
+    JOIN pg_trigger AS g ON g.tgrelid = c.oid JOIN pg_proc AS p ON p.oid = g.tgfoid
+), refused AS (
+    SELECT nspname, rank, format('%%s is owned by %%s', what, pg_get_userbyid(owner)) AS why
+    FROM owned WHERE owner NOT IN (SELECT oid FROM trusted)
+    UNION ALL
+    SELECT s.nspname, 6, format('%%s may create objects in it',
+                                CASE a.grantee WHEN 0 THEN 'PUBLIC' ELSE pg_get_userbyid(a.grantee) END)
+    FROM s CROSS JOIN LATERAL aclexplode(s.nspacl) AS a
+    WHERE a.privilege_type = 'CREATE' AND a.grantee NOT IN (SELECT oid FROM trusted)
+    UNION ALL
+    SELECT s.nspname, 7, format('%%s may add triggers to %%I',
+                                CASE a.grantee WHEN 0 THEN 'PUBLIC' ELSE pg_get_userbyid(a.grantee) END, c.relname)
+    FROM s JOIN pg_class AS c ON c.relnamespace = s.oid CROSS JOIN LATERAL aclexplode(c.relacl) AS a
+    WHERE a.privilege_type = 'TRIGGER' AND a.grantee NOT IN (SELECT oid FROM trusted)
+)
+SELECT DISTINCT ON (nspname) nspname, why FROM refused ORDER BY nspname, rank, why
