@@ -7,17 +7,22 @@ import re
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 _URL_PASSWORD = re.compile(r"(://[^:/@\s]*:)[^@\s]*@")
+# (password= also matches sslpassword=, in a key=value string and in a URL's query.)
 _KV_PASSWORD = re.compile(r"(password\s*=\s*)('(?:[^'\\]|\\.)*'|\S+)", re.IGNORECASE)
+# libpq's settings that hold a secret: the password, and the passphrase of the client's TLS key.
+SECRET_PARAMS = ("password", "sslpassword")
 
 
 def redact(dsn: str) -> str:
-    """``dsn`` with any password replaced by ``***`` (works on URLs and key=value strings)."""
+    """``dsn`` with every secret (:data:`SECRET_PARAMS`) replaced by ``***`` (works on URLs and
+    key=value strings)."""
     try:
         params = conninfo_to_dict(dsn)
     except Exception:  # unparsable: mask by pattern, never echo as is
         return _KV_PASSWORD.sub(r"\1***", _URL_PASSWORD.sub(r"\1***@", dsn))
-    if "password" in params:
-        params["password"] = "***"
+    for name in SECRET_PARAMS:
+        if name in params:
+            params[name] = "***"
     return make_conninfo("", **params)
 
 
@@ -35,12 +40,12 @@ def error_line(exc: BaseException, dsn: str) -> str:
 
 
 def secrets_of(dsn: str) -> list[str]:
-    """The secret values inside a DSN (its password), for scrubbing messages."""
+    """The secret values inside a DSN (its password, its TLS key's passphrase), for scrubbing."""
     try:
-        password = conninfo_to_dict(dsn).get("password")
+        params = conninfo_to_dict(dsn)
     except Exception:
         return []
-    return [str(password)] if password else []
+    return [str(params[name]) for name in SECRET_PARAMS if params.get(name)]
 
 
 def secrets_in_argv(argv: list[str]) -> list[str]:

@@ -25,7 +25,7 @@ from typing import Any
 import psycopg
 from psycopg.conninfo import conninfo_to_dict
 
-from outbox.dsn import error_line, redact
+from outbox.dsn import SECRET_PARAMS, error_line, redact
 from outbox.errors import ConfigError, NotMigrated
 from outbox.migrate import require_migrated
 from outbox.queries import query
@@ -59,7 +59,8 @@ class Outbox:
 def database_of(dsn: str) -> tuple[tuple[str, str], ...]:
     """The DSN's settings, password left out, as a hashable key."""
     params = conninfo_to_dict(dsn)
-    params.pop("password", None)
+    for name in SECRET_PARAMS:
+        params.pop(name, None)
     return tuple(sorted((k, str(v)) for k, v in params.items()))
 
 

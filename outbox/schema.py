@@ -24,6 +24,9 @@ def validate_name(name: object, field: str, max_bytes: int) -> str:
         raise ConfigError(f"{field}: must not be empty")
     if "\x00" in name:
         raise ConfigError(f"{field}: must not contain NUL characters")
+    if not name.isprintable():
+        # A line break would end a comment that names it (migrate --print) and run the rest.
+        raise ConfigError(f"{field}: must be printable text (no line breaks or control characters)")
     try:
         size = len(name.encode("utf-8"))
     except UnicodeEncodeError:

@@ -95,14 +95,16 @@ def test_secrets_never_reach_logs_errors_status_or_metrics(pg_dsn: str, schema: 
 
 def test_secrets_never_reach_the_output_of_any_cli_command(pg_dsn: str, schema: str, kafka: str) -> None:
     """Every command, with the password in keyword and URL DSNs, working and failing."""
-    pw, sasl = "PgSecret-c41d", "SaslSecret-0e27"
+    pw, sasl, keypass = "PgSecret-c41d", "SaslSecret-0e27", "SslKeyPass-93aa"
     parts = conninfo_to_dict(pg_dsn)
-    good = make_conninfo(**{**parts, "password": pw})  # trust auth ignores the password
+    # Trust auth ignores the password; without a client key, libpq never uses sslpassword.
+    good = make_conninfo(**{**parts, "password": pw, "sslpassword": keypass})
     url = f"postgresql://{parts.get('user', 'root')}:{pw}@{parts.get('host', '127.0.0.1')}:{parts.get('port', 5432)}"
     broken = [
         f"{url}/nope_db",
-        make_conninfo(**{**parts, "password": pw, "dbname": "nope_db"}),
+        make_conninfo(**{**parts, "password": pw, "sslpassword": keypass, "dbname": "nope_db"}),
         f"{url}x/test",
+        f"{url}/nope_db?sslpassword={keypass}",
     ]
     sasl_args = ["--kafka-config", "security.protocol=SASL_PLAINTEXT", "--kafka-config", "sasl.mechanism=PLAIN",
                  "--kafka-config", "sasl.username=u", "--kafka-config", f"sasl.password={sasl}"]  # fmt: skip
@@ -149,10 +151,10 @@ def test_secrets_never_reach_the_output_of_any_cli_command(pg_dsn: str, schema: 
         capture_output=True, text=True, env={**env, "OUTBOX_DSN": broken[0]}, timeout=15,
     )  # fmt: skip
     outputs.append((["status (OUTBOX_DSN)"], broken[0], out.stdout + out.stderr))
-    assert failures >= 3 * len(commands) - 3, "the broken DSNs should make (nearly) every command fail"
+    assert failures >= 4 * len(commands) - 4, "the broken DSNs should make (nearly) every command fail"
     assert any("nope_db" in text for _, _, text in outputs), "errors should still say what is wrong"
     for command, dsn, text in outputs:
-        assert pw not in text and sasl not in text, (command, dsn, text[-2000:])
+        assert pw not in text and sasl not in text and keypass not in text, (command, dsn, text[-2000:])
 
 
 def test_sink_passwords_and_the_webhook_secret_never_reach_logs_errors_status_or_metrics(
@@ -168,6 +170,7 @@ def test_sink_passwords_and_the_webhook_secret_never_reach_logs_errors_status_or
         "nats": "NatsSecret-0c3b",
         "http": "HttpSecret-a9e2",
         "token": "HttpToken-3b8f",
+        "path": "HttpPathToken-61dc",  # a Slack-style hook's token is in its path
     }
     raw_key = b"WebhookSecret-e4c1"
     whsec = "whsec_" + base64.b64encode(raw_key).decode()
@@ -178,7 +181,8 @@ def test_sink_passwords_and_the_webhook_secret_never_reach_logs_errors_status_or
             f"a.*=amqp://guest:{secrets['amqp']}@127.0.0.1:5672/?exchange=secrets-test",
             f"r.*=redis://:{secrets['redis']}@127.0.0.1:6379/0",
             f"n.*=nats://user:{secrets['nats']}@127.0.0.1:4222",
-            f"h.*=http://user:{secrets['http']}@127.0.0.1:{receiver.port}/hook?token={secrets['token']}",
+            f"h.*=http://user:{secrets['http']}@127.0.0.1:{receiver.port}/services/{secrets['path']}"
+            f"?token={secrets['token']}",
         ]
     )
     env = {"OUTBOX_ROUTES": routes, "OUTBOX_WEBHOOK_SECRET": whsec}

@@ -61,3 +61,31 @@ def test_schema_names_are_identifiers_not_sql(pg_dsn: str) -> None:
             assert row == (1,)
         finally:
             conn.execute(sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(sql.Identifier(name)))
+
+
+def test_migrate_print_cannot_be_made_to_emit_sql_by_a_name_with_a_line_break(
+    pg_dsn: str, prefix: str
+) -> None:
+    """A schema or role name with a line break would end the comment that names it in the
+    printed script, and the rest of the line would run as SQL where a team runs the script.
+    Refused in one line, naming the option; nothing printed, so nothing for a tool to run."""
+    canary = f"{prefix}_canary"
+    injected = f'x\nDROP SCHEMA "{canary}" CASCADE; --'
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        conn.execute(sql.SQL("CREATE SCHEMA {}").format(sql.Identifier(canary)))
+        for args in (["--schema", injected], ["--writer-role", injected, "--relay-role", "r"]):
+            out = subprocess.run(
+                [sys.executable, "-m", "outbox", "migrate", "--print", *args],
+                capture_output=True,
+                text=True,
+            )
+            assert out.returncode == 2 and out.stdout == "", out.stdout[-500:]
+            assert out.stderr.count("\n") == 1 and "must be printable text" in out.stderr, out.stderr
+            assert (
+                out.stderr.startswith("outbox: error: ")
+                and args[0].strip("-").replace("-", " ") in out.stderr
+            )
+            if out.stdout:  # what a team's own migration tool would run
+                conn.execute(out.stdout.encode())
+        row = conn.execute("SELECT count(*) FROM pg_namespace WHERE nspname = %s", (canary,)).fetchone()
+        assert row == (1,), "the printed script dropped the canary schema"

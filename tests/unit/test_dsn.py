@@ -22,6 +22,19 @@ def test_dsn_password_is_redacted(dsn: str) -> None:
     assert scrub(f"failed for {dsn}", secrets_of(dsn)).count("s3cret") == 0
 
 
+@pytest.mark.parametrize(
+    "dsn",
+    [
+        "host=db user=app password=s3cret sslpassword=k3ypass dbname=app",
+        "postgresql://app:s3cret@db:5432/app?sslpassword=k3ypass&sslmode=require",
+    ],
+)
+def test_the_tls_keys_passphrase_is_a_secret_too(dsn: str) -> None:
+    assert "s3cret" not in redact(dsn) and "k3ypass" not in redact(dsn)
+    assert sorted(secrets_of(dsn)) == ["k3ypass", "s3cret"]
+    assert "k3ypass" not in redact(dsn + " '")  # unparsable: masked by pattern
+
+
 def test_secret_settings_on_the_command_line_are_found() -> None:
     argv = ["relay", "--kafka-config", "sasl.password=hunter2", "--dsn", "postgresql://u:pw@h/db"]
     assert set(secrets_in_argv(argv)) == {"hunter2", "pw"}
