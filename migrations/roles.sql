@@ -50,10 +50,11 @@ GRANT SELECT ON {schema}.audit TO {relay};
 -- The claim-check store (--claim-check-store postgres:): store, read, and purge old payloads.
 GRANT SELECT, INSERT, UPDATE, DELETE ON {schema}.claim_checks TO {relay};
 
--- The console (outbox console): read every table; redrive (a dead letter moves back into events
--- under its own id: DELETE from dead_letters, INSERT into events), skip (dead_letters.parked),
--- replay (archived events queued again under new ids: the sequence); each recorded in the audit
--- trail. It cannot change or delete a pending event or the archive, purge, or run DDL.
+-- The console (outbox console): read every table (but the WAL signing key); redrive (a dead
+-- letter moves back into events under its own id: DELETE from dead_letters, INSERT into events),
+-- skip (dead_letters.parked), replay (archived events queued again under new ids: the sequence);
+-- each recorded in the audit trail. It cannot change or delete a pending event or the archive,
+-- purge, or run DDL.
 GRANT USAGE ON SCHEMA {schema} TO {console};
 GRANT SELECT ON {schema}.schema_migrations, {schema}.events, {schema}.delivered, {schema}.dead_letters,
     {schema}.relays, {schema}.partitions, {schema}.claim_checks, {schema}.capture,
@@ -61,5 +62,10 @@ GRANT SELECT ON {schema}.schema_migrations, {schema}.events, {schema}.delivered,
 GRANT INSERT ON {schema}.events TO {console};
 GRANT USAGE ON SEQUENCE {sequence} TO {console};
 GRANT DELETE, UPDATE (parked) ON {schema}.dead_letters TO {console};
-GRANT SELECT, INSERT, UPDATE (done, finished_at) ON {schema}.audit TO {console};
-GRANT USAGE ON SEQUENCE {audit_sequence} TO {console};
+-- The audit trail: read, and written only through its two functions (migration 0017), which set
+-- who and when themselves: the console cannot insert other rows, or rewrite any.
+REVOKE INSERT, UPDATE ON {schema}.audit FROM {console};
+REVOKE USAGE ON SEQUENCE {audit_sequence} FROM {console};
+GRANT SELECT ON {schema}.audit TO {console};
+GRANT EXECUTE ON FUNCTION {schema}.audit_begin(text, text, text, jsonb, bigint),
+    {schema}.audit_done(bigint, bigint) TO {console};

@@ -48,6 +48,15 @@ def parse_time(text: str, field: str, now: dt.datetime) -> dt.datetime:
     return value if value.tzinfo else value.replace(tzinfo=dt.timezone.utc)
 
 
+def check_window(since: dt.datetime, until: dt.datetime, now: dt.datetime, field: str = "until") -> None:
+    """A replay's window: ``until`` after ``since`` and not in the future (a window still open
+    would take in events delivered while it replays, its own fresh copies among them)."""
+    if until <= since:
+        raise ConfigError(f"{field}: must be after since ({since.isoformat()})")
+    if until > now:
+        raise ConfigError(f"{field}: must not be in the future (now is {now.isoformat(timespec='seconds')})")
+
+
 def replay_count(
     conn: psycopg.Connection[Any],
     schema: str,
@@ -56,11 +65,15 @@ def replay_count(
     until: dt.datetime,
     topic: str | None,
     key: bytes | None,
-) -> int:
+    upto: int | None = None,
+) -> tuple[int, int]:
+    """How many archived events the window holds (up to id ``upto``), and the highest id among
+    them: what a replay of the same window bound by that id re-sends."""
     row = conn.execute(
-        query("replay_count", schema), {"since": since, "until": until, "topic": topic, "key": key}
+        query("replay_count", schema),
+        {"since": since, "until": until, "topic": topic, "key": key, "upto": upto},
     ).fetchone()
-    return int(row[0]) if row else 0
+    return (int(row[0]), int(row[1])) if row else (0, 0)
 
 
 def replay(
@@ -71,9 +84,11 @@ def replay(
     until: dt.datetime,
     topic: str | None,
     key: bytes | None,
+    upto: int | None = None,
     progress: Callable[[int], None] | None = None,
 ) -> int:
-    """Queue archived events again, chunk by chunk (each chunk committed); returns how many."""
+    """Queue archived events again (those up to id ``upto``), chunk by chunk (each chunk
+    committed); returns how many."""
     after_at, after_id, total = EPOCH, -1, 0
     while True:
         row = conn.execute(
@@ -83,6 +98,7 @@ def replay(
                 "until": until,
                 "topic": topic,
                 "key": key,
+                "upto": upto,
                 "after_at": after_at,
                 "after_id": after_id,
                 "limit": REPLAY_CHUNK,
@@ -107,20 +123,35 @@ def replay_recorded(
     topic: str | None,
     key: str | None,
     planned: int,
+    upto: int,
     via: str = "cli",
     actor: str | None = None,
     progress: Callable[[int], None] | None = None,
 ) -> int:
     """:func:`replay` recorded in the audit trail: the one code path of ``outbox replay`` and the
-    console. The action is recorded (and committed) before the first chunk and its count after the
-    last, so a replay cut off shows as unfinished. ``key`` as given (UTF-8 text, or ``0x…``)."""
-    chosen = {"since": since.isoformat(), "until": until.isoformat(), "topic": topic, "key": key}
+    console. It replays what its preview counted: ``planned`` events up to id ``upto``, or
+    nothing (ConfigError) if the window holds another number now (a purge since). The action
+    is recorded (and committed) before the first chunk and its count after the last, so a
+    replay cut off shows as unfinished. ``key`` as given (UTF-8 text, or ``0x…``)."""
+    now = dt.datetime.now(dt.timezone.utc)
+    check_window(since, until, now)
+    held, _ = replay_count(conn, schema, since=since, until=until, topic=topic, key=key_bytes(key), upto=upto)
+    if held != planned:
+        raise ConfigError(
+            f"planned: the window holds {held} archived events now, the preview counted {planned}; "
+            "preview it again"
+        )
+    chosen = {
+        "since": since.isoformat(), "until": until.isoformat(), "topic": topic, "key": key, "upto": upto,
+    }  # fmt: skip
     entry = audit.begin(
         conn, schema, action="replay", selector={k: v for k, v in chosen.items() if v}, planned=planned,
         via=via, actor=actor,
     )  # fmt: skip
     conn.commit()
-    done = replay(conn, schema, since=since, until=until, topic=topic, key=key_bytes(key), progress=progress)
+    done = replay(
+        conn, schema, since=since, until=until, topic=topic, key=key_bytes(key), upto=upto, progress=progress
+    )
     audit.done(conn, schema, entry, done)
     conn.commit()
     return done

@@ -95,23 +95,26 @@ def recent(conn: psycopg.Connection[Any], schema: str, limit: int = 50) -> list[
 def command(action: str, selector: dict[str, Any]) -> str:
     """The ``outbox`` command line that acts on what ``selector`` chose (schema and DSN left out).
 
-    Dead letters: the filters, and ``--ids`` when the action chose ids; with only a high-water
-    mark (everything up to it) the command says ``--all`` (the CLI acts on what is there when
-    it runs, with the same filters). Replay: the window; purge: the cutoff.
+    Dead letters: every filter the action chose by (the CLI takes each, and chooses as the
+    console does: :class:`outbox.dead.Selector`), ``--ids`` when it chose ids, and the page's
+    high-water mark; with no filter, ``--all``. Replay: the window and the highest archived id
+    its preview counted; purge: the cutoff.
     """
     parts = ["outbox"]
     if action in ("redrive", "skip"):
         parts += ["dead", action]
-        for name in ("key", "topic", "error_like"):
+        for name in ("key", "topic", "error_like", "error", "fingerprint", "since", "until"):
             if selector.get(name) is not None:
                 parts += [f"--{name.replace('_', '-')}", str(selector[name])]
         if selector.get("ids"):
             parts += ["--ids", *map(str, selector["ids"])]
         if len(parts) == 3:
             parts.append("--all")
+        if selector.get("high_water") is not None:
+            parts += ["--high-water", str(selector["high_water"])]
     elif action == "replay":
         parts += ["replay", "--since", str(selector["since"]), "--until", str(selector["until"])]
-        for name in ("topic", "key"):
+        for name in ("topic", "key", "upto"):
             if selector.get(name) is not None:
                 parts += [f"--{name}", str(selector[name])]
     elif action == "purge":

@@ -12,6 +12,7 @@ ids, key, topic and/or an error pattern, each filter narrowing the choice.
 
 from __future__ import annotations
 
+import datetime as dt
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,32 +26,63 @@ from outbox.queries import int_array, query
 
 @dataclass(frozen=True)
 class Selector:
-    """Which dead letters: every filter given narrows the choice; ``everything`` means no filter."""
+    """Which dead letters: every filter given narrows the choice; ``everything`` means no filter.
+    The CLI's and the console's one selection, so that the command line the console shows for
+    an action chooses exactly what the action chose."""
 
     ids: tuple[int, ...] = ()
     key: bytes | None = None
     topic: str | None = None
     error_like: str | None = None  # an SQL LIKE pattern on the error text
     everything: bool = False
+    error: str | None = None  # a substring of the error, in any case (the console's filter)
+    fingerprint: str | None = None  # the error with ids and numbers masked (a console group)
+    since: dt.datetime | None = None  # failed at or after
+    until: dt.datetime | None = None  # failed before
+    high_water: int | None = None  # made up to this seq (a console page's high-water mark)
 
     @property
     def filtered(self) -> bool:
-        return bool(self.ids) or any(v is not None for v in (self.key, self.topic, self.error_like))
+        given = (self.key, self.topic, self.error_like, self.error, self.fingerprint, self.since, self.until)
+        return bool(self.ids) or any(v is not None for v in given)
 
     def __post_init__(self) -> None:
         if not self.filtered and not self.everything:
             raise ConfigError("selector: give dead letter IDs, --key, --topic, --error-like or --all")
 
+    def params(self, *, after: int = 0, limit: int | None = None) -> dict[str, Any]:
+        return {
+            "ids": int_array(self.ids) if self.ids else None,
+            "key": self.key,
+            "topic": self.topic,
+            "error_like": self.error_like,
+            "error": self.error,
+            "fingerprint": self.fingerprint,
+            "since": self.since,
+            "until": self.until,
+            "high_water": self.high_water,
+            "after": after,
+            "limit": limit,
+        }
 
-def select(conn: psycopg.Connection[Any], schema: str, selector: Selector) -> list[int]:
-    """Ids of the chosen dead letters, in id order."""
-    params = {
-        "ids": int_array(selector.ids) if selector.ids else None,
-        "key": selector.key,
-        "topic": selector.topic,
-        "error_like": selector.error_like,
-    }
-    return [int(r[0]) for r in conn.execute(query("dead_select", schema), params).fetchall()]
+
+def select(
+    conn: psycopg.Connection[Any],
+    schema: str,
+    selector: Selector,
+    *,
+    after: int = 0,
+    limit: int | None = None,
+) -> list[int]:
+    """Ids of the chosen dead letters, in id order (``after``/``limit``: a page of them)."""
+    rows = conn.execute(query("dead_select", schema), selector.params(after=after, limit=limit))
+    return [int(r[0]) for r in rows.fetchall()]
+
+
+def count(conn: psycopg.Connection[Any], schema: str, selector: Selector) -> int:
+    """How many dead letters ``selector`` chooses."""
+    row = conn.execute(query("dead_count", schema), selector.params()).fetchone()
+    return int(row[0]) if row else 0
 
 
 def details(conn: psycopg.Connection[Any], schema: str, ids: list[int]) -> list[dict[str, Any]]:

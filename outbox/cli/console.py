@@ -32,6 +32,13 @@ class ConsoleOptions:
         metavar="TEMPLATE",
     )  # fmt: skip
     user: str = setting("outbox", f"HTTP basic user (with the password in {PASSWORD_ENV})")
+    allowed_host: list[str] = setting(
+        default_factory=list,
+        help="a host name the console is reached by, besides localhost, 127.0.0.1 and ::1; "
+        "repeatable (in the variable: separated by whitespace). Requests for any other name are "
+        "refused: a page of another site whose name points here (DNS rebinding) gets nothing",
+        metavar="NAME",
+    )
 
 
 def register(sub: Any) -> None:
@@ -65,9 +72,10 @@ def cmd_console(args: argparse.Namespace) -> int:
         raise ConfigError(f"--trace-url: must contain {{trace_id}}, got {args.trace_url!r}")
     level = "read" if args.read_only else "write"
     authorize = basic_auth(args.user, password, level=level) if password else None
+    hosts = [name for item in args.allowed_host for name in item.split()]
     application = app(
         dsn_of(args), schema=schema_of(args), read_only=args.read_only, authorize=authorize,
-        hide_payloads=args.hide_payloads, trace_url=args.trace_url,
+        hide_payloads=args.hide_payloads, trace_url=args.trace_url, allowed_hosts=hosts,
     )  # fmt: skip
     if not password:
         log.warning(

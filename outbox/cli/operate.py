@@ -83,6 +83,12 @@ def register(sub: Any) -> None:
     p.add_argument("--until", default=None, help="ISO time or a duration ago [default: now]")
     p.add_argument("--topic", help="only events of this topic")
     p.add_argument("--key", help="only events of this key (UTF-8 text, or 0x... for bytes)")
+    p.add_argument(
+        "--upto",
+        type=int,
+        metavar="ID",
+        help="only archived events up to this id (what a console preview counted)",
+    )
     add_confirm(p, "the replay")
     p.set_defaults(run=cmd_replay)
 
@@ -337,6 +343,15 @@ def _add_selector(parser: argparse.ArgumentParser, confirm_what: str | None = No
     parser.add_argument(
         "--error-like", help="whose error matches this SQL LIKE pattern, e.g. '%%timed out%%'"
     )
+    parser.add_argument("--error", help="whose error contains this text, in any case (the console's filter)")
+    parser.add_argument("--fingerprint", help="whose error's fingerprint is this (a console group)")
+    parser.add_argument(
+        "--since", help="that failed at or after this ISO time (UTC if no zone) or duration ago"
+    )
+    parser.add_argument("--until", help="that failed before this ISO time or duration ago")
+    parser.add_argument(
+        "--high-water", type=int, metavar="SEQ", help="made up to this mark (a console page's), none after it"
+    )
     parser.add_argument("--all", action="store_true", help="every dead letter")
     if confirm_what is not None:
         add_confirm(parser, confirm_what)
@@ -345,6 +360,7 @@ def _add_selector(parser: argparse.ArgumentParser, confirm_what: str | None = No
 def _selector(args: argparse.Namespace) -> dead.Selector:
     ids = tuple(args.ids or ()) + tuple(args.more_ids or ())
     key = key_arg(args.key)
+    now = dt.datetime.now(dt.timezone.utc)
     try:
         return dead.Selector(
             ids=ids,
@@ -352,10 +368,18 @@ def _selector(args: argparse.Namespace) -> dead.Selector:
             topic=args.topic,
             error_like=args.error_like,
             everything=args.all or args.everything_unless_filtered,
+            error=args.error,
+            fingerprint=args.fingerprint,
+            since=archive.parse_time(args.since, "--since", now) if args.since else None,
+            until=archive.parse_time(args.until, "--until", now) if args.until else None,
+            high_water=args.high_water,
         )
-    except ConfigError:
+    except ConfigError as exc:
+        if str(exc).startswith("--"):
+            raise
         raise ConfigError(
-            f"dead {args.dead_command}: give dead letter IDs, --key, --topic, --error-like or --all"
+            f"dead {args.dead_command}: give dead letter IDs, --key, --topic, --error-like, --error, "
+            "--fingerprint, --since, --until or --all"
         ) from None
 
 
@@ -382,18 +406,21 @@ def _chosen(args: argparse.Namespace, verb: str, conn: Any, schema: str) -> list
     return ids
 
 
-def _audited(args: argparse.Namespace, ids: list[int]) -> dict[str, Any]:
-    """The audit trail's selector of a dead-letter action: the filters as given, the ids if
-    given, and the high-water mark of the ids it acted on."""
+def _audited(args: argparse.Namespace) -> dict[str, Any]:
+    """The audit trail's selector of a dead-letter action: the filters as given (the command
+    line that does the same is made from it: :func:`outbox.audit.command`)."""
     chosen = _selector(args)
     selector: dict[str, Any] = {
         "key": None if chosen.key is None else key_text(chosen.key),
         "topic": chosen.topic,
         "error_like": chosen.error_like,
-        "high_water": max(ids),
+        "error": chosen.error,
+        "fingerprint": chosen.fingerprint,
+        "since": None if chosen.since is None else chosen.since.isoformat(),
+        "until": None if chosen.until is None else chosen.until.isoformat(),
+        "high_water": chosen.high_water,
+        "ids": list(chosen.ids) or None,
     }
-    if chosen.ids:
-        selector["ids"] = list(chosen.ids)
     return {k: v for k, v in selector.items() if v is not None}
 
 
@@ -404,7 +431,7 @@ def _dead_action(args: argparse.Namespace, action: str) -> int | None:
         ids = _chosen(args, args.verb if action == "redrive" else action, conn, schema)
         if ids is None:
             return None
-        n = dead.act(conn, schema, action, ids, _audited(args, ids))
+        n = dead.act(conn, schema, action, ids, _audited(args))
         conn.commit()
     return n
 
@@ -436,11 +463,12 @@ def cmd_replay(args: argparse.Namespace) -> int:
     now = dt.datetime.now(dt.timezone.utc)
     since = archive.parse_time(args.since, "--since", now)
     until = archive.parse_time(args.until, "--until", now) if args.until else now
-    if until <= since:
-        raise ConfigError(f"--until: must be after --since ({since.isoformat()})")
+    archive.check_window(since, until, now, "--until")
     key = key_arg(args.key)
     with connect(args) as conn:
-        n = archive.replay_count(conn, schema, since=since, until=until, topic=args.topic, key=key)
+        n, upto = archive.replay_count(
+            conn, schema, since=since, until=until, topic=args.topic, key=key, upto=args.upto
+        )
         window = f"{since.isoformat(timespec='seconds')} .. {until.isoformat(timespec='seconds')}"
         if args.dry_run or not n:
             print(f"would replay {n} archived events delivered {window}")
@@ -449,7 +477,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
         progress = Progress("replay", n, " ev")
         done = archive.replay_recorded(
             conn, schema, since=since, until=until, topic=args.topic, key=args.key, planned=n,
-            progress=progress.update,
+            upto=upto, progress=progress.update,
         )  # fmt: skip
         progress.close()
     print(f"queued {done} events again, with new event-ids and header outbox-replay-of")

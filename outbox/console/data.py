@@ -37,6 +37,21 @@ class DeadFilter:
     fingerprint: str | None = None
     ids: tuple[int, ...] = field(default_factory=tuple)
 
+    def selector(self) -> dead.Selector:
+        """The dead letters this filter chooses, up to its high-water mark, as the CLI chooses
+        them (:class:`outbox.dead.Selector`: one selection for both)."""
+        return dead.Selector(
+            ids=self.ids,
+            key=key_bytes(self.key),
+            topic=self.topic,
+            error=self.error,
+            fingerprint=self.fingerprint,
+            since=self.since,
+            until=self.until,
+            high_water=self.high_water,
+            everything=True,
+        )
+
     def params(self) -> dict[str, Any]:
         return {
             "high_water": self.high_water,
@@ -57,6 +72,14 @@ class DeadFilter:
             "since": None if self.since is None else self.since.isoformat(),
             "until": None if self.until is None else self.until.isoformat(),
         }
+        return {k: v for k, v in given.items() if v is not None}
+
+    def page(self, after: int | None = None) -> dict[str, Any]:
+        """Query parameters of a page of this filter's list (after dead letter ``after``)."""
+        given: dict[str, Any] = {"hw": self.high_water, "topic": self.topic, "fingerprint": self.fingerprint}
+        given.update(self.query())
+        if after is not None:
+            given["after"] = after
         return {k: v for k, v in given.items() if v is not None}
 
     def audited(self) -> dict[str, Any]:
@@ -196,20 +219,26 @@ def dead_groups(conn: psycopg.Connection[Any], schema: str, chosen: DeadFilter) 
 
 
 def chosen_ids(conn: psycopg.Connection[Any], schema: str, chosen: DeadFilter) -> list[int]:
-    return [int(r[0]) for r in conn.execute(query("console_dead_select", schema), chosen.params())]
+    return dead.select(conn, schema, chosen.selector())
 
 
-LIST_LIMIT = 500  # dead letters listed one by one when a group is opened
+PAGE = 100  # dead letters listed one by one a page, when a group is opened
 
 
-def dead_list(conn: psycopg.Connection[Any], schema: str, chosen: DeadFilter) -> dict[str, Any]:
-    """The chosen dead letters one by one (the first LIST_LIMIT), and how many there are."""
-    ids = chosen_ids(conn, schema, chosen)
+def dead_list(
+    conn: psycopg.Connection[Any], schema: str, chosen: DeadFilter, after: int = 0
+) -> dict[str, Any]:
+    """A page of the chosen dead letters one by one (those after id ``after``), how many there
+    are in all, and where the next page starts (None: this is the last)."""
+    selector = chosen.selector()
+    ids = dead.select(conn, schema, selector, after=after, limit=PAGE + 1)
     rows = conn.execute(
-        query("console_dead_list", schema), {"ids": int_array(ids[:LIST_LIMIT]), "limit": LIST_LIMIT}
+        query("console_dead_list", schema), {"ids": int_array(ids[:PAGE]), "limit": PAGE}
     ).fetchall()
     return {
-        "total": len(ids),
+        "total": dead.count(conn, schema, selector),
+        "next": ids[PAGE - 1] if len(ids) > PAGE else None,
+        "after": after,
         "rows": [
             {
                 "id": int(i),

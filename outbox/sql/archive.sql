@@ -4,11 +4,13 @@
 -- value is a bound parameter. Literal braces are doubled.
 
 -- name: replay_count
--- How many archived events a replay would re-send.
-SELECT count(*) FROM {schema}.delivered
+-- How many archived events a replay would re-send, and the highest id among them (a replay
+-- bound by it never re-sends the copies it queued itself, whatever its window).
+SELECT count(*), coalesce(max(id), 0) FROM {schema}.delivered
 WHERE delivered_at >= %(since)s AND delivered_at < %(until)s
   AND (%(topic)s::text IS NULL OR topic = %(topic)s)
   AND (%(key)s::bytea IS NULL OR key = %(key)s)
+  AND (%(upto)s::bigint IS NULL OR id <= %(upto)s)
 
 -- name: replay_chunk
 -- Re-send the next chunk of archived events (in delivery order) as new events:
@@ -20,6 +22,7 @@ WITH src AS (
     WHERE delivered_at >= %(since)s AND delivered_at < %(until)s
       AND (%(topic)s::text IS NULL OR topic = %(topic)s)
       AND (%(key)s::bytea IS NULL OR key = %(key)s)
+      AND (%(upto)s::bigint IS NULL OR id <= %(upto)s)
       AND (delivered_at, id) > (%(after_at)s::timestamptz, %(after_id)s::bigint)
     ORDER BY delivered_at, id
     LIMIT %(limit)s

@@ -181,14 +181,15 @@ VACUUM (ANALYZE) {schema}.events, {schema}.dead_letters, {schema}.delivered
 
 -- name: console_bench_samples
 -- What the console scenario asks for: a parked key (the 42nd) and, of that key, a pending
--- event, its parking dead letter and its latest archived event; the dead letters' high-water mark.
+-- event, its parking dead letter and its latest archived event; the dead letters' high-water mark
+-- (the last seq, migration 0016).
 WITH k AS (SELECT key FROM {schema}.dead_letters WHERE parked ORDER BY id OFFSET 41 LIMIT 1)
 SELECT (SELECT event_id::text FROM {schema}.events WHERE key = (SELECT key FROM k) ORDER BY id LIMIT 1),
        (SELECT event_id::text FROM {schema}.dead_letters WHERE key = (SELECT key FROM k) AND parked),
        (SELECT event_id::text FROM {schema}.delivered WHERE key = (SELECT key FROM k)
         ORDER BY delivered_at DESC LIMIT 1),
        (SELECT convert_from(key, 'UTF8') FROM k),
-       (SELECT max(id) FROM {schema}.dead_letters)
+       (SELECT max(seq) FROM {schema}.dead_letters)
 
 -- name: console_bench_sizes
 -- The filled outbox: pending, dead letters, archived, and its tables' bytes with indexes.

@@ -66,11 +66,11 @@ ORDER BY 1, 2
 -- name: console_dead_groups
 -- Dead letters grouped by topic and error fingerprint (the error with ids and numbers masked:
 -- a column, migration 0011), filtered; each group's count, first and last failure, keys it
--- parks and its highest id.
+-- parks and its highest seq.
 WITH chosen AS (
     SELECT d.*
     FROM {schema}.dead_letters AS d
-    WHERE d.id <= %(high_water)s
+    WHERE d.seq <= %(high_water)s
       AND (%(topic)s::text IS NULL OR d.topic = %(topic)s)
       AND (%(key)s::bytea IS NULL OR d.key = %(key)s)
       AND (%(error)s::text IS NULL OR strpos(lower(d.error), lower(%(error)s)) > 0)
@@ -78,7 +78,7 @@ WITH chosen AS (
       AND (%(until)s::timestamptz IS NULL OR d.failed_at < %(until)s)
 )
 SELECT topic, fingerprint, split_part(fingerprint, ':', 1) AS kind, count(*), min(failed_at),
-       max(failed_at), count(DISTINCT key) FILTER (WHERE parked), max(id),
+       max(failed_at), count(DISTINCT key) FILTER (WHERE parked), max(seq),
        (array_agg(key ORDER BY id) FILTER (WHERE parked))[1:5]
 FROM chosen
 GROUP BY topic, fingerprint
@@ -86,21 +86,9 @@ ORDER BY count(*) DESC, topic, fingerprint
 LIMIT 200
 
 -- name: console_dead_high_water
--- The highest dead-letter id now: what a page shows and what its actions may touch.
-SELECT coalesce(max(id), 0) FROM {schema}.dead_letters
-
--- name: console_dead_select
--- Ids of the dead letters a console selector chooses, up to the page's high-water mark.
-SELECT id FROM {schema}.dead_letters AS d
-WHERE d.id <= %(high_water)s
-  AND (%(ids)s::text IS NULL OR d.id = ANY(%(ids)s::text::bigint[]))
-  AND (%(topic)s::text IS NULL OR d.topic = %(topic)s)
-  AND (%(key)s::bytea IS NULL OR d.key = %(key)s)
-  AND (%(error)s::text IS NULL OR strpos(lower(d.error), lower(%(error)s)) > 0)
-  AND (%(since)s::timestamptz IS NULL OR d.failed_at >= %(since)s)
-  AND (%(until)s::timestamptz IS NULL OR d.failed_at < %(until)s)
-  AND (%(fingerprint)s::text IS NULL OR d.fingerprint = %(fingerprint)s)
-ORDER BY d.id
+-- The last dead letter made so far (its seq, migration 0016): what a page shows and what its
+-- actions may touch.
+SELECT coalesce(max(seq), 0) FROM {schema}.dead_letters
 
 -- name: console_dead_list
 -- The dead letters a console selector chooses, one by one (a group opened), oldest first.

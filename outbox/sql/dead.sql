@@ -4,14 +4,36 @@
 -- value is a bound parameter. Literal braces are doubled.
 
 -- name: dead_select
--- Ids of the dead letters a selector chooses. Every filter given narrows the
--- choice (ids, key, topic, error LIKE pattern); with none, every dead letter.
-SELECT id FROM {schema}.dead_letters
-WHERE (%(ids)s::text IS NULL OR id = ANY(%(ids)s::text::bigint[]))
-  AND (%(key)s::bytea IS NULL OR key = %(key)s)
-  AND (%(topic)s::text IS NULL OR topic = %(topic)s)
-  AND (%(error_like)s::text IS NULL OR error LIKE %(error_like)s)
-ORDER BY id
+-- Ids of the dead letters a selector chooses (outbox.dead.Selector: the CLI's and the console's
+-- one selection). Every filter given narrows the choice: ids, key, topic, an error LIKE
+-- pattern, an error substring (any case), the fingerprint, a failure-time window, and the
+-- high-water mark (made up to this seq: a console page's); with none, every dead letter.
+SELECT id FROM {schema}.dead_letters AS d
+WHERE (%(ids)s::text IS NULL OR d.id = ANY(%(ids)s::text::bigint[]))
+  AND (%(key)s::bytea IS NULL OR d.key = %(key)s)
+  AND (%(topic)s::text IS NULL OR d.topic = %(topic)s)
+  AND (%(error_like)s::text IS NULL OR d.error LIKE %(error_like)s)
+  AND (%(error)s::text IS NULL OR strpos(lower(d.error), lower(%(error)s)) > 0)
+  AND (%(fingerprint)s::text IS NULL OR d.fingerprint = %(fingerprint)s)
+  AND (%(since)s::timestamptz IS NULL OR d.failed_at >= %(since)s)
+  AND (%(until)s::timestamptz IS NULL OR d.failed_at < %(until)s)
+  AND (%(high_water)s::bigint IS NULL OR d.seq <= %(high_water)s)
+  AND d.id > %(after)s
+ORDER BY d.id
+LIMIT %(limit)s
+
+-- name: dead_count
+-- How many dead letters a selector chooses (dead_select's filters).
+SELECT count(*) FROM {schema}.dead_letters AS d
+WHERE (%(ids)s::text IS NULL OR d.id = ANY(%(ids)s::text::bigint[]))
+  AND (%(key)s::bytea IS NULL OR d.key = %(key)s)
+  AND (%(topic)s::text IS NULL OR d.topic = %(topic)s)
+  AND (%(error_like)s::text IS NULL OR d.error LIKE %(error_like)s)
+  AND (%(error)s::text IS NULL OR strpos(lower(d.error), lower(%(error)s)) > 0)
+  AND (%(fingerprint)s::text IS NULL OR d.fingerprint = %(fingerprint)s)
+  AND (%(since)s::timestamptz IS NULL OR d.failed_at >= %(since)s)
+  AND (%(until)s::timestamptz IS NULL OR d.failed_at < %(until)s)
+  AND (%(high_water)s::bigint IS NULL OR d.seq <= %(high_water)s)
 
 -- name: dead_list
 -- Chosen dead letters in detail, with the number of events parked behind each.

@@ -104,7 +104,13 @@ def test_find_a_parked_key_redrive_it_and_watch_it_flow(
             lambda: count(pg_dsn, schema, "delivered") == 40, timeout=60, what="the other keys delivered"
         )
         assert count(pg_dsn, schema, "events", f"key = '{KEY}'") == 3, "c-7's events are parked"
+        # The console's Content-Security-Policy runs no inline script or style from elsewhere: a
+        # page that needed one would say so in the browser's console.
+        refused: list[str] = []
         watcher = browser.new_page()
+        watcher.on(
+            "console", lambda m: refused.append(m.text) if "Content Security Policy" in m.text else None
+        )
         watcher.set_default_timeout(30_000)
         watcher.goto(base + "/")
         row = watcher.locator(f'tr[data-topic="{topic}"]')
@@ -113,6 +119,7 @@ def test_find_a_parked_key_redrive_it_and_watch_it_flow(
         _shot(watcher, shots, "overview")
 
         page = browser.new_page()
+        page.on("console", lambda m: refused.append(m.text) if "Content Security Policy" in m.text else None)
         page.set_default_timeout(30_000)
         page.goto(base + "/")
         page.get_by_role("link", name="Dead letters").click()
@@ -148,6 +155,7 @@ def test_find_a_parked_key_redrive_it_and_watch_it_flow(
         page.get_by_role("link", name="Audit").click()
         expect(page.locator("#audit")).to_contain_text("outbox dead redrive --key c-7")
         _shot(page, shots, "audit")
+        assert refused == [], refused
     finally:
         console.close()
         relay.close()

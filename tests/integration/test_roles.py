@@ -261,7 +261,7 @@ def test_console_runs_under_the_console_role(pg_dsn: str, logins: Logins, schema
             sql.SQL("SELECT event_id FROM {}.delivered").format(sql.Identifier(schema))
         ).fetchone()[0]
     same = {"sec-fetch-site": "same-origin"}
-    with TestClient(app(logins.console_dsn, schema=schema), base_url="http://console.test") as c:
+    with TestClient(app(logins.console_dsn, schema=schema), base_url="http://localhost") as c:
         pages = ("/", "/chart.json", "/dead", "/key?key=k1", f"/event/{event_id}?key=k9", "/audit")
         for path in (*pages, f"/event/{event_id}?archive=scan"):
             assert c.get(path).status_code == 200, path
