@@ -9,6 +9,7 @@ import sys
 import tempfile
 import threading
 import time
+import uuid
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -17,6 +18,7 @@ import psycopg
 from confluent_kafka import OFFSET_BEGINNING, Consumer, TopicPartition
 from confluent_kafka.admin import AdminClient
 from psycopg import sql
+from psycopg.conninfo import make_conninfo
 
 from outbox.outboxes import Outbox
 from outbox.relay import Relay, RelayConfig
@@ -363,3 +365,29 @@ def waiting_on_a_lock(dsn: str, schema: str) -> bool:
         ).fetchone()
         assert row is not None
         return int(row[0]) > 0
+
+
+@contextlib.contextmanager
+def login_in(dsn: str, schema: str, group: str) -> Iterator[str]:
+    """A login role in the outbox's ``group`` role (``writer``, ``relay`` or ``console``), the
+    three granted on ``schema`` under names of this call's own: a DSN to it. Roles are
+    cluster-wide: all four are dropped after."""
+    from outbox.migrate import Roles, grant_roles
+
+    tag = uuid.uuid4().hex[:8]
+    roles = Roles(writer=f"w_{tag}", relay=f"r_{tag}", console=f"c_{tag}")
+    login = f"{group}_{tag}"
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        grant_roles(conn, schema, roles)
+        conn.execute(
+            sql.SQL("CREATE ROLE {} LOGIN IN ROLE {}").format(
+                sql.Identifier(login), sql.Identifier(getattr(roles, group))
+            )
+        )
+    try:
+        yield make_conninfo(dsn, user=login)
+    finally:
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            for role in (login, roles.writer, roles.relay, roles.console):
+                conn.execute(sql.SQL("DROP OWNED BY {} CASCADE").format(sql.Identifier(role)))
+                conn.execute(sql.SQL("DROP ROLE {}").format(sql.Identifier(role)))

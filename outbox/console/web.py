@@ -22,7 +22,7 @@ import uuid
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import asynccontextmanager, contextmanager
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 import jinja2
 import psycopg
@@ -166,6 +166,27 @@ class Console:
         )
 
 
+class Search(NamedTuple):
+    """An event page's search: who asks, the event's id, the key to search the archive under,
+    and whether to read the whole archive."""
+
+    who: Visitor
+    event_id: str
+    key: str | None
+    scan: bool
+
+    @property
+    def query(self) -> dict[str, str]:
+        """The search as a link's query parameters (its payloads' downloads search the same)."""
+        return {
+            **({"key": self.key} if self.key is not None else {}),
+            **({"archive": "scan"} if self.scan else {}),
+        }
+
+    def rows(self, conn: psycopg.Connection[Any], schema: str) -> list[dict[str, Any]]:
+        return data.event(conn, schema, self.event_id, key=self.key, scan=self.scan)
+
+
 def _bounded(conn: psycopg.Connection[Any], schema: str, chosen: data.DeadFilter) -> data.DeadFilter:
     """``chosen`` with this page's high-water mark: the one it came with, else the last one now."""
     if chosen.high_water:
@@ -282,9 +303,13 @@ def app(
         view, hw = await c.run(read)
         return c.page(request, "key.html", who, hw=hw, **view)
 
-    def _event_rows(request: Request, who: Visitor) -> tuple[str, str | None, bool] | Response:
-        """The event page's id, the key to search the archive under, and whether to read the
-        whole archive (write access only: a whole-archive read is a load to ask for by name)."""
+    def _searched(request: Request) -> Search | Response:
+        """Who asks for an event page (or its payload), the event's id, the key to search the
+        archive under, and whether to read the whole archive (write access only: a whole-archive
+        read is a load to ask for by name); or the response that refuses it."""
+        who = c.access(request)
+        if isinstance(who, Response):
+            return who
         event_id = request.path_params["event_id"]
         try:
             uuid.UUID(event_id)
@@ -295,55 +320,45 @@ def app(
             return PlainTextResponse(
                 "archive=scan: reading the whole archive needs write access; give the event's key", 403
             )
-        return event_id, request.query_params.get("key") or None, scan
+        return Search(who, event_id, request.query_params.get("key") or None, scan)
 
     async def event(request: Request) -> Response:
-        who = c.access(request)
-        if isinstance(who, Response):
-            return who
-        found = _event_rows(request, who)
-        if isinstance(found, Response):
-            return found
-        event_id, key, scan = found
+        s = _searched(request)
+        if isinstance(s, Response):
+            return s
 
         def read(conn: psycopg.Connection[Any]) -> tuple[list[dict[str, Any]], int]:
-            return data.event(conn, c.schema, event_id, key=key, scan=scan), data.high_water(conn, c.schema)
+            return s.rows(conn, c.schema), data.high_water(conn, c.schema)
 
         rows, hw = await c.run(read)
-        # How the page searched, and the same for its payloads' download links.
-        query = {"key": key} if key is not None else {}
-        searched = {"key": key, "scan": scan, "query": {**query, **({"archive": "scan"} if scan else {})}}
+        searched = {"key": s.key, "scan": s.scan, "query": s.query}
         if not rows:
             return c.page(
-                request, "event.html", who, rows=[], event_id=event_id, hw=hw, searched=searched,
+                request, "event.html", s.who, rows=[], event_id=s.event_id, hw=hw, searched=searched,
                 status_code=404,
             )  # fmt: skip
         for row in rows:
             row["view"] = forms.payload_view(row.pop("payload"))
             row["trace"] = c.trace_link(row["headers"])
         return c.page(
-            request, "event.html", who, rows=rows, event_id=event_id, hw=hw, hide=c.hide_payloads,
+            request, "event.html", s.who, rows=rows, event_id=s.event_id, hw=hw, hide=c.hide_payloads,
             searched=searched,
         )  # fmt: skip
 
     async def payload(request: Request) -> Response:
         """One row's whole payload, as a download (never shown as a page)."""
-        who = c.access(request)
-        if isinstance(who, Response):
-            return who
-        found = _event_rows(request, who)
-        if isinstance(found, Response):
-            return found
-        event_id, key, scan = found
+        s = _searched(request)
+        if isinstance(s, Response):
+            return s
         state, row_id = request.path_params["state"], request.path_params["row"]
-        rows = await c.run(lambda conn: data.event(conn, c.schema, event_id, key=key, scan=scan))
+        rows = await c.run(lambda conn: s.rows(conn, c.schema))
         match = [r for r in rows if r["state"] == state and r["id"] == row_id]
         if not match:
             return PlainTextResponse("no such payload", status_code=404)
         return Response(
             match[0]["payload"],
             media_type="application/octet-stream",
-            headers={"content-disposition": f'attachment; filename="{event_id}-{state}-{row_id}.bin"'},
+            headers={"content-disposition": f'attachment; filename="{s.event_id}-{state}-{row_id}.bin"'},
         )
 
     async def replay_form(request: Request) -> Response:

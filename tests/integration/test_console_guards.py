@@ -19,13 +19,11 @@ from typing import Any
 import psycopg
 import pytest
 from psycopg import errors, sql
-from psycopg.conninfo import make_conninfo
 from starlette.testclient import TestClient
 
 import outbox
 from outbox.console import app
-from outbox.migrate import Roles, grant_roles
-from tests.helpers import count
+from tests.helpers import count, login_in
 
 SAME = {"sec-fetch-site": "same-origin"}
 
@@ -189,21 +187,8 @@ def test_the_audit_trail_names_who_authorize_vouched_for_never_a_header(pg_dsn: 
 @pytest.fixture
 def console_login(pg_dsn: str, schema: str) -> Iterator[str]:
     """A login role in the outbox's console role (a DSN to it)."""
-    tag = uuid.uuid4().hex[:8]
-    roles = Roles(writer=f"w_{tag}", relay=f"r_{tag}", console=f"c_{tag}")
-    login = f"ops_{tag}"
-    with psycopg.connect(pg_dsn, autocommit=True) as conn:
-        grant_roles(conn, schema, roles)
-        conn.execute(
-            sql.SQL("CREATE ROLE {} LOGIN IN ROLE {}").format(
-                sql.Identifier(login), sql.Identifier(roles.console)
-            )
-        )
-    yield make_conninfo(pg_dsn, user=login)
-    with psycopg.connect(pg_dsn, autocommit=True) as conn:
-        for role in (login, roles.writer, roles.relay, roles.console):
-            conn.execute(sql.SQL("DROP OWNED BY {} CASCADE").format(sql.Identifier(role)))
-            conn.execute(sql.SQL("DROP ROLE {}").format(sql.Identifier(role)))
+    with login_in(pg_dsn, schema, "console") as dsn:
+        yield dsn
 
 
 def test_the_console_role_cannot_rewrite_the_audit_trail(

@@ -22,9 +22,8 @@ from psycopg.conninfo import make_conninfo
 import outbox
 from outbox import capture
 from outbox.events import encode_event
-from outbox.migrate import Roles, grant_roles
 from outbox.relay import RelayConfig
-from tests.helpers import count, read_topic, running_relay, wait_for
+from tests.helpers import count, login_in, read_topic, running_relay, wait_for
 
 
 @pytest.fixture
@@ -125,21 +124,8 @@ def test_a_signed_message_that_is_no_event_is_dead_lettered_and_the_reader_goes_
 @pytest.fixture
 def writer(pg_dsn: str, schema: str) -> Iterator[str]:
     """A login role in the outbox's writer role (a DSN to it)."""
-    tag = uuid.uuid4().hex[:8]
-    roles = Roles(writer=f"w_{tag}", relay=f"r_{tag}", console=f"c_{tag}")
-    login = f"app_{tag}"
-    with psycopg.connect(pg_dsn, autocommit=True) as conn:
-        grant_roles(conn, schema, roles)
-        conn.execute(
-            sql.SQL("CREATE ROLE {} LOGIN IN ROLE {}").format(
-                sql.Identifier(login), sql.Identifier(roles.writer)
-            )
-        )
-    yield make_conninfo(pg_dsn, user=login)
-    with psycopg.connect(pg_dsn, autocommit=True) as conn:
-        for role in (login, roles.writer, roles.relay, roles.console):
-            conn.execute(sql.SQL("DROP OWNED BY {} CASCADE").format(sql.Identifier(role)))
-            conn.execute(sql.SQL("DROP ROLE {}").format(sql.Identifier(role)))
+    with login_in(pg_dsn, schema, "writer") as dsn:
+        yield dsn
 
 
 @pytest.mark.parametrize(
