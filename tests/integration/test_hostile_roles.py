@@ -118,6 +118,19 @@ def test_a_signed_message_that_is_no_event_is_dead_lettered_and_the_reader_goes_
     ), errors_
 
 
+def test_the_writer_role_emits_signed_wal_events_that_the_relay_delivers(
+    wal_dsn: str, wal_schema: str, kafka: str, topic: str
+) -> None:
+    """The writer role may execute emit_events (migrate --roles), and what it emits is signed."""
+    with login_in(wal_dsn, wal_schema, "writer") as writer, psycopg.connect(writer) as conn:
+        event_id = outbox.enqueue(conn, topic, b"from the writer role", key="k", schema=wal_schema)
+        conn.commit()
+    with running_relay(RelayConfig(wal_dsn, schema=wal_schema, poll_interval=0.1), bootstrap=kafka):
+        (message,) = read_topic(kafka, topic, 1)
+    assert message.event_id == str(event_id) and message.value == b"from the writer role"
+    assert count(wal_dsn, wal_schema, "dead_letters") == 0
+
+
 # -- the writer role --------------------------------------------------------------------------
 
 

@@ -149,6 +149,9 @@ def test_relay_role_writes_and_reads_the_wal_position(logins: Logins, schema: st
             conn.execute(query("wal_handed_on", schema), position)
             conn.commit()
         assert capture.state(conn, schema).lsn == "1/200"
+        # ... and the key WAL messages are signed with, to check them (migration 0015).
+        row = conn.execute(query("capture_key", schema)).fetchone()
+        assert row is not None and len(bytes(row[0])) == 32
 
 
 DENIED_TO_RELAY = [
@@ -162,6 +165,9 @@ DENIED_TO_RELAY = [
     "DELETE FROM {s}.dead_letters",
     "CREATE TABLE {s}.mine (x int)",
     "ALTER TABLE {s}.events ADD COLUMN x int",
+    # It checks WAL signatures; it cannot make them (the pads) or emit as a writer.
+    "SELECT ipad FROM {s}.capture_key",
+    "SELECT {s}.emit_events(ARRAY['x'::bytea])",
 ]
 
 
