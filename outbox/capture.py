@@ -76,7 +76,7 @@ CORRUPT_EVENT = "corrupt_event"  # ... of a signed one that is no event's encodi
 UNSIGNED_TOPIC = "(unsigned)"  # the topic such dead letters are kept under
 CORRUPT_TOPIC = "(corrupt)"
 _NUL_ESCAPE = re.compile(rb"(?<!\\)(?:\\\\)*\\u0000")  # \u0000 not itself escaped
-_UUID_TEXT = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
+_is_uuid_text = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}").fullmatch
 
 
 def prefix_of(schema: str) -> str:
@@ -119,13 +119,14 @@ def decode(content: bytes) -> tuple[Any, ...]:
     row's are (:func:`outbox.events.decode_row`)."""
     created, head, headers, payload = content.split(b"\n", 3)
     event_id, topic, key, type_, subject = json.loads(head)
-    if event_id.__class__ is not str or not _UUID_TEXT.fullmatch(event_id):
+    if event_id.__class__ is not str or not _is_uuid_text(event_id):
         raise ValueError("id: not a UUID")
     if topic.__class__ is not str or not 0 < len(topic) <= MAX_TOPIC_CHARS or not _storable(topic):
         raise ValueError("topic: not a topic's text")
-    for name, value in (("type", type_), ("subject", subject)):
-        if value is not None and (value.__class__ is not str or not _storable(value)):
-            raise ValueError(f"{name}: not text")
+    if type_ is not None and (type_.__class__ is not str or not _storable(type_)):
+        raise ValueError("type: not text")
+    if subject is not None and (subject.__class__ is not str or not _storable(subject)):
+        raise ValueError("subject: not text")
     if b"u0000" in headers and _NUL_ESCAPE.search(headers):  # jsonb refuses; enqueue never writes it
         raise ValueError("headers: a NUL character")
     return (
@@ -144,15 +145,33 @@ def decode(content: bytes) -> tuple[Any, ...]:
 
 def _storable(text: str) -> bool:
     """Can PostgreSQL store ``text`` (no NUL, no lone surrogate from a JSON escape)?"""
+    if text.isascii():
+        return "\0" not in text
     if "\0" in text:
         return False
-    if text.isascii():
-        return True
     try:
         text.encode()
     except UnicodeEncodeError:
         return False
     return True
+
+
+class Signer:
+    """HMAC-SHA256 under one key, its two pads hashed once (as ``capture_key`` keeps them for
+    emit_events): a message then costs two hash copies, where ``hmac.digest`` sets the key up
+    again each time (0.8 against 2.2 us for a 350-byte message; the reader checks every one)."""
+
+    def __init__(self, key: bytes) -> None:
+        block = (hashlib.sha256(key).digest() if len(key) > 64 else key).ljust(64, b"\0")
+        self._inner = hashlib.sha256(bytes(b ^ 0x36 for b in block))
+        self._outer = hashlib.sha256(bytes(b ^ 0x5C for b in block))
+
+    def signature(self, content: bytes) -> bytes:
+        inner = self._inner.copy()
+        inner.update(content)
+        outer = self._outer.copy()
+        outer.update(inner.digest())
+        return outer.digest()
 
 
 def sign(key: bytes, content: bytes) -> bytes:
@@ -332,6 +351,10 @@ class Decoder:
     _skipping: int = 0  # its first events to drop: handed on before
     _whole_skip: bool = False  # the whole transaction was handed on before
     _pieces: int = 0  # its pieces emitted so far
+    _signer: Signer = field(init=False)
+
+    def __post_init__(self) -> None:
+        self._signer = Signer(self.key)
 
     def feed(self, data: bytes) -> Piece | None:
         kind = data[:1]
@@ -370,8 +393,9 @@ class Decoder:
     def _row(self, content: bytes) -> tuple[Any, ...]:
         """A message's row: its event if it is signed and parses, else one dead-lettered at once."""
         body = content[SIGNATURE_BYTES:]
-        signature = hmac.digest(self.key, body, "sha256")
-        if len(content) < SIGNATURE_BYTES or not hmac.compare_digest(signature, content[:SIGNATURE_BYTES]):
+        if len(content) < SIGNATURE_BYTES or not hmac.compare_digest(
+            self._signer.signature(body), content[:SIGNATURE_BYTES]
+        ):
             return unusable_row(
                 UNSIGNED_EVENT,
                 f"a WAL message under {self.prefix.decode(errors='replace')} whose signature does not "

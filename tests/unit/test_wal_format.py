@@ -167,3 +167,14 @@ def test_bench_urls_reach_a_socket_directory_too() -> None:
     assert sqlalchemy_url("postgresql://root@/postgres?host=/tmp/pg/data", "") == (
         "postgresql://root@/postgres?host=%2Ftmp%2Fpg%2Fdata&port=5432"
     )
+
+
+def test_the_readers_signer_is_hmac_sha256() -> None:
+    """The pads hashed once give what hmac gives (what emit_events computes in SQL)."""
+    import hashlib
+    import hmac
+
+    for key in (KEY, b"", b"k" * 64, b"k" * 65):
+        signer = capture.Signer(key)
+        for content in (b"", b"x", b"y" * 1000):
+            assert signer.signature(content) == hmac.new(key, content, hashlib.sha256).digest()
