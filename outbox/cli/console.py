@@ -77,6 +77,12 @@ def cmd_console(args: argparse.Namespace) -> int:
         dsn_of(args), schema=schema_of(args), read_only=args.read_only, authorize=authorize,
         hide_payloads=args.hide_payloads, trace_url=args.trace_url, allowed_hosts=hosts,
     )  # fmt: skip
+    if not _loopback(args.host) and not hosts:
+        log.warning(
+            "listening on %s, but answering only to localhost, 127.0.0.1 and ::1: give the name "
+            "(or address) users reach it by with --allowed-host",
+            args.host,
+        )
     if not password:
         log.warning(
             "no password (%s): anyone who can reach %s:%d can use the console; listening on loopback only",
