@@ -50,6 +50,22 @@ class Selector:
         if not self.filtered and not self.everything:
             raise ConfigError("selector: give dead letter IDs, --key, --topic, --error-like or --all")
 
+    def audited(self) -> dict[str, Any]:
+        """The selector as the audit trail keeps it: the filters given, the key as text, times in
+        ISO form (:func:`outbox.audit.command` makes the equivalent command line from it)."""
+        chosen: dict[str, Any] = {
+            "key": key_text(self.key),
+            "topic": self.topic,
+            "error_like": self.error_like,
+            "error": self.error,
+            "fingerprint": self.fingerprint,
+            "since": None if self.since is None else self.since.isoformat(),
+            "until": None if self.until is None else self.until.isoformat(),
+            "high_water": self.high_water,
+            "ids": list(self.ids) or None,
+        }
+        return {k: v for k, v in chosen.items() if v is not None}
+
     def params(self, *, after: int = 0, limit: int | None = None) -> dict[str, Any]:
         return {
             "ids": int_array(self.ids) if self.ids else None,

@@ -19,7 +19,6 @@ from outbox.cli.common import add_common, add_confirm, confirm, connect, dsn_of,
 from outbox.cli.outboxes import add_outboxes, choose, is_fleet
 from outbox.dsn import error_line
 from outbox.errors import ConfigError, NothingMatched, OutboxError
-from outbox.events import key_text
 from outbox.progress import Progress
 from outbox.queries import query
 from outbox.settings import setting
@@ -406,24 +405,6 @@ def _chosen(args: argparse.Namespace, verb: str, conn: Any, schema: str) -> list
     return ids
 
 
-def _audited(args: argparse.Namespace) -> dict[str, Any]:
-    """The audit trail's selector of a dead-letter action: the filters as given (the command
-    line that does the same is made from it: :func:`outbox.audit.command`)."""
-    chosen = _selector(args)
-    selector: dict[str, Any] = {
-        "key": None if chosen.key is None else key_text(chosen.key),
-        "topic": chosen.topic,
-        "error_like": chosen.error_like,
-        "error": chosen.error,
-        "fingerprint": chosen.fingerprint,
-        "since": None if chosen.since is None else chosen.since.isoformat(),
-        "until": None if chosen.until is None else chosen.until.isoformat(),
-        "high_water": chosen.high_water,
-        "ids": list(chosen.ids) or None,
-    }
-    return {k: v for k, v in selector.items() if v is not None}
-
-
 def _dead_action(args: argparse.Namespace, action: str) -> int | None:
     """Choose, confirm, act and record it in the audit trail, in one transaction; how many."""
     schema = schema_of(args)
@@ -431,7 +412,7 @@ def _dead_action(args: argparse.Namespace, action: str) -> int | None:
         ids = _chosen(args, args.verb if action == "redrive" else action, conn, schema)
         if ids is None:
             return None
-        n = dead.act(conn, schema, action, ids, _audited(args))
+        n = dead.act(conn, schema, action, ids, _selector(args).audited())
         conn.commit()
     return n
 

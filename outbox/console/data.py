@@ -84,17 +84,7 @@ class DeadFilter:
 
     def audited(self) -> dict[str, Any]:
         """The selector as the audit trail keeps it (what was given, and the high-water mark)."""
-        chosen: dict[str, Any] = {
-            "topic": self.topic,
-            "key": self.key,
-            "error": self.error,
-            "since": None if self.since is None else self.since.isoformat(),
-            "until": None if self.until is None else self.until.isoformat(),
-            "fingerprint": self.fingerprint,
-            "ids": list(self.ids) or None,
-            "high_water": self.high_water,
-        }
-        return {k: v for k, v in chosen.items() if v is not None}
+        return self.selector().audited()
 
 
 def estimate(conn: psycopg.Connection[Any], schema: str, table: str) -> int:
