@@ -52,18 +52,6 @@ class DeadFilter:
             everything=True,
         )
 
-    def params(self) -> dict[str, Any]:
-        return {
-            "high_water": self.high_water,
-            "topic": self.topic,
-            "key": key_bytes(self.key),
-            "error": self.error,
-            "since": self.since,
-            "until": self.until,
-            "fingerprint": self.fingerprint,
-            "ids": int_array(self.ids) if self.ids else None,
-        }
-
     def query(self) -> dict[str, str]:
         """The page's own filters as query parameters (for links that narrow them further)."""
         given = {
@@ -191,7 +179,7 @@ def high_water(conn: psycopg.Connection[Any], schema: str) -> int:
 
 def dead_groups(conn: psycopg.Connection[Any], schema: str, chosen: DeadFilter) -> list[dict[str, Any]]:
     """Dead letters grouped by topic and error fingerprint, filtered."""
-    rows = conn.execute(query("console_dead_groups", schema), chosen.params()).fetchall()
+    rows = conn.execute(query("console_dead_groups", schema), chosen.selector().params()).fetchall()
     return [
         {
             "topic": t,
