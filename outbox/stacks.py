@@ -50,7 +50,7 @@ import psycopg
 from psycopg.pq import TransactionStatus
 from psycopg.types.json import Jsonb
 
-from outbox import capture
+from outbox import wal_message
 from outbox.errors import NotMigrated, OutsideTransaction, UnsupportedConnection
 from outbox.events import EncodedEvent
 from outbox.queries import query, raw
@@ -107,7 +107,7 @@ def _remember(seen: set[str], schema: str, mode: str | None) -> None:
 def _emitted(events: Sequence[EncodedEvent]) -> tuple[list[bytes]]:
     """``emit_events``'s parameter: each event's content (the function signs it and adds the
     prefix and the creation time)."""
-    return ([capture.encode(ev) for ev in events],)
+    return ([wal_message.encode(ev) for ev in events],)
 
 
 def unknown_schema(schema: str) -> NotMigrated:

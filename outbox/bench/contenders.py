@@ -57,7 +57,7 @@ from typing import Any
 import psycopg
 from confluent_kafka import Producer
 
-from outbox import capture
+from outbox import capture, wal_message
 from outbox.config import BATCH_SIZE, MAX_BATCHES_IN_FLIGHT
 from outbox.events import EVENT_ID_HEADER, ClaimedEvent, MessageHeaders, decode_headers
 from outbox.outboxes import Outbox
@@ -420,7 +420,9 @@ def _wal_loop(spec: ContenderSpec, counter: Synchronized[int], stop: Event) -> N
                 if data[10:end] != prefix:
                     continue
                 # (The signature is not checked: a minimal loop trusts every role that can log in.)
-                _created, head, headers, payload = data[end + 5 + capture.SIGNATURE_BYTES :].split(b"\n", 3)
+                _created, head, headers, payload = data[end + 5 + wal_message.SIGNATURE_BYTES :].split(
+                    b"\n", 3
+                )
                 event_id, topic, key, _type, _subject = json.loads(head)
                 flight.ids.append(read)
                 read += 1

@@ -92,7 +92,7 @@ DROP PUBLICATION IF EXISTS {publication}
 -- name: emit_events
 -- WAL capture's write: emit_events() (migration 0015) emits one transactional logical decoding
 -- message per event, in order, under the outbox's prefix, signed; each is the event's encoding
--- (outbox.capture.encode). Nothing is written to a table.
+-- (outbox.wal_message.encode). Nothing is written to a table.
 SELECT {schema}.emit_events(%s::bytea[])
 
 -- name: emit_events_binary

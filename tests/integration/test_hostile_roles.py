@@ -20,7 +20,7 @@ from psycopg import errors, sql
 from psycopg.conninfo import make_conninfo
 
 import outbox
-from outbox import capture
+from outbox import capture, wal_message
 from outbox.events import encode_event
 from outbox.relay import RelayConfig
 from tests.helpers import count, login_in, read_topic, running_relay, wait_for
@@ -49,10 +49,10 @@ def test_a_role_without_the_writer_grant_cannot_get_a_wal_event_delivered(
         genuine = outbox.enqueue(conn, topic, {"real": True}, key="acct-1", schema=wal_schema)
     stolen = encode_event(f"{topic}-stolen", {"forged": True}, key="acct-1", headers={"x": "y"})
     forged = dataclasses.replace(stolen, event_id=genuine)
-    content = b"%f\n" % time.time() + capture.encode(forged)
+    content = b"%f\n" % time.time() + wal_message.encode(forged)
     prefix = capture.prefix_of(wal_schema)
     with psycopg.connect(intruder, autocommit=True) as conn:
-        for message in (content, os.urandom(getattr(capture, "SIGNATURE_BYTES", 32)) + content, b"garbage"):
+        for message in (content, os.urandom(wal_message.SIGNATURE_BYTES) + content, b"garbage"):
             conn.execute("SELECT pg_logical_emit_message(true, %s, %s::bytea)", (prefix, message))
         with pytest.raises(errors.InsufficientPrivilege):
             conn.execute(
@@ -78,7 +78,7 @@ def test_a_role_without_the_writer_grant_cannot_get_a_wal_event_delivered(
     )
     assert all("signature does not verify" in error for *_, error, _ in dead)
     payloads = [bytes(payload) for _, _, _, payload, _, _ in dead]  # each kept whole: nothing lost
-    assert b"garbage" in payloads and sum(p.endswith(capture.encode(forged)) for p in payloads) == 2
+    assert b"garbage" in payloads and sum(p.endswith(wal_message.encode(forged)) for p in payloads) == 2
 
 
 def test_a_signed_message_that_is_no_event_is_dead_lettered_and_the_reader_goes_on(

@@ -6,7 +6,7 @@ import struct
 
 import pytest
 
-from outbox import capture
+from outbox import capture, wal_message
 from outbox.bench.writers import sqlalchemy_url
 from outbox.errors import CorruptEvent
 from outbox.events import decode_row, encode_event
@@ -16,16 +16,18 @@ def test_an_event_survives_its_wal_message_byte_exact() -> None:
     ev = encode_event(
         "orders", b"\x00\n\xffraw", key=b"k\n1", headers={"h": "v\nw", "b": b"\xff"}, type="t.é", subject=None
     )
-    row = capture.decode(b"1732540000.25\n" + capture.encode(ev))
+    row = wal_message.decode(b"1732540000.25\n" + wal_message.encode(ev))
     claimed = decode_row(row)
     assert claimed.event_id == str(ev.event_id) and claimed.topic == "orders" and claimed.key == b"k\n1"
     assert claimed.payload == b"\x00\n\xffraw" and claimed.type == "t.é" and claimed.subject is None
     assert ("h", b"v\nw") in claimed.headers and ("b", b"\xff") in claimed.headers
     assert claimed.created_at == 1732540000.25
     bare = encode_event("t", b"", key=None, headers=None)
-    assert capture.decode(b"1\n" + capture.encode(bare))[5] is None  # no headers: NULL, as a claim sends
+    assert (
+        wal_message.decode(b"1\n" + wal_message.encode(bare))[5] is None
+    )  # no headers: NULL, as a claim sends
     with pytest.raises(ValueError):
-        capture.decode(b"not an event")
+        wal_message.decode(b"not an event")
 
 
 @pytest.mark.parametrize(
@@ -48,7 +50,7 @@ def test_a_signed_message_whose_fields_do_not_parse_is_refused_naming_the_field(
     """What PostgreSQL could not store (no UUID, NUL, a lone surrogate) or a sink not send: a
     ValueError, which the decoder turns into a row dead-lettered at once."""
     with pytest.raises((ValueError, TypeError), match=why):
-        capture.decode(b"1\n" + head + b"\n" + headers + b"\npayload")
+        wal_message.decode(b"1\n" + head + b"\n" + headers + b"\npayload")
 
 
 KEY = b"k" * 32  # the outbox's signing key in these tests
@@ -56,7 +58,7 @@ KEY = b"k" * 32  # the outbox's signing key in these tests
 
 def _message(prefix: bytes, content: bytes, key: bytes | None = KEY) -> bytes:
     """A pgoutput message record; its content signed with ``key`` (None: as given)."""
-    signed = content if key is None else capture.sign(key, content)
+    signed = content if key is None else wal_message.sign(key, content)
     return b"M" + struct.pack(">BQ", 1, 42) + prefix + b"\0" + struct.pack(">I", len(signed)) + signed
 
 
@@ -70,12 +72,12 @@ def _commit(commit: int, end: int) -> bytes:
 
 def _event(seq: int) -> bytes:
     return _message(
-        b"outbox:a", b"1\n" + capture.encode(encode_event("t", str(seq).encode(), key=None, headers=None))
+        b"outbox:a", b"1\n" + wal_message.encode(encode_event("t", str(seq).encode(), key=None, headers=None))
     )
 
 
 def test_the_decoder_keeps_committed_transactions_of_its_own_prefix_only() -> None:
-    content = b"1\n" + capture.encode(encode_event("t", b"x", key=None, headers=None))
+    content = b"1\n" + wal_message.encode(encode_event("t", b"x", key=None, headers=None))
     decoder = capture.Decoder(b"outbox:a", skip=capture.Position(100), key=KEY)
     assert decoder.feed(_begin(150)) is None
     assert decoder.feed(_message(b"outbox:a", content)) is None
@@ -175,6 +177,6 @@ def test_the_readers_signer_is_hmac_sha256() -> None:
     import hmac
 
     for key in (KEY, b"", b"k" * 64, b"k" * 65):
-        signer = capture.Signer(key)
+        signer = wal_message.Signer(key)
         for content in (b"", b"x", b"y" * 1000):
             assert signer.signature(content) == hmac.new(key, content, hashlib.sha256).digest()
