@@ -26,7 +26,7 @@ import psycopg
 
 from outbox import capture
 from outbox.errors import CorruptEvent, FencingError
-from outbox.events import TOPIC_OF, ClaimedEvent, decode_row
+from outbox.events import CORRUPT_TOPIC, TOPIC_OF, ClaimedEvent, decode_row
 from outbox.ordering import KeyHolds
 from outbox.queries import int_array, query
 from outbox.retry import RetryPolicy, cap_error
@@ -35,8 +35,6 @@ from outbox.sinks.base import CORRUPT_EVENT, HELD, Dead, Delivered, Outcome, Ret
 # Delivered's fields as C-level getters, for map() over a finished batch.
 _PARTITION, _OFFSET, _REF = (itemgetter(Delivered._fields.index(f)) for f in ("partition", "offset", "ref"))
 _ID, _ATTEMPTS = itemgetter(0), itemgetter(7)  # of a claimed row (claim_batch's columns)
-
-CORRUPT_TOPIC = "(corrupt)"  # the topic results of rows that could not be decoded are counted under
 
 
 # psycopg's pipeline mode needs libpq 14+ (the binary wheels bring their own; a system libpq

@@ -34,6 +34,7 @@ MAX_SUBJECT_CHARS = 1024
 EVENT_ID_HEADER = "event-id"
 KEY_HEADER = "event-key"  # the event's key, on sinks whose messages have no key of their own
 CLAIM_CHECK_HEADER = "outbox-claim-check"  # a big payload's reference (outbox.claim_check)
+CORRUPT_TOPIC = "(corrupt)"  # the topic of what could not be decoded (results, WAL dead letters)
 CONTENT_TYPE_HEADER = "content-type"
 JSON_CONTENT_TYPE = "application/json"
 # Header names the relay sets itself: a writer's copy would stand for the relay's (a forged

@@ -25,13 +25,12 @@ import time
 import uuid
 from typing import Any
 
-from outbox.events import MAX_TOPIC_CHARS, EncodedEvent, Unusable
+from outbox.events import CORRUPT_TOPIC, MAX_TOPIC_CHARS, EncodedEvent, Unusable
 
 SIGNATURE_BYTES = 32  # HMAC-SHA256, before each message's content
 UNSIGNED_EVENT = "unsigned_event"  # the dead letter's kind of a message that is not signed
 CORRUPT_EVENT = "corrupt_event"  # ... of a signed one that is no event's encoding
 UNSIGNED_TOPIC = "(unsigned)"  # the topic such dead letters are kept under
-CORRUPT_TOPIC = "(corrupt)"
 _NUL_ESCAPE = re.compile(rb"(?<!\\)(?:\\\\)*\\u0000")  # \u0000 not itself escaped
 _is_uuid_text = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}").fullmatch
 
