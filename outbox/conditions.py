@@ -9,6 +9,10 @@ write a line per failed attempt: thousands in minutes, the first and the last
   number of failed attempts and the last error;
 - one line when it ends, with how long it lasted.
 
+A problem that comes and goes (a sink failing one event in four, batch after batch) would
+still write a start and an end line per batch: a condition made with ``settle`` ends only
+once nothing failed for that many seconds, so it stays one episode while it flaps.
+
 Every line carries a structured ``event`` (``<name>.started`` / ``.ongoing``
 / ``.ended``) so that tools count outages without parsing the wording.
 """
@@ -35,12 +39,14 @@ class Condition:
         summary_every: float = SUMMARY_EVERY,
         clock: Callable[[], float] = time.monotonic,
         fields: dict[str, str] | None = None,
+        settle: float = 0.0,
     ) -> None:
         self.log = log
         self.fields = dict(fields or {})  # structured fields of every line (e.g. the outbox's name)
         self.name = name  # short and stable: the structured event's prefix and a metric label
         self.description = description  # what an operator reads, e.g. "cannot reach PostgreSQL"
         self.summary_every = summary_every
+        self.settle = settle  # seconds without a failure before an episode ends
         self._clock = clock
         self._lock = threading.Lock()
         self.since: float | None = None  # clock time the current episode started
@@ -48,6 +54,7 @@ class Condition:
         self.last_error = ""
         self.episodes = 0  # episodes so far (for metrics)
         self._summary_at = 0.0
+        self._failed_at = 0.0  # clock time of the episode's last failure
 
     @property
     def active(self) -> bool:
@@ -64,6 +71,7 @@ class Condition:
         with self._lock:
             now = self._clock()
             self.last_error = error
+            self._failed_at = now
             if self.since is None:
                 self.since = self._summary_at = now
                 self.attempts = 1
@@ -91,7 +99,10 @@ class Condition:
         with self._lock:
             if self.since is None:
                 return
-            lasted = self._clock() - self.since
+            now = self._clock()
+            if now - self._failed_at < self.settle:  # it may come back: the episode goes on
+                return
+            lasted = now - self.since
             self.log.warning(
                 "%s: recovered after %.1f s (%d failed attempts, last: %s)",
                 self.description,

@@ -25,6 +25,9 @@ from outbox.outboxes import DEFAULT_NAME, Outbox
 log = logging.getLogger("outbox.relay")
 
 LANE_PAUSE = 5.0  # seconds a lane rests after an error of its own (its schema gone, say)
+# Seconds without a failed delivery before "deliveries failing" ends: a sink failing some events
+# of every batch is one episode (found by the schedule explorer: a line pair per batch).
+DELIVERY_SETTLE = 10.0
 
 
 @dataclass
@@ -75,7 +78,9 @@ class Lane:
     def __post_init__(self) -> None:
         fields = {"outbox": self.name}
         self.trouble = Condition(log, "outbox", f"{self.said}cannot be served", fields=fields)
-        self.delivery = Condition(log, "delivery", f"{self.said}deliveries failing", fields=fields)
+        self.delivery = Condition(
+            log, "delivery", f"{self.said}deliveries failing", fields=fields, settle=DELIVERY_SETTLE
+        )
 
     @property
     def said(self) -> str:

@@ -50,3 +50,25 @@ def test_a_new_episode_starts_after_recovery(caplog: pytest.LogCaptureFixture) -
         c.fail("down again")
     assert [r.event for r in caplog.records] == ["kafka.started", "kafka.ended", "kafka.started"]  # type: ignore[attr-defined]
     assert c.episodes == 2
+
+
+def test_a_problem_that_comes_and_goes_is_one_episode_until_it_settles(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Found by the schedule explorer (seed 1: a sink failing one send in four): "deliveries
+    failing" started and ended with every batch, eleven line pairs in a second. With ``settle``
+    the episode ends only after that long without a failure."""
+    clock = Clock()
+    c = Condition(logging.getLogger("test.cond"), "delivery", "deliveries failing", clock=clock, settle=10.0)
+    with caplog.at_level(logging.INFO):
+        for _ in range(50):  # a batch every 0.1 s, every other one with a failure
+            c.fail("1 events of the last batch will be retried (http_503)")
+            clock.now += 0.1
+            c.ok()
+            clock.now += 0.1
+        assert c.active and c.episodes == 1
+        clock.now += 10.0
+        c.ok()
+    events = [getattr(r, "event", None) for r in caplog.records]
+    assert events == ["delivery.started", "delivery.ended"]
+    assert not c.active
