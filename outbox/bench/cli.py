@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from outbox.bench.config import SCENARIOS, BenchConfig
+from outbox.bench.explore import cli as explore_cli
 from outbox.bench.faults import cli as faults_cli
 from outbox.bench.servers import add_servers
 from outbox.cli import options
@@ -58,6 +59,7 @@ def register(sub: Any) -> None:
     suites = p.add_subparsers(dest="suite")
     _add_perf(suites.add_parser("perf", help="speed against the baselines (the default)", allow_abbrev=False))
     faults_cli.register(suites)
+    explore_cli.register(suites)
 
 
 # Settings whose help says 0 leaves something out (--big-events 0: no larger backlog).

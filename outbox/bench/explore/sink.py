@@ -1,0 +1,149 @@
+"""The scripted sink: a receiver that answers as the schedule says, and a journal of what it got.
+
+Loaded into each relay process with ``outbox relay --sink outbox.bench.explore.sink:scripted``;
+it reads the schedule and where to write from the environment (``OUTBOX_EXPLORE_*``, set by
+:mod:`.world`). Each send's answer is drawn at once from the schedule, the event and its
+attempt: when the receiver gets it (latency, a slow send, a freeze), and what it says
+(delivered, a transient failure, a refusal). An answer later than the delivery timeout is a
+timeout for the relay; the receiver may still get the event afterwards (a slow ack after the
+relay gave up). What the receiver gets is written to the journal when the event is sent, with
+the time it gets it, so a relay killed meanwhile loses none of it, as a real receiver would not.
+
+``chained`` sends are concurrent (the relay chains a key's events, as for webhooks); ``ordered``
+ones go through a queue per key, as a Kafka partition does: an event sent behind a failing one
+of its key fails with it.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import json
+import math
+import os
+import random
+import time
+from typing import Any
+
+from outbox.bench.explore.schedule import Schedule
+from outbox.events import ClaimedEvent
+from outbox.sinks.base import Dead, Delivered, Outcome, Report, Retry
+
+ENV_SCHEDULE = "OUTBOX_EXPLORE_SCHEDULE"  # the schedule, as JSON
+ENV_JOURNAL = "OUTBOX_EXPLORE_JOURNAL"  # the directory of the journals
+ENV_T0 = "OUTBOX_EXPLORE_T0"  # a file: the schedule's time 0 (seconds since the epoch)
+ENV_RELAY = "OUTBOX_EXPLORE_RELAY"  # which relay of the schedule this process is
+
+
+class ScriptedSink:
+    def __init__(self, schedule: Schedule, journal: str, t0: str, relay: int) -> None:
+        self.schedule = schedule
+        self._t0_file = t0
+        self._t0: float | None = None
+        self.relay = relay
+        self.keeps_key_order = schedule.sink_order == "ordered"
+        path = os.path.join(journal, f"relay{relay}-{os.getpid()}.jsonl")
+        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        self._pending: list[tuple[float, int, Report, Outcome]] = []  # (answer at, seq, report, outcome)
+        self._seq = itertools.count()
+        self._sends: dict[int, int] = {}  # n -> sends of it by this process
+        self._queues: dict[bytes, tuple[float, bool]] = {}  # ordered: key -> (last answer at, failed)
+
+    @property
+    def t0(self) -> float:
+        """Written by the explorer before its writer starts: there is no event to send before."""
+        if self._t0 is None:
+            with open(self._t0_file) as f:
+                self._t0 = float(f.read())
+        return self._t0
+
+    # -- the sink protocol ---------------------------------------------------------
+
+    def produce(self, event: ClaimedEvent, report: Report) -> Outcome | None:
+        s = self.schedule
+        now = time.time()
+        body: dict[str, Any] = json.loads(event.payload)
+        n = int(body["n"])
+        tries = self._sends.get(n, 0)
+        self._sends[n] = tries + 1
+        rng = random.Random(f"{s.seed}/{n}/{event.attempts}/{tries}")
+        rel = now - self.t0
+        if rng.random() < s.slow:
+            took = rng.uniform(0.3, 1.6) * s.delivery_timeout
+        else:
+            took = math.exp(rng.gauss(math.log(s.latency_ms / 1000), s.spread))
+        answer = now + took
+        for z in s.freezes:
+            if z.at <= rel < z.at + z.lasts:
+                answer = max(answer, self.t0 + z.at + z.lasts)
+        draw = rng.random()
+        outcome: Outcome
+        if draw < s.refuse and rel < s.refuse_until:
+            outcome, what = Dead("refused", "the receiver refused it"), "refused"
+        elif draw < s.refuse + s.fail:
+            outcome, what = Retry("http_503", "the receiver failed"), "failed"
+        else:
+            outcome, what = Delivered(), "delivered"
+        if self.keeps_key_order and event.key is not None:
+            last, failed = self._queues.get(event.key, (0.0, False))
+            if last > now:  # behind an event of its key not answered yet
+                answer = max(answer, last)
+                if failed:
+                    outcome, what = Retry("queue_failed", "an earlier event of its key failed"), "failed"
+        late = False
+        if answer - now > s.delivery_timeout:  # the relay gives up on it
+            late = what == "delivered" and rng.random() < s.late
+            what = "delivered" if late else "timeout"
+            outcome = Retry("timeout", "no answer within the delivery timeout")
+            replied = now + s.delivery_timeout
+        else:
+            replied = answer
+        if self.keeps_key_order and event.key is not None:
+            self._queues[event.key] = (answer, not isinstance(outcome, Delivered))
+        self._journal(
+            {"t": answer, "n": n, "id": event.id, "what": what, "late": late, "attempts": event.attempts,
+             "sent": now, "replied": replied}
+        )  # fmt: skip
+        heapq.heappush(self._pending, (replied, next(self._seq), report, outcome))
+        return None
+
+    def poll(self, timeout: float) -> int:
+        deadline = time.monotonic() + timeout
+        ready: list[tuple[Report, Outcome]] = []
+        while True:
+            now = time.time()
+            while self._pending and self._pending[0][0] <= now:
+                _, _, report, outcome = heapq.heappop(self._pending)
+                ready.append((report, outcome))
+            left = deadline - time.monotonic()
+            if ready or left <= 0:
+                break
+            time.sleep(min(left, self._pending[0][0] - now if self._pending else left))
+        for report, outcome in ready:
+            report(outcome)
+        return len(ready)
+
+    def flush(self, timeout: float) -> int:
+        deadline = time.monotonic() + timeout
+        while self._pending and time.monotonic() < deadline:
+            self.poll(deadline - time.monotonic())
+        return len(self._pending)
+
+    def healthy(self) -> bool:
+        return True
+
+    def close(self, timeout: float) -> None:
+        self.flush(timeout)
+        self._pending.clear()
+
+    def _journal(self, record: dict[str, Any]) -> None:
+        record["relay"] = self.relay
+        record["pid"] = os.getpid()
+        os.write(self._fd, (json.dumps(record) + "\n").encode())
+
+
+def scripted(_bootstrap: str, _config: dict[str, str], _timeout: float) -> ScriptedSink:
+    """``--sink outbox.bench.explore.sink:scripted``: the sink of the schedule in the environment."""
+    with open(os.environ[ENV_SCHEDULE]) as f:
+        schedule = Schedule.from_json(f.read())
+    return ScriptedSink(schedule, os.environ[ENV_JOURNAL], os.environ[ENV_T0], int(os.environ[ENV_RELAY]))
