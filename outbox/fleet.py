@@ -27,9 +27,10 @@ from typing import Any
 
 from outbox.config import RelayConfig
 from outbox.errors import RelayFailed
+from outbox.health import OUTBOXES_NOT_SERVED, Readiness, lane_trouble
 from outbox.metrics import DatabaseGauges, HealthServer, RelayMetrics
 from outbox.outboxes import Outbox
-from outbox.relay import OUTBOXES_NOT_SERVED, Relay
+from outbox.relay import Relay
 from outbox.sinks.base import Sink
 
 log = logging.getLogger("outbox.fleet")
@@ -91,7 +92,7 @@ class Fleet:
         config = self.config
         if config.metrics_port is not None:
             self._health = HealthServer(
-                config.metrics_host, config.metrics_port, self.metrics, self._gauges, self.ready
+                config.metrics_host, config.metrics_port, self.metrics, self._gauges, self.readiness
             ).start()
             log.info("serving /metrics, /livez, /readyz on %s:%d", config.metrics_host, self._health.port)
         try:
@@ -118,34 +119,38 @@ class Fleet:
             name, exc = self._failures[0]
             raise RelayFailed(f"the relay of {name} failed: {exc}")
 
-    def ready(self) -> tuple[bool, str]:
-        """Every relay ready. The first line: the one relay's reason, or how many databases are
-        not ready; then the sinks' lines; then one line per outbox (ready, its relay's reason, or
-        its own trouble)."""
+    def readiness(self) -> Readiness:
+        """Every relay ready. The head: the one relay's, or how many databases are not ready;
+        then the sinks' lines; then one line per outbox (ready, its relay's reason, or its own
+        trouble: its schema, its heartbeat, its WAL slot)."""
         relays = list(self.relays.values())
         if not relays:
-            return False, "starting" if not self.running.is_set() else "no outbox to serve"
-        states = [(relay, relay.ready()) for relay in relays]
-        bad = [relay for relay, (ok, _) in states if not ok]
-        if len(relays) == 1:
-            head = states[0][1][1].split("\n", 1)[0]
-        else:
-            head = "ready" if not bad else f"not ready: {len(bad)} of {len(relays)} databases"
+            return Readiness("starting") if not self.running.is_set() else Readiness("no outbox to serve")
+        states = [(relay, relay.readiness()) for relay in relays]
+        bad = [relay for relay, r in states if not r.ok]
         sinks: list[str] = []
         lines = []
-        for relay, (ok, why) in states:
-            first, *rest = why.split("\n")
-            sinks += [line for line in rest if not line.startswith("outbox ") and line not in sinks]
+        for relay, r in states:
+            sinks += [line for line in r.sinks if line not in sinks]
             # Not ready for a reason of the whole relay (its database, a sink), or only because
             # some of its outboxes are not served (those say so; the others are ready).
-            whole = not ok and not first.startswith(OUTBOXES_NOT_SERVED)
+            whole = not r.ok and r.label != OUTBOXES_NOT_SERVED
             for lane in list(relay.lanes.values()):
-                if lane.trouble.active or lane.ordering.heartbeat.active:
-                    error = lane.trouble.last_error or lane.ordering.heartbeat.last_error
-                    lines.append(f"outbox {lane.name}: not served: {error}")
+                trouble = lane_trouble(lane)
+                if trouble:
+                    lines.append(f"outbox {lane.name}: not served: {trouble}")
                 else:
-                    lines.append(f"outbox {lane.name}: {first if whole else 'ready'}")
-        return not bad, "\n".join([head, *sinks, *lines])
+                    lines.append(f"outbox {lane.name}: {r.head if whole else 'ready'}")
+        if len(relays) == 1:
+            one = states[0][1]
+            return Readiness(one.label, one.detail, tuple(sinks), tuple(lines))
+        if not bad:
+            return Readiness("ready", sinks=tuple(sinks), outboxes=tuple(lines))
+        return Readiness("not ready", f"{len(bad)} of {len(relays)} databases", tuple(sinks), tuple(lines))
+
+    def ready(self) -> tuple[bool, str]:
+        r = self.readiness()
+        return r.ok, r.text()
 
     # -- keeping the relays to the list -----------------------------------------------
 

@@ -31,6 +31,7 @@ from outbox.dsn import scrub, secrets_of
 from outbox.queries import query
 
 if TYPE_CHECKING:
+    from outbox.health import Readiness
     from outbox.outboxes import Outbox
 
 log = logging.getLogger("outbox.metrics")
@@ -269,10 +270,10 @@ class RelayMetrics:
             self.not_ready_seconds, self.not_ready, self.wal_lag_bytes, self.wal_lag_seconds, self.wal_active,
         ]  # fmt: skip
 
-    def note_readiness(self, ok: bool, why: str) -> None:
+    def note_readiness(self, readiness: Readiness) -> None:
         """Readiness as metrics (each /readyz or /metrics request computes it)."""
         now = time.monotonic()
-        if ok:
+        if readiness.ok:
             self._not_ready_since = 0.0
             self.ready.set(1)
             self.not_ready_seconds.set(0)
@@ -282,7 +283,7 @@ class RelayMetrics:
             self._not_ready_since = now
         self.ready.set(0)
         self.not_ready_seconds.set(round(now - self._not_ready_since, 1))
-        self.not_ready.replace({(_readiness_reason(why),): 1})
+        self.not_ready.replace({(readiness.reason,): 1})
 
     def render(self) -> str:
         lines: list[str] = []
@@ -369,18 +370,6 @@ class DatabaseGauges:
         m.wal_lag_seconds.set(now - moved[1] if behind else 0.0, (name,))
 
 
-def _readiness_reason(why: str) -> str:
-    """The kind of a /readyz reason: database, sink, stalled or lifecycle (starting, draining)."""
-    first = why.split("\n", 1)[0]
-    if first.startswith("database"):
-        return "database"
-    if first.startswith("sink"):
-        return "sink"
-    if first.startswith("stalled"):
-        return "stalled"
-    return "lifecycle"
-
-
 class HealthServer:
     """``/metrics``, ``/livez``, ``/readyz`` on ``host:port`` in a daemon thread."""
 
@@ -390,7 +379,7 @@ class HealthServer:
         port: int,
         metrics: RelayMetrics,
         gauges: Sequence[DatabaseGauges] | Callable[[], Sequence[DatabaseGauges]],
-        ready: Callable[[], tuple[bool, str]],
+        ready: Callable[[], Readiness],
     ) -> None:
         outer = self
 
@@ -400,14 +389,14 @@ class HealthServer:
                 if path == "/metrics":
                     for each in gauges() if callable(gauges) else gauges:
                         each.refresh()
-                    metrics.note_readiness(*outer._ready())
+                    metrics.note_readiness(outer._ready())
                     self._send(200, metrics.render(), "text/plain; version=0.0.4; charset=utf-8")
                 elif path == "/livez":
                     self._send(200, "ok\n")
                 elif path == "/readyz":
-                    ok, why = outer._ready()
-                    metrics.note_readiness(ok, why)
-                    self._send(200 if ok else 503, why + "\n")
+                    readiness = outer._ready()
+                    metrics.note_readiness(readiness)
+                    self._send(200 if readiness.ok else 503, readiness.text() + "\n")
                 else:
                     self._send(404, "not found\n")
 

@@ -38,7 +38,7 @@ def test_metrics_pass_promtool_check_metrics(pg_dsn: str, schema: str, kafka: st
     with running_relay(config, flaky) as relay:
         wait_for(lambda: count(pg_dsn, schema, "events") == 0, timeout=60, what="drain")
         assert relay.stats.retried > 0 and count(pg_dsn, schema, "dead_letters") == 1
-        status, body = http_get(relay._health.port, "/metrics")  # type: ignore[union-attr]
+        status, body = http_get(relay.http.port, "/metrics")  # type: ignore[union-attr]
     assert status == 200
     assert "outbox_events_dead_total{" in body and "outbox_delivery_errors_total{" in body, body[:800]
     checked = subprocess.run([promtool, "check", "metrics"], input=body, capture_output=True, text=True)

@@ -79,7 +79,7 @@ def test_a_postgres_blackhole_turns_readyz_503_in_time_and_heals_without_loss(
         with running_relay(config, bootstrap=kafka) as relay:
             writer.start()
             wait_for(lambda: relay.stats.delivered > 50, timeout=30, what="flowing")
-            port = relay._health.port  # type: ignore[union-attr]
+            port = relay.http.port  # type: ignore[union-attr]
             assert http_get(port, "/readyz")[0] == 200
 
             frozen_at = time.monotonic()
@@ -130,7 +130,7 @@ def _blackhole_then_heal(
     (seconds to not ready, seconds from healing to an empty backlog, which must be < 20)."""
     writer.start()
     wait_for(lambda: relay.stats.delivered > 50, timeout=30, what="flowing")
-    port = relay._health.port  # type: ignore[union-attr]
+    port = relay.http.port  # type: ignore[union-attr]
     frozen_at = time.monotonic()
     not_ready_after, body = _freeze_until_not_ready(proxy, port)
     assert body.startswith(("stalled:", "sink down:")), body

@@ -46,8 +46,8 @@ def test_metrics_after_a_drain_match_what_was_delivered(
     config = RelayConfig(pg_dsn, schema=schema, metrics_port=0)
     with running_relay(config, bootstrap=kafka) as relay:
         wait_for(lambda: count(pg_dsn, schema, "events") == 0, timeout=30)
-        assert relay._health is not None
-        port = relay._health.port
+        assert relay.http is not None
+        port = relay.http.port
         status, text = http_get(port, "/metrics")
     assert status == 200
     sink = f"kafka://{kafka}"  # the sink label: the scheme and the servers, never credentials
@@ -104,8 +104,8 @@ def test_readyz_goes_503_200_503_and_livez_stays_up(pg_dsn: str, schema: str, ka
     relay = Relay(config, lambda: SlowStartSlowAckSink(kafka, may_start))
     thread = threading.Thread(target=relay.run, daemon=True)
     thread.start()
-    port = wait_for(lambda: relay._health.port if relay._health else None, timeout=10)
-    assert relay._health is not None and relay._health.server.server_address[0] == "127.0.0.1"
+    port = wait_for(lambda: relay.http.port if relay.http else None, timeout=10)
+    assert relay.http is not None and relay.http.server.server_address[0] == "127.0.0.1"
     status, body = http_get(port, "/readyz")
     assert status == 503 and "starting" in body  # the sink is still starting
     may_start.set()

@@ -309,14 +309,14 @@ def test_one_sink_down_leaves_the_other_routes_flowing_and_readyz_names_it(
         with running_relay(config, _factory(config, *routes)) as relay:
             wait_for(lambda: count(pg_dsn, schema, "delivered") == 100, timeout=30, what="kafka and redis")
             assert count(pg_dsn, schema, "delivered", "topic = 'orders.created'") == 0
-            assert relay._health is not None
-            status, body = http_get(relay._health.port, "/readyz")
+            assert relay.http is not None
+            status, body = http_get(relay.http.port, "/readyz")
             assert status == 503 and body.startswith("sink down: amqp://127.0.0.1"), body
             lines = body.splitlines()[1:]
             assert [line.split(" ")[1] for line in lines] == ["down:", "ok", "ok"], body
             proxy.heal()
             wait_for(lambda: count(pg_dsn, schema, "events") == 0, timeout=30, what="rabbitmq back")
-            wait_for(lambda: http_get(relay._health.port, "/readyz")[0] == 200, timeout=10, what="ready")
+            wait_for(lambda: http_get(relay.http.port, "/readyz")[0] == 200, timeout=10, what="ready")
         assert sorted(m.value for m in rabbit.read(50)) == sorted(f"o{i}".encode() for i in range(50))
         assert len(stream.read(50)) == 50
     finally:

@@ -433,7 +433,7 @@ def test_a_wal_batch_waiting_behind_one_that_fails_is_not_committed_and_both_are
             with psycopg.connect(wal_dsn) as conn:
                 _two_batches_behind_the_lock(conn, wal_dsn, wal_schema, topic)
             # The second batch, acked, is on a finisher too, waiting for the first.
-            wait_for(lambda: len(relay._finishing) == 2, what="the second batch handed over")
+            wait_for(lambda: len(relay.finisher.finishing) == 2, what="the second batch handed over")
             with psycopg.connect(wal_dsn, autocommit=True) as admin:
                 admin.execute(
                     "SELECT pg_terminate_backend(pid) FROM pg_stat_activity"

@@ -1,0 +1,246 @@
+"""Lane upkeep: what the loop does besides claiming. The archive's day partitions, each outbox's
+capture mode (a slot to read starts its reader), and the sinks: replaced when unhealthy, chained
+where they cannot keep a key's order, probed while down, and the events that failed only to reach
+them made due at once when they answer again."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from functools import partial
+from typing import Any, Protocol, TypeVar
+
+import psycopg
+
+from outbox import capture
+from outbox.batch import WalBatch
+from outbox.capture import WalReader
+from outbox.finisher import BatchFinisher
+from outbox.lanes import Lane, RelayStats
+from outbox.metrics import RelayMetrics
+from outbox.queries import query
+from outbox.scheduler import ClaimScheduler
+from outbox.sessions import Sessions
+from outbox.sinks import router
+from outbox.sinks.base import UNREACHABLE_KINDS, Sink
+from outbox.sinks.chains import KeyChains
+
+log = logging.getLogger("outbox.relay")
+
+T = TypeVar("T")
+PARTITION_MAINTENANCE = 3600.0  # seconds between archive partition checks
+MAINTENANCE_RETRY = 10.0  # seconds before trying again after it failed
+CAPTURE_CHECK = 30.0  # seconds between looks at an outbox's capture mode (a slot to read?)
+
+
+class Host(Protocol):
+    """What the upkeep uses of the relay."""
+
+    sessions: Sessions
+    sink: Sink | None
+    sink_factory: Callable[[], Sink]
+    chains: dict[str, KeyChains]
+    stats: RelayStats
+    metrics: RelayMetrics
+    scheduler: ClaimScheduler
+    finisher: BatchFinisher
+
+    def lane_error(self, lane: Lane, conn: psycopg.Connection[Any], error: str) -> None: ...
+
+    def wal_read(self, lane: Lane) -> None: ...
+
+
+class LaneUpkeep:
+    def __init__(self, relay: Host) -> None:
+        self.relay = relay
+        self.next_maintenance_check = 0.0
+        self.next_capture_check = 0.0
+
+    def due(self, now: float) -> None:
+        """What is due now: a partition check, a capture check (one outbox each, a step)."""
+        if now >= self.next_maintenance_check:
+            self.maintain_partitions(now)
+        if now >= self.next_capture_check:
+            self.check_capture(now)
+
+    # -- partitions and capture ----------------------------------------------------------
+
+    def maintain_partitions(self, now: float) -> None:
+        """The archive's day partitions of each outbox whose hourly check is due (one a step)."""
+        rotation = self.relay.scheduler.rotation
+        due = [lane for lane in rotation if now >= lane.next_maintenance and not lane.leaving]
+        if not due:
+            self.next_maintenance_check = min(
+                (lane.next_maintenance for lane in rotation), default=now + PARTITION_MAINTENANCE
+            )
+            return
+        lane = due[0]
+        lane.next_maintenance = now + PARTITION_MAINTENANCE
+        done = self.on_session(
+            lane,
+            "archive partition maintenance",
+            lambda conn: conn.execute(query("ensure_partitions", lane.schema)),
+        )
+        if done is None:
+            lane.next_maintenance = now + MAINTENANCE_RETRY
+
+    def on_session(self, lane: Lane, what: str, work: Callable[[psycopg.Connection[Any]], T]) -> T | None:
+        """``work`` on a session of the pool, committed; its result, or None when no session was
+        free or it failed (said once: the session lost, or this outbox's own trouble)."""
+        sessions = self.relay.sessions
+        conn = sessions.take()
+        if conn is None:
+            return None
+        try:
+            result = work(conn)
+            conn.commit()
+        except psycopg.OperationalError as exc:
+            sessions.lost(conn, f"{what} failed: {sessions.clean(exc)}")
+            return None
+        except psycopg.Error as exc:
+            self.relay.lane_error(lane, conn, f"{what} failed: {sessions.clean(exc)}")
+            return None
+        sessions.give_back(conn)
+        return result
+
+    def check_capture(self, now: float) -> None:
+        """Each outbox's capture mode, every CAPTURE_CHECK s (one outbox a step): a slot to read
+        starts its reader; a slot that went (dropped) stops it."""
+        rotation = self.relay.scheduler.rotation
+        due = [lane for lane in rotation if now >= lane.next_capture and not lane.leaving]
+        if not due:
+            self.next_capture_check = min(
+                (lane.next_capture for lane in rotation), default=now + CAPTURE_CHECK
+            )
+            return
+        self.check_lane_capture(due[0], now)
+
+    def check_lane_capture(self, lane: Lane, now: float) -> None:
+        lane.next_capture = now + CAPTURE_CHECK
+        found = self.on_session(lane, "capture check", lambda conn: capture.state(conn, lane.schema))
+        if found is None:
+            lane.next_capture = now + MAINTENANCE_RETRY
+            return
+        lane.capture_mode = found.mode
+        if found.reads_slot and lane.wal is None:
+            lane.wal = WalReader(
+                lane.outbox.dsn,
+                lane.schema,
+                found,
+                partial(self.relay.wal_read, lane),
+                name=lane.said and lane.name,
+            )
+            lane.wal.start()
+            log.info(
+                "%sreading events from the WAL slot %s (%s capture)",
+                lane.said,
+                found.slot,
+                found.mode,
+                extra={"event": "wal.reading", "outbox": lane.name},
+            )
+        elif (
+            not found.reads_slot
+            and lane.wal is not None
+            and not any(isinstance(b, WalBatch) for b in lane.in_flight)
+        ):
+            self.stop_reader(lane)
+
+    @staticmethod
+    def stop_reader(lane: Lane) -> None:
+        if lane.wal is not None:
+            lane.wal.stop()
+            lane.wal.join(timeout=2.0)
+            lane.wal = None
+
+    # -- the sinks ---------------------------------------------------------------------------
+
+    def replace_sink(self) -> None:
+        """A new sink from the factory; the unhealthy one's in-flight batches settled first."""
+        relay = self.relay
+        if relay.sink is not None:
+            relay.finisher.await_all()
+            relay.stats.sinks_replaced += 1
+            relay.metrics.sinks_replaced.inc()
+            rotation = relay.scheduler.rotation
+            log.error(
+                "sink unhealthy, replacing it; settling %d in-flight batches",
+                sum(len(lane.in_flight) for lane in rotation),
+                extra={"event": "sink.replaced"},
+            )
+            # The old client reports what it can (Kafka: what was acked, and its purged messages
+            # as failed) and goes. The in-flight batches are then finished, not rolled back: what
+            # was delivered is archived once, not sent again by the next claim; the rest counts
+            # as failed for an unreachable sink (the key holds its later events, per-key order),
+            # due again as soon as the replacement answers (sinks_back), not after a backoff.
+            relay.sink.close(0)
+            relay.finisher.settle_unreported()
+            for lane in rotation:
+                lane.sinks_were_down = True
+        relay.sink = relay.sink_factory()
+        relay.chains = {}
+        for lane in relay.scheduler.rotation:
+            self.chain(lane)
+
+    def chain(self, lane: Lane) -> None:
+        """A sink that cannot order a key's in-flight events gets key chains, one set per outbox:
+        keys are an outbox's own, and one outbox's failure must not hold another's events. A
+        router over several sinks gets them too, across its sinks: a key's event waits for the
+        key's events in flight to another sink (chains.py)."""
+        relay = self.relay
+        assert relay.sink is not None
+        inner = router.unwrap(relay.sink)
+        if lane.ordering.ordered and not getattr(inner, "keeps_key_order", True):
+            route = inner.destination if isinstance(inner, router.Router) else None
+            relay.chains[lane.name] = KeyChains(relay.sink, parks=lane.ordering.parks, route=route)
+
+    def sinks_back(self, lanes: list[Lane]) -> None:
+        """With the heartbeats of the loop: probe the sinks counted down; when every sink answers
+        again after an outage, the events of each outbox that failed only for that are due at
+        once, not after their backoff."""
+        relay = self.relay
+        sink = relay.sink
+        if sink is None:
+            return
+        down = False
+        for each in router.sinks_of(sink):
+            inner = router.unwrap(each)
+            if getattr(inner, "trouble", None) is not None and inner.trouble():
+                if hasattr(inner, "probe"):
+                    inner.probe()
+                down = down or bool(inner.trouble())
+        if down:
+            relay.scheduler.sinks_seen_down = time.monotonic()
+            for lane in relay.scheduler.rotation:
+                lane.sinks_were_down = True
+            return
+        for lane in lanes:
+            if lane.sinks_were_down:
+                self._retry_unreachable_now(lane)
+
+    def _retry_unreachable_now(self, lane: Lane) -> None:
+        relay = self.relay
+        sessions = relay.sessions
+        conn = sessions.take()
+        if conn is None:
+            return
+        try:
+            n = conn.execute(
+                query("retry_unreachable_now", lane.schema), {"kinds": sorted(UNREACHABLE_KINDS)}
+            ).rowcount
+            conn.commit()
+        except psycopg.OperationalError as exc:
+            sessions.lost(conn, f"retrying after the outage failed: {sessions.clean(exc)}")
+            return
+        except psycopg.Error as exc:
+            relay.lane_error(lane, conn, f"retrying after the outage failed: {sessions.clean(exc)}")
+            return
+        sessions.give_back(conn)
+        lane.sinks_were_down = False
+        if n > 0:
+            log.info(
+                "sinks answer again: %d events that failed to reach them are due now",
+                n,
+                extra={"outbox": lane.name},
+            )
+            lane.woken = lane.table_news = True

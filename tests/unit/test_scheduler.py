@@ -1,0 +1,137 @@
+"""outbox.scheduler.ClaimScheduler: which outbox claims next, how much, and pacing a slow sink.
+Pure logic over the lanes' state and the clock: no database, no sink."""
+
+from __future__ import annotations
+
+import collections
+import logging
+from dataclasses import dataclass, field
+from typing import Any, cast
+
+import pytest
+
+from outbox.config import RelayConfig
+from outbox.lanes import Beats, Lane
+from outbox.outboxes import Outbox
+from outbox.scheduler import FAIR_BATCH, MIN_CLAIM, START_CLAIM, ClaimScheduler
+from outbox.sinks.base import Delivered, Retry
+
+
+@dataclass
+class _Ordering:
+    due_at: float = 1e9
+
+
+@dataclass
+class _Batch:
+    """What pacing reads of a batch: its size, when it was claimed, its outcomes."""
+
+    size: int
+    claimed_at: float
+    outcomes: list[Any] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return self.size
+
+
+def _scheduler(**config: Any) -> ClaimScheduler:
+    return ClaimScheduler(RelayConfig("postgresql://unused", **config), Beats())
+
+
+def _lane(s: ClaimScheduler, name: str, **state: Any) -> Lane:
+    lane = Lane(Outbox(name, "postgresql://unused", name), cast(Any, _Ordering()))
+    lane.woken = lane.more_work = False
+    lane.next_poll = 1e9
+    for k, v in state.items():
+        setattr(lane, k, v)
+    s.add(lane)
+    return lane
+
+
+def test_a_woken_outbox_goes_first_then_backlogs_in_turn_then_polls() -> None:
+    s = _scheduler()
+    a = _lane(s, "a", more_work=True)
+    b = _lane(s, "b", more_work=True)
+    c = _lane(s, "c", next_poll=0.0)
+    d = _lane(s, "d", woken=True)
+    assert s.next_claim(10.0, True) is d  # a NOTIFY first: a quiet outbox's latency
+    d.woken = False
+    assert [s.next_claim(10.0, True) for _ in range(4)] == [a, b, a, b]  # backlogs take turns
+    a.more_work = b.more_work = False
+    assert s.next_claim(10.0, True) is c  # then the poll timer
+    assert s.next_claim(10.0, False) is None  # no session free: nobody
+
+
+def test_backlogs_share_claims_evenly() -> None:
+    s = _scheduler()
+    lanes = [_lane(s, name, more_work=True) for name in "abcde"]
+    got = collections.Counter(s.next_claim(1.0, True) for _ in range(500))
+    assert set(got.values()) == {100} and set(got) == set(lanes)
+
+
+def test_an_outbox_without_a_slot_or_paused_or_leaving_is_passed_over() -> None:
+    s = _scheduler(max_batches_in_flight=2)
+    full = _lane(s, "full", woken=True, in_flight=[object(), object()])
+    paused = _lane(s, "paused", woken=True, paused_until=20.0)
+    leaving = _lane(s, "leaving", woken=True, leaving=True)
+    ok = _lane(s, "ok", more_work=True)
+    assert s.next_claim(10.0, True) is ok
+    assert s.slot_free(10.0, True) and not s.slot_free(10.0, False)  # ok has a slot, if a session is free
+    s.remove(ok)
+    assert s.next_claim(10.0, True) is None and not s.slot_free(10.0, True)
+    assert {full.name, paused.name, leaving.name} == {"full", "paused", "leaving"}
+
+
+def test_a_busy_outbox_claims_less_while_a_quiet_one_is_active() -> None:
+    s = _scheduler(batch_size=2000)
+    busy = _lane(s, "busy", more_work=True)
+    quiet = _lane(s, "quiet")
+    assert s.batch_limit(busy, 100.0) == 2000  # the quiet one found no work lately
+    quiet.last_work = 99.5  # found work within CONTENDED seconds, no backlog
+    assert s.batch_limit(busy, 100.0) == FAIR_BATCH
+    quiet.more_work = True  # both have backlogs: full batches
+    assert s.batch_limit(busy, 100.0) == 2000
+
+
+def test_idle_waits_until_the_next_poll_heartbeat_or_upkeep() -> None:
+    s = _scheduler(poll_interval=1.0)
+    assert s.idle_wait(0.0, 100.0) == 1.0  # no outbox: the poll interval
+    _lane(s, "a", next_poll=3.0)
+    assert s.idle_wait(1.0, 100.0) == pytest.approx(2.0)
+    assert s.idle_wait(1.0, 1.5) == pytest.approx(0.5)
+
+
+def test_quiet_outboxes_are_polled_at_most_so_often_in_all() -> None:
+    s = _scheduler(poll_interval=0.5)
+    for i in range(1000):
+        _lane(s, f"o{i}")
+    polls = [s.jittered_poll() for _ in range(200)]
+    assert min(polls) >= 10.0 and max(polls) <= 30.0  # 1,000 outboxes / 50 polls a second, jittered
+
+
+def test_a_slow_batch_halves_the_claims_a_lost_lease_quarters_them_and_fast_ones_double_them_back(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    s = _scheduler(batch_size=1000, lease=10.0, delivery_timeout=5.0)
+    lane = _lane(s, "a", claim_cap=0)
+    with caplog.at_level(logging.WARNING):
+        s.pace(lane, cast(Any, _Batch(1000, claimed_at=0.0, outcomes=[Delivered()])), False, 6.0)
+        assert lane.claim_cap == 500 and lane.paced
+        s.pace(lane, cast(Any, _Batch(500, claimed_at=0.0)), True, 11.0)
+        assert lane.claim_cap == 125
+        for _ in range(3):
+            s.pace(lane, cast(Any, _Batch(lane.claim_cap, claimed_at=0.0)), False, 0.5)
+        assert lane.claim_cap == 0 and not lane.paced  # back to --batch-size
+    assert [r.event for r in caplog.records] == ["claims.paced", "claims.unpaced"]  # type: ignore[attr-defined]
+
+
+def test_pacing_never_goes_below_the_minimum_and_ignores_an_outage() -> None:
+    s = _scheduler(batch_size=1000, lease=10.0, delivery_timeout=5.0)
+    lane = _lane(s, "a", claim_cap=20)
+    s.pace(lane, cast(Any, _Batch(20, claimed_at=0.0)), True, 11.0)
+    assert lane.claim_cap == MIN_CLAIM
+    other = _lane(s, "b", claim_cap=0)
+    unreachable = [Retry("timeout", "no answer")]
+    s.pace(other, cast(Any, _Batch(1000, claimed_at=0.0, outcomes=unreachable)), False, 9.0)
+    assert other.claim_cap == 0  # slowed by an outage, not by the sink's pace
+    assert s.start_claim == START_CLAIM
