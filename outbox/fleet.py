@@ -26,9 +26,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from outbox.config import RelayConfig
+from outbox.endpoints import HealthServer
 from outbox.errors import RelayFailed
+from outbox.gauges import DatabaseGauges
 from outbox.health import OUTBOXES_NOT_SERVED, Readiness, lane_trouble
-from outbox.metrics import DatabaseGauges, HealthServer, RelayMetrics
+from outbox.metrics import RelayMetrics
 from outbox.outboxes import Outbox
 from outbox.relay import Relay
 from outbox.sinks.base import Sink

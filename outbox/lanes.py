@@ -17,10 +17,10 @@ import time
 from dataclasses import dataclass, field
 
 from outbox.batch import Batch
-from outbox.capture import WalReader
 from outbox.conditions import Condition
 from outbox.ordering import Ordering
 from outbox.outboxes import DEFAULT_NAME, Outbox
+from outbox.wal_reader import WalReader
 
 log = logging.getLogger("outbox.relay")
 

@@ -52,13 +52,15 @@ import psycopg
 
 from outbox.config import RelayConfig
 from outbox.dsn import with_net_timeouts
+from outbox.endpoints import HealthServer
 from outbox.errors import ConfigError
 from outbox.finisher import BatchFinisher
+from outbox.gauges import DatabaseGauges
 from outbox.health import OUTBOXES_NOT_SERVED, Readiness, RelayHealth
 from outbox.hygiene import Hygiene
 from outbox.lanes import Beats, Lane, RelayStats
 from outbox.listener import Listener
-from outbox.metrics import DatabaseGauges, HealthServer, RelayMetrics
+from outbox.metrics import RelayMetrics
 from outbox.ordering import Ordering
 from outbox.outboxes import DEFAULT_NAME, Outbox
 from outbox.recorder import BatchRecorder

@@ -7,12 +7,13 @@ from __future__ import annotations
 import math
 import time
 from functools import partial
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import psycopg
 
 from outbox import tracing
 from outbox.batch import Batch, WalBatch
+from outbox.events import ClaimedEvent
 from outbox.finisher import BatchFinisher
 from outbox.health import RelayHealth
 from outbox.lanes import Lane, RelayStats
@@ -21,7 +22,7 @@ from outbox.queries import query
 from outbox.scheduler import ClaimScheduler
 from outbox.sessions import Sessions
 from outbox.sinks import router
-from outbox.sinks.base import Sink, send_now
+from outbox.sinks.base import ProducesMany, Sink, send_now
 from outbox.sinks.chains import KeyChains
 from outbox.upkeep import LaneUpkeep
 
@@ -175,11 +176,10 @@ class BatchSender:
         start = 0
         chains = relay.chains.get(lane.name)
         # A lane with key chains goes through them, event by event: never around them.
-        produce_many = None if chains is not None else getattr(sink, "produce_many", None)
-        if produce_many is not None and not held and batch.waiting == len(batch):
+        if chains is None and isinstance(sink, ProducesMany) and not held and batch.waiting == len(batch):
             # Nothing held, nothing corrupt: the batch goes to the sink in one call
             # (KafkaSink.produce_many), up to the first event the sink does not take as it is.
-            start = produce_many(events, batch.outcomes, batch.settle)
+            start = sink.produce_many(cast("list[ClaimedEvent]", events), batch.outcomes, batch.settle)
         produce = chains.produce if chains is not None else sink.produce
         for i in range(start, len(events)):
             event = events[i]

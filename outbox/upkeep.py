@@ -15,7 +15,6 @@ import psycopg
 
 from outbox import capture
 from outbox.batch import WalBatch
-from outbox.capture import WalReader
 from outbox.finisher import BatchFinisher
 from outbox.lanes import Lane, RelayStats
 from outbox.metrics import RelayMetrics
@@ -23,8 +22,9 @@ from outbox.queries import query
 from outbox.scheduler import ClaimScheduler
 from outbox.sessions import Sessions
 from outbox.sinks import router
-from outbox.sinks.base import UNREACHABLE_KINDS, Sink
+from outbox.sinks.base import UNREACHABLE_KINDS, Reachable, Sink, keeps_key_order
 from outbox.sinks.chains import KeyChains
+from outbox.wal_reader import WalReader
 
 log = logging.getLogger("outbox.relay")
 
@@ -190,7 +190,7 @@ class LaneUpkeep:
         relay = self.relay
         assert relay.sink is not None
         inner = router.unwrap(relay.sink)
-        if lane.ordering.ordered and not getattr(inner, "keeps_key_order", True):
+        if lane.ordering.ordered and not keeps_key_order(inner):
             route = inner.destination if isinstance(inner, router.Router) else None
             relay.chains[lane.name] = KeyChains(relay.sink, parks=lane.ordering.parks, route=route)
 
@@ -205,9 +205,8 @@ class LaneUpkeep:
         down = False
         for each in router.sinks_of(sink):
             inner = router.unwrap(each)
-            if getattr(inner, "trouble", None) is not None and inner.trouble():
-                if hasattr(inner, "probe"):
-                    inner.probe()
+            if isinstance(inner, Reachable) and inner.trouble():
+                inner.probe()
                 down = down or bool(inner.trouble())
         if down:
             relay.scheduler.sinks_seen_down = time.monotonic()

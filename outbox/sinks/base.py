@@ -39,9 +39,10 @@ after a full batch it lets the client batch. Wrappers and the router pass it on.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 from outbox.events import ClaimedEvent
 
@@ -144,11 +145,71 @@ class Sink(Protocol):
         """Flush within ``timeout`` and release resources; pending reports are dropped."""
 
 
+# Optional features: a sink that has one declares it by having its members. They are found here,
+# through these protocols, and nowhere by probing attribute names.
+
+
+@runtime_checkable
+class ProducesMany(Protocol):
+    """Takes a batch in one call (KafkaSink): see ``produce_many`` above."""
+
+    def produce_many(self, events: Sequence[ClaimedEvent], outcomes: OutcomeSlots, settle: Settle) -> int: ...
+
+
+@runtime_checkable
+class SendsNow(Protocol):
+    """Batches sends on the wire (Kafka's linger), and can send what is queued at once."""
+
+    def send_now(self) -> None: ...
+
+
+@runtime_checkable
+class Reachable(Protocol):
+    """Knows whether its broker can be reached now (``trouble``: why not, or None), and can look
+    again (``probe``): the relay's readiness and its retry-at-once after an outage use it."""
+
+    def trouble(self) -> str | None: ...
+
+    def probe(self) -> None: ...
+
+
+@runtime_checkable
+class KeyOrder(Protocol):
+    """Says whether it keeps the order of a key's events in flight (Kafka's partitions do; a
+    sink that does not say so is taken to). One that does not gets the relay's key chains."""
+
+    keeps_key_order: bool
+
+
+@runtime_checkable
+class Named(Protocol):
+    """Its name for labels and logs, never with credentials (``kafka://host:port``)."""
+
+    name: str
+
+
+@runtime_checkable
+class Shaped(Protocol):
+    """Names its spans and their attributes itself (OpenTelemetry's messaging conventions)."""
+
+    def span_shape(self, topic: str) -> tuple[str, dict[str, Any]]: ...
+
+
+@runtime_checkable
+class Signals(Protocol):
+    """Sets ``wake`` when reports are ready (an asyncio sink): a router shares one among them."""
+
+    wake: threading.Event
+
+
 def send_now(sink: Sink) -> None:
-    """``sink.send_now()`` when the sink has it (the optional method above); else nothing."""
-    method = getattr(sink, "send_now", None)
-    if method is not None:
-        method()
+    """``sink.send_now()`` when the sink has it (SendsNow); else nothing."""
+    if isinstance(sink, SendsNow):
+        sink.send_now()
+
+
+def keeps_key_order(sink: object) -> bool:
+    return not isinstance(sink, KeyOrder) or bool(sink.keeps_key_order)
 
 
 class SinkWrapper:

@@ -17,11 +17,26 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, cast
+from typing import Any
 
 from outbox.events import TOPIC_OF, ClaimedEvent
 from outbox.routes import Route, SinkURL, route_for
-from outbox.sinks.base import Dead, Outcome, OutcomeSlots, Report, Settle, Sink, send_now
+from outbox.sinks.base import (
+    Dead,
+    Named,
+    Outcome,
+    OutcomeSlots,
+    ProducesMany,
+    Reachable,
+    Report,
+    Settle,
+    Shaped,
+    Signals,
+    Sink,
+    SinkWrapper,
+    keeps_key_order,
+    send_now,
+)
 from outbox.tracing import kafka_shape
 
 NO_ROUTE = "no_route"  # the error kind of an event no route takes
@@ -30,23 +45,21 @@ SLICE = 0.002  # seconds: how long a sink without a shared wake-up is polled at 
 
 def unwrap(sink: Sink) -> Any:
     """The innermost sink under any SinkWrapper layers."""
-    while hasattr(sink, "inner"):
+    while isinstance(sink, SinkWrapper):
         sink = sink.inner
     return sink
 
 
 def sink_name(sink: Sink) -> str:
     """A sink's name for labels and logs: never holds credentials."""
-    return str(getattr(unwrap(sink), "name", "custom"))
+    inner = unwrap(sink)
+    return str(inner.name) if isinstance(inner, Named) else "custom"
 
 
 def span_shape(sink: Sink, topic: str) -> tuple[str, dict[str, Any]]:
     """The span name and attributes for a batch of ``topic`` sent through ``sink``."""
-    shape = getattr(unwrap(sink), "span_shape", None)
-    if shape is None:
-        return kafka_shape(topic)
-    result: tuple[str, dict[str, Any]] = shape(topic)
-    return result
+    inner = unwrap(sink)
+    return inner.span_shape(topic) if isinstance(inner, Shaped) else kafka_shape(topic)
 
 
 class Router:
@@ -61,16 +74,18 @@ class Router:
                 continue
             sink = make(route.url)
             inner = unwrap(sink)
-            if isinstance(getattr(inner, "wake", None), threading.Event):
+            if isinstance(inner, Signals):
                 inner.wake = self.wake
             by_url[route.url.text] = sink
         self._sink_of_url = by_url
         self.sinks = list(by_url.values())
-        self._signalled = [s for s in self.sinks if getattr(unwrap(s), "wake", None) is self.wake]
+        self._signalled = [
+            s for s in self.sinks if isinstance(inner := unwrap(s), Signals) and inner.wake is self.wake
+        ]
         self._others = [s for s in self.sinks if s not in self._signalled]
         self._by_topic: dict[str, Sink | None] = {}  # topic -> its sink, learnt on first sight
         # id(sink) -> whether it keeps the order of a key's events in flight (Kafka), for key chains
-        self._keeps = {id(s): bool(getattr(unwrap(s), "keeps_key_order", True)) for s in self.sinks}
+        self._keeps = {id(s): keeps_key_order(unwrap(s)) for s in self.sinks}
 
     def sink_for(self, topic: str) -> Sink | None:
         try:
@@ -103,8 +118,8 @@ class Router:
         sinks = {id(s): s for s in map(self.sink_for, set(map(TOPIC_OF, events)))}
         if len(sinks) != 1:
             return 0
-        many = getattr(next(iter(sinks.values())), "produce_many", None)
-        return 0 if many is None else cast(int, many(events, outcomes, settle))
+        sink = next(iter(sinks.values()))
+        return sink.produce_many(events, outcomes, settle) if isinstance(sink, ProducesMany) else 0
 
     def poll(self, timeout: float) -> int:
         if len(self.sinks) == 1:  # the common deployment: one sink, which waits by itself
@@ -169,7 +184,7 @@ def health(sink: Sink) -> list[tuple[str, str | None]]:
     out = []
     for each in sink.sinks if isinstance(sink, Router) else [sink]:
         inner = unwrap(each)
-        out.append((sink_name(each), inner.trouble() if hasattr(inner, "trouble") else None))
+        out.append((sink_name(each), inner.trouble() if isinstance(inner, Reachable) else None))
     return out
 
 

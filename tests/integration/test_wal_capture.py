@@ -23,6 +23,7 @@ import outbox
 from outbox import capture
 from outbox.errors import ConfigError
 from outbox.events import ClaimedEvent
+from outbox.fleet import Fleet
 from outbox.migrate import migrate
 from outbox.outboxes import Outbox
 from outbox.relay import RelayConfig
@@ -742,7 +743,8 @@ def test_the_slot_s_lag_and_activity_are_metrics(
 ) -> None:
     """outbox_wal_slot_lag_bytes / _lag_seconds / _active: WAL kept while no relay reads grows
     and is not confirmed; a relay reading the slot makes it active and confirms it."""
-    from outbox.metrics import DatabaseGauges, RelayMetrics
+    from outbox.gauges import DatabaseGauges
+    from outbox.metrics import RelayMetrics
     from outbox.outboxes import Outbox
 
     metrics = RelayMetrics()
@@ -894,6 +896,12 @@ def test_a_slot_that_cannot_be_read_makes_readyz_say_so(wal_dsn: str, wal_schema
         wait_for(lambda: "does not exist" in relay.ready()[1], timeout=30, what="not ready: the slot is gone")
         ready, why = relay.ready()
         assert not ready and "outbox default: reading its WAL slot" in why and slot in why, why
+        # A fleet over that relay says so too: it called the outbox ready while its reader failed.
+        fleet = Fleet(relay.config, lambda: KafkaSink(kafka), lambda: None)
+        fleet.relays[relay.outboxes[0].database] = relay
+        fleet.running.set()
+        ready, why = fleet.ready()
+        assert not ready and "outbox default: not served: reading its WAL slot" in why, why
     out = subprocess.run(
         [sys.executable, "-m", "outbox", "status", "--dsn", wal_dsn, "--schema", wal_schema],
         capture_output=True, text=True, timeout=60,

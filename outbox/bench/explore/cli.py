@@ -29,6 +29,12 @@ class ExploreOptions:
     dry_run: bool = setting(False, "only print the schedule of --seed")
     schedule: str | None = setting(None, "replay this schedule file (a shrunk failure's)", metavar="FILE")
     shrink: bool = setting(True, "shrink a failing schedule (fewer faults, fewer events)")
+    relay_sink: str = setting(
+        "outbox.bench.explore.sink:scripted",
+        "the relays' --sink: the scripted sink, or a wrapper of it (one that puts a known bug back, "
+        "to see the explorer find it)",
+        metavar="MODULE:FACTORY",
+    )
     out: str = setting(
         "explore-results", "output directory (schedules, relay logs, journals)", env="OUTBOX_EXPLORE_OUT"
     )
@@ -84,7 +90,7 @@ def cmd_explore(args: argparse.Namespace) -> int:
     out = Path(opts.out)
     out.mkdir(parents=True, exist_ok=True)
     with embedded_postgres_server() as server:
-        world = World(server, out)
+        world = World(server, out, sink=opts.relay_sink)
         if chosen is not None or opts.schedules == 1:
             schedule = chosen or draw(opts.seed)
             _say(schedule.render())
@@ -98,5 +104,5 @@ def cmd_explore(args: argparse.Namespace) -> int:
             found = shrink(world, found, min(600.0, budget / 2), _say)
     if found is None:
         return 0
-    print(report(found, out), flush=True)
+    print(report(found, out, opts.relay_sink), flush=True)
     return 1

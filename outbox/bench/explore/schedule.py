@@ -77,6 +77,7 @@ class Schedule:
     fail: float  # share of sends answered with a transient failure
     refuse: float  # share of sends refused (dead letters) until the last redrive
     late: float  # share of timed-out sends the receiver gets anyway, after the relay gave up
+    concurrency: int = 0  # sends in progress at once, at most (0: no limit); the rest queue
     freezes: tuple[Freeze, ...] = ()
     faults: tuple[Fault, ...] = ()
     actions: tuple[Action, ...] = ()
@@ -118,7 +119,8 @@ class Schedule:
             f"{self.max_attempts} attempts",
             f"  writer      {self.events} events over {self.write_for:g} s, {self.keys} keys "
             f"(skew {self.skew:g}), up to {self.txn_size} a transaction, {self.rollback:.0%} rolled back",
-            f"  sink        {self.sink_order}, latency {self.latency_ms:g} ms (sigma {self.spread:g}), "
+            f"  sink        {self.sink_order}, {self.concurrency or 'unlimited'} at a time, "
+            f"latency {self.latency_ms:g} ms (sigma {self.spread:g}), "
             f"slow {self.slow:.0%}, failing {self.fail:.0%}, refusing {self.refuse:.0%} until "
             f"{self.refuse_until:g} s, late acks {self.late:.0%}",
         ]
@@ -213,6 +215,7 @@ def draw(seed: int) -> Schedule:
         fail=rng.choice((0.0, 0.02, 0.1, 0.25)),
         refuse=rng.choice((0.0, 0.0, 0.01, 0.05)),
         late=rng.choice((0.0, 0.5, 1.0)),
+        concurrency=rng.choice((0, 2, 8, 32)),
         freezes=tuple(sorted(freezes, key=lambda z: z.at)),
         faults=tuple(sorted(faults, key=lambda f: f.at)),
         actions=tuple(sorted(actions, key=lambda a: a.at)),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import time
 from collections.abc import Callable, Iterator
@@ -9,7 +10,7 @@ from pathlib import Path
 
 from outbox.bench.explore.checker import Violation, check
 from outbox.bench.explore.schedule import Schedule, draw
-from outbox.bench.explore.world import Record, World
+from outbox.bench.explore.world import SINK, Record, World
 
 Say = Callable[[str], None]
 SHRINK_SHARE = 0.5  # of what is left of the budget, at most, for shrinking a failure
@@ -93,7 +94,7 @@ def shrink(world: World, found: Found, budget: float, say: Say) -> Found:
     return found
 
 
-def report(found: Found, out: Path) -> str:
+def report(found: Found, out: Path, relay_sink: str = SINK) -> str:
     """The failure as the user sees it: seed, schedule, first violation, and the replay command."""
     s = found.schedule
     path = out / f"schedule-{s.seed}.json"
@@ -101,13 +102,16 @@ def report(found: Found, out: Path) -> str:
     replay = (
         f"outbox bench explore --seed {s.seed}" if not s.notes else f"outbox bench explore --schedule {path}"
     )
-    first = next(v for v in found.violations if v.invariant == found.violations[0].invariant)
-    more = len(found.violations) - 1
+    if relay_sink != SINK:
+        replay += f" --relay-sink {relay_sink}"
+    first = found.violations[0]
+    counts = collections.Counter(v.invariant for v in found.violations)
+    tally = ", ".join(f"{name} {n}" for name, n in counts.items())
     return "\n".join(
         [
-            f"seed {s.seed}: an invariant broke",
+            f"seed {s.seed}: an invariant broke ({tally})",
             s.render(),
-            f"first violation: {first}" + (f" (and {more} more)" if more else ""),
+            f"first violation: {first}",
             f"replay: {replay}",
         ]
     )

@@ -9,9 +9,11 @@ timeout for the relay; the receiver may still get the event afterwards (a slow a
 relay gave up). What the receiver gets is written to the journal when the event is sent, with
 the time it gets it, so a relay killed meanwhile loses none of it, as a real receiver would not.
 
-``chained`` sends are concurrent (the relay chains a key's events, as for webhooks); ``ordered``
-ones go through a queue per key, as a Kafka partition does: an event sent behind a failing one
-of its key fails with it.
+Sends go through at most ``concurrency`` slots (a client's worker pool): the rest queue, and
+the delivery timeout counts from the hand-over, queue included. ``chained`` sends are
+concurrent (the relay chains a key's events, as for webhooks); ``ordered`` ones go through a
+queue per key, as a Kafka partition does: an event sent behind a failing one of its key fails
+with it.
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ class ScriptedSink:
         self._seq = itertools.count()
         self._sends: dict[int, int] = {}  # n -> sends of it by this process
         self._queues: dict[bytes, tuple[float, bool]] = {}  # ordered: key -> (last answer at, failed)
+        self._slots: list[float] = [0.0] * schedule.concurrency  # when each send slot is free again
 
     @property
     def t0(self) -> float:
@@ -67,6 +70,9 @@ class ScriptedSink:
         tries = self._sends.get(n, 0)
         self._sends[n] = tries + 1
         rng = random.Random(f"{s.seed}/{n}/{event.attempts}/{tries}")
+        queued = now
+        if self._slots:  # it waits for a free slot, as a client's worker pool makes it
+            now = max(now, heapq.heappop(self._slots))
         rel = now - self.t0
         if rng.random() < s.slow:
             took = rng.uniform(0.3, 1.6) * s.delivery_timeout
@@ -91,15 +97,18 @@ class ScriptedSink:
                 if failed:
                     outcome, what = Retry("queue_failed", "an earlier event of its key failed"), "failed"
         late = False
-        if answer - now > s.delivery_timeout:  # the relay gives up on it
-            late = what == "delivered" and rng.random() < s.late
+        sent = now < queued + s.delivery_timeout  # else the client dropped it from its queue, unsent
+        if answer - queued > s.delivery_timeout:  # the relay gives up on it (queued time counts)
+            late = sent and what == "delivered" and rng.random() < s.late
             what = "delivered" if late else "timeout"
             outcome = Retry("timeout", "no answer within the delivery timeout")
-            replied = now + s.delivery_timeout
+            replied = queued + s.delivery_timeout
         else:
             replied = answer
         if self.keeps_key_order and event.key is not None:
             self._queues[event.key] = (answer, not isinstance(outcome, Delivered))
+        if s.concurrency:
+            heapq.heappush(self._slots, replied if sent else now)
         self._journal(
             {"t": answer, "n": n, "id": event.id, "what": what, "late": late, "attempts": event.attempts,
              "sent": now, "replied": replied}

@@ -14,6 +14,7 @@ import contextlib
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -89,7 +90,8 @@ class Run:
         self.sink = sink
         self.s = schedule
         self.dir = where
-        self.dir.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(where, ignore_errors=True)  # a run of an earlier search: its journal is not this one's
+        self.dir.mkdir(parents=True)
         (self.dir / "journal").mkdir(exist_ok=True)
         self.schema = f"explore_{schedule.seed % 10**9}_{os.getpid()}_{int(time.time() * 1000) % 10**6}"
         self.record = Record(schedule)
