@@ -41,36 +41,82 @@ class RelayStats:
     sinks_replaced: int = 0
 
 
+class Wake:
+    """A lane's wake-ups: the one part of a lane that threads other than the loop write.
+
+    - The listener's thread, on a NOTIFY of the outbox's channel: :meth:`notified` (rows in its
+      events table). The loop does the same when a heartbeat took new partitions, or when the
+      sinks answer again after an outage and events are due at once.
+    - A WAL reader's thread, on a transaction read: :meth:`read` (no sign of rows in the table).
+    - The loop reads both and clears each before the work it announces: a wake-up that races the
+      clear is seen at the next step. Each is a single attribute write (atomic under the GIL);
+      the writer then wakes the loop (``Relay.wake``).
+    """
+
+    __slots__ = ("table_news", "woken")
+
+    def __init__(self) -> None:
+        self.woken = True  # there may be work now (the start, a NOTIFY, a transaction read)
+        self.table_news = False  # its events table has new work
+
+    def notified(self) -> None:
+        self.table_news = True
+        self.woken = True
+
+    def read(self) -> None:
+        self.woken = True
+
+
+@dataclass
+class Pace:
+    """Claims paced to the sink (ClaimScheduler.pace): a slow start, a slow sink."""
+
+    cap: int = 0  # events per claim at most (0: --batch-size)
+    slowed: bool = False  # a slow batch made claims smaller, and they are not back to --batch-size yet
+
+
+@dataclass
+class TableTurns:
+    """WAL capture: the slot's transactions and the table's events take turns (BatchSender)."""
+
+    turn: bool = False  # the table's turn to be claimed from next
+    # Has the table work to claim (a NOTIFY since, or the last claim was full), and when to look
+    # anyway (retries come due without a NOTIFY). Monotonic seconds.
+    due: bool = True
+    next_claim: float = 0.0
+
+
+@dataclass
+class Upkept:
+    """What LaneUpkeep keeps of a lane: its next checks, its capture mode, its sinks' outage."""
+
+    next_maintenance: float = 0.0  # monotonic time of the next archive partition check
+    next_capture: float = 0.0  # monotonic time of the next look at its capture mode
+    capture_mode: str = "table"  # as last read from its capture table
+    sinks_were_down: bool = False  # a sink was down since this lane's last "retry now"
+
+
 @dataclass(eq=False)
 class Lane:
-    """One outbox's state in a relay (used from the relay loop's thread only)."""
+    """One outbox's state in a relay. The loop's thread owns it, but for :class:`Wake`."""
 
     outbox: Outbox
     ordering: Ordering
-    in_flight: list[Batch] = field(default_factory=list)
+    in_flight: list[Batch] = field(default_factory=list)  # BatchSender adds, BatchFinisher removes
+    wake: Wake = field(default_factory=Wake)
+    # ClaimScheduler's
     more_work: bool = True  # a full batch came back: claim again without waiting
-    woken: bool = True  # a NOTIFY (or the start) says there may be work now
     next_poll: float = 0.0  # monotonic time of the next poll without a NOTIFY
-    next_maintenance: float = 0.0  # monotonic time of the next archive partition check
     paused_until: float = 0.0  # after an error of this outbox's own
-    sinks_were_down: bool = False  # a sink was down since this lane's last "retry now"
-    failing_since: float = 0.0  # since when every finished batch only failed (0: one delivered)
     leaving: bool = False  # no longer served: finish what is in flight, hand over, go
     last_work: float = 0.0  # monotonic time its last claim found events
-    claim_cap: int = 0  # events per claim at most (0: --batch-size): slow start, a slow sink; Relay._pace
-    paced: bool = False  # a slow batch made claims smaller, and they are not back to --batch-size yet
-    wal: WalReader | None = None  # WAL capture: the reader of the outbox's slot
-    table_turn: bool = False  # WAL capture: the table's turn to be claimed from next
-    # WAL capture: has the table work to claim (a NOTIFY since, or the last claim was full), and
-    # when to look anyway (retries come due without a NOTIFY). Monotonic seconds.
-    table_due: bool = True
-    next_table_claim: float = 0.0
-    # Its events table has new work: a NOTIFY, new partitions, events due again after an outage
-    # (set by the listener's thread and the loop; read by the loop). The WAL reader's wake-up
-    # sets ``woken`` only: a transaction read is no sign of work in the table.
-    table_news: bool = False
-    capture_mode: str = "table"  # as last read from its capture table
-    next_capture: float = 0.0  # monotonic time of the next look at its capture mode
+    pace: Pace = field(default_factory=Pace)
+    # BatchRecorder's (read by RelayHealth)
+    failing_since: float = 0.0  # since when every finished batch only failed (0: one delivered)
+    # WAL capture
+    wal: WalReader | None = None  # the reader of the outbox's slot
+    table: TableTurns = field(default_factory=TableTurns)
+    upkept: Upkept = field(default_factory=Upkept)
     stats: RelayStats = field(default_factory=RelayStats)
     trouble: Condition = field(init=False)  # this outbox's own problem (schema gone, not migrated)
     delivery: Condition = field(init=False)  # retries batch after batch: one problem, not a line each
@@ -107,7 +153,7 @@ class Lane:
 
     def due(self, now: float) -> bool:
         """May there be work: woken, a full batch came back, or the poll timer ran out."""
-        return self.woken or self.more_work or now >= self.next_poll
+        return self.wake.woken or self.more_work or now >= self.next_poll
 
 
 class Beats:

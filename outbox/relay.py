@@ -279,10 +279,10 @@ class Relay:
         free = self.sessions.available()
         chosen = scheduler.next_claim(now, free)
         if chosen is not None:
-            if chosen.table_news:  # WAL capture: rows were inserted into its events table
-                chosen.table_news = False
-                chosen.table_due = True
-            chosen.woken = False  # a NOTIFY arriving during the claim sets it again
+            if chosen.wake.table_news:  # WAL capture: rows were inserted into its events table
+                chosen.wake.table_news = False
+                chosen.table.due = True
+            chosen.wake.woken = False  # a NOTIFY arriving during the claim sets it again
             limit = scheduler.batch_limit(chosen, now)
             claimed = self.sender.claim_and_send(chosen, limit)
             # A full batch means there is probably more: claim again without waiting.
@@ -305,7 +305,7 @@ class Relay:
             # Idle: sleep until the next poll, NOTIFY, or the next heartbeat (a long
             # poll interval must not let the ownership leases lapse).
             self._wakeup.clear()
-            if not any(lane.woken for lane in scheduler.rotation):
+            if not any(lane.wake.woken for lane in scheduler.rotation):
                 self._wakeup.wait(scheduler.idle_wait(now, self.upkeep.next_maintenance_check))
 
     # -- start and stop ---------------------------------------------------------

@@ -16,7 +16,7 @@ from outbox.config import RelayConfig
 from outbox.errors import ConfigError
 from outbox.finisher import BatchFinisher
 from outbox.health import RelayHealth
-from outbox.lanes import Beats, Lane
+from outbox.lanes import Beats, Lane, Pace
 from outbox.listener import Listener
 from outbox.metrics import RelayMetrics
 from outbox.ordering import Ordering
@@ -125,14 +125,14 @@ class Roster:
         if relay.running.is_set():
             # Joining a running relay: its first heartbeat at a random point of the interval.
             ordering.delay_first_heartbeat(random.uniform(0, ordering.interval))
-        lane = Lane(o, ordering, next_maintenance=0.0, claim_cap=relay.scheduler.start_claim)
+        lane = Lane(o, ordering, pace=Pace(cap=relay.scheduler.start_claim))
         self.lanes[o.name] = lane
         relay.scheduler.add(lane)
         self.beats.schedule(lane)
         if relay.sink is not None:
             relay.upkeep.chain(lane)
         if relay.listener is not None:
-            relay.listener.watch(channel_name(o.schema), partial(self.woken, lane))
+            relay.listener.watch(channel_name(o.schema), partial(self.notified, lane))
         if relay.running.is_set():
             log.info("serving outbox %s", o.display, extra={"event": "outbox.joined", "outbox": o.name})
 
@@ -162,17 +162,16 @@ class Roster:
                 gauge.forget(0, lane.name)
             m.owned_partitions.forget(0, lane.name)
 
-    def woken(self, lane: Lane) -> None:
+    def notified(self, lane: Lane) -> None:
         """A NOTIFY for this outbox (the listener's thread): claim it at the next step."""
-        lane.table_news = True
-        lane.woken = True
+        lane.wake.notified()
         self.relay.wake()
 
     def wal_read(self, lane: Lane) -> None:
         """The WAL reader queued a transaction (its thread): send it at the next step. Not a sign
         of rows in the table: marking the table due here made every other WAL batch wait for an
         empty claim of it (a round trip, and commit -> ack p50 6.6 ms against 4.2 for the table)."""
-        lane.woken = True
+        lane.wake.read()
         self.relay.wake()
 
     # -- heartbeats -------------------------------------------------------------------------
@@ -207,7 +206,7 @@ class Roster:
         ordering = lane.ordering
         lost_before = ordering.lost_partitions
         if ordering.tick(pids, (id(b) for b in lane.in_flight), sessions.stale, readiness):
-            lane.woken = lane.table_news = True  # new partitions: there may be work right now
+            lane.wake.notified()  # new partitions: there may be work right now
         if not ordering.heartbeat.active:
             relay.health.loop_progress = time.monotonic()
         if relay.metrics_on:

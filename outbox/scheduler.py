@@ -81,7 +81,7 @@ class ClaimScheduler:
             # Most lanes of a relay of many have nothing to do: that test first, it is the cheap one.
             if not lane.due(now) or not lane.may_claim(now, per_lane):
                 continue
-            if lane.woken:
+            if lane.wake.woken:
                 self.turn = (turn + k + 1) % n
                 return lane
             if backlog is None and lane.more_work:
@@ -121,7 +121,7 @@ class ClaimScheduler:
         behind 1,000-event claims; p99 58 ms, max 88-123 ms behind 500, the busy drain 13.0k vs
         14.2k events/s. Outboxes that all have a backlog keep full batches: none of them waits
         for a single event."""
-        size = min(self.config.batch_size, lane.claim_cap or self.config.batch_size)
+        size = min(self.config.batch_size, lane.pace.cap or self.config.batch_size)
         if size <= FAIR_BATCH or len(self.rotation) < 2:
             return size
         since = now - CONTENDED
@@ -143,7 +143,7 @@ class ClaimScheduler:
         --batch-size. One line when a slow batch first makes claims smaller, one when they are
         back to --batch-size."""
         full = self.config.batch_size
-        cap = lane.claim_cap or full
+        cap = lane.pace.cap or full
         took = now - batch.claimed_at
         lease = self.config.lease
         # A batch slowed by an outage (the sink was found down while it was out, or some of its
@@ -157,9 +157,9 @@ class ClaimScheduler:
             new = min(full, cap * 2)
         else:
             return
-        lane.claim_cap = 0 if new >= full else new
-        if slow and not lane.paced:
-            lane.paced = True
+        lane.pace.cap = 0 if new >= full else new
+        if slow and not lane.pace.slowed:
+            lane.pace.slowed = True
             log.warning(
                 "%sa batch of %d events took %.1f s of the %.0f s lease%s: claiming at most %d events "
                 "at a time while the sink is this slow",
@@ -169,10 +169,10 @@ class ClaimScheduler:
                 lease,
                 " and lost it" if lost else "",
                 new,
-                extra={"event": "claims.paced", "outbox": lane.name},
+                extra={"event": "claims.pace.slowed", "outbox": lane.name},
             )
-        elif new >= full and lane.paced:
-            lane.paced = False
+        elif new >= full and lane.pace.slowed:
+            lane.pace.slowed = False
             log.warning(
                 "%sthe sink keeps pace again: claiming up to %d events at a time",
                 lane.said,

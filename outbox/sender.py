@@ -54,7 +54,7 @@ class BatchSender:
         """A batch of at most ``limit`` events of ``lane``, sent; how many it had."""
         relay = self.relay
         sessions = relay.sessions
-        if not lane.next_capture:  # its capture mode first: a slot to read before the table?
+        if not lane.upkept.next_capture:  # its capture mode first: a slot to read before the table?
             relay.upkeep.check_lane_capture(lane, time.monotonic())
         wal = lane.wal
         if wal is not None:
@@ -64,11 +64,11 @@ class BatchSender:
             # An empty claim every other batch was a round trip per WAL batch for nothing
             # (8 % of the loop's time in a drain). WAL batches go out pipelined like claimed
             # ones, and finish in the order they were read (BatchFinisher.finish_complete).
-            lane.table_turn = not lane.table_turn
-            table_due = lane.table_due or time.monotonic() >= lane.next_table_claim
-            if wal.waiting and not (lane.table_turn and table_due):
+            lane.table.turn = not lane.table.turn
+            table_due = lane.table.due or time.monotonic() >= lane.table.next_claim
+            if wal.waiting and not (lane.table.turn and table_due):
                 return self._read_and_send(lane, limit)
-            if lane.capture_mode == "table" and not (wal.reading and wal.caught_up):
+            if lane.upkept.capture_mode == "table" and not (wal.reading and wal.caught_up):
                 # Switched back to table capture with the slot kept: the events still in the slot
                 # were committed before the rows written since, so the table waits until this
                 # relay has read the slot up to what the server has (a relay that stands by
@@ -96,8 +96,8 @@ class BatchSender:
         sessions.database.ok()  # the claim went through, empty or not
         lane.trouble.ok()
         if wal is not None:
-            lane.table_due = len(rows) >= limit
-            lane.next_table_claim = time.monotonic() + relay.scheduler.jittered_poll()
+            lane.table.due = len(rows) >= limit
+            lane.table.next_claim = time.monotonic() + relay.scheduler.jittered_poll()
         relay.health.loop_progress = time.monotonic()
         relay.stats.claims += 1
         lane.stats.claims += 1

@@ -69,21 +69,21 @@ class LaneUpkeep:
     def maintain_partitions(self, now: float) -> None:
         """The archive's day partitions of each outbox whose hourly check is due (one a step)."""
         rotation = self.relay.scheduler.rotation
-        due = [lane for lane in rotation if now >= lane.next_maintenance and not lane.leaving]
+        due = [lane for lane in rotation if now >= lane.upkept.next_maintenance and not lane.leaving]
         if not due:
             self.next_maintenance_check = min(
-                (lane.next_maintenance for lane in rotation), default=now + PARTITION_MAINTENANCE
+                (lane.upkept.next_maintenance for lane in rotation), default=now + PARTITION_MAINTENANCE
             )
             return
         lane = due[0]
-        lane.next_maintenance = now + PARTITION_MAINTENANCE
+        lane.upkept.next_maintenance = now + PARTITION_MAINTENANCE
         done = self.on_session(
             lane,
             "archive partition maintenance",
             lambda conn: conn.execute(query("ensure_partitions", lane.schema)),
         )
         if done is None:
-            lane.next_maintenance = now + MAINTENANCE_RETRY
+            lane.upkept.next_maintenance = now + MAINTENANCE_RETRY
 
     def on_session(self, lane: Lane, what: str, work: Callable[[psycopg.Connection[Any]], T]) -> T | None:
         """``work`` on a session of the pool, committed; its result, or None when no session was
@@ -108,21 +108,21 @@ class LaneUpkeep:
         """Each outbox's capture mode, every CAPTURE_CHECK s (one outbox a step): a slot to read
         starts its reader; a slot that went (dropped) stops it."""
         rotation = self.relay.scheduler.rotation
-        due = [lane for lane in rotation if now >= lane.next_capture and not lane.leaving]
+        due = [lane for lane in rotation if now >= lane.upkept.next_capture and not lane.leaving]
         if not due:
             self.next_capture_check = min(
-                (lane.next_capture for lane in rotation), default=now + CAPTURE_CHECK
+                (lane.upkept.next_capture for lane in rotation), default=now + CAPTURE_CHECK
             )
             return
         self.check_lane_capture(due[0], now)
 
     def check_lane_capture(self, lane: Lane, now: float) -> None:
-        lane.next_capture = now + CAPTURE_CHECK
+        lane.upkept.next_capture = now + CAPTURE_CHECK
         found = self.on_session(lane, "capture check", lambda conn: capture.state(conn, lane.schema))
         if found is None:
-            lane.next_capture = now + MAINTENANCE_RETRY
+            lane.upkept.next_capture = now + MAINTENANCE_RETRY
             return
-        lane.capture_mode = found.mode
+        lane.upkept.capture_mode = found.mode
         if found.reads_slot and lane.wal is None:
             lane.wal = WalReader(
                 lane.outbox.dsn,
@@ -176,7 +176,7 @@ class LaneUpkeep:
             relay.sink.close(0)
             relay.finisher.settle_unreported()
             for lane in rotation:
-                lane.sinks_were_down = True
+                lane.upkept.sinks_were_down = True
         relay.sink = relay.sink_factory()
         relay.chains = {}
         for lane in relay.scheduler.rotation:
@@ -211,10 +211,10 @@ class LaneUpkeep:
         if down:
             relay.scheduler.sinks_seen_down = time.monotonic()
             for lane in relay.scheduler.rotation:
-                lane.sinks_were_down = True
+                lane.upkept.sinks_were_down = True
             return
         for lane in lanes:
-            if lane.sinks_were_down:
+            if lane.upkept.sinks_were_down:
                 self._retry_unreachable_now(lane)
 
     def _retry_unreachable_now(self, lane: Lane) -> None:
@@ -235,11 +235,11 @@ class LaneUpkeep:
             relay.lane_error(lane, conn, f"retrying after the outage failed: {sessions.clean(exc)}")
             return
         sessions.give_back(conn)
-        lane.sinks_were_down = False
+        lane.upkept.sinks_were_down = False
         if n > 0:
             log.info(
                 "sinks answer again: %d events that failed to reach them are due now",
                 n,
                 extra={"outbox": lane.name},
             )
-            lane.woken = lane.table_news = True
+            lane.wake.notified()

@@ -474,7 +474,7 @@ def _one_batch_of_20_out(pg_dsn: str, schema: str, sink: _Scripted, relay: Any) 
         conn.commit()
     wait_for(lambda: len(sink.got) == 20, timeout=10, what="the batch sent")
     lane = relay.lanes["default"]
-    return lane, lane.claim_cap
+    return lane, lane.pace.cap
 
 
 def test_a_batch_slowed_by_an_outage_does_not_make_the_claims_smaller(pg_dsn: str, schema: str) -> None:
@@ -489,7 +489,7 @@ def test_a_batch_slowed_by_an_outage_does_not_make_the_claims_smaller(pg_dsn: st
         for i in range(20):
             sink.answer(f"a{i}", Delivered() if i % 2 else Retry("timeout", "no answer"))
         wait_for(lambda: count(pg_dsn, schema, "delivered") == 10, timeout=10, what="the batch finished")
-        assert not lane.paced and lane.claim_cap in (0, cap), (lane.paced, lane.claim_cap, cap)
+        assert not lane.pace.slowed and lane.pace.cap in (0, cap), (lane.pace.slowed, lane.pace.cap, cap)
         sink.auto = True
         wait_for(lambda: count(pg_dsn, schema, "delivered") == 20, timeout=20, what="the retries")
 
@@ -524,4 +524,4 @@ def test_a_batch_out_while_the_sink_was_down_does_not_make_the_claims_smaller(
         sink.down = False
         sink.auto = True
         wait_for(lambda: count(pg_dsn, schema, "delivered") == 20, timeout=10, what="the batch finished")
-        assert not lane.paced and lane.claim_cap in (0, cap), (lane.paced, lane.claim_cap, cap)
+        assert not lane.pace.slowed and lane.pace.cap in (0, cap), (lane.pace.slowed, lane.pace.cap, cap)

@@ -40,10 +40,15 @@ def _scheduler(**config: Any) -> ClaimScheduler:
 
 def _lane(s: ClaimScheduler, name: str, **state: Any) -> Lane:
     lane = Lane(Outbox(name, "postgresql://unused", name), cast(Any, _Ordering()))
-    lane.woken = lane.more_work = False
+    lane.wake.woken = lane.more_work = False
     lane.next_poll = 1e9
     for k, v in state.items():
-        setattr(lane, k, v)
+        if k == "woken":
+            lane.wake.woken = v
+        elif k == "claim_cap":
+            lane.pace.cap = v
+        else:
+            setattr(lane, k, v)
     s.add(lane)
     return lane
 
@@ -55,7 +60,7 @@ def test_a_woken_outbox_goes_first_then_backlogs_in_turn_then_polls() -> None:
     c = _lane(s, "c", next_poll=0.0)
     d = _lane(s, "d", woken=True)
     assert s.next_claim(10.0, True) is d  # a NOTIFY first: a quiet outbox's latency
-    d.woken = False
+    d.wake.woken = False
     assert [s.next_claim(10.0, True) for _ in range(4)] == [a, b, a, b]  # backlogs take turns
     a.more_work = b.more_work = False
     assert s.next_claim(10.0, True) is c  # then the poll timer
@@ -116,22 +121,22 @@ def test_a_slow_batch_halves_the_claims_a_lost_lease_quarters_them_and_fast_ones
     lane = _lane(s, "a", claim_cap=0)
     with caplog.at_level(logging.WARNING):
         s.pace(lane, cast(Any, _Batch(1000, claimed_at=0.0, outcomes=[Delivered()])), False, 6.0)
-        assert lane.claim_cap == 500 and lane.paced
+        assert lane.pace.cap == 500 and lane.pace.slowed
         s.pace(lane, cast(Any, _Batch(500, claimed_at=0.0)), True, 11.0)
-        assert lane.claim_cap == 125
+        assert lane.pace.cap == 125
         for _ in range(3):
-            s.pace(lane, cast(Any, _Batch(lane.claim_cap, claimed_at=0.0)), False, 0.5)
-        assert lane.claim_cap == 0 and not lane.paced  # back to --batch-size
-    assert [r.event for r in caplog.records] == ["claims.paced", "claims.unpaced"]  # type: ignore[attr-defined]
+            s.pace(lane, cast(Any, _Batch(lane.pace.cap, claimed_at=0.0)), False, 0.5)
+        assert lane.pace.cap == 0 and not lane.pace.slowed  # back to --batch-size
+    assert [r.event for r in caplog.records] == ["claims.pace.slowed", "claims.unpaced"]  # type: ignore[attr-defined]
 
 
 def test_pacing_never_goes_below_the_minimum_and_ignores_an_outage() -> None:
     s = _scheduler(batch_size=1000, lease=10.0, delivery_timeout=5.0)
     lane = _lane(s, "a", claim_cap=20)
     s.pace(lane, cast(Any, _Batch(20, claimed_at=0.0)), True, 11.0)
-    assert lane.claim_cap == MIN_CLAIM
+    assert lane.pace.cap == MIN_CLAIM
     other = _lane(s, "b", claim_cap=0)
     unreachable = [Retry("timeout", "no answer")]
     s.pace(other, cast(Any, _Batch(1000, claimed_at=0.0, outcomes=unreachable)), False, 9.0)
-    assert other.claim_cap == 0  # slowed by an outage, not by the sink's pace
+    assert other.pace.cap == 0  # slowed by an outage, not by the sink's pace
     assert s.start_claim == START_CLAIM
