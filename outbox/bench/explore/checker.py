@@ -120,18 +120,20 @@ def _cleared(rec: Record, n: int, first: float | None) -> float:
     """When event ``n`` stopped blocking its key's later events."""
     s = rec.schedule
     times = [first] if first is not None else []
-    if n in rec.dead or n in _redriven(rec):
-        if s.on_dead == "continue":
-            final = [
-                r["replied"]
-                for r in rec.journal
-                if r["n"] == n
-                and r["what"] in FAILED
-                and (r["what"] == "refused" or r["attempts"] >= s.max_attempts - 1)
-            ]
-            times += final[:1]
-        elif n in _skipped(rec):
-            times.append(_skipped(rec)[n])
+    if s.on_dead == "continue":
+        # The relay moves past a dead letter once the receiver refused it, or it failed for the
+        # last time: even when that batch's dead letter never committed (a crash after it), and
+        # the event, claimed again, was delivered later.
+        final = [
+            r["replied"]
+            for r in rec.journal
+            if r["n"] == n
+            and r["what"] in FAILED
+            and (r["what"] == "refused" or r["attempts"] >= s.max_attempts - 1)
+        ]
+        times += final[:1]
+    elif n in _skipped(rec):
+        times.append(_skipped(rec)[n])
     return min(times) if times else float("inf")
 
 

@@ -86,7 +86,7 @@ class ScriptedSink:
         outcome: Outcome
         if draw < s.refuse and rel < s.refuse_until:
             outcome, what = Dead("refused", "the receiver refused it"), "refused"
-        elif draw < s.refuse + s.fail:
+        elif s.refuse <= draw < s.refuse + s.fail:
             outcome, what = Retry("http_503", "the receiver failed"), "failed"
         else:
             outcome, what = Delivered(), "delivered"
