@@ -39,6 +39,16 @@ class Freeze:
 
 
 @dataclass(frozen=True)
+class SlowKeys:
+    """Sends of the first ``keys`` keys in [at, at + lasts) are answered in 0.3-0.9 x the
+    delivery timeout (a slow partition, a tenant's slow endpoint); other keys as usual."""
+
+    at: float
+    lasts: float
+    keys: int
+
+
+@dataclass(frozen=True)
 class Action:
     """The operator redrives every dead letter, or skips every parked one, at ``at``."""
 
@@ -78,6 +88,7 @@ class Schedule:
     refuse: float  # share of sends refused (dead letters) until the last redrive
     late: float  # share of timed-out sends the receiver gets anyway, after the relay gave up
     concurrency: int = 0  # sends in progress at once, at most (0: no limit); the rest queue
+    slow_keys: tuple[SlowKeys, ...] = ()
     freezes: tuple[Freeze, ...] = ()
     faults: tuple[Fault, ...] = ()
     actions: tuple[Action, ...] = ()
@@ -95,6 +106,7 @@ class Schedule:
         times = [self.write_for]
         times += [f.at + f.lasts for f in self.faults]
         times += [f.at + f.lasts for f in self.freezes]
+        times += [w.at + w.lasts for w in self.slow_keys]
         times += [a.at for a in self.actions]
         return max(times)
 
@@ -125,6 +137,10 @@ class Schedule:
             f"{self.refuse_until:g} s, late acks {self.late:.0%}",
         ]
         timeline = [(z.at, f"sink frozen for {z.lasts:g} s") for z in self.freezes]
+        for w in self.slow_keys:
+            timeline.append(
+                (w.at, f"sink slow for {w.keys} key{'s' if w.keys > 1 else ''} for {w.lasts:g} s")
+            )
         for f in self.faults:
             timeline.append((f.at, {
                 "kill": f"SIGKILL relay {f.relay}, back {f.lasts:g} s later",
@@ -148,6 +164,7 @@ class Schedule:
         raw["freezes"] = tuple(Freeze(**z) for z in raw["freezes"])
         raw["faults"] = tuple(Fault(**f) for f in raw["faults"])
         raw["actions"] = tuple(Action(**a) for a in raw["actions"])
+        raw["slow_keys"] = tuple(SlowKeys(**w) for w in raw.get("slow_keys", ()))
         raw["notes"] = tuple(raw.get("notes", ()))
         return cls(**raw)
 
@@ -220,6 +237,15 @@ def draw(seed: int) -> Schedule:
         faults=tuple(sorted(faults, key=lambda f: f.at)),
         actions=tuple(sorted(actions, key=lambda a: a.at)),
     )
+    slow_keys = [
+        SlowKeys(
+            _r(rng.uniform(0.2, write_for)),
+            _r(rng.uniform(0.5, 2.0) * lease),
+            rng.randint(1, max(1, schedule.keys // 3)),
+        )
+        for _ in range(rng.choice((0, 1, 1, 2)))
+    ]
+    schedule = replace(schedule, slow_keys=tuple(sorted(slow_keys, key=lambda w: w.at)))
     # A key's events go one at a time: fewer events, until the busiest key's would be sent in
     # SERIAL_BUDGET seconds (else no run drains, and every schedule fails the same way).
     while schedule.events > 50 and schedule.serial_seconds() > SERIAL_BUDGET:

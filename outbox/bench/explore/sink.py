@@ -13,7 +13,8 @@ Sends go through at most ``concurrency`` slots (a client's worker pool): the res
 the delivery timeout counts from the hand-over, queue included. ``chained`` sends are
 concurrent (the relay chains a key's events, as for webhooks); ``ordered`` ones go through a
 queue per key, as a Kafka partition does: an event sent behind a failing one of its key fails
-with it.
+with it, and so does one sent after the failure but before the relay was told of it (the
+promise a sink that keeps a key's order makes the relay: it holds the key once it knows).
 """
 
 from __future__ import annotations
@@ -46,10 +47,12 @@ class ScriptedSink:
         self.keeps_key_order = schedule.sink_order == "ordered"
         path = os.path.join(journal, f"relay{relay}-{os.getpid()}.jsonl")
         self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-        self._pending: list[tuple[float, int, Report, Outcome]] = []  # (answer at, seq, report, outcome)
+        # (answer at, seq, report, outcome, the key whose unreported failure it is, or None)
+        self._pending: list[tuple[float, int, Report, Outcome, bytes | None]] = []
         self._seq = itertools.count()
         self._sends: dict[int, int] = {}  # n -> sends of it by this process
         self._queues: dict[bytes, tuple[float, bool]] = {}  # ordered: key -> (last answer at, failed)
+        self._unreported: dict[bytes, int] = {}  # ordered: key -> its failures not reported yet
         self._slots: list[float] = [0.0] * schedule.concurrency  # when each send slot is free again
 
     @property
@@ -94,8 +97,10 @@ class ScriptedSink:
             last, failed = self._queues.get(event.key, (0.0, False))
             if last > now:  # behind an event of its key not answered yet
                 answer = max(answer, last)
-                if failed:
-                    outcome, what = Retry("queue_failed", "an earlier event of its key failed"), "failed"
+            # Behind a failure of its key that the relay has not been told of yet (a failure fails
+            # the ones behind it: what a sink that keeps a key's order promises the relay).
+            if (last > now and failed) or self._unreported.get(event.key, 0):
+                outcome, what = Retry("queue_failed", "an earlier event of its key failed"), "failed"
         late = False
         sent = now < queued + s.delivery_timeout  # else the client dropped it from its queue, unsent
         if answer - queued > s.delivery_timeout:  # the relay gives up on it (queued time counts)
@@ -111,9 +116,13 @@ class ScriptedSink:
             heapq.heappush(self._slots, replied if sent else now)
         self._journal(
             {"t": answer, "n": n, "id": event.id, "what": what, "late": late, "attempts": event.attempts,
-             "sent": now, "replied": replied}
+             "sent": now, "replied": replied, "key": (event.key or b"").decode()}
         )  # fmt: skip
-        heapq.heappush(self._pending, (replied, next(self._seq), report, outcome))
+        failing = None
+        if self.keeps_key_order and event.key is not None and not isinstance(outcome, Delivered):
+            failing = event.key
+            self._unreported[failing] = self._unreported.get(failing, 0) + 1
+        heapq.heappush(self._pending, (replied, next(self._seq), report, outcome, failing))
         return None
 
     def poll(self, timeout: float) -> int:
@@ -122,8 +131,10 @@ class ScriptedSink:
         while True:
             now = time.time()
             while self._pending and self._pending[0][0] <= now:
-                _, _, report, outcome = heapq.heappop(self._pending)
+                _, _, report, outcome, failing = heapq.heappop(self._pending)
                 ready.append((report, outcome))
+                if failing is not None:
+                    self._unreported[failing] -= 1
             left = deadline - time.monotonic()
             if ready or left <= 0:
                 break
