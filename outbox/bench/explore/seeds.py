@@ -7,11 +7,22 @@ from __future__ import annotations
 REGRESSIONS: dict[int, str] = {
     1: "a sink failing one send in four: 'deliveries failing' started and ended with every batch, "
     "a line pair per batch (conditions.Condition's settle)",
+    9: "the checker's: on-dead=continue, a refused event in a batch lost to SIGKILL, accepted when "
+    "claimed again, counted as overtaken by the event sent after its refusal",
+    22: "the explorer's: its Kafka-like queue let a key's next send through in the instant between "
+    "a failure and the relay's poll; and a hot key failing one send in ten outlasted the drain",
 }
 
-# Played by CI besides: a spread of relay counts, faults, capture modes and sink behaviours.
-CI_SEEDS: tuple[int, ...] = (3, 4, 5)
+# Played by CI besides, a spread: 5 (three relays, key order, park; SIGKILL, SIGSTOP and a
+# PostgreSQL restart), 18 (a queue per key, freezes, a restart, a redrive), 40 (two relays;
+# SIGKILL, SIGSTOP, a restart; slow keys; a skip), 52 (WAL capture, key order, continue; a
+# restart; a redrive and a skip).
+CI_SEEDS: tuple[int, ...] = (5, 18, 40, 52)
 
 # Seeds on which the explorer finds the ordering bug of KeyHolds.skip_after when it is put back
 # (tests/explore_mutants.py): the proof that it finds bugs of that kind.
-MUTANT_SEEDS: tuple[int, ...] = ()
+# Seed 24 (two relays, batches of 5, three in flight, ten keys, a heavy-tailed latency, one send in
+# ten failing) was the second schedule of a search from seed 23: an event held behind its key's
+# failure stayed locked in a batch waiting on a slow send while the failure was retried and
+# delivered, and the key's next events went out ahead of it (16 times a run, in 4 runs of 4).
+MUTANT_SEEDS: tuple[int, ...] = (24,)
