@@ -169,10 +169,6 @@ class Relay:
         return self.roster.lanes
 
     @property
-    def loop_stall(self) -> Any:
-        return self.health.loop_stall
-
-    @property
     def ordering(self) -> Ordering:
         """The ordering of the relay's first outbox (the only one, unless it serves several)."""
         return next(iter(self.lanes.values())).ordering
