@@ -107,7 +107,7 @@ CORRUPT_EVENT = "corrupt_event"
 SINK_REPLACED = "sink_replaced"  # in flight when the relay replaced an unhealthy sink, unreported
 
 # Retry kinds that mean "the sink could not be reached", not "it refused this event": when the
-# sink answers again, events that last failed so are retried at once (Relay._sinks_back).
+# sink answers again, events that last failed so are retried at once (LaneUpkeep.sinks_back).
 UNREACHABLE_KINDS = frozenset(
     {
         "unavailable",  # an asyncio sink's connection is down (sinks/aio.py)

@@ -100,7 +100,7 @@ def routed(
     webhook_secrets_for: list[tuple[str, list[bytes]]] | None = None,
 ) -> Callable[[], Sink]:
     """The relay's sink factory for ``routes``: a Router over one sink per URL. The relay adds
-    each outbox's key chains where its ordering needs them (:meth:`~outbox.relay.Relay._chain`).
+    each outbox's key chains where its ordering needs them (:meth:`~outbox.upkeep.LaneUpkeep.chain`).
     With ``cloudevents_source``, each sink adds the CloudEvents attributes
     (:mod:`outbox.sinks.cloudevents`); with ``claim_check`` (a store and a size), payloads over
     the size go to the store (:mod:`outbox.claim_check`)."""
