@@ -127,7 +127,12 @@ def test_worker_slower_than_its_lease_cannot_ack(pg_dsn: str, schema: str, kafka
             schema=schema,
         )
     lease = 1.5
-    slow = SlowSink(KafkaSink(kafka, delivery_timeout=1.0), delay=lease * 2.5)
+    # The stale worker's copies must reach the broker (the duplicates asserted below): its
+    # producer gets 10 s to deliver them. With 1 s (the relay's delivery timeout, which must stay
+    # under the lease), five matrix suites on two cores had Tansu answer late, librdkafka timed
+    # the copies out, and 50 of the 100 messages were read (CI, PostgreSQL 18, 2026-11-27). The
+    # relay waits for the reports either way: SlowSink holds them for 2.5 leases.
+    slow = SlowSink(KafkaSink(kafka, delivery_timeout=10.0), delay=lease * 2.5)
     slow_config = RelayConfig(
         pg_dsn,
         schema=schema,
