@@ -14,10 +14,12 @@ REGRESSIONS: dict[int, str] = {
 }
 
 # Played by CI besides, a spread: 5 (three relays, key order, park; SIGKILL, SIGSTOP and a
-# PostgreSQL restart), 18 (a queue per key, freezes, a restart, a redrive), 40 (two relays;
-# SIGKILL, SIGSTOP, a restart; slow keys; a skip), 52 (WAL capture, key order, continue; a
-# restart; a redrive and a skip).
-CI_SEEDS: tuple[int, ...] = (5, 18, 40, 52)
+# PostgreSQL restart; slow keys), 52 (WAL capture, key order, continue; a restart; a redrive and
+# a skip). With the regression seeds (among them a Kafka-like queue per key, freezes, refusals)
+# and the mutant's, CI plays six schedules: about 150 s of test time in a suite whose minutes are
+# counted. 18 and 40 (a queue per key with freezes; two relays killed and stopped) were CI's too,
+# and are where a longer run starts: outbox bench explore --seed 18 --schedules 100.
+CI_SEEDS: tuple[int, ...] = (5, 52)
 
 # Seeds on which the explorer finds the ordering bug of KeyHolds.skip_after when it is put back
 # (tests/explore_mutants.py): the proof that it finds bugs of that kind.
