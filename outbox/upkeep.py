@@ -218,23 +218,17 @@ class LaneUpkeep:
                 self._retry_unreachable_now(lane)
 
     def _retry_unreachable_now(self, lane: Lane) -> None:
-        relay = self.relay
-        sessions = relay.sessions
-        conn = sessions.take()
-        if conn is None:
+        n = self.on_session(
+            lane,
+            "retrying after the outage",
+            lambda conn: (
+                conn.execute(
+                    query("retry_unreachable_now", lane.schema), {"kinds": sorted(UNREACHABLE_KINDS)}
+                ).rowcount
+            ),
+        )
+        if n is None:
             return
-        try:
-            n = conn.execute(
-                query("retry_unreachable_now", lane.schema), {"kinds": sorted(UNREACHABLE_KINDS)}
-            ).rowcount
-            conn.commit()
-        except psycopg.OperationalError as exc:
-            sessions.lost(conn, f"retrying after the outage failed: {sessions.clean(exc)}")
-            return
-        except psycopg.Error as exc:
-            relay.lane_error(lane, conn, f"retrying after the outage failed: {sessions.clean(exc)}")
-            return
-        sessions.give_back(conn)
         lane.upkept.sinks_were_down = False
         if n > 0:
             log.info(

@@ -29,6 +29,7 @@ import psycopg
 from outbox import capture, dead
 from outbox.bench.explore.schedule import Fault, Schedule
 from outbox.bench.explore.sink import ENV_JOURNAL, ENV_RELAY, ENV_SCHEDULE, ENV_T0
+from outbox.bench.faults.relays import stop_processes
 from outbox.embedded import EmbeddedPostgres, free_port
 from outbox.migrate import migrate
 from outbox.queries import query
@@ -201,17 +202,7 @@ class Run:
         raise RuntimeError(f"relay {i} did not become ready; its log ends:\n{tail}")
 
     def _stop_all(self) -> None:
-        for p in self.procs.values():
-            if p.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    p.send_signal(signal.SIGCONT)
-                    p.terminate()
-        for p in self.procs.values():
-            try:
-                p.wait(STOP_TIMEOUT)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+        stop_processes(list(self.procs.values()), STOP_TIMEOUT)
 
     # -- the writer -----------------------------------------------------------------------
 

@@ -58,6 +58,24 @@ def poll_until(check: Callable[[], bool], timeout: float, interval: float = 0.1)
     return False
 
 
+def stop_processes(procs: list[subprocess.Popen[bytes]], timeout: float) -> list[int | None]:
+    """SIGCONT (a stopped process cannot stop) and SIGTERM to each process, then their exit
+    codes; one that does not exit within ``timeout`` s is killed."""
+    codes: list[int | None] = []
+    for p in procs:
+        if p.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                p.send_signal(signal.SIGCONT)
+            p.terminate()
+    for p in procs:
+        try:
+            codes.append(p.wait(timeout))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            codes.append(p.wait())
+    return codes
+
+
 class Relays:
     """``outbox relay`` processes (the real CLI), each with its own log file and metrics port."""
 
@@ -169,19 +187,7 @@ class Relays:
         return [p.pid for p in self.procs.values() if p.poll() is None]
 
     def stop_all(self) -> list[int | None]:
-        codes: list[int | None] = []
-        for p in self.procs.values():
-            if p.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    p.send_signal(signal.SIGCONT)
-                p.terminate()
-        for p in self.procs.values():
-            try:
-                codes.append(p.wait(30))
-            except subprocess.TimeoutExpired:
-                p.kill()
-                codes.append(p.wait())
-        return codes
+        return stop_processes(list(self.procs.values()), 30)
 
     def events(self) -> dict[str, int]:
         """Counts of the structured events the report names, over every relay's log."""
