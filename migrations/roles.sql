@@ -49,6 +49,10 @@ GRANT EXECUTE ON FUNCTION {schema}.ensure_delivered_partitions(integer) TO {rela
 GRANT SELECT ON {schema}.audit TO {relay};
 -- The claim-check store (--claim-check-store postgres:): store, read, and purge old payloads.
 GRANT SELECT, INSERT, UPDATE, DELETE ON {schema}.claim_checks TO {relay};
+-- Membership in the database's fleet (migration 0018): the one row whose lease keeps its
+-- partitions in every outbox of the database.
+GRANT USAGE ON SCHEMA outbox_fleet TO {relay};
+GRANT SELECT, INSERT, UPDATE, DELETE ON outbox_fleet.relays TO {relay};
 
 -- The console (outbox console): read every table (but the WAL signing key); redrive (a dead
 -- letter moves back into events under its own id: DELETE from dead_letters, INSERT into events),
@@ -60,6 +64,8 @@ GRANT SELECT ON {schema}.schema_migrations, {schema}.events, {schema}.delivered,
     {schema}.relays, {schema}.partitions, {schema}.claim_checks, {schema}.capture,
     {schema}.capture_positions TO {console};
 GRANT INSERT ON {schema}.events TO {console};
+GRANT USAGE ON SCHEMA outbox_fleet TO {console};
+GRANT SELECT ON outbox_fleet.relays TO {console};
 GRANT USAGE ON SEQUENCE {sequence} TO {console};
 GRANT DELETE, UPDATE (parked) ON {schema}.dead_letters TO {console};
 -- The audit trail: read, and written only through its two functions (migration 0017), which set

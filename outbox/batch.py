@@ -60,6 +60,7 @@ class BatchResult:
 
     topics: dict[str, TopicResult] = field(default_factory=dict)
     dead_events: list[tuple[int, str]] = field(default_factory=list)  # (id, reason)
+    next_retry: float | None = None  # seconds to the soonest retry it scheduled (None: none)
 
     @property
     def delivered(self) -> int:
@@ -256,6 +257,8 @@ class Batch:
             tr.dead += 1
             result.dead_events.append((self.ids[i], reason))
 
+        if retry_delays:
+            result.next_retry = min(retry_delays)
         written = Written(
             archive, ok_ids, ok_parts, ok_offsets, ok_refs,
             retry_ids, retry_delays, retry_errors, retry_kinds,

@@ -32,6 +32,9 @@ from outbox.sinks.base import SINK_REPLACED, Retry, Sink
 
 log = logging.getLogger("outbox.relay")
 
+# Seconds after a retry's due time that its outbox is claimed from (the server's clock set it).
+RETRY_MARGIN = 0.05
+
 
 class Host(Protocol):
     """What the finisher uses of the relay."""
@@ -212,6 +215,8 @@ class BatchFinisher:
             return
         assert isinstance(outcome, BatchResult)
         result = outcome
+        if result.next_retry is not None:  # claim again when it comes due, not at the next poll
+            lane.retry_at = min(lane.retry_at, time.monotonic() + result.next_retry + RETRY_MARGIN)
         self.done(lane, batch)
         recorder.record(lane, batch, result, ack_start, relay.sink)
         if result.delivered:  # a batch that only failed says nothing about the sink's pace

@@ -17,6 +17,7 @@ from typing import Protocol
 from outbox.conditions import Condition
 from outbox.config import RelayConfig
 from outbox.lanes import Lane
+from outbox.membership import Membership
 from outbox.sessions import Sessions
 from outbox.sinks import router
 from outbox.sinks.base import Sink
@@ -84,6 +85,7 @@ class Host(Protocol):
 
     config: RelayConfig
     sessions: Sessions
+    membership: Membership
     sink: Sink | None
     running: threading.Event
     stopped: threading.Event
@@ -124,9 +126,9 @@ class RelayHealth:
         sinks = tuple(states)
         lanes = list(r.lanes.values())  # read from the health server's thread: a copy
         beating = [lane.ordering.heartbeat.active for lane in lanes]
-        # The database is unreachable when sessions fail, or when every outbox's heartbeat does; one
-        # outbox's failing heartbeat (its schema dropped) is that outbox's trouble only.
-        if r.sessions.database.active or (beating and all(beating)):
+        # The database is unreachable when sessions fail, the membership heartbeat does, or every
+        # outbox's look does; one outbox's failing look (its schema dropped) is its trouble only.
+        if r.sessions.database.active or r.membership.heartbeat.active or (beating and all(beating)):
             return Readiness("database unreachable", sinks=sinks)
         if trouble:
             return Readiness("sink down", trouble[0], sinks)
@@ -192,7 +194,11 @@ class RelayHealth:
         while not r.stopped.wait(WATCH_EVERY):
             age = time.monotonic() - self.loop_progress
             lanes = list(r.lanes.values())
-            said = r.sessions.database.active or any(lane.ordering.heartbeat.active for lane in lanes)
+            said = (
+                r.sessions.database.active
+                or r.membership.heartbeat.active
+                or any(lane.ordering.heartbeat.active for lane in lanes)
+            )
             if age > limit and not said:  # an error already said it: one problem, one line
                 self.loop_stall.fail(f"no claim or heartbeat completed for {age:.0f} s")
             else:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import logging
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -107,6 +108,7 @@ class Lane:
     # ClaimScheduler's
     more_work: bool = True  # a full batch came back: claim again without waiting
     next_poll: float = 0.0  # monotonic time of the next poll without a NOTIFY
+    retry_at: float = math.inf  # monotonic time the soonest retry this relay scheduled comes due
     paused_until: float = 0.0  # after an error of this outbox's own
     leaving: bool = False  # no longer served: finish what is in flight, hand over, go
     last_work: float = 0.0  # monotonic time its last claim found events
@@ -152,8 +154,9 @@ class Lane:
         return not self.leaving and len(self.in_flight) < per_lane and now >= self.paused_until
 
     def due(self, now: float) -> bool:
-        """May there be work: woken, a full batch came back, or the poll timer ran out."""
-        return self.wake.woken or self.more_work or now >= self.next_poll
+        """May there be work: woken, a full batch came back, a retry it made came due, or the
+        poll timer ran out."""
+        return self.wake.woken or self.more_work or now >= self.next_poll or now >= self.retry_at
 
 
 class Beats:
@@ -166,6 +169,7 @@ class Beats:
     """
 
     def __init__(self) -> None:
+        self.fleet_at: float | None = None  # the membership heartbeat's (outbox.membership)
         self._heap: list[tuple[float, int, Lane]] = []
         self._at: dict[Lane, float] = {}  # the time of each lane's live entry
         self._seq = itertools.count()  # ties: first scheduled, first due (lanes do not compare)
@@ -200,6 +204,7 @@ class Beats:
         return out
 
     def next_at(self) -> float | None:
-        """When the soonest heartbeat is due (monotonic; None: no lane). Possibly earlier than
-        any lane's: a stale entry only wakes the loop once for nothing."""
-        return self._heap[0][0] if self._heap else None
+        """When the soonest heartbeat is due, the membership's or a lane's look (monotonic; None:
+        none). Possibly earlier than any lane's: a stale entry only wakes the loop once for nothing."""
+        times = [t for t in (self.fleet_at, self._heap[0][0] if self._heap else None) if t is not None]
+        return min(times) if times else None

@@ -13,15 +13,20 @@ Every event belongs to one of 64 logical partitions (a hash of its key, stored
 on the row). In ordered mode a relay claims only events of partitions it owns,
 so a key is delivered by one process at a time, in id order.
 
-Each relay heartbeats every ``lease / 5`` seconds on its own autocommit
-connection. A heartbeat refreshes its membership, renews its partition leases,
-and moves it toward its fair share of partitions (computed from the live
-relays in join order):
+A relay's leases in every outbox of a database are one row, its membership
+(:mod:`outbox.membership`), renewed every ``lease / 5`` seconds on its own
+autocommit connection. A look at an outbox (:meth:`Ordering.tick`) registers
+the relay in it and moves it toward its fair share of partitions (computed
+from the outbox's live relays in join order):
 
 - too few: take free partitions, or those whose owner's lease expired;
 - too many: mark the extras ``releasing`` (the claim query stops taking them)
   and hand them over once every batch that was in flight at that moment has
   finished, so the next owner can never find one of their rows still locked.
+
+A look comes when the outbox joins, when the membership heartbeat finds that
+the database's relays changed, every ``lease / 5`` while the outbox's shares
+are not settled, and every ``SETTLED_LOOK`` seconds or so otherwise.
 
 A lease that lapsed (a late heartbeat) while no other relay took the partition
 is simply renewed: only the owner claims, and claims check the lease, so
@@ -68,8 +73,8 @@ key's earlier events (the failed one, retried) are claimed and sent as usual.
 
 from __future__ import annotations
 
-import datetime as dt
 import logging
+import random
 import time
 import uuid
 from collections.abc import Iterable
@@ -78,15 +83,17 @@ from typing import Any
 import psycopg
 
 from outbox.conditions import Condition
+from outbox.membership import HEARTBEAT_FRACTION, Membership
 from outbox.queries import int_array, query
-from outbox.sessions import Link
 
 log = logging.getLogger("outbox.ordering")
 
 PARTITIONS = 64  # logical partitions, fixed by migration 0002
 OWNERSHIP_LEASE = 10.0  # seconds; a dead relay's partitions are taken over within this + a heartbeat
-HEARTBEAT_FRACTION = 5  # heartbeats per lease
-FORGET_EVERY = 60.0  # seconds between clean-ups of relays gone for a while
+FORGET_EVERY = 300.0  # seconds between clean-ups of an outbox's relays gone for a while
+# Seconds between looks at an outbox whose shares are settled (jittered down to half): a relay
+# of 1,000 outboxes makes about 11 a second. Changes are seen sooner, through the membership.
+SETTLED_LOOK = 120.0
 FENCE_RECHECK = 0.5  # seconds before a relay looks again at partitions it took fenced
 ORDERINGS = ("key", "none")  # key: per-key order across relays; none: plain SKIP LOCKED
 ON_DEAD = ("park", "continue")  # park: a dead letter holds back its key's later events
@@ -144,7 +151,7 @@ class Ordering:
     def __init__(
         self,
         *,
-        link: Link,
+        member: Membership,
         schema: str,
         name: str,
         lease: float,
@@ -153,7 +160,8 @@ class Ordering:
         on_dead: str,
         outbox: str | None = None,
     ) -> None:
-        self.id = uuid.uuid4()
+        self.member = member
+        self.id: uuid.UUID = member.id
         self.name = name
         self.schema = schema
         self.lease = lease
@@ -164,10 +172,10 @@ class Ordering:
         self.parks = self.ordered and on_dead == "park"
         self.holds = KeyHolds()
         self._claim = "claim_batch" if self.ordered else "claim_batch_unordered"
-        self.link = link  # the heartbeat's connection, shared with the database's other outboxes
+        self.link = member.link  # the heartbeat's connection, shared with the database's other outboxes
         self._next = 0.0
         self._next_forget = 0.0
-        self._readiness: str | None = None  # the relay's /readyz kind, written with each heartbeat
+        self.looks = 0  # looks that went through
         self.owned: set[int] = set()
         self.lost_partitions = 0  # partitions found taken by another relay (for metrics)
         # partition -> the in-flight batches (by id) that may hold its rows
@@ -178,7 +186,7 @@ class Ordering:
         self.heartbeat = Condition(
             log,
             "heartbeat",
-            f"{said}ownership heartbeat failing (leases lapse if this lasts)",
+            f"{said}ownership check failing (its shares stay as they are)",
             fields={"outbox": outbox} if outbox is not None else None,
         )
 
@@ -196,69 +204,58 @@ class Ordering:
         return self.lease / HEARTBEAT_FRACTION
 
     def delay_first_heartbeat(self, seconds: float) -> None:
-        """The next heartbeat in ``seconds`` (a relay spreads its outboxes' heartbeats)."""
+        """The next look in ``seconds`` (a relay spreads its outboxes' looks)."""
         self._next = time.monotonic() + seconds
+
+    def look_within(self, seconds: float) -> None:
+        """The next look at a random point within ``seconds`` (the database's relays changed),
+        unless one is due sooner."""
+        self._next = min(self._next, time.monotonic() + random.uniform(0, seconds))
 
     @property
     def due_at(self) -> float:
         """When the next heartbeat is due (monotonic seconds)."""
         return self._next
 
-    def tick(
-        self,
-        backend_pids: Iterable[int],
-        in_flight: Iterable[int],
-        stale: list[tuple[int, dt.datetime]] | None = None,
-        readiness: str | None = None,
-    ) -> bool:
-        """Heartbeat: membership, renewals, hand-overs, acquisitions. Never raises.
+    def tick(self, in_flight: Iterable[int]) -> bool:
+        """A look at the outbox's ownership: registration, hand-overs, acquisitions. Never raises.
 
-        ``stale``: this relay's lost sessions (pid, start), which may live on in the server
-        with row locks; they are ended, and the list is emptied once they are gone.
-        ``readiness``: the kind of the relay's /readyz state, recorded for status and the console.
+        ``in_flight``: the outbox's batches in flight (partitions being released wait for them).
         Returns True when partitions were acquired (there may be work at once).
         """
         self._next = time.monotonic() + self.interval
-        self._readiness = readiness
         try:
-            acquired = self._tick(list(backend_pids), set(in_flight), stale if stale is not None else [])
+            acquired, settled = self._tick(set(in_flight))
         except psycopg.Error as exc:
             self.heartbeat.fail(str(exc))
             if isinstance(exc, psycopg.OperationalError):  # the connection; else this schema's own
                 self.link.lost()
             return False
         self.heartbeat.ok()
+        self.looks += 1
+        if settled and self._next >= time.monotonic() + self.interval / 2:
+            self._next = time.monotonic() + SETTLED_LOOK * random.uniform(0.5, 1.0)
         return acquired
 
-    def _tick(self, pids: list[int], in_flight: set[int], stale: list[tuple[int, dt.datetime]]) -> bool:
+    def _tick(self, in_flight: set[int]) -> tuple[bool, bool]:
+        """(acquired any, settled: its share owned, none being handed over or fenced)."""
         conn = self.link.get()
         s = self.schema
-        ttl = self.lease
-        lost = {
-            "stale_pids": int_array(pid for pid, _ in stale),
-            "stale_starts": [started for _, started in stale],
-        }
-        if stale:
-            row = conn.execute(query("end_stale_sessions", s), lost).fetchone()
-            if row is not None and row[0]:
-                log.info("%sended %d of this relay's sessions lost in a network outage", self._said, row[0])
         beat = {
             "me": self.id,
             "name": self.name,
-            "ttl": ttl,
+            "ttl": self.lease,
             "lease": self.batch_lease,
-            "pids": int_array(pids),
             "ordering": self.ordering,
-            "readiness": self._readiness,
         }
-        # The membership, the renewal and the live list in one statement: one round trip, one
-        # transaction. A relay heartbeats each of its outboxes: as three autocommit statements
-        # a heartbeat took 0.60 ms on a quiet machine, as a pipeline of three 0.34 ms; as one
-        # statement it also costs the relay's loop half the Python work (psycopg's per-statement
-        # conversions), which is what bounded a relay of a thousand quiet outboxes.
-        row = conn.execute(query("relay_heartbeat", s), beat).fetchone()
+        # Registration and the outbox's ownership in one statement: one round trip, one transaction.
+        row = conn.execute(query("lane_tick", s), beat).fetchone()
+        now = time.monotonic()
+        if now >= self._next_forget:  # rows of relays gone for 10 minutes: minutes late is fine
+            self._next_forget = now + FORGET_EVERY * random.uniform(0.5, 1.0)
+            conn.execute(query("forget_relays", s))
         if self.ordering != "key":
-            return False
+            return False, True
         assert row is not None  # an aggregate: always one row
         still, releasing_now, fenced, live = row
         owned = set(still)
@@ -307,7 +304,7 @@ class Ordering:
         elif len(self.owned) < share:
             got = conn.execute(
                 query("acquire_partitions", s),
-                {"me": self.id, "ttl": ttl, "count": share - len(self.owned)},
+                {"me": self.id, "count": share - len(self.owned)},
             ).fetchall()
             if got:
                 self.owned |= {r[0] for r in got}
@@ -315,15 +312,8 @@ class Ordering:
                 if any(r[1] for r in got):
                     # Taken fenced: look again at the next heartbeat, not a whole interval later.
                     self._next = min(self._next, time.monotonic() + FENCE_RECHECK)
-        now = time.monotonic()
-        if now >= self._next_forget:  # rows of relays gone for 10 minutes: a minute late is fine
-            self._next_forget = now + FORGET_EVERY
-            conn.execute(query("forget_relays", s))
-        if stale:
-            row = conn.execute(query("stale_sessions_alive", s), lost).fetchone()
-            if row is not None and not row[0]:
-                stale.clear()  # all gone: nothing of ours can hold a row lock any more
-        return bool(got)
+        settled = not fenced and not self._releasing and len(self.owned) == share
+        return bool(got), settled
 
     def release_all(self) -> None:
         """Clean shutdown: hand everything over now (no batch is in flight any more)."""

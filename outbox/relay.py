@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -60,6 +61,7 @@ from outbox.health import OUTBOXES_NOT_SERVED, Readiness, RelayHealth
 from outbox.hygiene import Hygiene
 from outbox.lanes import Beats, Lane, RelayStats
 from outbox.listener import Listener
+from outbox.membership import Membership
 from outbox.metrics import RelayMetrics
 from outbox.ordering import Ordering
 from outbox.outboxes import DEFAULT_NAME, Outbox
@@ -145,6 +147,10 @@ class Relay:
         )
         # The outboxes' heartbeats share one connection, outside the sessions' budget.
         self.link = Link(partial(self.sessions.connect, pooled=False))
+        # One row in the database's membership: the lease of every partition in every outbox.
+        self.membership = Membership(
+            self.link, name=config.name, lease=config.ownership_lease, batch_lease=config.lease
+        )
         beats = Beats()
         self.scheduler = ClaimScheduler(config, beats)
         self.roster = Roster(self, chosen, beats)
@@ -279,6 +285,8 @@ class Relay:
                 chosen.wake.table_news = False
                 chosen.table.due = True
             chosen.wake.woken = False  # a NOTIFY arriving during the claim sets it again
+            if now >= chosen.retry_at:  # this claim looks for the retry that came due
+                chosen.retry_at = math.inf
             limit = scheduler.batch_limit(chosen, now)
             claimed = self.sender.claim_and_send(chosen, limit)
             # A full batch means there is probably more: claim again without waiting.
@@ -367,6 +375,7 @@ class Relay:
         for lane in rotation:
             self.upkeep.stop_reader(lane)
             lane.ordering.release_all()
+        self.membership.leave()
         self.link.close()
         self.sessions.close_all()
         if self.listener is not None:

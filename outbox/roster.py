@@ -1,6 +1,7 @@
-"""The roster: the outboxes a relay serves. They join (a lane each, its heartbeat scheduled, its
-NOTIFY channel watched) and leave (their batches finished, their partitions handed over); each
-heartbeats in turn, a few a loop step, which keeps its partition leases."""
+"""The roster: the outboxes a relay serves. They join (a lane each, its ownership looked at, its
+NOTIFY channel watched) and leave (their batches finished, their partitions handed over). The
+relay's one membership heartbeat keeps every lease; an outbox's ownership is looked at when it
+joins, when the database's relays change, and now and then (a few a loop step)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from outbox.finisher import BatchFinisher
 from outbox.health import RelayHealth
 from outbox.lanes import Beats, Lane, Pace
 from outbox.listener import Listener
+from outbox.membership import Membership
 from outbox.metrics import RelayMetrics
 from outbox.ordering import Ordering
 from outbox.outboxes import DEFAULT_NAME, Outbox
@@ -30,7 +32,9 @@ from outbox.upkeep import LaneUpkeep
 
 log = logging.getLogger("outbox.relay")
 
-HEARTBEATS_PER_STEP = 8  # outboxes heartbeating in one loop step at most (the rest: next step)
+HEARTBEATS_PER_STEP = 8  # outboxes looked at in one loop step at most (the rest: next step)
+# Seconds over which the looks at every outbox spread when the database's relays changed.
+LOOK_SPREAD = 0.5
 
 
 class Host(Protocol):
@@ -39,6 +43,7 @@ class Host(Protocol):
     config: RelayConfig
     sessions: Sessions
     link: Link
+    membership: Membership
     running: threading.Event
     sink: Sink | None
     chains: dict[str, KeyChains]
@@ -113,7 +118,7 @@ class Roster:
         relay = self.relay
         config = relay.config
         ordering = Ordering(
-            link=relay.link,
+            member=relay.membership,
             schema=o.schema,
             name=config.name,
             lease=config.ownership_lease,
@@ -153,6 +158,7 @@ class Roster:
             lane.ordering.release_all()
             relay.scheduler.remove(lane)
             self.beats.forget(lane)
+            relay.membership.changed = True  # the other relays of its outbox look at it again
             del self.lanes[lane.name]
             relay.chains.pop(lane.name, None)
             if relay.listener is not None:
@@ -177,36 +183,57 @@ class Roster:
     # -- heartbeats -------------------------------------------------------------------------
 
     def heartbeats_due(self) -> None:
-        """The most overdue first, a few a step: with hundreds of outboxes, claims go on between them."""
+        """The membership heartbeat when due; then the outboxes whose look is due, the most
+        overdue first, a few a step: with hundreds of outboxes, claims go on between them."""
         relay = self.relay
-        due = self.beats.due(time.monotonic() + BEAT_EARLY, HEARTBEATS_PER_STEP)
-        if not due:
+        now = time.monotonic()
+        member_due = now + BEAT_EARLY >= relay.membership.due_at
+        due = self.beats.due(now + BEAT_EARLY, HEARTBEATS_PER_STEP)
+        if not due and not member_due:
             return
         if relay.sink is not None and not relay.finisher.busy:
             # Idle, nothing else reads the sinks' clients: serve their callbacks here, so that a
             # broker that went away is seen (readiness, the outage's log line) before events are due.
             relay.sink.poll(0)
-        label = relay.health.label()
+        if member_due:
+            self.beat()
         try:
             for lane in due:
-                self.heartbeat(lane, label)
+                self.look(lane)
         finally:  # left the schedule when taken: back in it at their next (or now, past an error)
             for lane in due:
                 self.beats.schedule(lane)
         relay.upkeep.sinks_back(due)
 
-    def heartbeat(self, lane: Lane, readiness: str) -> None:
-        # The pids are recorded for operators (outbox status, pg_stat_activity), not for fencing.
+    def beat(self) -> None:
+        """The membership heartbeat: every lease of the relay renewed. When the database's relays
+        changed, every outbox is looked at within LOOK_SPREAD seconds."""
         relay = self.relay
         sessions = relay.sessions
-        conns = [b.conn for b in lane.in_flight]
+        # The pids are recorded for operators (outbox status, pg_stat_activity), not for fencing.
+        conns = [b.conn for lane in self.lanes.values() for b in lane.in_flight]
         pids = sessions.idle_pids() + [
             pid for c in conns if not c.closed and (pid := sessions.pid(c)) is not None
         ]
+        member = relay.membership
+        if member.beat(pids, sessions.stale, relay.health.label()):
+            for lane in self.lanes.values():
+                lane.ordering.look_within(LOOK_SPREAD)
+                self.beats.schedule(lane)
+        self.beats.fleet_at = member.due_at
+        if not member.heartbeat.active:
+            relay.health.loop_progress = time.monotonic()
+
+    def look(self, lane: Lane) -> None:
+        """A look at one outbox's ownership (its registration, hand-overs, acquisitions)."""
+        relay = self.relay
         ordering = lane.ordering
         lost_before = ordering.lost_partitions
-        if ordering.tick(pids, (id(b) for b in lane.in_flight), sessions.stale, readiness):
+        first = ordering.looks == 0
+        if ordering.tick(id(b) for b in lane.in_flight):
             lane.wake.notified()  # new partitions: there may be work right now
+        if first and ordering.looks:
+            relay.membership.changed = True  # registered: the other relays of the outbox look again
         if not ordering.heartbeat.active:
             relay.health.loop_progress = time.monotonic()
         if relay.metrics_on:
@@ -215,11 +242,12 @@ class Roster:
 
     def start(self) -> None:
         """Join the outboxes, and take a share of their partitions before the first claim; from
-        then on their heartbeats spread over the interval, not all in one step."""
+        then on their looks spread over the interval, not all in one step."""
         self.apply()
+        self.beat()  # the membership first: it is the lease of what the looks take
         rotation = self.relay.scheduler.rotation
         for lane in rotation:
-            self.heartbeat(lane, "starting")
+            self.look(lane)
         for k, lane in enumerate(rotation):
             if k:
                 lane.ordering.delay_first_heartbeat(random.uniform(0, lane.ordering.interval))

@@ -37,7 +37,10 @@ MIN_CLAIM = 10
 # batch, not by a full one that outlives its lease and is sent again.
 START_CLAIM = 100
 CONTENDED = 1.0  # seconds since another outbox last found work, for the relay to count as shared
-IDLE_POLLS = 50.0  # claims a second, at most, that poll quiet outboxes without a NOTIFY
+IDLE_POLLS = 50.0  # claims a second, at most, that poll quiet outboxes without NOTIFY
+# ... and with NOTIFY on: a notification wakes an outbox at once, and a retry the relay scheduled
+# when it comes due; polls only catch what a lost notification, or another relay's retry, left.
+IDLE_POLLS_NOTIFIED = 5.0
 
 
 class ClaimScheduler:
@@ -86,7 +89,7 @@ class ClaimScheduler:
                 return lane
             if backlog is None and lane.more_work:
                 backlog = (k, lane)
-            elif polled is None and now >= lane.next_poll:
+            elif polled is None and (now >= lane.next_poll or now >= lane.retry_at):
                 polled = (k, lane)
         chosen = backlog or polled
         if chosen is None:
@@ -99,17 +102,18 @@ class ClaimScheduler:
         lanes = self.rotation
         if not lanes:
             return self.config.poll_interval
-        polls = min(max(0.0, lane.next_poll - now) for lane in lanes)
+        polls = min(max(0.0, min(lane.next_poll, lane.retry_at) - now) for lane in lanes)
         beat = self.beats.next_at()
         beats = max(0.0, beat - BEAT_EARLY - now) if beat is not None else polls
         return min(polls, beats, max(0.0, maintenance_at - now))
 
     def jittered_poll(self) -> float:
         """Seconds to a quiet lane's next poll. Quiet outboxes are polled in rotation, at most
-        IDLE_POLLS a second in all (NOTIFY wakes one at once; the poll only catches what a lost
-        notification missed). Jitter keeps many relays (and a relay's many outboxes) from
-        polling in step."""
-        every = max(self.config.poll_interval, len(self.rotation) / IDLE_POLLS)
+        IDLE_POLLS (IDLE_POLLS_NOTIFIED with NOTIFY) a second in all (NOTIFY wakes one at once;
+        the poll only catches what a lost notification missed). Jitter keeps many relays (and a
+        relay's many outboxes) from polling in step."""
+        polls = IDLE_POLLS_NOTIFIED if self.config.notify else IDLE_POLLS
+        every = max(self.config.poll_interval, len(self.rotation) / polls)
         return every * random.uniform(0.5, 1.5)
 
     def batch_limit(self, lane: Lane, now: float) -> int:

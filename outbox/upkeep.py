@@ -32,6 +32,7 @@ T = TypeVar("T")
 PARTITION_MAINTENANCE = 3600.0  # seconds between archive partition checks
 MAINTENANCE_RETRY = 10.0  # seconds before trying again after it failed
 CAPTURE_CHECK = 30.0  # seconds between looks at an outbox's capture mode (a slot to read?)
+CAPTURE_CHECKS = 5.0  # looks a second at most, in all: a relay of 1,000 outboxes looks every 200 s
 
 
 class Host(Protocol):
@@ -117,7 +118,8 @@ class LaneUpkeep:
         self.check_lane_capture(due[0], now)
 
     def check_lane_capture(self, lane: Lane, now: float) -> None:
-        lane.upkept.next_capture = now + CAPTURE_CHECK
+        every = max(CAPTURE_CHECK, len(self.relay.scheduler.rotation) / CAPTURE_CHECKS)
+        lane.upkept.next_capture = now + every
         found = self.on_session(lane, "capture check", lambda conn: capture.state(conn, lane.schema))
         if found is None:
             lane.upkept.next_capture = now + MAINTENANCE_RETRY

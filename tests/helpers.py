@@ -272,11 +272,12 @@ def assert_per_key_order(messages: list[Message]) -> None:
 
 
 def owners(dsn: str, schema: str) -> dict[int, str | None]:
-    """partition -> owner id of every partition whose lease is valid."""
+    """partition -> owner id of every partition whose lease is valid (its owner's membership)."""
     with psycopg.connect(dsn) as conn:
         rows = conn.execute(
             sql.SQL(
-                "SELECT partition, owner::text FROM {}.partitions WHERE expires_at > now() ORDER BY 1"
+                "SELECT p.partition, p.owner::text FROM {}.partitions AS p "
+                "JOIN outbox_fleet.relays AS f ON f.id = p.owner AND f.expires_at > now() ORDER BY 1"
             ).format(sql.Identifier(schema))
         ).fetchall()
     return {p: o for p, o in rows}

@@ -3,41 +3,38 @@
 -- the schema as an identifier (psycopg.sql), never string formatting; every
 -- value is a bound parameter. Literal braces are doubled.
 
--- name: relay_heartbeat
--- Register or refresh this relay, extend its partitions' leases, and list the live relays, in
--- one statement (one round trip, one transaction: a relay heartbeats every outbox it serves).
--- Returns the partitions it still owns, those being released, whether any is still fenced (a
--- previous owner's batch may hold its lock), and the ids of the live key-ordering relays in
--- join order. (A relay in --ordering none owns no partition; it uses the membership only.)
--- The list is read in the statement's snapshot, before the upsert: the relay counts itself
--- live, as its upsert makes it, in its place even when its membership had lapsed (on its first
--- heartbeat it is not there yet, and counts itself last, where its join puts it).
--- A lease that lapsed while no other relay took the partition is renewed too: nobody claimed
--- from it meanwhile (claims check the lease, and only the owner claims), so it is still ours.
--- Losing and taking it back would fence it behind this relay's own batches, and with many
--- outboxes on a starved machine that churn fed itself (heartbeats late, leases lapsed, fences).
+-- name: lane_tick
+-- One outbox's ownership, looked at: register this relay in the outbox (its join order decides
+-- the shares), and list the partitions it owns, those being released, whether any is still
+-- fenced (a previous owner's batch may hold its lock), and the live key-ordering relays of the
+-- outbox in join order. Live: its membership in the database (outbox_fleet.relays, renewed by
+-- fleet_heartbeat) has not expired. Nothing here renews a lease: a relay's leases in every
+-- outbox of a database are its one membership row (migration 0018).
+-- The list is read in the statement's snapshot, before the upsert: on its first look the relay
+-- is not registered yet and counts itself last, where its registration puts it.
+-- `expires_at` here only tells relays of an earlier version that this one is alive.
 WITH beat AS (
-    INSERT INTO {schema}.relays (id, name, expires_at, lease_seconds, backend_pids, ordering, readiness)
-    VALUES (%(me)s, %(name)s, now() + %(ttl)s * interval '1 second', %(lease)s,
-            %(pids)s::text::integer[], %(ordering)s, %(readiness)s)
-    ON CONFLICT (id) DO UPDATE
-    SET heartbeat_at = now(), expires_at = excluded.expires_at, backend_pids = excluded.backend_pids,
-        readiness = excluded.readiness
-), renewed AS (
-    UPDATE {schema}.partitions SET expires_at = now() + %(ttl)s * interval '1 second'
-    WHERE owner = %(me)s
-    RETURNING partition, releasing, fenced_until IS NOT NULL AS fenced
+    INSERT INTO {schema}.relays (id, name, expires_at, lease_seconds, ordering)
+    VALUES (%(me)s, %(name)s, now() + %(ttl)s * interval '1 second', %(lease)s, %(ordering)s)
+    ON CONFLICT (id) DO UPDATE SET heartbeat_at = now(), expires_at = excluded.expires_at
+), mine AS (
+    SELECT partition, releasing, fenced_until IS NOT NULL AS fenced
+    FROM {schema}.partitions WHERE owner = %(me)s
 )
 SELECT coalesce(array_agg(partition), '{{}}'),
        coalesce(array_agg(partition) FILTER (WHERE releasing), '{{}}'),
        coalesce(bool_or(fenced), false),
-       ARRAY(SELECT id FROM {schema}.relays
-             WHERE (expires_at > now() OR id = %(me)s) AND ordering = 'key'
-             ORDER BY started_at, id)
-FROM renewed
+       ARRAY(SELECT r.id FROM {schema}.relays AS r
+             JOIN outbox_fleet.relays AS f ON f.id = r.id
+             WHERE (f.expires_at > now() OR r.id = %(me)s) AND r.ordering = 'key'
+             ORDER BY r.started_at, r.id)
+FROM mine
 
 -- name: acquire_partitions
--- Take up to %(count)s partitions that are free or whose owner's lease expired.
+-- Take up to %(count)s partitions that are free or whose owner's lease expired: its membership
+-- (outbox_fleet.relays) expired or is gone. A partition of a relay of an earlier version (no
+-- membership; it renews `expires_at` itself) is free once that has passed; this version's are
+-- 'infinity', which such a relay never takes.
 -- A partition some batch still claims from (its advisory lock is held: see claim_batch) is
 -- taken fenced: claimed from only once unfence_partitions finds the lock free. The previous
 -- owner's batch may live on past its lease (a starved process whose finish() keeps the session
@@ -46,14 +43,16 @@ FROM renewed
 WITH free AS (
     SELECT p.partition, p.owner AS previous
     FROM {schema}.partitions AS p
-    WHERE p.owner IS NULL OR p.expires_at <= now()
+    WHERE p.owner IS NULL
+       OR (NOT EXISTS (SELECT 1 FROM outbox_fleet.relays AS f WHERE f.id = p.owner AND f.expires_at > now())
+           AND (p.expires_at IS NULL OR p.expires_at <= now() OR p.expires_at = 'infinity'))
     ORDER BY p.partition
     LIMIT %(count)s
     FOR UPDATE SKIP LOCKED
 )
 UPDATE {schema}.partitions AS p
 SET owner = %(me)s,
-    expires_at = now() + %(ttl)s * interval '1 second',
+    expires_at = 'infinity',
     releasing = false,
     acquired_at = now(),
     previous_owner = f.previous,
@@ -134,5 +133,8 @@ SET owner = NULL, expires_at = NULL, releasing = false, fenced_until = NULL
 WHERE owner = %(me)s
 
 -- name: forget_relays
--- Drop membership rows of relays that have been gone for a while.
-DELETE FROM {schema}.relays WHERE expires_at < now() - interval '10 minutes'
+-- Drop the rows of relays that have been gone from the outbox's database for a while.
+DELETE FROM {schema}.relays AS r
+WHERE r.expires_at < now() - interval '10 minutes'
+  AND NOT EXISTS (SELECT 1 FROM outbox_fleet.relays AS f
+                  WHERE f.id = r.id AND f.expires_at > now() - interval '10 minutes')

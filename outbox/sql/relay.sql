@@ -15,6 +15,7 @@
 -- nothing from it until no batch holds that lock (acquire_partitions, unfence_partitions).
 -- The lock is taken first and the lease checked after it, on the clock: a batch that claims
 -- from a partition held its lock before the lease ran out, so before anyone could take it.
+-- The lease is the relay's membership in the database (outbox_fleet.relays, migration 0018).
 -- event_id comes as text, headers as JSON text (json.loads of a str is 1.6 us/row faster than
 -- psycopg's jsonb loader) and empty headers as NULL.
 -- %(skip_keys)s / %(skip_after)s: while a batch out holds an event of a key locked, untouched,
@@ -29,7 +30,8 @@ WHERE e.available_at <= now()
         WHERE CASE WHEN p.owner = %(owner)s AND NOT p.releasing
                         AND (p.fenced_until IS NULL OR p.fenced_until <= now())
                    THEN pg_try_advisory_xact_lock_shared(p.tableoid::integer, p.partition)
-                        AND p.expires_at > clock_timestamp()
+                        AND (SELECT f.expires_at FROM outbox_fleet.relays AS f WHERE f.id = %(owner)s)
+                            > clock_timestamp()
                    ELSE false END))
   -- Each per-key check is guarded by a one-time test (an init plan): when no
   -- event is retrying / no key is parked, the common case, no row pays a probe.

@@ -44,21 +44,22 @@ ORDER BY d.id
 LIMIT 50
 
 -- name: status_owners
--- Which relay owns which partitions now.
-SELECT r.id::text, r.name, r.ordering, r.heartbeat_at,
+-- Which relay owns which partitions now: the outbox's relays whose membership in the database
+-- (outbox_fleet.relays, migration 0018) is live; its heartbeat and readiness are the membership's.
+SELECT r.id::text, r.name, r.ordering, f.heartbeat_at,
        coalesce(array_agg(p.partition ORDER BY p.partition)
                 FILTER (WHERE p.partition IS NOT NULL), '{{}}') AS partitions,
-       r.readiness
+       f.readiness
 FROM {schema}.relays AS r
-LEFT JOIN {schema}.partitions AS p ON p.owner = r.id AND p.expires_at > now()
-WHERE r.expires_at > now()
-GROUP BY r.id, r.name, r.ordering, r.heartbeat_at, r.readiness
+JOIN outbox_fleet.relays AS f ON f.id = r.id AND f.expires_at > now()
+LEFT JOIN {schema}.partitions AS p ON p.owner = r.id
+GROUP BY r.id, r.name, r.ordering, f.heartbeat_at, f.readiness
 ORDER BY r.started_at, r.id
 
 -- name: status_unowned
 -- Partitions no live relay owns.
-SELECT count(*) FROM {schema}.partitions
-WHERE owner IS NULL OR expires_at IS NULL OR expires_at <= now()
+SELECT count(*) FROM {schema}.partitions AS p
+WHERE NOT EXISTS (SELECT 1 FROM outbox_fleet.relays AS f WHERE f.id = p.owner AND f.expires_at > now())
 
 -- name: hot_table_stats
 -- Dead and live tuples (statistics) and size of the hot events table.
@@ -89,6 +90,8 @@ SELECT
     (SELECT extract(epoch FROM clock_timestamp() - created_at)::float8
        FROM {schema}.events ORDER BY id LIMIT 1),
     (SELECT count(*) FROM {schema}.delivered WHERE delivered_at > now() - interval '1 hour'),
-    (SELECT count(*) FROM {schema}.relays WHERE expires_at > now()),
-    (SELECT count(*) FROM {schema}.partitions
-      WHERE owner IS NULL OR expires_at IS NULL OR expires_at <= now())
+    (SELECT count(*) FROM {schema}.relays AS r
+      JOIN outbox_fleet.relays AS f ON f.id = r.id AND f.expires_at > now()),
+    (SELECT count(*) FROM {schema}.partitions AS p
+      WHERE NOT EXISTS (SELECT 1 FROM outbox_fleet.relays AS f
+                        WHERE f.id = p.owner AND f.expires_at > now()))

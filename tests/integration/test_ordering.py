@@ -111,11 +111,13 @@ def test_idle_relay_keeps_heartbeating_with_a_long_poll_interval(
     )
 
     def leases() -> tuple[float, object]:
-        """(earliest lease end, latest acquisition): a lapse would show as a new acquisition."""
+        """(the owner's lease end: its membership's, latest acquisition): a lapse would show as a
+        new acquisition."""
         with psycopg.connect(pg_dsn) as conn:
             row = conn.execute(
                 psycopg.sql.SQL(
-                    "SELECT extract(epoch FROM min(expires_at))::float8, max(acquired_at) FROM {}.partitions"
+                    "SELECT extract(epoch FROM min(f.expires_at))::float8, max(p.acquired_at) "
+                    "FROM {}.partitions AS p JOIN outbox_fleet.relays AS f ON f.id = p.owner"
                 ).format(psycopg.sql.Identifier(schema))
             ).fetchone()
             assert row is not None
@@ -132,48 +134,61 @@ def test_idle_relay_keeps_heartbeating_with_a_long_poll_interval(
         )
 
 
-def test_a_heartbeat_renews_membership_and_leases_in_one_transaction(pg_dsn: str, schema: str) -> None:
-    """The membership and the partitions' leases are renewed by one transaction (one commit, one
-    round trip with the live relays' list): a relay of many outboxes heartbeats each of them, and
-    three statements on an autocommit session were two commits and three round trips each."""
+def _ordering(
+    pg_dsn: str, schema: str, name: str, lease: float, batch_lease: float = 30.0, **connect: Any
+) -> Any:
+    """An outbox's ordering with a membership of its own (one relay's view of one outbox)."""
+    from outbox.membership import Membership
     from outbox.ordering import Ordering
     from outbox.sessions import Link
 
-    relay = Ordering(
-        link=Link(lambda: psycopg.connect(pg_dsn)),
-        schema=schema, name="a", lease=10.0, batch_lease=30.0, ordering="key", on_dead="park",
+    member = Membership(
+        Link(lambda: psycopg.connect(pg_dsn, **connect)), name=name, lease=lease, batch_lease=batch_lease
+    )
+    return Ordering(
+        member=member, schema=schema, name=name, lease=lease, batch_lease=batch_lease,
+        ordering="key", on_dead="park",
     )  # fmt: skip
+
+
+def _beat(relay: Any, pids: list[int] | None = None) -> None:
+    """The relay's membership heartbeat, then a look at the outbox."""
+    relay.member.beat(pids or [], [], "ready")
+    relay.tick([])
+
+
+def test_the_membership_heartbeat_is_every_lease_and_writes_no_outbox_row(pg_dsn: str, schema: str) -> None:
+    """A relay's leases in every outbox of a database are its one membership row: heartbeats
+    renew it and write nothing in the outbox (a relay of a thousand outboxes renewed each of
+    them, 500 statements a second)."""
+    relay = _ordering(pg_dsn, schema, "a", lease=10.0)
+    rows = sql.SQL(
+        "SELECT (SELECT array_agg(xmin::text) FROM {s}.relays), (SELECT array_agg(xmin::text) FROM {s}.partitions)"
+    ).format(s=sql.Identifier(schema))
+    fleet = "SELECT expires_at FROM outbox_fleet.relays WHERE id = %s"
     with contextlib.closing(relay.link), psycopg.connect(pg_dsn, autocommit=True) as conn:
-        relay.tick([], [])
+        _beat(relay)
         assert len(relay.owned) == 64
-        relay.tick([], [])  # the steady state: renewals only
-        writers = conn.execute(
-            sql.SQL(
-                "SELECT (SELECT xmin::text FROM {s}.relays WHERE id = %(me)s), "
-                "(SELECT array_agg(DISTINCT xmin::text) FROM {s}.partitions WHERE owner = %(me)s)"
-            ).format(s=sql.Identifier(schema)),
-            {"me": relay.id},
-        ).fetchone()
-    assert writers is not None and writers[1] == [writers[0]], writers
+        written, renewed = conn.execute(rows).fetchone(), conn.execute(fleet, [relay.id]).fetchone()
+        time.sleep(0.05)
+        relay.member.beat([], [], "ready")
+        relay.member.beat([], [], "ready")
+        assert conn.execute(rows).fetchone() == written
+        later = conn.execute(fleet, [relay.id]).fetchone()
+    assert renewed is not None and later is not None and later[0] > renewed[0]
 
 
 def test_a_lease_that_lapsed_untaken_is_renewed_not_lost_and_fenced(pg_dsn: str, schema: str) -> None:
     """A late heartbeat (a starved relay: hundreds of outboxes on a loaded machine) finds its
     leases lapsed but nobody else's: it keeps them. Losing and re-acquiring them fenced them behind
     its own batches, and the churn fed itself: a relay of 200 outboxes never drained."""
-    from outbox.ordering import Ordering
-    from outbox.sessions import Link
-
-    relay = Ordering(
-        link=Link(lambda: psycopg.connect(pg_dsn)),
-        schema=schema, name="a", lease=1.0, batch_lease=3.0, ordering="key", on_dead="park",
-    )  # fmt: skip
+    relay = _ordering(pg_dsn, schema, "a", lease=1.0, batch_lease=3.0)
     with psycopg.connect(pg_dsn) as batch, contextlib.closing(relay.link) as _:
-        relay.tick([batch.info.backend_pid], [])
+        _beat(relay, [batch.info.backend_pid])
         assert len(relay.owned) == 64
         relay.claim(batch, 10)  # a batch in flight: its partitions' advisory locks held
         time.sleep(1.2)  # the heartbeat is late: every lease lapsed
-        relay.tick([batch.info.backend_pid], [])
+        _beat(relay, [batch.info.backend_pid])
         assert (len(relay.owned), relay.lost_partitions) == (64, 0)
         fenced = batch.execute(
             sql.SQL("SELECT count(*) FROM {}.partitions WHERE fenced_until IS NOT NULL").format(
@@ -193,24 +208,26 @@ class _Counting(psycopg.Cursor[Any]):
         return super().execute(*args, **kwargs)
 
 
-def test_a_steady_heartbeat_is_one_statement(pg_dsn: str, schema: str) -> None:
-    """A relay heartbeats each of its outboxes every few seconds: the membership, the leases'
-    renewal and the live list are one statement, where three (even pipelined) cost the relay's
-    loop three times psycopg's work per statement, the bound of a relay of a thousand outboxes."""
-    from outbox.ordering import Ordering
-    from outbox.sessions import Link
+def test_a_steady_heartbeat_is_one_statement_and_a_settled_look_one_more(pg_dsn: str, schema: str) -> None:
+    """The membership heartbeat (every lease of the relay, in every outbox of the database) is one
+    statement; a look at a settled outbox (registration, its partitions, its live relays) is one
+    more, and comes every SETTLED_LOOK seconds or so, not every heartbeat."""
+    from outbox.ordering import SETTLED_LOOK
 
-    relay = Ordering(
-        link=Link(lambda: psycopg.connect(pg_dsn, cursor_factory=_Counting)),
-        schema=schema, name="a", lease=10.0, batch_lease=30.0, ordering="key", on_dead="park",
-    )  # fmt: skip
+    relay = _ordering(pg_dsn, schema, "a", lease=10.0, cursor_factory=_Counting)
     with contextlib.closing(relay.link):
-        relay.tick([], [])
+        _beat(relay)
         assert len(relay.owned) == 64
+        assert relay.due_at - time.monotonic() >= SETTLED_LOOK / 2 - 1, (
+            "a settled outbox looked at again soon"
+        )
         _Counting.executed = 0
-        relay.tick([], [])
-        relay.tick([], [])
-    assert _Counting.executed == 2
+        relay.member.beat([], [], "ready")
+        relay.member.beat([], [], "ready")
+        assert _Counting.executed == 2
+        _Counting.executed = 0
+        relay.tick([])
+        assert _Counting.executed == 1
     assert len(relay.owned) == 64
 
 
@@ -219,23 +236,15 @@ def test_a_late_heartbeat_counts_its_relay_where_it_joined(pg_dsn: str, schema: 
     a relay whose membership lapsed (a late heartbeat) still counts itself live, where it joined.
     Counted last, the first of three relays would take its share for 21 partitions, not 22, and
     hand one over for nothing on every late heartbeat."""
-    from outbox.ordering import Ordering
-    from outbox.sessions import Link
-
-    def relay(name: str, lease: float) -> Ordering:
-        return Ordering(
-            link=Link(lambda: psycopg.connect(pg_dsn)),
-            schema=schema, name=name, lease=lease, batch_lease=30.0, ordering="key", on_dead="park",
-        )  # fmt: skip
-
-    first, second, third = relay("first", 1.0), relay("second", 30.0), relay("third", 30.0)
+    first = _ordering(pg_dsn, schema, "first", 1.0)
+    second, third = _ordering(pg_dsn, schema, "second", 30.0), _ordering(pg_dsn, schema, "third", 30.0)
     with contextlib.closing(first.link), contextlib.closing(second.link), contextlib.closing(third.link):
         for _ in range(6):  # join in this order, then rebalance until each has its share
             for each in (first, second, third):
-                each.tick([], [])
+                _beat(each)
         assert [len(each.owned) for each in (first, second, third)] == [22, 21, 21]
         time.sleep(1.2)  # the first relay's heartbeat is late: its membership lapsed
-        first.tick([], [])
+        _beat(first)
         with psycopg.connect(pg_dsn) as conn:
             releasing = conn.execute(
                 sql.SQL("SELECT count(*) FROM {}.partitions WHERE releasing").format(sql.Identifier(schema))
@@ -252,41 +261,28 @@ def _takeover(pg_dsn: str, schema: str, lease: float, batch_lease: float) -> Ite
     """Relay A claims key k's first event (of three) and its ownership lapses while that batch
     lives on (A's heartbeat starved); relay B takes the partitions over. Yields A's batch
     connection and B's claim (a heartbeat, then the seqs claimed, rolled back)."""
-    from outbox.ordering import Ordering
-    from outbox.sessions import Link
-
     with psycopg.connect(pg_dsn) as conn:
         for seq in range(3):
             outbox.enqueue(conn, "t", {"seq": seq}, key="k", schema=schema)
         conn.commit()
 
-    def relay(name: str) -> Ordering:
-        return Ordering(
-            link=Link(lambda: psycopg.connect(pg_dsn)),
-            schema=schema,
-            name=name,
-            lease=lease,
-            batch_lease=batch_lease,
-            ordering="key",
-            on_dead="park",
-        )
-
-    a, b = relay("a"), relay("b")
+    a = _ordering(pg_dsn, schema, "a", lease, batch_lease)
+    b = _ordering(pg_dsn, schema, "b", lease, batch_lease)
     with (
         psycopg.connect(pg_dsn) as a_batch,
         psycopg.connect(pg_dsn) as b_batch,
         contextlib.closing(a.link) as _,
         contextlib.closing(b.link) as _,
     ):
-        a.tick([a_batch.info.backend_pid], [])
+        _beat(a, [a_batch.info.backend_pid])
         assert len(a.owned) == 64
         assert _seqs(a.claim(a_batch, 1)) == [0]  # A's batch: the key's first event, locked
         time.sleep(lease + 0.2)  # A's heartbeat starves: its ownership lapses
-        b.tick([b_batch.info.backend_pid], [])
+        _beat(b, [b_batch.info.backend_pid])
         assert len(b.owned) == 64, "B did not take the lapsed partitions over"
 
         def claim() -> list[int]:
-            b.tick([b_batch.info.backend_pid], [])
+            _beat(b, [b_batch.info.backend_pid])
             got = _seqs(b.claim(b_batch, 10))
             b_batch.rollback()
             return got

@@ -153,7 +153,9 @@ def test_the_relay_works_through_session_pooling_and_wakes_on_notify(
         started = time.monotonic()
         wait_for(lambda: count(pg_dsn, schema, "delivered") == 20, timeout=15, what="delivery")
         woke_after = time.monotonic() - started
-        recorded = sql.SQL("SELECT unnest(backend_pids) FROM {}.relays").format(sql.Identifier(schema))
+        recorded = sql.SQL(
+            "SELECT unnest(f.backend_pids) FROM {}.relays AS r JOIN outbox_fleet.relays AS f ON f.id = r.id"
+        ).format(sql.Identifier(schema))
         with psycopg.connect(pg_dsn, autocommit=True) as conn:
             # Recorded at each heartbeat (every 2 s here), once the claims have opened sessions.
             wait_for(lambda: bool(conn.execute(recorded).fetchall()), timeout=15, what="pids recorded")

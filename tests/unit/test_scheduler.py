@@ -107,11 +107,34 @@ def test_idle_waits_until_the_next_poll_heartbeat_or_upkeep() -> None:
 
 
 def test_quiet_outboxes_are_polled_at_most_so_often_in_all() -> None:
-    s = _scheduler(poll_interval=0.5)
+    s = _scheduler(poll_interval=0.5, notify=False)
     for i in range(1000):
         _lane(s, f"o{i}")
     polls = [s.jittered_poll() for _ in range(200)]
     assert min(polls) >= 10.0 and max(polls) <= 30.0  # 1,000 outboxes / 50 polls a second, jittered
+
+
+def test_with_notify_quiet_outboxes_are_polled_five_times_a_second_in_all() -> None:
+    """NOTIFY wakes an outbox at once, and a retry the relay made when it comes due: a poll only
+    catches a lost notification, so 1,000 quiet outboxes cost 5 claims a second, not 50."""
+    s = _scheduler(poll_interval=0.5, notify=True)
+    for i in range(1000):
+        _lane(s, f"o{i}")
+    polls = [s.jittered_poll() for _ in range(200)]
+    assert min(polls) >= 100.0 and max(polls) <= 300.0
+    few = _scheduler(poll_interval=0.5, notify=True)
+    _lane(few, "only")
+    assert max(few.jittered_poll() for _ in range(50)) <= 0.75  # one outbox: its poll interval
+
+
+def test_a_retry_the_relay_scheduled_makes_its_outbox_due_when_it_comes_due() -> None:
+    s = _scheduler(poll_interval=1.0)
+    lane = _lane(s, "a", next_poll=500.0)
+    lane.wake.woken = lane.more_work = False
+    lane.retry_at = 7.0
+    assert s.idle_wait(1.0, 100.0) == pytest.approx(6.0)
+    assert s.next_claim(6.9, True) is None
+    assert s.next_claim(7.0, True) is lane
 
 
 def test_a_slow_batch_halves_the_claims_a_lost_lease_quarters_them_and_fast_ones_double_them_back(
