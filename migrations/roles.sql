@@ -53,6 +53,10 @@ GRANT SELECT, INSERT, UPDATE, DELETE ON {schema}.claim_checks TO {relay};
 -- partitions in every outbox of the database.
 GRANT USAGE ON SCHEMA outbox_fleet TO {relay};
 GRANT SELECT, INSERT, UPDATE, DELETE ON outbox_fleet.relays TO {relay};
+-- ... and the limits it shares with the outbox's other relays (--limit).
+GRANT SELECT, INSERT, UPDATE, DELETE ON outbox_fleet.limits, outbox_fleet.limit_flights TO {relay};
+GRANT EXECUTE ON FUNCTION outbox_fleet.limit_take(
+    text, text, text, text, double precision, double precision, integer, integer, integer, uuid, integer) TO {relay};
 
 -- The console (outbox console): read every table (but the WAL signing key); redrive (a dead
 -- letter moves back into events under its own id: DELETE from dead_letters, INSERT into events),
@@ -65,7 +69,7 @@ GRANT SELECT ON {schema}.schema_migrations, {schema}.events, {schema}.delivered,
     {schema}.capture_positions TO {console};
 GRANT INSERT ON {schema}.events TO {console};
 GRANT USAGE ON SCHEMA outbox_fleet TO {console};
-GRANT SELECT ON outbox_fleet.relays TO {console};
+GRANT SELECT ON outbox_fleet.relays, outbox_fleet.limits, outbox_fleet.limit_flights TO {console};
 GRANT USAGE ON SEQUENCE {sequence} TO {console};
 GRANT DELETE, UPDATE (parked) ON {schema}.dead_letters TO {console};
 -- The audit trail: read, and written only through its two functions (migration 0017), which set

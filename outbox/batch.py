@@ -27,6 +27,7 @@ import psycopg
 from outbox import capture
 from outbox.errors import CorruptEvent, FencingError
 from outbox.events import CORRUPT_TOPIC, TOPIC_OF, ClaimedEvent, decode_row
+from outbox.limits import Gate
 from outbox.ordering import KeyHolds
 from outbox.queries import int_array, query
 from outbox.retry import RetryPolicy, cap_error
@@ -115,6 +116,7 @@ class Batch:
         # settle(), which also holds the event's key.
         self.outcomes: list[Outcome | None] = [None] * len(rows)
         self.claimed_at = time.monotonic()
+        self.gate: Gate | None = None  # the limit (--limit) it was claimed for, if any
         self.abandoned = False
         self.finished = False  # its outcomes committed
         # OpenTelemetry "send <topic>" spans of this batch (empty when tracing is off).

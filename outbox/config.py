@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from outbox.errors import ConfigError
 from outbox.hygiene import DEAD_TUPLES_THRESHOLD
+from outbox.limits import Limit, parse_limits, parse_weights
 from outbox.ordering import ON_DEAD, ORDERINGS, OWNERSHIP_LEASE
 from outbox.retry import RetryPolicy
 from outbox.schema import DEFAULT_SCHEMA, validate_schema
@@ -92,8 +93,37 @@ class RelayConfig:
         "report, before /readyz says the relay is stalled",
     )
 
+    limit: list[str] = setting(
+        default_factory=list,
+        help="GLOB=SPEC: events whose topic matches GLOB (as routes match; the first limit that "
+        "matches wins) are sent at most at this rate and/or this many at once, per outbox, shared "
+        "by every relay serving it: SPEC is N/s and/or in_flight=N, comma-separated, e.g. "
+        "'partner.*=50/s,in_flight=8'; their backlog waits in the table; repeatable (in the "
+        "variable: separated by whitespace)",
+        env="OUTBOX_LIMITS",
+        metavar="GLOB=SPEC",
+    )
+    weight: list[str] = setting(
+        default_factory=list,
+        help="GLOB=N: outboxes whose name matches GLOB get N shares of the relay's claims while "
+        "several have a backlog (default 1; the first match wins); repeatable (in the variable: "
+        "separated by whitespace)",
+        env="OUTBOX_WEIGHTS",
+        metavar="GLOB=N",
+    )
+
+    @property
+    def limits(self) -> list[Limit]:
+        return parse_limits(self.limit)
+
+    @property
+    def weights(self) -> list[tuple[str, int]]:
+        return parse_weights(self.weight)
+
     def __post_init__(self) -> None:
         validate_schema(self.schema)
+        self.limits  # noqa: B018  (refused at start, naming the option)
+        self.weights  # noqa: B018
         if self.ordering not in ORDERINGS:
             raise ConfigError(f"ordering: must be one of {ORDERINGS}, got {self.ordering!r}")
         if self.on_dead not in ON_DEAD:

@@ -21,13 +21,15 @@ from typing import Protocol
 
 import psycopg
 
+from outbox import limits
 from outbox.batch import Batch, BatchResult, WalBatch
 from outbox.config import RelayConfig
 from outbox.errors import FencingError
 from outbox.lanes import Lane
+from outbox.membership import Membership
 from outbox.recorder import BatchRecorder
 from outbox.scheduler import ClaimScheduler
-from outbox.sessions import Sessions
+from outbox.sessions import Link, Sessions
 from outbox.sinks.base import SINK_REPLACED, Retry, Sink
 
 log = logging.getLogger("outbox.relay")
@@ -41,6 +43,8 @@ class Host(Protocol):
 
     config: RelayConfig
     sessions: Sessions
+    link: Link
+    membership: Membership
     sink: Sink | None
     scheduler: ClaimScheduler
     recorder: BatchRecorder
@@ -244,6 +248,9 @@ class BatchFinisher:
                 self._leave(lane, later)
 
     def _leave(self, lane: Lane, batch: Batch) -> None:
+        relay = self.relay
+        if batch.gate is not None:
+            limits.finished(relay.link, relay.membership.id, lane.schema, batch.gate, len(batch))
         lane.in_flight.remove(batch)
         lane.ordering.holds.release(id(batch))
         self.relay.sessions.give_back(batch.conn)

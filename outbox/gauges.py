@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import psycopg
@@ -15,6 +15,7 @@ import psycopg
 from outbox import capture
 from outbox.conditions import Condition
 from outbox.dsn import scrub, secrets_of
+from outbox.limits import Limit
 from outbox.metrics import RelayMetrics
 from outbox.prometheus import Labels
 from outbox.queries import query
@@ -31,8 +32,15 @@ class DatabaseGauges:
     """Reads the queue and table gauges of a database's outboxes from PostgreSQL, at most once
     per TTL (one connection, one reading of each outbox)."""
 
-    def __init__(self, dsn: str, outboxes: Callable[[], list[Outbox]], metrics: RelayMetrics) -> None:
+    def __init__(
+        self,
+        dsn: str,
+        outboxes: Callable[[], list[Outbox]],
+        metrics: RelayMetrics,
+        limits: Sequence[Limit] = (),
+    ) -> None:
         self._dsn = dsn
+        self._limits = list(limits)
         self._outboxes = outboxes
         self._metrics = metrics
         self._lock = threading.Lock()
@@ -83,6 +91,13 @@ class DatabaseGauges:
         rows = conn.execute(query("status_by_topic", schema)).fetchall()
         m.pending.replace_where(0, name, {(name, t): float(n) for t, n, _ in rows})
         m.oldest_age.set(max((float(a) for _, _, a in rows), default=0.0), (name,))
+        if self._limits:  # each topic's events wait on the first limit that matches it
+            waiting: dict[Labels, float] = {(name, limit.glob): 0.0 for limit in self._limits}
+            for topic, n, _ in rows:
+                limit = next((lim for lim in self._limits if lim.matches(topic)), None)
+                if limit is not None:
+                    waiting[(name, limit.glob)] += float(n)
+            m.limit_waiting.replace_where(0, name, waiting)
         dead, _live, size = conn.execute(query("hot_table_stats", schema), {"schema": schema}).fetchone() or (
             0,
             0,

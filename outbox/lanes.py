@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 from outbox.batch import Batch
 from outbox.conditions import Condition
+from outbox.limits import Gate
 from outbox.ordering import Ordering
 from outbox.outboxes import DEFAULT_NAME, Outbox
 from outbox.wal_reader import WalReader
@@ -120,6 +121,12 @@ class Lane:
     table: TableTurns = field(default_factory=TableTurns)
     upkept: Upkept = field(default_factory=Upkept)
     stats: RelayStats = field(default_factory=RelayStats)
+    # Limits (--limit): a gate per limit, and the topics the lane's other claims leave (None: none)
+    gates: list[Gate] = field(default_factory=list)
+    skip: str | None = None
+    # Weights (--weight): its shares, and the events claimed for them (ClaimScheduler's turns)
+    weight: int = 1
+    served: float = 0.0
     trouble: Condition = field(init=False)  # this outbox's own problem (schema gone, not migrated)
     delivery: Condition = field(init=False)  # retries batch after batch: one problem, not a line each
 
@@ -150,13 +157,27 @@ class Lane:
         self.paused_until = time.monotonic() + LANE_PAUSE
 
     def may_claim(self, now: float, per_lane: int) -> bool:
-        """Could a claim of this lane run now (a free slot of its own, not paused, not leaving)?"""
-        return not self.leaving and len(self.in_flight) < per_lane and now >= self.paused_until
+        """Could a claim of this lane run now (a free slot of its own, not paused, not leaving)?
+        A limit's batches have slots of their own (:meth:`gate_due`)."""
+        if self.leaving or now < self.paused_until:
+            return False
+        return (
+            len(self.in_flight) - sum(g.batches for g in self.gates) < per_lane
+            if self.gates
+            else (len(self.in_flight) < per_lane)
+        )
 
     def due(self, now: float) -> bool:
         """May there be work: woken, a full batch came back, a retry it made came due, or the
         poll timer ran out."""
         return self.wake.woken or self.more_work or now >= self.next_poll or now >= self.retry_at
+
+    def gate_due(self, now: float, per_lane: int) -> Gate | None:
+        """A limit whose events may be claimed now: some may wait, its next tokens are due, and it
+        has a slot (``per_lane`` batches of each limit at most)."""
+        if not self.gates or self.leaving or now < self.paused_until:
+            return None
+        return next((g for g in self.gates if g.due(now) and g.batches < per_lane), None)
 
 
 class Beats:

@@ -89,6 +89,16 @@ class RelayMetrics:
             "WAL capture: 1 if a relay streams the outbox's slot, else 0.",
             ["outbox"],
         )
+        self.limit_throttled = Counter(
+            "outbox_limit_throttled_seconds_total",
+            "Seconds an outbox's events of a limit (--limit) waited for its tokens or in-flight cap.",
+            ["outbox", "limit"],
+        )
+        self.limit_waiting = Gauge(
+            "outbox_limit_waiting_events",
+            "Events of a limit (--limit) waiting in the outbox (read at scrape time).",
+            ["outbox", "limit"],
+        )
         self.ready = Gauge("outbox_ready", "1 if /readyz answers 200 (the relay can make progress), else 0.")
         self.not_ready_seconds = Gauge(
             "outbox_not_ready_seconds", "How long the relay has not been ready, in seconds (0 when ready)."
@@ -104,6 +114,7 @@ class RelayMetrics:
             self.sinks_replaced, self.partitions_lost, self.pending, self.oldest_age, self.dead_tuples,
             self.table_bytes, self.oldest_xmin, self.owned_partitions, self.up, self.ready,
             self.not_ready_seconds, self.not_ready, self.wal_lag_bytes, self.wal_lag_seconds, self.wal_active,
+            self.limit_throttled, self.limit_waiting,
         ]  # fmt: skip
 
     def note_readiness(self, readiness: Readiness) -> None:

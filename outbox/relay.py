@@ -280,7 +280,12 @@ class Relay:
         scheduler = self.scheduler
         free = self.sessions.available()
         chosen = scheduler.next_claim(now, free)
-        if chosen is not None:
+        gate = chosen.gate_due(now, self.config.max_batches_in_flight) if chosen is not None else None
+        if chosen is not None and gate is not None:
+            self.sender.claim_gate(chosen, gate, scheduler.batch_limit(chosen, now))
+        elif chosen is not None:
+            for g in chosen.gates:  # woken, polled or a backlog: a limit's events may wait too
+                g.pending = True
             if chosen.wake.table_news:  # WAL capture: rows were inserted into its events table
                 chosen.wake.table_news = False
                 chosen.table.due = True
@@ -289,6 +294,7 @@ class Relay:
                 chosen.retry_at = math.inf
             limit = scheduler.batch_limit(chosen, now)
             claimed = self.sender.claim_and_send(chosen, limit)
+            scheduler.served(chosen, claimed)
             # A full batch means there is probably more: claim again without waiting.
             chosen.more_work = claimed == limit or (chosen.wal is not None and chosen.wal.waiting)
             if not chosen.more_work:
@@ -317,13 +323,13 @@ class Relay:
     def _start(self) -> None:
         config = self.config
         if config.metrics_port is not None and not self._shared_metrics:
-            self.gauges = DatabaseGauges(self._dsn, lambda: self.outboxes, self.metrics)
+            self.gauges = DatabaseGauges(self._dsn, lambda: self.outboxes, self.metrics, config.limits)
             self.http = HealthServer(
                 config.metrics_host, config.metrics_port, self.metrics, [self.gauges], self.readiness
             ).start()
             log.info("serving /metrics, /livez, /readyz on %s:%d", config.metrics_host, self.http.port)
         elif self._shared_metrics:
-            self.gauges = DatabaseGauges(self._dsn, lambda: self.outboxes, self.metrics)
+            self.gauges = DatabaseGauges(self._dsn, lambda: self.outboxes, self.metrics, config.limits)
         if config.notify:
             self.listener = Listener(self._dsn, self.stopped)
         self.chains = {}

@@ -18,6 +18,7 @@ from outbox.errors import ConfigError
 from outbox.finisher import BatchFinisher
 from outbox.health import RelayHealth
 from outbox.lanes import Beats, Lane, Pace
+from outbox.limits import either, gates, weight_of
 from outbox.listener import Listener
 from outbox.membership import Membership
 from outbox.metrics import RelayMetrics
@@ -65,6 +66,7 @@ class Roster:
         self.relay = relay
         self.lanes: dict[str, Lane] = {}
         self.beats = beats  # when each lane's heartbeat is due
+        self.weights = relay.config.weights
         self._wanted: list[Outbox] | None = outboxes  # the outboxes to serve from the next step
         self._wanted_lock = threading.Lock()
 
@@ -131,6 +133,10 @@ class Roster:
             # Joining a running relay: its first heartbeat at a random point of the interval.
             ordering.delay_first_heartbeat(random.uniform(0, ordering.interval))
         lane = Lane(o, ordering, pace=Pace(cap=relay.scheduler.start_claim))
+        limits = config.limits
+        lane.gates = gates(limits)
+        lane.skip = either([limit.glob for limit in limits])
+        lane.weight = weight_of(self.weights, o.name)
         self.lanes[o.name] = lane
         relay.scheduler.add(lane)
         self.beats.schedule(lane)

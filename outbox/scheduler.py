@@ -52,6 +52,7 @@ class ClaimScheduler:
         self.rotation: list[Lane] = []  # the lanes in turn, for fair claims
         self.turn = 0
         self.sinks_seen_down = -math.inf  # when a heartbeat last found a sink down (monotonic)
+        self.clock = 0.0  # the weighted turns' clock: the served count of the last backlog chosen
 
     @property
     def start_claim(self) -> int:
@@ -81,28 +82,44 @@ class ClaimScheduler:
         backlog = polled = None
         turn = self.turn % n if n else 0
         for k, lane in enumerate(lanes[turn:] + lanes[:turn]):
+            if lane.gates and lane.gate_due(now, per_lane) is not None:  # a limit's tokens are due
+                self.turn = (turn + k + 1) % n
+                return lane
             # Most lanes of a relay of many have nothing to do: that test first, it is the cheap one.
             if not lane.due(now) or not lane.may_claim(now, per_lane):
                 continue
             if lane.wake.woken:
                 self.turn = (turn + k + 1) % n
                 return lane
-            if backlog is None and lane.more_work:
-                backlog = (k, lane)
+            if lane.more_work:
+                # Backlogs by weight: the one served least for its weight (--weight).
+                if backlog is None or lane.served < backlog[1].served:
+                    backlog = (k, lane)
             elif polled is None and (now >= lane.next_poll or now >= lane.retry_at):
                 polled = (k, lane)
         chosen = backlog or polled
         if chosen is None:
             return None
         self.turn = (turn + chosen[0] + 1) % n
+        if chosen is backlog:
+            self.clock = max(self.clock, chosen[1].served)
         return chosen[1]
 
+    def served(self, lane: Lane, events: int) -> None:
+        """A claim of ``lane`` took ``events``: its share used, for its weight. A lane that was
+        idle starts at the clock (the least served backlog's), not with credit for its idle time."""
+        lane.served = max(lane.served, self.clock) + events / lane.weight
+
     def idle_wait(self, now: float, maintenance_at: float) -> float:
-        """Seconds the loop may sleep: until the next poll, heartbeat or upkeep (NOTIFY wakes it)."""
+        """Seconds the loop may sleep: until the next poll, heartbeat, limit's tokens or upkeep
+        (NOTIFY wakes it)."""
         lanes = self.rotation
         if not lanes:
             return self.config.poll_interval
         polls = min(max(0.0, min(lane.next_poll, lane.retry_at) - now) for lane in lanes)
+        gates = [g.next_try for lane in lanes for g in lane.gates if g.pending]
+        if gates:
+            polls = min(polls, max(0.0, min(gates) - now))
         beat = self.beats.next_at()
         beats = max(0.0, beat - BEAT_EARLY - now) if beat is not None else polls
         return min(polls, beats, max(0.0, maintenance_at - now))

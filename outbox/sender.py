@@ -11,26 +11,33 @@ from typing import Any, Protocol, cast
 
 import psycopg
 
-from outbox import tracing
+from outbox import limits, tracing
 from outbox.batch import Batch, WalBatch
 from outbox.events import ClaimedEvent
 from outbox.finisher import BatchFinisher
 from outbox.health import RelayHealth
 from outbox.lanes import Lane, RelayStats
+from outbox.limits import Gate
+from outbox.membership import Membership
 from outbox.metrics import RelayMetrics
 from outbox.queries import query
 from outbox.scheduler import ClaimScheduler
-from outbox.sessions import Sessions
+from outbox.sessions import Link, Sessions
 from outbox.sinks import router
 from outbox.sinks.base import ProducesMany, Sink, send_now
 from outbox.sinks.chains import KeyChains
 from outbox.upkeep import LaneUpkeep
+
+GATE_RETRY = 1.0  # seconds before a limit whose tokens could not be taken (an error) tries again
+CAP_RECHECK = 0.05  # seconds before a limit at its in-flight cap looks again (another relay's may end)
 
 
 class Host(Protocol):
     """What the sender uses of the relay."""
 
     sessions: Sessions
+    link: Link
+    membership: Membership
     sink: Sink | None
     chains: dict[str, KeyChains]
     stats: RelayStats
@@ -78,8 +85,76 @@ class BatchSender:
         if conn is None:
             return 0
         claim_start = time.time_ns()
+        rows = self._claim(lane, conn, limit, None, lane.skip)
+        if rows is None:
+            return 0
+        if wal is not None:
+            lane.table.due = len(rows) >= limit
+            lane.table.next_claim = time.monotonic() + relay.scheduler.jittered_poll()
+        if not rows:
+            sessions.give_back(conn)
+            return 0
+        ordering = lane.ordering
+        batch = Batch(conn, rows, holds=ordering.holds if ordering.ordered else None, parks=ordering.parks)
+        return self._send(lane, batch, claim_start, limit)
+
+    def claim_gate(self, lane: Lane, gate: Gate, most: int) -> int:
+        """Events of one limit (--limit) of ``lane``, in a batch of their own: as many as the
+        tokens taken from the bucket its relays share allow now, ``most`` at most. None taken:
+        the limit waits for its next token; the events wait in the table."""
+        relay = self.relay
+        sessions = relay.sessions
+        now = time.monotonic()
+        if not sessions.available():
+            return 0
         try:
-            rows = lane.ordering.claim(conn, limit)
+            granted, wait = limits.take(relay.link.get(), relay.membership.id, lane.schema, gate, most)
+        except psycopg.Error as exc:
+            if isinstance(exc, psycopg.OperationalError):
+                relay.link.lost()
+            gate.throttle(now, now + GATE_RETRY)
+            lane.pause(f"limit {gate.limit.glob}: taking tokens failed: {sessions.clean(exc)}")
+            return 0
+        if not granted:  # the rate's next token, or (in-flight cap) the next batch to finish
+            self._throttled(lane, gate, gate.throttle(now, now + (wait or CAP_RECHECK)))
+            return 0
+        self._throttled(lane, gate, gate.flowing(now))
+        gate.next_try = now
+        conn = sessions.take()
+        if conn is None:
+            return 0
+        claim_start = time.time_ns()
+        rows = self._claim(lane, conn, granted, gate.only, gate.skip)
+        if rows is None:
+            return 0
+        if len(rows) < granted:
+            gate.pending = False  # nothing more of it now: the next NOTIFY, poll or backlog claim
+            # The tokens it could not use go back (another relay of the outbox may have the
+            # events: its partitions), and its events in flight are what it claimed.
+            limits.report(relay.link, relay.membership.id, lane.schema, gate, len(rows), granted - len(rows))
+        if not rows:
+            sessions.give_back(conn)
+            return 0
+        ordering = lane.ordering
+        batch = Batch(conn, rows, holds=ordering.holds if ordering.ordered else None, parks=ordering.parks)
+        batch.gate = gate
+        gate.flying += len(batch)
+        gate.batches += 1
+        return self._send(lane, batch, claim_start, granted)
+
+    def _throttled(self, lane: Lane, gate: Gate, seconds: float) -> None:
+        if seconds and self.relay.metrics_on:
+            self.relay.metrics.limit_throttled.inc((lane.name, gate.limit.glob), seconds)
+
+    def _claim(
+        self, lane: Lane, conn: psycopg.Connection[Any], limit: int, only: str | None, skip: str | None
+    ) -> list[tuple[Any, ...]] | None:
+        """Claim on ``conn``: the rows (none: rolled back), or None when it failed (the session
+        lost, or this outbox's own error)."""
+        relay = self.relay
+        sessions = relay.sessions
+        try:
+            rows = lane.ordering.claim(conn, limit, only, skip)
             if not rows:
                 conn.rollback()
         except psycopg.OperationalError as exc:
@@ -87,27 +162,20 @@ class BatchSender:
             # empty claim and its rollback): nothing was claimed that will not be
             # claimed again.
             sessions.lost(conn, f"claim failed: {sessions.clean(exc)}")
-            return 0
+            return None
         except psycopg.Error as exc:
             # The database answers, but not for this outbox (its schema dropped, not migrated,
             # a privilege taken away): this outbox rests, the others go on.
             relay.lane_error(lane, conn, f"claim failed: {sessions.clean(exc)}")
-            return 0
+            return None
         sessions.database.ok()  # the claim went through, empty or not
         lane.trouble.ok()
-        if wal is not None:
-            lane.table.due = len(rows) >= limit
-            lane.table.next_claim = time.monotonic() + relay.scheduler.jittered_poll()
         relay.health.loop_progress = time.monotonic()
         relay.stats.claims += 1
         lane.stats.claims += 1
-        if not rows:
-            sessions.give_back(conn)
-            return 0
-        lane.last_work = time.monotonic()
-        ordering = lane.ordering
-        batch = Batch(conn, rows, holds=ordering.holds if ordering.ordered else None, parks=ordering.parks)
-        return self._send(lane, batch, claim_start, limit)
+        if rows:
+            lane.last_work = time.monotonic()
+        return rows
 
     def _read_and_send(self, lane: Lane, limit: int) -> int:
         """WAL capture: send the next committed transactions read from the outbox's slot. The

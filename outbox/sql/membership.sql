@@ -29,3 +29,26 @@ DELETE FROM outbox_fleet.relays WHERE id = %(me)s
 -- name: fleet_forget
 -- Drop the memberships of relays that have been gone for a while.
 DELETE FROM outbox_fleet.relays WHERE expires_at < now() - interval '10 minutes'
+
+-- name: limit_take
+-- Tokens of a limit for up to %(want)s events of an outbox, shared by every relay serving it
+-- (outbox.limits; the function is migration 0018's). Returns (granted, seconds to the next token).
+SELECT granted, wait
+FROM outbox_fleet.limit_take(%(outbox)s, %(glob)s, %(spec)s, %(pattern)s, %(rate)s, %(burst)s,
+                             %(least)s, %(cap)s, %(want)s, %(me)s, %(flying)s)
+
+-- name: limit_report
+-- This relay's events in flight of a capped limit, as they are now (a batch of it finished, or a
+-- claim took fewer than it had tokens for), and the tokens it took and could not use (%(back)s),
+-- back into the bucket for the other relays.
+WITH flights AS (
+    UPDATE outbox_fleet.limit_flights SET in_flight = %(flying)s
+    WHERE %(capped)s AND outbox = %(outbox)s AND glob = %(glob)s AND relay = %(me)s
+)
+UPDATE outbox_fleet.limits SET tokens = least(%(burst)s, tokens + %(back)s)
+WHERE %(back)s > 0 AND outbox = %(outbox)s AND glob = %(glob)s
+
+-- name: limit_forget
+-- The in-flight rows of relays gone for a while.
+DELETE FROM outbox_fleet.limit_flights AS u
+WHERE NOT EXISTS (SELECT 1 FROM outbox_fleet.relays AS f WHERE f.id = u.relay)

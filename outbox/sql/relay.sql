@@ -50,16 +50,31 @@ WHERE e.available_at <= now()
   AND (cardinality(%(skip_keys)s::bytea[]) = 0 OR NOT EXISTS (
             SELECT 1 FROM unnest(%(skip_keys)s::bytea[], %(skip_after)s::bigint[]) AS s(key, after)
             WHERE s.key = e.key AND e.id > s.after))
+  -- Limits (--limit): %(only)s, the topics of the one limit this claim is for; %(skip)s, those
+  -- it leaves (every limit's, or the earlier limits'). A limited topic's events wait in the
+  -- table, and so, in key order, do the later events of their keys; a limited claim takes an
+  -- event only when no earlier event of its key, of any other topic, is still pending.
+  AND (%(only)s::text IS NULL OR e.topic ~ %(only)s::text)
+  AND (%(skip)s::text IS NULL OR e.topic !~ %(skip)s::text)
+  AND (%(skip)s::text IS NULL OR e.key IS NULL OR NOT EXISTS (
+            SELECT 1 FROM {schema}.events AS w
+            WHERE w.key = e.key AND w.id < e.id AND w.topic ~ %(skip)s::text))
+  AND (%(only)s::text IS NULL OR e.key IS NULL OR NOT EXISTS (
+            SELECT 1 FROM {schema}.events AS w
+            WHERE w.key = e.key AND w.id < e.id AND w.topic !~ %(only)s::text))
 ORDER BY e.id
 LIMIT %(limit)s
 FOR UPDATE OF e SKIP LOCKED
 
 -- name: claim_batch_unordered
--- Unordered mode: any available event, plain SKIP LOCKED, maximum parallelism.
+-- Unordered mode: any available event, plain SKIP LOCKED, maximum parallelism (of the topics
+-- %(only)s names, but those %(skip)s names: limits, as in claim_batch).
 SELECT e.id, e.event_id::text, e.topic, e.key, e.payload, nullif(e.headers, '{{}}'::jsonb)::text,
        extract(epoch FROM e.created_at)::float8, e.attempts, e.type, e.subject
 FROM {schema}.events AS e
 WHERE e.available_at <= now()
+  AND (%(only)s::text IS NULL OR e.topic ~ %(only)s::text)
+  AND (%(skip)s::text IS NULL OR e.topic !~ %(skip)s::text)
 ORDER BY e.id
 LIMIT %(limit)s
 FOR UPDATE OF e SKIP LOCKED
