@@ -78,7 +78,7 @@ def test_limits_and_weights_are_refused_naming_the_option_when_malformed() -> No
     ]:
         with pytest.raises(ConfigError, match=f"--limit .*{said}"):
             RelayConfig("postgresql://unused", limit=[bad])
-    with pytest.raises(ConfigError, match="--limit a=5/s=...: given twice|given twice"):
+    with pytest.raises(ConfigError, match="given twice"):
         RelayConfig("postgresql://unused", limit=["a=5/s a=6/s"])
     with pytest.raises(ConfigError, match="--weight 'gold'"):
         RelayConfig("postgresql://unused", weight=["gold"])
@@ -118,7 +118,7 @@ class _Concurrent(BaseHTTPRequestHandler):
     most = 0
     served = 0
 
-    def do_POST(self) -> None:  # noqa: N802
+    def do_POST(self) -> None:
         cls = type(self)
         self.rfile.read(int(self.headers.get("content-length", "0")))
         with cls.lock:
