@@ -9,10 +9,19 @@
 -- `partitions.expires_at` of a relay of this version is 'infinity' (the lease is the owner's
 -- row here); a relay of an earlier version keeps renewing its own, so during an upgrade
 -- neither takes a partition the other still holds.
--- The schema is shared by every outbox of the database; its table is created once.
+-- The schema is shared by every outbox of the database: created once, by the first outbox migrated
+-- to this version (a relay serving outboxes found by a glob refuses it unless a trusted role owns
+-- it, like a tenant's schema). Its objects are created only when missing: a tenant migrating its
+-- own outbox later neither needs nor has the right to touch them.
 SELECT pg_advisory_xact_lock(hashtext('outbox_fleet'), 0);
-CREATE SCHEMA IF NOT EXISTS outbox_fleet;
-CREATE TABLE IF NOT EXISTS outbox_fleet.relays (
+DO $do$
+BEGIN
+IF NOT EXISTS (SELECT 1 FROM pg_namespace WHERE nspname = 'outbox_fleet') THEN
+    CREATE SCHEMA outbox_fleet;
+END IF;
+IF NOT EXISTS (SELECT 1 FROM pg_class AS c JOIN pg_namespace AS n ON n.oid = c.relnamespace
+               WHERE n.nspname = 'outbox_fleet' AND c.relname = 'relays') THEN
+CREATE TABLE outbox_fleet.relays (
     id            uuid PRIMARY KEY,
     name          text NOT NULL,
     started_at    timestamptz NOT NULL DEFAULT now(),
@@ -23,12 +32,19 @@ CREATE TABLE IF NOT EXISTS outbox_fleet.relays (
     readiness     text,                              -- the kind of its /readyz at the last heartbeat
     changed_at    timestamptz NOT NULL DEFAULT now() -- when it last joined or left an outbox
 );
+END IF;
+END
+$do$;
 
 -- Limits per destination (`outbox relay --limit GLOB=SPEC`), shared by every relay of an outbox:
 -- a token bucket per outbox (its schema) and limit (its glob), and each relay's events in flight.
 -- `spec` and `pattern` (its topics, as a regular expression) are as the relays last gave them,
 -- for `outbox status` and the console.
-CREATE TABLE IF NOT EXISTS outbox_fleet.limits (
+DO $do$
+BEGIN
+IF NOT EXISTS (SELECT 1 FROM pg_class AS c JOIN pg_namespace AS n ON n.oid = c.relnamespace
+               WHERE n.nspname = 'outbox_fleet' AND c.relname = 'limits') THEN
+CREATE TABLE outbox_fleet.limits (
     outbox   text NOT NULL,
     glob     text NOT NULL,
     spec     text NOT NULL,
@@ -37,13 +53,19 @@ CREATE TABLE IF NOT EXISTS outbox_fleet.limits (
     at       timestamptz NOT NULL,
     PRIMARY KEY (outbox, glob)
 );
-CREATE TABLE IF NOT EXISTS outbox_fleet.limit_flights (
+END IF;
+IF NOT EXISTS (SELECT 1 FROM pg_class AS c JOIN pg_namespace AS n ON n.oid = c.relnamespace
+               WHERE n.nspname = 'outbox_fleet' AND c.relname = 'limit_flights') THEN
+CREATE TABLE outbox_fleet.limit_flights (
     outbox    text NOT NULL,
     glob      text NOT NULL,
     relay     uuid NOT NULL,
     in_flight integer NOT NULL,
     PRIMARY KEY (outbox, glob, relay)
 );
+END IF;
+END
+$do$;
 
 -- Take tokens for up to p_want events: as many as the bucket holds whole (refilled at p_rate a
 -- second up to p_burst since it was last taken from) and the in-flight cap leaves beside the
@@ -55,8 +77,8 @@ CREATE TABLE IF NOT EXISTS outbox_fleet.limit_flights (
 -- replace it, and need not.
 DO $do$
 BEGIN
-IF to_regprocedure('outbox_fleet.limit_take(text, text, text, text, double precision, '
-                   'double precision, integer, integer, integer, uuid, integer)') IS NULL THEN
+IF NOT EXISTS (SELECT 1 FROM pg_proc AS p JOIN pg_namespace AS n ON n.oid = p.pronamespace
+               WHERE n.nspname = 'outbox_fleet' AND p.proname = 'limit_take') THEN
 CREATE FUNCTION outbox_fleet.limit_take(
     p_outbox text, p_glob text, p_spec text, p_pattern text, p_rate double precision,
     p_burst double precision, p_least integer, p_cap integer, p_want integer, p_me uuid,

@@ -244,7 +244,7 @@ class Ordering:
             return False
         self.heartbeat.ok()
         self.looks += 1
-        if settled and self._next >= time.monotonic() + self.interval / 2:
+        if settled:
             self._next = time.monotonic() + SETTLED_LOOK * random.uniform(0.5, 1.0)
         return acquired
 
@@ -329,7 +329,9 @@ class Ordering:
                 if any(r[1] for r in got):
                     # Taken fenced: look again at the next heartbeat, not a whole interval later.
                     self._next = min(self._next, time.monotonic() + FENCE_RECHECK)
-        settled = not fenced and not self._releasing and len(self.owned) == share
+        # Settled: nothing to look at again soon (a fence to lift, a hand-over, a share to take).
+        taken_fenced = any(r[1] for r in got)
+        settled = not fenced and not taken_fenced and not self._releasing and len(self.owned) == share
         return bool(got), settled
 
     def release_all(self) -> None:

@@ -28,6 +28,7 @@ from psycopg.conninfo import conninfo_to_dict
 from outbox.dsn import SECRET_PARAMS, error_line, redact
 from outbox.errors import ConfigError, NotMigrated
 from outbox.migrate import require_migrated
+from outbox.membership import FLEET_SCHEMA
 from outbox.queries import query
 from outbox.schema import DEFAULT_SCHEMA, validate_schema
 
@@ -178,8 +179,16 @@ def discover(
     owners are read again on every look (one statement for all): ownership can change."""
     served, skipped = [], {}
     matching = matching_schemas(conn, pattern)
-    refused = untrusted(conn, matching, owners)
+    refused = untrusted(conn, [*matching, FLEET_SCHEMA], owners)
+    fleet = refused.pop(FLEET_SCHEMA, None)
     for schema in matching:
+        if fleet is not None:  # the relays' membership, in every outbox's claims: none is served
+            skipped[schema] = (
+                f"schema: the relays' membership schema {FLEET_SCHEMA!r} is not trusted: {fleet}, "
+                "not by a trusted role (the relay's own, the database's owner, or --schema-owner); "
+                "it could run code as the relay"
+            )
+            continue
         if schema in refused:
             skipped[schema] = (
                 f"schema: {schema!r} is not trusted: {refused[schema]}, not by a trusted role "

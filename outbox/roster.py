@@ -203,13 +203,13 @@ class Roster:
             relay.sink.poll(0)
         if member_due:
             self.beat()
+            relay.upkeep.sinks_back()
         try:
             for lane in due:
                 self.look(lane)
         finally:  # left the schedule when taken: back in it at their next (or now, past an error)
             for lane in due:
                 self.beats.schedule(lane)
-        relay.upkeep.sinks_back(due)
 
     def beat(self) -> None:
         """The membership heartbeat: every lease of the relay renewed. When the database's relays

@@ -32,6 +32,7 @@ T = TypeVar("T")
 PARTITION_MAINTENANCE = 3600.0  # seconds between archive partition checks
 MAINTENANCE_RETRY = 10.0  # seconds before trying again after it failed
 CAPTURE_CHECK = 30.0  # seconds between looks at an outbox's capture mode (a slot to read?)
+RETRIES_PER_STEP = 8  # outboxes whose failures are made due at once after an outage, a loop step
 CAPTURE_CHECKS = 5.0  # looks a second at most, in all: a relay of 1,000 outboxes looks every 200 s
 
 
@@ -57,9 +58,13 @@ class LaneUpkeep:
         self.relay = relay
         self.next_maintenance_check = 0.0
         self.next_capture_check = 0.0
+        self.sinks_up = True  # every sink answered the last probe
+        self.after_outage = False  # some outbox's failures wait for the sinks to answer again
 
     def due(self, now: float) -> None:
-        """What is due now: a partition check, a capture check (one outbox each, a step)."""
+        """What is due now: a partition check, a capture check (one outbox each, a step), the
+        retries after an outage (a few outboxes a step)."""
+        self.retry_after_outage()
         if now >= self.next_maintenance_check:
             self.maintain_partitions(now)
         if now >= self.next_capture_check:
@@ -177,8 +182,7 @@ class LaneUpkeep:
             # due again as soon as the replacement answers (sinks_back), not after a backoff.
             relay.sink.close(0)
             relay.finisher.settle_unreported()
-            for lane in rotation:
-                lane.upkept.sinks_were_down = True
+            self.sinks_were_down()
         relay.sink = relay.sink_factory()
         relay.chains = {}
         for lane in relay.scheduler.rotation:
@@ -196,10 +200,16 @@ class LaneUpkeep:
             route = inner.destination if isinstance(inner, router.Router) else None
             relay.chains[lane.name] = KeyChains(relay.sink, parks=lane.ordering.parks, route=route)
 
-    def sinks_back(self, lanes: list[Lane]) -> None:
-        """With the heartbeats of the loop: probe the sinks counted down; when every sink answers
-        again after an outage, the events of each outbox that failed only for that are due at
-        once, not after their backoff."""
+    def sinks_were_down(self) -> None:
+        """A sink was down: every outbox's events that failed only for that are due at once when
+        every sink answers again (:meth:`retry_after_outage`)."""
+        for lane in self.relay.scheduler.rotation:
+            lane.upkept.sinks_were_down = True
+        self.after_outage = True
+
+    def sinks_back(self) -> None:
+        """With the membership heartbeat (every few seconds): probe the sinks counted down; while
+        one is, every outbox's failures for it wait to be retried at once when it answers."""
         relay = self.relay
         sink = relay.sink
         if sink is None:
@@ -210,14 +220,21 @@ class LaneUpkeep:
             if isinstance(inner, Reachable) and inner.trouble():
                 inner.probe()
                 down = down or bool(inner.trouble())
+        self.sinks_up = not down
         if down:
             relay.scheduler.sinks_seen_down = time.monotonic()
-            for lane in relay.scheduler.rotation:
-                lane.upkept.sinks_were_down = True
+            self.sinks_were_down()
+
+    def retry_after_outage(self) -> None:
+        """Every sink answers again after an outage: the events of each outbox that failed only to
+        reach them are due now, not after their backoff (a few outboxes a loop step)."""
+        if not (self.after_outage and self.sinks_up):
             return
-        for lane in lanes:
-            if lane.upkept.sinks_were_down:
-                self._retry_unreachable_now(lane)
+        waiting = [lane for lane in self.relay.scheduler.rotation if lane.upkept.sinks_were_down]
+        for lane in waiting[:RETRIES_PER_STEP]:
+            self._retry_unreachable_now(lane)
+        if len(waiting) <= RETRIES_PER_STEP:
+            self.after_outage = any(lane.upkept.sinks_were_down for lane in waiting)
 
     def _retry_unreachable_now(self, lane: Lane) -> None:
         n = self.on_session(

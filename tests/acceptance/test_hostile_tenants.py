@@ -48,6 +48,8 @@ def test_a_schema_a_tenant_controls_is_not_served_and_its_code_never_runs(
 ) -> None:
     role = conninfo_to_dict(tenant)["user"]
     trusted, owned, creatable, triggerable = (f"{prefix}_{n}" for n in ("ok", "owned", "create", "trigger"))
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:  # the operator's first (outbox_fleet)
+        migrate(conn, trusted)
     # The tenant migrates an outbox of its own, then makes the partition function (which every
     # relay calls) run as its caller and make the tenant a superuser.
     with psycopg.connect(tenant, autocommit=True) as conn:
@@ -60,7 +62,7 @@ def test_a_schema_a_tenant_controls_is_not_served_and_its_code_never_runs(
             ).format(s=sql.Identifier(owned), r=sql.Literal(role))
         )
     with psycopg.connect(pg_dsn, autocommit=True) as conn:
-        for schema in (trusted, creatable, triggerable):
+        for schema in (creatable, triggerable):
             migrate(conn, schema)
         conn.execute(
             sql.SQL("GRANT CREATE ON SCHEMA {} TO {}").format(sql.Identifier(creatable), sql.Identifier(role))
@@ -107,3 +109,57 @@ def test_a_schema_a_tenant_controls_is_not_served_and_its_code_never_runs(
     rows: dict[str, Any] = {r["name"]: r for r in json.loads(status.stdout)["outboxes"]}
     assert status.returncode == 1, status.stderr
     assert "is not trusted" in rows[owned]["error"] and "error" not in rows[trusted], rows
+
+
+def test_a_membership_schema_a_tenant_made_first_is_refused_and_its_code_never_runs(
+    pg_dsn: str, kafka: str, topic: str
+) -> None:
+    """The relays' membership (outbox_fleet) is shared by every outbox of a database, and every
+    claim and heartbeat touches it. A tenant who migrated first made it, and owns it: it could put
+    a trigger there that runs as the relay. A relay serving outboxes found by a glob serves none
+    of that database, and says why."""
+    database = f"outbox_fleet_{uuid.uuid4().hex[:8]}"
+    role = f"tenant_{uuid.uuid4().hex[:8]}"
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(database)))
+        conn.execute(sql.SQL("CREATE ROLE {} LOGIN").format(sql.Identifier(role)))
+        conn.execute(
+            sql.SQL("GRANT CREATE ON DATABASE {} TO {}").format(
+                sql.Identifier(database), sql.Identifier(role)
+            )
+        )
+    dsn = make_conninfo(pg_dsn, dbname=database)
+    try:
+        with psycopg.connect(make_conninfo(dsn, user=role), autocommit=True) as conn:
+            migrate(conn, "tenant_own")
+            conn.execute(
+                sql.SQL(
+                    "CREATE FUNCTION outbox_fleet.grab() RETURNS trigger LANGUAGE plpgsql AS "
+                    "$$ BEGIN EXECUTE format('ALTER ROLE %I SUPERUSER', {r}); RETURN NEW; END $$"
+                ).format(r=sql.Literal(role))
+            )
+            conn.execute(
+                "CREATE TRIGGER grab BEFORE INSERT OR UPDATE ON outbox_fleet.relays "
+                "FOR EACH ROW EXECUTE FUNCTION outbox_fleet.grab()"
+            )
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            migrate(conn, "tenant_ok")
+            with conn.transaction():
+                outbox.enqueue(conn, topic, b"x", key="k", schema="tenant_ok")
+        relay = ModuleProcess(
+            "outbox", "relay", "--dsn", dsn, "--schemas", "tenant_*", "--kafka-bootstrap", kafka, *FAST,
+        )  # fmt: skip
+        try:
+            wait_for(lambda: relay.output().count("is not trusted") >= 2, timeout=30, what="the refusals")
+            assert relay.stop() == 0
+            log = relay.output()
+        finally:
+            relay.close()
+        assert not _superuser(pg_dsn, role), "the tenant's trigger ran as the relay"
+        assert log.count("the relays' membership schema 'outbox_fleet' is not trusted") == 2, log[-3000:]
+        assert f"is owned by {role}" in log
+        assert count(dsn, "tenant_ok", "events") == 1 and count(dsn, "tenant_ok", "delivered") == 0
+    finally:
+        with psycopg.connect(pg_dsn, autocommit=True) as conn:
+            conn.execute(sql.SQL("DROP DATABASE {} WITH (FORCE)").format(sql.Identifier(database)))
+            conn.execute(sql.SQL("DROP ROLE {}").format(sql.Identifier(role)))

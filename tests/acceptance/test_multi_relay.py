@@ -103,7 +103,8 @@ def test_many_processes_kill_restart_join_keep_per_key_order(
 
 
 def _record_heartbeats(dsn: str, schema: str) -> None:
-    """Every heartbeat of every relay, as the database saw it, into ``<schema>.beats``."""
+    """Every membership heartbeat of every relay of the database, as the database saw it, into
+    ``<schema>.beats`` (the trigger goes with the schema)."""
     s = sql.Identifier(schema)
     with psycopg.connect(dsn, autocommit=True) as conn:
         conn.execute(sql.SQL("CREATE TABLE {}.beats (relay uuid, at timestamptz)").format(s))
@@ -115,16 +116,17 @@ def _record_heartbeats(dsn: str, schema: str) -> None:
         )
         conn.execute(
             sql.SQL(
-                "CREATE TRIGGER record_beat AFTER INSERT OR UPDATE ON {s}.relays"
+                "CREATE TRIGGER {t} AFTER INSERT OR UPDATE ON outbox_fleet.relays"
                 " FOR EACH ROW EXECUTE FUNCTION {s}.record_beat()"
-            ).format(s=s)
+            ).format(s=s, t=sql.Identifier(f"record_beat_{schema}"))
         )
 
 
 @pytest.mark.slow
 def test_dead_relay_partitions_taken_over_within_the_lease(pg_dsn: str, schema: str, kafka: str) -> None:
-    """The survivor takes every partition of a SIGKILLed relay at its first heartbeat after the
-    dead one's lease ends, and not before.
+    """The survivor takes every partition of a SIGKILLed relay once its first membership heartbeat
+    after the dead one's lease ends finds it gone (a look at the outbox right after), and not
+    before.
 
     Judged on the database's clock and the survivor's heartbeats, not on the test's wall clock:
     beside the loaded suite (six workers on two cores) a heartbeat itself can come a second late,
@@ -162,7 +164,7 @@ def test_dead_relay_partitions_taken_over_within_the_lease(pg_dsn: str, schema: 
         with psycopg.connect(pg_dsn) as conn:
             s = sql.Identifier(schema)
             (a_last, a_ends) = conn.execute(
-                sql.SQL("SELECT heartbeat_at, expires_at FROM {}.relays WHERE id = %s").format(s), [ids["a"]]
+                "SELECT heartbeat_at, expires_at FROM outbox_fleet.relays WHERE id = %s", [ids["a"]]
             ).fetchone() or (None, None)
             taken = {
                 p: (previous, at)
@@ -185,9 +187,10 @@ def test_dead_relay_partitions_taken_over_within_the_lease(pg_dsn: str, schema: 
         first, last = min(at for _, at in taken.values()), max(at for _, at in taken.values())
         # Not before the dead relay's lease ended: until then it might have been alive.
         assert first >= a_ends, f"taken {(a_ends - first).total_seconds():.3f} s before the lease ended"
-        # At the survivor's first heartbeat after that: no heartbeat of it passed over them.
+        # At the survivor's first heartbeat after that (the look it brings comes within half a
+        # second: on a loaded machine, maybe after the next heartbeat, never two later).
         beats_between = [at for at in b_beats if a_ends <= at <= last]
-        assert len(beats_between) == 1, (
+        assert 1 <= len(beats_between) <= 2, (
             f"taken {(last - a_ends).total_seconds():.2f} s after the lease ended, at the survivor's"
             f" heartbeat {len(beats_between)} since then ({took:.1f} s after the kill)"
         )
@@ -237,7 +240,8 @@ def test_paused_relay_is_fenced_and_order_holds(pg_dsn: str, schema: str, kafka:
             # lock counts (shared, on a partition): a's vacuum also holds an advisory lock (its
             # own, exclusive), and a pause during a vacuum took b's takeover for a fenced one.
             held = sql.SQL(
-                "SELECT count(*) FROM pg_locks AS l JOIN {}.relays AS r ON l.pid = ANY (r.backend_pids) "
+                "SELECT count(*) FROM pg_locks AS l JOIN {}.relays AS r ON true "
+                "JOIN outbox_fleet.relays AS f ON f.id = r.id AND l.pid = ANY (f.backend_pids) "
                 "WHERE r.name = 'a' AND l.locktype = 'advisory' AND l.granted AND l.mode = 'ShareLock' "
                 "AND l.classid = {}::regclass"
             ).format(sql.Identifier(schema), sql.Literal(f'"{schema}".partitions'))

@@ -280,6 +280,7 @@ def _takeover(pg_dsn: str, schema: str, lease: float, batch_lease: float) -> Ite
         time.sleep(lease + 0.2)  # A's heartbeat starves: its ownership lapses
         _beat(b, [b_batch.info.backend_pid])
         assert len(b.owned) == 64, "B did not take the lapsed partitions over"
+        _takeover.last_b = b  # type: ignore[attr-defined]
 
         def claim() -> list[int]:
             _beat(b, [b_batch.info.backend_pid])
@@ -307,6 +308,20 @@ def test_a_taken_over_partition_waits_for_the_old_owners_batch_to_end(pg_dsn: st
         a_batch.rollback()  # A's batch ends (here: rolled back, its event untouched)
         assert claim() == [0, 1, 2]
         a_batch.execute("SELECT 1")  # A's session was not ended: it did not need to be
+
+
+def test_partitions_taken_fenced_keep_their_outbox_looked_at_until_the_fence_lifts(
+    pg_dsn: str, schema: str
+) -> None:
+    """A look that took partitions fenced is not a settled one: the next look comes within
+    FENCE_RECHECK, not SETTLED_LOOK later (found by test_paused_relay_is_fenced_and_order_holds:
+    the fences never lifted, and a's partitions were served by nobody)."""
+    from outbox.ordering import FENCE_RECHECK
+
+    with _takeover(pg_dsn, schema, lease=1.0, batch_lease=10.0) as (a_batch, _claim):
+        b_due = _takeover.last_b.due_at - time.monotonic()  # type: ignore[attr-defined]
+        assert b_due <= FENCE_RECHECK + 0.1, f"the fenced outbox's next look in {b_due:.1f} s"
+        a_batch.rollback()
 
 
 def test_a_stuck_old_owners_batch_is_ended_after_the_batch_lease_and_order_holds(
