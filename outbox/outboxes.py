@@ -27,8 +27,8 @@ from psycopg.conninfo import conninfo_to_dict
 
 from outbox.dsn import SECRET_PARAMS, error_line, redact
 from outbox.errors import ConfigError, NotMigrated
-from outbox.migrate import require_migrated
 from outbox.membership import FLEET_SCHEMA
+from outbox.migrate import require_migrated
 from outbox.queries import query
 from outbox.schema import DEFAULT_SCHEMA, validate_schema
 
