@@ -46,6 +46,7 @@ def collect(conn: psycopg.Connection[Any], schema: str, store: Store | None = No
             for k, t, i, err, w in parked
         ],
         **fleet(conn, schema),
+        "limits": limits(conn, schema),
         "table": health(conn, schema),
         "claim_checks": {"store": store_name, "payloads": int(held[0]), "bytes": int(held[1])},
         "capture": capture_status(conn, schema),
@@ -147,6 +148,21 @@ def fleet(conn: psycopg.Connection[Any], schema: str) -> dict[str, Any]:
     }
 
 
+def limits(conn: psycopg.Connection[Any], schema: str) -> list[dict[str, Any]]:
+    """The limits (--limit) the outbox's relays apply: each one's backlog (events waiting of the
+    topics it matches), its events in flight, and how long ago a relay last took its tokens."""
+    rows = conn.execute(query("status_limits", schema), {"schema": schema}).fetchall()
+    return [
+        {
+            "limit": f"{glob}={spec}",
+            "waiting": int(waiting),
+            "in_flight": int(in_flight),
+            "last_taken_seconds_ago": round(float(since), 1),
+        }
+        for glob, spec, waiting, in_flight, since in rows
+    ]
+
+
 def health(conn: psycopg.Connection[Any], schema: str) -> dict[str, Any]:
     """The events table's dead and live tuples and bytes, and the oldest snapshot's age."""
     row = conn.execute(query("hot_table_stats", schema), {"schema": schema}).fetchone()
@@ -198,6 +214,12 @@ def render(report: dict[str, Any]) -> str:
         lines.append(f"  {'topic':<40} {'pending':>10} {'oldest (s)':>12}")
         for t in report["pending_by_topic"]:
             lines.append(f"  {t['topic']:<40} {t['pending']:>10} {t['oldest_age_seconds']:>12.1f}")
+    if report["limits"]:
+        lines.append("")
+        lines.append(f"  {'limit (--limit)':<40} {'waiting':>10} {'in flight':>10} {'tokens taken':>14}")
+        for lim in report["limits"]:
+            taken = f"{lim['last_taken_seconds_ago']:.0f} s ago"
+            lines.append(f"  {lim['limit']:<40} {lim['waiting']:>10} {lim['in_flight']:>10} {taken:>14}")
     if report["top_errors"]:
         lines.append("")
         lines.append("  errors of events awaiting retry:")

@@ -95,3 +95,19 @@ SELECT
     (SELECT count(*) FROM {schema}.partitions AS p
       WHERE NOT EXISTS (SELECT 1 FROM outbox_fleet.relays AS f
                         WHERE f.id = p.owner AND f.expires_at > now()))
+
+-- name: status_limits
+-- The limits (--limit) the relays of this outbox last gave (outbox_fleet.limits), each with the
+-- events waiting of the topics it matches, and the events its live relays have in flight.
+SELECT l.glob, l.spec,
+       (SELECT coalesce(sum(t.n), 0)
+          FROM (SELECT topic, count(*) AS n FROM {schema}.events GROUP BY topic) AS t
+         WHERE t.topic ~ l.pattern) AS waiting,
+       (SELECT coalesce(sum(u.in_flight), 0)
+          FROM outbox_fleet.limit_flights AS u
+          JOIN outbox_fleet.relays AS f ON f.id = u.relay AND f.expires_at > now()
+         WHERE u.outbox = l.outbox AND u.glob = l.glob) AS in_flight,
+       extract(epoch FROM now() - l.at)::float8 AS since
+FROM outbox_fleet.limits AS l
+WHERE l.outbox = %(schema)s
+ORDER BY l.glob

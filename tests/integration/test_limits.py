@@ -14,6 +14,7 @@ import pytest
 from psycopg import sql
 
 import outbox
+from outbox import status
 from outbox.config import RelayConfig
 from outbox.errors import ConfigError
 from outbox.harness.sinktaps import Receiver, Request
@@ -182,12 +183,18 @@ def test_a_limited_route_waits_in_the_table_and_holds_up_no_other_route(
         )
         limited_done = count(pg_dsn, schema, "delivered", "topic = 'partner.calls'")
         batches = relay.stats.claimed
+        with psycopg.connect(pg_dsn) as conn:  # outbox status shows the limited route's backlog
+            report = status.collect(conn, schema)
+        shown = status.render(report)
         wait_for(
             lambda: count(pg_dsn, schema, "delivered", "key = convert_to('mixed', 'UTF8')") == 2,
             timeout=60,
             what="the mixed key",
         )
     assert limited_done <= 120, f"{limited_done} of 201 limited events went with the other route's"
+    (limit,) = report["limits"]
+    assert limit["limit"] == "partner.*=10/s" and 201 - limited_done - 10 <= limit["waiting"] <= 201
+    assert "partner.*=10/s" in shown
     assert batches >= 3000
     with psycopg.connect(pg_dsn) as conn:
         order = conn.execute(

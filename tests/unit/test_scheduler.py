@@ -163,3 +163,25 @@ def test_pacing_never_goes_below_the_minimum_and_ignores_an_outage() -> None:
     s.pace(other, cast(Any, _Batch(1000, claimed_at=0.0, outcomes=unreachable)), False, 9.0)
     assert other.pace.cap == 0  # slowed by an outage, not by the sink's pace
     assert s.start_claim == START_CLAIM
+
+
+def test_backlogs_are_served_by_weight_and_an_idle_lane_gets_no_credit_for_its_idle_time() -> None:
+    s = _scheduler()
+    _lane(s, "gold", more_work=True, weight=3)
+    _lane(s, "basic", more_work=True)
+    chosen = []
+    for _ in range(40):
+        lane = s.next_claim(0.0, True)
+        assert lane is not None
+        chosen.append(lane.name)
+        s.served(lane, 500)
+    assert chosen.count("gold") == 30 and chosen.count("basic") == 10
+    late = _lane(s, "late", more_work=True)  # a backlog that starts now: at the clock, not at 0
+    s.served(late, 0)
+    picks = []
+    for _ in range(8):
+        lane = s.next_claim(0.0, True)
+        assert lane is not None
+        picks.append(lane.name)
+        s.served(lane, 500)
+    assert picks.count("late") <= 3, picks
