@@ -75,6 +75,7 @@ class Pace:
 
     cap: int = 0  # events per claim at most (0: --batch-size)
     slowed: bool = False  # a slow batch made claims smaller, and they are not back to --batch-size yet
+    fresh: bool = True  # not claimed from yet: its first claim starts at the relay's pace
 
 
 @dataclass

@@ -42,6 +42,7 @@ def _lane(s: ClaimScheduler, name: str, **state: Any) -> Lane:
     lane = Lane(Outbox(name, "postgresql://unused", name), cast(Any, _Ordering()))
     lane.wake.woken = lane.more_work = False
     lane.next_poll = 1e9
+    lane.pace.fresh = False  # claimed from already, unless a test says otherwise
     for k, v in state.items():
         if k == "woken":
             lane.wake.woken = v
@@ -185,3 +186,23 @@ def test_backlogs_are_served_by_weight_and_an_idle_lane_gets_no_credit_for_its_i
         picks.append(lane.name)
         s.served(lane, 500)
     assert picks.count("late") <= 3, picks
+
+
+def test_a_fresh_outbox_starts_at_the_relays_pace_not_at_the_slow_start() -> None:
+    """The sink is the relay's: once batches of one outbox settle fast at full size, another
+    outbox's first claim is a full one (at 1,000 outboxes of 200 events, one claim each, not two)."""
+    s = _scheduler(batch_size=2000, lease=30.0, delivery_timeout=5.0)
+    first = _lane(s, "first", claim_cap=0)
+    first.pace.fresh = True
+    assert s.batch_limit(first, 0.0) == START_CLAIM
+    cap = START_CLAIM
+    while first.pace.cap:
+        s.pace(first, cast(Any, _Batch(cap, claimed_at=0.0)), False, 0.1)
+        cap = first.pace.cap or 2000
+    later = _lane(s, "later", claim_cap=START_CLAIM)
+    later.pace.fresh = True
+    assert s.batch_limit(later, 1.0) == 2000
+    s.pace(later, cast(Any, _Batch(2000, claimed_at=1.0)), True, 40.0)  # it lost its lease: slower
+    newest = _lane(s, "newest", claim_cap=START_CLAIM)
+    newest.pace.fresh = True
+    assert s.batch_limit(newest, 2.0) == 500
