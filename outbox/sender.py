@@ -62,7 +62,7 @@ class BatchSender:
         relay = self.relay
         sessions = relay.sessions
         if not lane.upkept.next_capture:  # its capture mode first: a slot to read before the table?
-            relay.upkeep.check_lane_capture(lane, time.monotonic())
+            relay.upkeep.before_first_claim(lane, time.monotonic())
         wal = lane.wal
         if wal is not None:
             # WAL capture: the slot's transactions and the table's events (retries, delayed, held

@@ -6,6 +6,7 @@ them made due at once when they answer again."""
 from __future__ import annotations
 
 import logging
+import random
 import time
 from collections.abc import Callable
 from functools import partial
@@ -58,6 +59,8 @@ class LaneUpkeep:
         self.relay = relay
         self.next_maintenance_check = 0.0
         self.next_capture_check = 0.0
+        self._slots: set[str] | None = None  # the database's replication slots, as last read
+        self._slots_until = 0.0  # ... and until when that reading is used (monotonic)
         self.sinks_up = True  # every sink answered the last probe
         self.after_outage = False  # some outbox's failures wait for the sinks to answer again
 
@@ -114,17 +117,39 @@ class LaneUpkeep:
         """Each outbox's capture mode, every CAPTURE_CHECK s (one outbox a step): a slot to read
         starts its reader; a slot that went (dropped) stops it."""
         rotation = self.relay.scheduler.rotation
-        due = [lane for lane in rotation if now >= lane.upkept.next_capture and not lane.leaving]
+        # (A lane not claimed from yet is looked at before its first claim: before_first_claim.)
+        due = [lane for lane in rotation if 0 < lane.upkept.next_capture <= now and not lane.leaving]
         if not due:
             self.next_capture_check = min(
-                (lane.upkept.next_capture for lane in rotation), default=now + CAPTURE_CHECK
+                (lane.upkept.next_capture for lane in rotation if lane.upkept.next_capture),
+                default=now + CAPTURE_CHECK,
             )
             return
         self.check_lane_capture(due[0], now)
 
+    def capture_every(self) -> float:
+        """Seconds between looks at an outbox's capture mode: CAPTURE_CHECKS a second in all."""
+        return max(CAPTURE_CHECK, len(self.relay.scheduler.rotation) / CAPTURE_CHECKS)
+
+    def before_first_claim(self, lane: Lane, now: float) -> None:
+        """An outbox's capture mode before its first claim (a slot to read before the table?).
+        One look at the database's slots says which outboxes have none: they need no look of
+        their own now (a thousand outboxes' first claims were a thousand capture checks)."""
+        if now >= self._slots_until:
+            found = self.on_session(
+                lane,
+                "capture check",
+                lambda conn: {r[0] for r in conn.execute(query("database_slots", lane.schema))},
+            )
+            if found is not None:
+                self._slots, self._slots_until = found, now + CAPTURE_CHECK
+        if self._slots is not None and capture.slot_name(lane.schema) not in self._slots:
+            lane.upkept.next_capture = now + random.uniform(0.5, 1.0) * self.capture_every()
+            return
+        self.check_lane_capture(lane, now)
+
     def check_lane_capture(self, lane: Lane, now: float) -> None:
-        every = max(CAPTURE_CHECK, len(self.relay.scheduler.rotation) / CAPTURE_CHECKS)
-        lane.upkept.next_capture = now + every
+        lane.upkept.next_capture = now + self.capture_every()
         found = self.on_session(lane, "capture check", lambda conn: capture.state(conn, lane.schema))
         if found is None:
             lane.upkept.next_capture = now + MAINTENANCE_RETRY

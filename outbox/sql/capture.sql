@@ -183,3 +183,7 @@ SELECT pg_current_wal_lsn()::text
 -- The slot's health: read by a session, and the WAL it keeps that is not confirmed yet (bytes).
 SELECT active, pg_wal_lsn_diff(pg_current_wal_lsn(), confirmed_flush_lsn)::bigint, confirmed_flush_lsn::text
 FROM pg_replication_slots WHERE slot_name = %(slot)s
+
+-- name: database_slots
+-- The replication slots of this database, by name (an outbox with none needs no reader).
+SELECT slot_name FROM pg_replication_slots WHERE database = current_database()
