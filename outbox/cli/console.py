@@ -11,6 +11,7 @@ from typing import Any
 
 from outbox.cli import options
 from outbox.cli.common import add_common, dsn_of, schema_of
+from outbox.cli.outboxes import add_outboxes, choose, is_fleet
 from outbox.errors import ConfigError
 from outbox.extras import require
 from outbox.settings import setting
@@ -44,6 +45,7 @@ class ConsoleOptions:
 def register(sub: Any) -> None:
     p = sub.add_parser("console", help="the operator console in a browser (outbox[console])")
     add_common(p)
+    add_outboxes(p)
     options.add(p, ConsoleOptions, env_prefix=ENV_PREFIX)
     p.set_defaults(run=cmd_console)
 
@@ -73,10 +75,23 @@ def cmd_console(args: argparse.Namespace) -> int:
     level = "read" if args.read_only else "write"
     authorize = basic_auth(args.user, password, level=level) if password else None
     hosts = [name for item in args.allowed_host for name in item.split()]
-    application = app(
-        dsn_of(args), schema=schema_of(args), read_only=args.read_only, authorize=authorize,
-        hide_payloads=args.hide_payloads, trace_url=args.trace_url, allowed_hosts=hosts,
-    )  # fmt: skip
+    shared = {
+        "read_only": args.read_only, "authorize": authorize, "hide_payloads": args.hide_payloads,
+        "trace_url": args.trace_url, "allowed_hosts": hosts,
+    }  # fmt: skip
+    if is_fleet(args):
+        from outbox.console.fleet import app as fleet
+
+        chosen = choose(args)
+        for what, why in chosen.skipped.items():
+            log.warning("%s is not shown: %s", what, why)
+        if not chosen.outboxes:
+            raise ConfigError("--outbox/--schemas/--outboxes-file: no outbox to show")
+        application = fleet(chosen.outboxes, **shared)
+        shown = f"{len(chosen.outboxes)} outboxes"
+    else:
+        application = app(dsn_of(args), schema=schema_of(args), **shared)
+        shown = f"schema {schema_of(args)}"
     if not _loopback(args.host) and not hosts:
         log.warning(
             "listening on %s, but answering only to localhost, 127.0.0.1 and ::1: give the name "
@@ -89,8 +104,8 @@ def cmd_console(args: argparse.Namespace) -> int:
             PASSWORD_ENV, args.host, args.port,
         )  # fmt: skip
     log.info(
-        "console on http://%s:%d/ (schema %s%s)",
-        args.host, args.port, schema_of(args), ", read-only" if args.read_only else "",
+        "console on http://%s:%d/ (%s%s)",
+        args.host, args.port, shown, ", read-only" if args.read_only else "",
     )  # fmt: skip
     uvicorn.run(application, host=args.host, port=args.port, log_level="warning", access_log=False)
     return 0

@@ -32,7 +32,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, RedirectResponse, Response
-from starlette.routing import Mount, Route
+from starlette.routing import BaseRoute, Mount, Route
 from starlette.staticfiles import StaticFiles
 from starlette.templating import Jinja2Templates
 
@@ -57,6 +57,7 @@ from outbox.schema import validate_schema
 
 HERE = Path(__file__).parent
 REFRESH_SECONDS = 5  # the overview's live update, while the tab is visible
+FLEET_ROOT = "outbox.fleet_root"  # in a console over several outboxes: where the fleet page is
 POOL_SIZE = 4
 TRACE_ID = re.compile(r"^[0-9a-f]{2}-([0-9a-f]{32})-[0-9a-f]{16}-[0-9a-f]{2}$")
 T = TypeVar("T")
@@ -64,8 +65,31 @@ T = TypeVar("T")
 __all__ = ["Authorize", "app", "basic_auth"]
 
 
+def new_pool(dsn: str) -> ConnectionPool[Any]:
+    """The console's connections to one database (opened at the first request)."""
+    return ConnectionPool(
+        dsn,
+        min_size=1,
+        max_size=POOL_SIZE,
+        kwargs={"autocommit": True, "application_name": "outbox-console"},
+        open=False,
+        name="outbox-console",
+    )
+
+
+def new_templates() -> Jinja2Templates:
+    env = jinja2.Environment(
+        loader=jinja2.FileSystemLoader(HERE / "templates"),
+        autoescape=True,
+        undefined=jinja2.StrictUndefined,
+    )
+    env.filters["age"] = forms.age
+    env.filters["when"] = forms.when
+    return Jinja2Templates(env=env)
+
+
 class Console:
-    """The application's state: the pool, the options, the templates."""
+    """One outbox's console state: the pool, the options, the templates."""
 
     def __init__(
         self,
@@ -76,31 +100,22 @@ class Console:
         authorize: Authorize | None,
         hide_payloads: bool,
         trace_url: str | None,
+        pool: ConnectionPool[Any] | None = None,
+        name: str | None = None,
+        templates: Jinja2Templates | None = None,
     ) -> None:
         self.schema = validate_schema(schema, "schema")
+        self.name = name  # the outbox's name in a console over several (None: the only one)
         self.read_only = read_only
         self.authorize = authorize or allow_all
         self.hide_payloads = hide_payloads
         self.trace_url = trace_url
         self.where = redact(dsn)
-        self.pool = ConnectionPool(
-            dsn,
-            min_size=1,
-            max_size=POOL_SIZE,
-            kwargs={"autocommit": True, "application_name": "outbox-console"},
-            open=False,
-            name="outbox-console",
-        )
+        # One pool per database: a console over a thousand outboxes of one database shares it.
+        self.pool = pool if pool is not None else new_pool(dsn)
         self._opening = threading.Lock()
         self._opened = False
-        env = jinja2.Environment(
-            loader=jinja2.FileSystemLoader(HERE / "templates"),
-            autoescape=True,
-            undefined=jinja2.StrictUndefined,
-        )
-        env.filters["age"] = forms.age
-        env.filters["when"] = forms.when
-        self.templates = Jinja2Templates(env=env)
+        self.templates = templates or new_templates()
 
     @contextmanager
     def conn(self) -> Iterator[psycopg.Connection[Any]]:
@@ -151,14 +166,17 @@ class Console:
     def page(
         self, request: Request, template: str, who: Visitor, status_code: int = 200, **context: Any
     ) -> Response:
+        context.setdefault("fleet_page", False)
         return self.templates.TemplateResponse(
             request,
             template,
             status_code=status_code,
             context={
+                "fleet_url": request.scope.get(FLEET_ROOT),
                 "can_write": who.level == "write",
                 "read_only": self.read_only,
                 "schema": self.schema,
+                "outbox_name": self.name,
                 "where": self.where,
                 "refresh": REFRESH_SECONDS,
                 **context,
@@ -216,6 +234,30 @@ def app(
         dsn, schema, read_only=read_only, authorize=authorize, hide_payloads=hide_payloads,
         trace_url=trace_url,
     )  # fmt: skip
+
+    @asynccontextmanager
+    async def lifespan(_: Starlette) -> Any:
+        try:
+            yield
+        finally:
+            c.pool.close()
+
+    return Starlette(
+        routes=outbox_routes(c),
+        lifespan=lifespan,
+        exception_handlers={OutboxError: refused},
+        middleware=[Middleware(Guard, names=allowed_names(allowed_hosts, authorize is not None))],
+    )
+
+
+async def refused(request: Request, exc: Exception) -> Response:
+    # Bad input, named: a field and why, without the value (a link could make it say anything).
+    return PlainTextResponse(unquoted(str(exc)), status_code=400)
+
+
+def outbox_routes(c: Console) -> list[BaseRoute]:
+    """One outbox's pages and actions (the console of one outbox, or each outbox's under its name
+    in a console over several: :mod:`outbox.console.fleet`)."""
 
     async def overview(request: Request) -> Response:
         who = c.access(request)
@@ -417,14 +459,7 @@ def app(
             n=forms.count_of(request.query_params.get("n")),
         )  # fmt: skip
 
-    @asynccontextmanager
-    async def lifespan(_: Starlette) -> Any:
-        try:
-            yield
-        finally:
-            c.pool.close()
-
-    routes = [
+    return [
         Route("/", overview, name="overview"),
         Route("/chart.json", chart, name="chart"),
         Route("/dead", dead_letters, name="dead_letters"),
@@ -440,14 +475,3 @@ def app(
         Route("/replay/act", replay_act, methods=["POST"], name="replay_act"),
         Mount("/static", StaticFiles(directory=HERE / "static"), name="static"),
     ]
-
-    async def refused(request: Request, exc: Exception) -> Response:
-        # Bad input, named: a field and why, without the value (a link could make it say anything).
-        return PlainTextResponse(unquoted(str(exc)), status_code=400)
-
-    return Starlette(
-        routes=routes,
-        lifespan=lifespan,
-        exception_handlers={OutboxError: refused},
-        middleware=[Middleware(Guard, names=allowed_names(allowed_hosts, authorize is not None))],
-    )

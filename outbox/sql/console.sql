@@ -146,3 +146,26 @@ SELECT 'delivered', id, event_id::text, topic, key, payload, headers::text, type
        created_at, NULL, delivered_at, sink_partition, sink_offset, sink_ref, NULL
 FROM {schema}.delivered
 WHERE event_id = %(event_id)s AND (%(key)s::bytea IS NULL OR key = %(key)s)
+
+-- name: fleet_outbox_row
+-- One outbox's row of the console's fleet page: pending (counted up to 100,000: a big backlog
+-- costs no more to show), the oldest pending age, retrying, dead letters, parked keys, and the
+-- live relays serving it (their membership in outbox_fleet.relays).
+SELECT (SELECT count(*) FROM (SELECT 1 FROM {schema}.events LIMIT 100000) AS capped),
+       (SELECT extract(epoch FROM clock_timestamp() - created_at)::float8
+          FROM {schema}.events ORDER BY id LIMIT 1),
+       (SELECT count(*) FROM {schema}.events WHERE attempts > 0),
+       (SELECT count(*) FROM {schema}.dead_letters),
+       (SELECT count(*) FROM {schema}.dead_letters WHERE parked),
+       (SELECT count(*) FROM {schema}.relays AS r
+          JOIN outbox_fleet.relays AS f ON f.id = r.id AND f.expires_at > now())
+
+-- name: fleet_limits
+-- Every limit (--limit) the relays of this database's outboxes gave, with their events in flight.
+SELECT l.outbox, l.glob, l.spec,
+       (SELECT coalesce(sum(u.in_flight), 0)
+          FROM outbox_fleet.limit_flights AS u
+          JOIN outbox_fleet.relays AS f ON f.id = u.relay AND f.expires_at > now()
+         WHERE u.outbox = l.outbox AND u.glob = l.glob)
+FROM outbox_fleet.limits AS l
+ORDER BY l.outbox, l.glob
