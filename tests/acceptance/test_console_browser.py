@@ -181,3 +181,66 @@ def test_read_only_offers_no_action(pg_dsn: str, schema: str, browser: Browser, 
         _shot(page, _shots(tmp_path), "read-only")
     finally:
         console.close()
+
+
+def test_the_fleet_page_into_an_outbox_and_back_and_an_action_there_changes_no_other(
+    pg_dsn: str, prefix: str, browser: Browser, tmp_path: Path
+) -> None:
+    """``outbox console --schemas``: the fleet page lists each outbox; its link opens that
+    outbox's pages, whose Fleet link leads back; a redrive there leaves the other outbox's dead
+    letters (the same ids, topic and key) as they were."""
+    from outbox.migrate import migrate
+
+    schemas = [f"{prefix}_north", f"{prefix}_south"]
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        for s in schemas:
+            migrate(conn, s)
+            conn.execute(
+                sql.SQL(
+                    "INSERT INTO {}.dead_letters (id, event_id, topic, key, payload, headers, created_at, attempts, "
+                    "error, first_failed_at, failed_at, parked) VALUES (1, gen_random_uuid(), 'orders', 'c-7', "
+                    "'x', '{{}}', now(), 10, 'boom', now(), now(), true)"
+                ).format(sql.Identifier(s))
+            )
+    port = free_port()
+    console = ModuleProcess(
+        "outbox", "console", "--dsn", pg_dsn, "--schemas", f"{prefix}_*", "--port", str(port)
+    )
+
+    def up() -> bool:
+        with socket.socket() as s:
+            s.settimeout(0.2)
+            return s.connect_ex(("127.0.0.1", port)) == 0
+
+    wait_for(up, timeout=30, what=f"the console on port {port}\n{console.output()}")
+    base, shots = f"http://127.0.0.1:{port}", _shots(tmp_path)
+    north, south = schemas
+    try:
+        page = browser.new_page()
+        page.set_default_timeout(30_000)
+        page.goto(base + "/")
+        expect(page.locator(f'tr[data-outbox="{north}"] td.dead')).to_have_text("1")
+        expect(page.locator(f'tr[data-outbox="{south}"] td.dead')).to_have_text("1")
+        _shot(page, shots, "fleet")
+        page.locator("#fleet-filter input[name=find]").fill("north")
+        page.locator("#fleet-filter input[name=find]").press("Enter")
+        expect(page.locator("#fleet tbody tr")).to_have_count(1)
+        page.get_by_role("link", name=north).click()
+        expect(page.locator("#outbox-name")).to_have_text(north)
+        page.get_by_role("link", name="Dead letters").click()
+        page.locator("#groups").get_by_role("link", name=KEY).click()
+        page.get_by_role("button", name="redrive its dead letters…").click()
+        page.get_by_role("button", name="redrive 1 dead letters").click()
+        expect(page.locator("p.done")).to_contain_text("redrive: 1 dead letters")
+        assert f"/o/{north}/" in page.url
+        page.locator("#fleet-link").click()
+        expect(page.locator(f'tr[data-outbox="{north}"] td.dead')).to_have_text("0")
+        expect(page.locator(f'tr[data-outbox="{south}"] td.dead')).to_have_text("1")
+        page.get_by_role("link", name="Audit").click()
+        expect(page.locator("#audit tbody tr")).to_have_count(1)
+        expect(page.locator("#audit")).to_contain_text(north)
+        _shot(page, shots, "fleet-audit")
+    finally:
+        console.close()
+    assert count(pg_dsn, south, "dead_letters") == 1 and count(pg_dsn, south, "events") == 0
+    assert count(pg_dsn, north, "dead_letters") == 0 and count(pg_dsn, north, "events") == 1
