@@ -57,6 +57,8 @@ def test_claim_guards_use_their_partial_indexes_without_statistics(pg_dsn: str, 
                 "limit": 2000,
                 "skip_keys": [],
                 "skip_after": [],
+                "only": None,
+                "skip": None,
             },
         ).fetchone()
         assert row is not None
@@ -118,6 +120,8 @@ def test_claim_walks_the_primary_key_when_the_backlog_is_counted_but_not_analyze
                     "limit": 2000,
                     "skip_keys": [],
                     "skip_after": [],
+                    "only": None,
+                    "skip": None,
                 },
             ).fetchone()
             assert row is not None
