@@ -79,7 +79,12 @@ class BatchRecorder:
             "ack of %d events refused, they will be delivered again by their new owner: %s",
             len(batch),
             why,
-            extra={"event": "lease.lost", "outbox": lane.name},
+            # How long the batch was out: every event of it was sent within that time.
+            extra={
+                "event": "lease.lost",
+                "outbox": lane.name,
+                "batch_age": round(time.monotonic() - batch.claimed_at, 3),
+            },
         )
 
     @staticmethod

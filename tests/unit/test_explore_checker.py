@@ -98,6 +98,19 @@ def test_a_duplicate_needs_a_reason() -> None:
     assert _invariants(_record(late)) == []
 
 
+def test_a_lease_lost_explains_what_its_batch_sent_since_its_claim(tmp_path: Path) -> None:
+    """Seed 52: a batch held out 5.7 s by a key's chained slow sends (lease 2.7 s) lost its lease;
+    its first receipt came before lease + delivery timeout ahead of the loss. The loss's line says
+    how long the batch was out, and that window explains it."""
+    twice = [_got(0, 1.0), _got(1, 1.1), _got(2, 1.2), _got(1, 12.0)]
+    log = tmp_path / "relay0-1.log"
+    lost = {"ts": T0 + 11.0, "level": "warning", "msg": "ack of 3 events refused", "event": "lease.lost"}
+    log.write_text(json.dumps(lost))
+    assert _invariants(_record(twice, logs=[log])) == ["duplicate"]  # 9.9 s before: not that batch's
+    log.write_text(json.dumps({**lost, "batch_age": 9.95}))
+    assert _invariants(_record(twice, logs=[log])) == []
+
+
 def test_a_line_repeated_more_than_ten_times_in_ten_seconds_breaks_the_outage_rule(tmp_path: Path) -> None:
     log = tmp_path / "relay0-1.log"
     lines = [
