@@ -61,11 +61,19 @@ class BenchConfig:
     )
     tenants_busy: int = setting(1_000_000, "tenants: the busy outbox's backlog in the fairness run")
     tenants_quiet_rate: int = setting(10, "tenants: events/s written to the quiet outbox meanwhile")
+    limits_fast: int = setting(100_000, "limits: events to the unlimited route (Kafka)")
+    limits_slow: int = setting(2_000, "limits: events to the limited route (a webhook), written first")
+    limits_rate: float = setting(100.0, "limits: the limited route's rate, events/s")
+    limits_seconds: float = setting(15.0, "limits: seconds of the two relays' limited drain")
+    limits_pairs: int = setting(3, "limits: pairs of drains, without and with the limited backlog")
+    limits_weight_events: int = setting(60_000, "limits: each weighted outbox's backlog")
     max_race_seconds: float = setting(600.0, "longest a race may run", cli=False)
 
 
 # What `outbox bench` (perf) can run, in the order it runs them.
-SCENARIOS = ("drain", "steady", "snapshot", "writer", "soak", "scale", "sinks", "console", "tenants")
+SCENARIOS = (
+    "drain", "steady", "snapshot", "writer", "soak", "scale", "sinks", "console", "tenants", "limits",
+)  # fmt: skip
 
 # --smoke: every scenario in seconds (CI checks that each runs and writes its outputs).
 SMOKE = {
@@ -99,4 +107,10 @@ SMOKE = {
     "tenants_counts": [1, 10],
     "tenants_idle_seconds": 2.0,
     "tenants_busy": 6000,
+    "limits_fast": 3000,
+    "limits_slow": 50,
+    "limits_rate": 50.0,
+    "limits_seconds": 2.0,
+    "limits_pairs": 1,
+    "limits_weight_events": 3000,
 }

@@ -21,10 +21,15 @@ TARGETS = {
     "console_page_p95_ms": 300.0,  # every console page at the full size (issue 27)
     "wal_vs_table": 1.5,  # WAL capture's drain >= 1.5 x the table relay's (issue 30)
     "snapshot_p99_flat": 1.10,  # under a held snapshot: every minute's p99 <= 1.1 x the first's (issue 30)
-    "tenants_ratio_at_100": 0.8,  # the backlog over 100 outboxes >= 0.8 x over one (issue 28)
+    "tenants_ratio": 0.8,  # the backlog over 100 and over 1,000 outboxes >= 0.8 x over one (28, 45)
+    "tenants_idle_cpu_percent": 3.0,  # the idle relay at 1,000 outboxes: <= 3 % of a core (issue 45)
+    "tenants_idle_tx_per_outbox": 0.05,  # ... and <= 0.05 transactions/s per outbox (issue 45)
     "tenants_quiet_p99_ms": 100.0,  # a quiet outbox's commit -> ack p99 while a busy one drains
+    "limits_beside": 0.9,  # an unlimited route's drain beside a limited backlog >= 0.9 x without (45)
+    "limits_rate_tolerance": 0.10,  # a limit's rate across two relays within 10 % (issue 45)
 }
-RATIO_AT = 100  # outboxes: the spread whose ratio to one outbox has a target
+RATIO_AT = (100, 1000)  # outboxes: the spreads whose ratio to one outbox has a target
+IDLE_AT = 1000  # outboxes: the spread whose idle cost has targets
 FAIRNESS_SAMPLES = 100  # quiet events acked, at least, for the fairness p99 to be judged
 
 
@@ -260,7 +265,48 @@ def markdown(results: dict[str, Any]) -> str:
         lines += console_markdown(s["console"])
     if "tenants" in s:
         lines += tenants_markdown(s["tenants"])
+    if "limits" in s:
+        lines += limits_markdown(s["limits"])
     return "\n".join(lines)
+
+
+def limits_markdown(k: dict[str, Any]) -> list[str]:
+    """The limits scenario: beside a limited route, a rate across relays, weights."""
+    b, a, w = k["beside"], k["across"], k["weights"]
+    ratio = b["ratio_median"]
+    lines = [
+        "",
+        f"**Limits** one outbox: {k['fast_events']:,} realistic events to Kafka, and in one run of "
+        f"each pair {k['slow_events']:,} more (written first) to a webhook limited to {k['rate']:g}/s. "
+        "The Kafka route's drain, events/s over the middle 80 %, without and with the limited backlog "
+        f"waiting (target: with / without >= {TARGETS['limits_beside']}):",
+        "",
+        "| pair | without | with | with / without |",
+        "| ---: | ---: | ---: | ---: |",
+    ]
+    for i, p in enumerate(b["pairs"], 1):
+        lines.append(
+            f"| {i} | {p['without']:,.0f} | {p['with']:,.0f} | {p['with'] / max(p['without'], 1e-9):.2f} |"
+        )
+    lines.append(
+        f"| median | | | **{'-' if ratio is None else f'{ratio:.2f}'}** "
+        f"{'' if ratio is None else _verdict(ratio >= TARGETS['limits_beside'])} |"
+    )
+    tol = TARGETS["limits_rate_tolerance"]
+    lines += [
+        "",
+        f"**Rate across relays** two relay processes, {a['events']:,} events to a webhook limited to "
+        f"{a['limit']:g}/s: {a['requests_per_s']:.1f} requests/s at the receiver over the middle 80 % "
+        f"({a['ratio']:.3f} of the limit; target within {tol:.0%}: {_verdict(abs(a['ratio'] - 1) <= tol)}).",
+    ]
+    if w["ratio"] is not None:
+        lines += [
+            "",
+            f"**Weights** two outboxes of {w['events']:,} events each, one relay, `--weight 'gold*=3'`, "
+            f"two sessions: while both had a backlog, {w['gold']:,} events of gold and {w['basic']:,} of "
+            f"basic, {w['ratio']:.2f} to 1 (target 3 within 20 %: {_verdict(2.4 <= w['ratio'] <= 3.6)}).",
+        ]
+    return lines
 
 
 def snapshot_markdown(k: dict[str, Any]) -> list[str]:
@@ -328,14 +374,16 @@ def _snapshot_run(r: dict[str, Any], kind: str = "") -> str:
 
 
 def tenants_markdown(t: dict[str, Any]) -> list[str]:
-    target = TARGETS["tenants_ratio_at_100"]
+    target = TARGETS["tenants_ratio"]
+    cpu, tx = TARGETS["tenants_idle_cpu_percent"], TARGETS["tenants_idle_tx_per_outbox"]
     lines = [
         "",
         f"**Tenants** one relay process over many outboxes (schemas) of one database: "
         f"{t['events']:,} realistic events spread evenly over them; events/s over the middle 80 % "
-        f"of the drain and the ratio to one outbox (target at {RATIO_AT} outboxes: >= {target}); then "
-        "the idle relay's cost: the database's transactions per second, per outbox, and the relay's "
-        "peak RSS per outbox beyond the first.",
+        f"of the drain and the ratio to one outbox (target at {' and '.join(f'{n:,}' for n in RATIO_AT)} "
+        f"outboxes: >= {target}); then the idle relay's cost: the database's transactions per second, "
+        f"per outbox (target at {IDLE_AT:,}: <= {tx}), the relay's CPU (target at {IDLE_AT:,}: <= {cpu:g} % "
+        "of a core), and its peak RSS per outbox beyond the first.",
         "",
         "| outboxes | events/s | / one outbox | idle transactions/s | per outbox | idle relay CPU "
         "| peak RSS MB | RSS MB per outbox |",
@@ -343,14 +391,29 @@ def tenants_markdown(t: dict[str, Any]) -> list[str]:
     ]
     for r in t["runs"]:
         ratio = r["ratio_to_one"]
-        verdict = f" {_verdict(ratio >= target)}" if ratio is not None and r["outboxes"] == RATIO_AT else ""
+        judged = ratio is not None and r["outboxes"] in RATIO_AT
+        verdict = f" {_verdict(ratio >= target)}" if judged else ""
         per = "-" if r["rss_mb_per_outbox"] is None else f"{r['rss_mb_per_outbox']:.3f}"
+        idle_cpu = r.get("idle_cpu_percent", 0)
+        per_outbox = r["idle_transactions_per_s_per_outbox"]
+        at = r["outboxes"] == IDLE_AT
         lines.append(
             f"| {r['outboxes']:,} | {r['events_per_s']:,.0f} | "
             f"{'-' if ratio is None else f'{ratio:.2f}'}{verdict} | {r['idle_transactions_per_s']:,.1f} | "
-            f"{r['idle_transactions_per_s_per_outbox']:.2f} | {r.get('idle_cpu_percent', 0):.1f} % | "
+            f"{per_outbox:.3f}{' ' + _verdict(per_outbox <= tx) if at else ''} | "
+            f"{idle_cpu:.1f} %{' ' + _verdict(idle_cpu <= cpu) if at else ''} | "
             f"{r['peak_rss_mb']:.0f} | {per} |"
         )
+    pages = [r for r in t["runs"] if r.get("fleet_page_ms")]
+    if pages:
+        limit = TARGETS["console_page_p95_ms"]
+        lines += ["", "**The console's fleet page** over those outboxes (one row each), 20 requests:", ""]
+        lines += [
+            f"- {r['outboxes']:,} outboxes: p50 {r['fleet_page_ms']['p50']:.0f} ms, p95 "
+            f"{r['fleet_page_ms']['p95']:.0f} ms (target p95 <= {limit:g} ms: "
+            f"{_verdict(r['fleet_page_ms']['p95'] <= limit)})"
+            for r in pages
+        ]
     f = t["fairness"]
     q = f["quiet_latency_ms"]
     acked = f.get("quiet_acked", f["quiet_events"])
@@ -597,6 +660,27 @@ def plots(results: dict[str, Any], out: Path) -> list[str]:
         fig.savefig(out / "tenants.png", dpi=110)
         plt.close(fig)
         made.append("tenants.png")
+    if "limits" in s:
+        k = s["limits"]
+        fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 4))
+        pairs = k["beside"]["pairs"]
+        at = list(range(len(pairs)))
+        a1.bar([x - 0.2 for x in at], [p["without"] for p in pairs], 0.4, label="without")
+        a1.bar([x + 0.2 for x in at], [p["with"] for p in pairs], 0.4, label="with the limited backlog")
+        a1.set_xticks(at, [str(x + 1) for x in at])
+        a1.set_xlabel("pair")
+        a1.set_title("Kafka route's drain, events/s")
+        a1.legend()
+        per = k["across"]["per_second"]
+        a2.plot(range(len(per)), per, marker="o")
+        a2.axhline(k["across"]["limit"], color="grey", linestyle="--", label="the limit")
+        a2.set_title("requests/s at the webhook, two relays")
+        a2.set_xlabel("second")
+        a2.legend()
+        fig.tight_layout()
+        fig.savefig(out / "limits.png", dpi=110)
+        plt.close(fig)
+        made.append("limits.png")
     if "writer" in s and s["writer"].get("stacks"):
         w = s["writer"]["stacks"]
         names = list(w)

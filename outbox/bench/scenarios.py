@@ -20,6 +20,7 @@ from outbox.bench import peers
 from outbox.bench.config import BenchConfig
 from outbox.bench.console import console as console  # the console scenario, run by name too
 from outbox.bench.contenders import ContenderSpec
+from outbox.bench.limits import limits as limits  # the limits scenario: --limit and --weight
 from outbox.bench.measure import median, middle_rate, percentiles, race
 from outbox.bench.sinks import sinks as sinks  # the sinks scenario, run by name like the others
 from outbox.bench.snapshot import snapshot as snapshot  # the held snapshot, table and WAL capture

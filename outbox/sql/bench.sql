@@ -215,3 +215,7 @@ SELECT count(*) FROM pg_stat_activity WHERE backend_type = 'autovacuum worker' A
 SELECT pg_wal_lsn_diff(pg_current_wal_lsn(), restart_lsn)::bigint,
        pg_wal_lsn_diff(pg_current_wal_lsn(), confirmed_flush_lsn)::bigint
 FROM pg_replication_slots WHERE slot_name = %(slot)s
+
+-- name: bench_archived_of_topic
+-- Events of a topic archived so far (the limits scenario reads a route's drain from the archive).
+SELECT count(*) FROM {schema}.delivered WHERE topic = %(topic)s

@@ -140,8 +140,15 @@ def test_bench_smoke_soak_scale_and_snapshot(pg_dsn: str, kafka: str, tmp_path: 
 
 
 @pytest.mark.slow
-def test_bench_smoke_sinks_and_console(pg_dsn: str, kafka: str, tmp_path: Path) -> None:
-    results, table = _bench(pg_dsn, kafka, tmp_path, ("sinks", "console"))
+def test_bench_smoke_sinks_console_and_limits(pg_dsn: str, kafka: str, tmp_path: Path) -> None:
+    results, table = _bench(pg_dsn, kafka, tmp_path, ("sinks", "console", "limits"))
+    limits = results["scenarios"]["limits"]
+    assert [set(p) for p in limits["beside"]["pairs"]] == [{"without", "with"}]
+    assert all(p["without"] > 0 and p["with"] > 0 for p in limits["beside"]["pairs"])
+    assert limits["across"]["requests_per_s"] > 0 and sum(limits["across"]["per_second"]) >= 100
+    assert limits["weights"]["events"] == 3000  # a smoke's backlogs drain too fast for a share
+    assert "**Limits**" in table and "**Rate across relays**" in table
+    _png(tmp_path / "limits.png")
     sinks = results["scenarios"]["sinks"]["sinks"]
     assert set(sinks) == {"amqp", "nats", "redis", "http"}
     for r in sinks.values():  # every sink drained by both, the ratio computed from the same run
