@@ -176,6 +176,7 @@ class Ordering:
         self._next = 0.0
         self._next_forget = 0.0
         self.looks = 0  # looks that went through
+        self._settled_before = False  # a look found it settled before
         self.owned: set[int] = set()
         self.lost_partitions = 0  # partitions found taken by another relay (for metrics)
         # partition -> the in-flight batches (by id) that may hold its rows
@@ -245,7 +246,11 @@ class Ordering:
         self.heartbeat.ok()
         self.looks += 1
         if settled:
-            self._next = time.monotonic() + SETTLED_LOOK * random.uniform(0.5, 1.0)
+            # The first settled look anywhere in the period, later ones in its second half: a
+            # relay that started with a thousand outboxes looks at them evenly, not in a wave.
+            low = 0.0 if self._settled_before else 0.5
+            self._settled_before = True
+            self._next = time.monotonic() + SETTLED_LOOK * random.uniform(low, 1.0)
         return acquired
 
     def _tick(self, in_flight: set[int]) -> tuple[bool, bool]:

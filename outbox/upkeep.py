@@ -125,16 +125,31 @@ class LaneUpkeep:
                 default=now + CAPTURE_CHECK,
             )
             return
-        self.check_lane_capture(due[0], now)
+        lane = due[0]
+        if self._slotless(lane, now):
+            lane.upkept.next_capture = now + random.uniform(0.5, 1.0) * self.capture_every()
+            return
+        self.check_lane_capture(lane, now)
 
     def capture_every(self) -> float:
         """Seconds between looks at an outbox's capture mode: CAPTURE_CHECKS a second in all."""
         return max(CAPTURE_CHECK, len(self.relay.scheduler.rotation) / CAPTURE_CHECKS)
 
     def before_first_claim(self, lane: Lane, now: float) -> None:
-        """An outbox's capture mode before its first claim (a slot to read before the table?).
-        One look at the database's slots says which outboxes have none: they need no look of
-        their own now (a thousand outboxes' first claims were a thousand capture checks)."""
+        """An outbox's capture mode before its first claim (a slot to read before the table?)."""
+        if self._slotless(lane, now):
+            lane.upkept.next_capture = now + random.uniform(0.5, 1.0) * self.capture_every()
+            return
+        self.check_lane_capture(lane, now)
+
+    def _slotless(self, lane: Lane, now: float) -> bool:
+        """Has the outbox no replication slot and no reader? One look at the database's slots (at
+        most every CAPTURE_CHECK s) says it for every outbox: those need no capture check of their
+        own (a thousand outboxes' first claims were a thousand checks, and the idle relay's
+        periodic ones five transactions a second). An outbox switched to WAL capture has its slot
+        first, and its reader within CAPTURE_CHECK s of the next look."""
+        if lane.wal is not None:
+            return False
         if now >= self._slots_until:
             found = self.on_session(
                 lane,
@@ -143,10 +158,7 @@ class LaneUpkeep:
             )
             if found is not None:
                 self._slots, self._slots_until = found, now + CAPTURE_CHECK
-        if self._slots is not None and capture.slot_name(lane.schema) not in self._slots:
-            lane.upkept.next_capture = now + random.uniform(0.5, 1.0) * self.capture_every()
-            return
-        self.check_lane_capture(lane, now)
+        return self._slots is not None and capture.slot_name(lane.schema) not in self._slots
 
     def check_lane_capture(self, lane: Lane, now: float) -> None:
         lane.upkept.next_capture = now + self.capture_every()
