@@ -409,7 +409,8 @@ def tenants_markdown(t: dict[str, Any]) -> list[str]:
         limit = TARGETS["console_page_p95_ms"]
         lines += ["", "**The console's fleet page** over those outboxes (one row each), 20 requests:", ""]
         lines += [
-            f"- {r['outboxes']:,} outboxes: p50 {r['fleet_page_ms']['p50']:.0f} ms, p95 "
+            f"- {r['outboxes']:,} outboxes: the first request {r['fleet_page_ms'].get('first', 0):.0f} ms "
+            f"(it prepares each outbox's statement), then p50 {r['fleet_page_ms']['p50']:.0f} ms, p95 "
             f"{r['fleet_page_ms']['p95']:.0f} ms (target p95 <= {limit:g} ms: "
             f"{_verdict(r['fleet_page_ms']['p95'] <= limit)})"
             for r in pages
