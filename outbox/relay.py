@@ -284,8 +284,9 @@ class Relay:
         if chosen is not None and gate is not None:
             self.sender.claim_gate(chosen, gate, scheduler.batch_limit(chosen, now))
         elif chosen is not None:
-            for g in chosen.gates:  # woken, polled or a backlog: a limit's events may wait too
-                g.pending = True
+            if chosen.wake.woken or now >= chosen.next_poll:
+                for g in chosen.gates:  # a NOTIFY or a poll: a limit's events may wait too
+                    g.pending = True
             if chosen.wake.table_news:  # WAL capture: rows were inserted into its events table
                 chosen.wake.table_news = False
                 chosen.table.due = True
