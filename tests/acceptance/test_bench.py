@@ -16,7 +16,9 @@ import pytest
 
 from outbox.bench.config import SCENARIOS
 
-GROUPS = [("drain",), ("steady", "writer", "tenants"), ("soak", "scale", "snapshot"), ("sinks", "console")]
+GROUPS = [
+    ("drain",), ("steady", "writer", "tenants"), ("soak", "scale", "snapshot"), ("sinks", "console", "limits"),
+]  # fmt: skip
 
 
 def test_the_groups_cover_every_scenario_once() -> None:
