@@ -467,9 +467,9 @@ def test_transactions_read_from_the_wal_do_not_make_the_relay_claim_its_empty_ta
         table_claims = [0]
         claim = lane.ordering.claim
 
-        def counted(conn: Any, limit: int) -> list[tuple[Any, ...]]:
+        def counted(conn: Any, limit: int, *topics: Any) -> list[tuple[Any, ...]]:
             table_claims[0] += 1
-            return claim(conn, limit)
+            return claim(conn, limit, *topics)
 
         lane.ordering.claim = counted  # type: ignore[method-assign]
         batches = relay.stats.claims
