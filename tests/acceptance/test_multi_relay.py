@@ -188,15 +188,17 @@ def test_dead_relay_partitions_taken_over_within_the_lease(pg_dsn: str, schema: 
         # Not before the dead relay's lease ended: until then it might have been alive.
         assert first >= a_ends, f"taken {(a_ends - first).total_seconds():.3f} s before the lease ended"
         # At the survivor's first heartbeat after that (the look it brings comes within half a
-        # second: on a loaded machine, maybe after the next heartbeat, never two later).
+        # second: on a loaded machine, maybe after the next heartbeat, never two later), or at a
+        # look of the outbox that came due first (none then: seen in CI, 0.08 s after the end).
         beats_between = [at for at in b_beats if a_ends <= at <= last]
-        assert 1 <= len(beats_between) <= 2, (
+        assert len(beats_between) <= 2, (
             f"taken {(last - a_ends).total_seconds():.2f} s after the lease ended, at the survivor's"
             f" heartbeat {len(beats_between)} since then ({took:.1f} s after the kill)"
         )
         # And the survivor was beating (more often than its lease), so that heartbeat came in time.
         before = [at for at in b_beats if at < a_ends]
-        gap = (beats_between[0] - before[-1]).total_seconds() if before else math.inf
+        after = beats_between[0] if beats_between else last
+        gap = (after - before[-1]).total_seconds() if before else math.inf
         assert gap < lease, f"the survivor's heartbeats {gap:.1f} s apart"
         assert b.stop() == 0
     finally:
