@@ -21,7 +21,6 @@ from __future__ import annotations
 import statistics
 import subprocess
 import sys
-import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -34,29 +33,13 @@ from outbox.bench.config import BenchConfig
 from outbox.bench.events import FILL_CHUNK, realistic
 from outbox.bench.measure import middle_rate
 from outbox.harness.infra import create_topic
-from outbox.harness.sinktaps import Receiver, Request
+from outbox.harness.sinktaps import Clocked
 from outbox.migrate import migrate
 from outbox.progress import Progress
 from outbox.queries import query
 
 SECRET = "whsec_" + "YmVuY2gtbGltaXRzLWJlbmNoLWxpbWl0cy1iZW5jaCE="
 SAMPLE = 0.1  # seconds between readings of the archive
-
-
-class _Clock:
-    """A webhook receiver noting when each request came."""
-
-    def __init__(self) -> None:
-        self.times: list[float] = []
-        self.lock = threading.Lock()
-        self.receiver = Receiver(respond=self._note, keep=False)
-        self.url = f"http://127.0.0.1:{self.receiver.port}/hook"
-
-    def _note(self, request: Request) -> tuple[int, dict[str, str], bytes]:
-        if request.method == "POST":
-            with self.lock:
-                self.times.append(time.monotonic())
-        return 204, {}, b""
 
 
 def _schema(cfg: BenchConfig, tag: str) -> str:
@@ -114,7 +97,7 @@ def _watch(until: Callable[[], bool], read: Callable[[], int], limit: float) -> 
     return series
 
 
-def beside(cfg: BenchConfig, limited: bool, clock: _Clock) -> float:
+def beside(cfg: BenchConfig, limited: bool, clock: Clocked) -> float:
     """The Kafka route's drain, with or without the limited route's backlog waiting."""
     schema = _schema(cfg, "beside")
     fast = f"bench.limits.fast.{uuid.uuid4().hex[:6]}"
@@ -143,7 +126,7 @@ def beside(cfg: BenchConfig, limited: bool, clock: _Clock) -> float:
 
 def across(cfg: BenchConfig) -> dict[str, Any]:
     """Two relays, one limited webhook: requests a second at the receiver."""
-    clock = _Clock()
+    clock = Clocked()
     schema = _schema(cfg, "across")
     n = max(100, int(cfg.limits_rate * cfg.limits_seconds))
     try:
@@ -220,7 +203,7 @@ def weights(cfg: BenchConfig) -> dict[str, Any]:
 
 
 def limits(cfg: BenchConfig) -> dict[str, Any]:
-    clock = _Clock()
+    clock = Clocked()
     pairs: list[tuple[float, float]] = []
     progress = Progress("limits: beside a limited route", cfg.limits_pairs * 2, " runs")
     try:

@@ -311,6 +311,29 @@ class Receiver:
             self._loop.close()
 
 
+class Clocked:
+    """A webhook receiver that notes when each request came (monotonic): the limits scenario's and
+    its tests' measure of a rate at the receiver."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+        self.lock = threading.Lock()
+        self.receiver = Receiver(respond=self._note, keep=False)
+        self.url = f"http://127.0.0.1:{self.receiver.port}/hook"
+
+    def _note(self, request: Request) -> tuple[int, dict[str, str], bytes]:
+        if request.method == "POST":
+            with self.lock:
+                self.times.append(time.monotonic())
+        return 204, {}, b""
+
+    def rate(self, first: int, last: int) -> float:
+        """Requests a second between the ``first``-th and the ``last``-th."""
+        with self.lock:
+            times = sorted(self.times)
+        return (last - first) / (times[last] - times[first])
+
+
 class HttpTap(SinkTap):
     scheme = "http"
 

@@ -17,7 +17,7 @@ import outbox
 from outbox import status
 from outbox.config import RelayConfig
 from outbox.errors import ConfigError
-from outbox.harness.sinktaps import Receiver, Request
+from outbox.harness.sinktaps import Clocked
 from outbox.migrate import migrate
 from outbox.outboxes import Outbox
 from outbox.routes import parse_routes
@@ -25,28 +25,6 @@ from outbox.sinks.make import routed
 from tests.helpers import RelayProcess, count, read_topic, running_relay, wait_for
 
 SECRET = "whsec_" + "c2VjcmV0LXNlY3JldC1zZWNyZXQtc2VjcmV0IQ=="
-
-
-class Clocked:
-    """A webhook receiver that notes when each request came (monotonic)."""
-
-    def __init__(self) -> None:
-        self.times: list[float] = []
-        self.lock = threading.Lock()
-        self.receiver = Receiver(respond=self._note, keep=False)
-        self.url = f"http://127.0.0.1:{self.receiver.port}/hook"
-
-    def _note(self, request: Request) -> tuple[int, dict[str, str], bytes]:
-        if request.method == "POST":
-            with self.lock:
-                self.times.append(time.monotonic())
-        return 204, {}, b""
-
-    def rate(self, first: int, last: int) -> float:
-        """Requests a second between the ``first``-th and the ``last``-th."""
-        with self.lock:
-            times = sorted(self.times)
-        return (last - first) / (times[last] - times[first])
 
 
 @pytest.fixture
