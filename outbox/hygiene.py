@@ -187,8 +187,8 @@ class Hygiene(threading.Thread):
             # Scanning again will not help until that snapshot goes: back off.
             return min(MAX_BACKOFF, max(self._interval, took * 10))
         self._released(schema)
-        heaps = conn.execute(query("hot_tables_stats", "public"), {"schemas": [schema]}).fetchall()
-        if dead < self._threshold and heaps and int(heaps[0][3]) >= heap:
+        heaps = conn.execute(query("events_heap_bytes", schema), {"schema": schema}).fetchone()
+        if dead < self._threshold and heaps and int(heaps[0]) >= heap:
             # A nearly drained table whose last pages still hold pending events (a slow sink's
             # backlog) cannot be truncated yet: vacuuming it every check did nothing but log a
             # line every 5 s. Look again later each time, until a vacuum shrinks it.

@@ -25,10 +25,20 @@ SELECT pg_try_advisory_lock(%(lock)s)
 -- Release the hygiene advisory lock.
 SELECT pg_advisory_unlock(%(lock)s)
 
+-- name: events_heap_bytes
+-- The heap's size of one schema's events table (after a vacuum: did it shrink?).
+SELECT pg_relation_size(format('%%I.events', %(schema)s::text)::regclass)
+
 -- name: hot_tables_stats
 -- Dead and live tuples (statistics) and the heap's size (what VACUUM can truncate; its indexes
 -- it cannot shrink) of the hot events table of each of several schemas, in one statement (a
 -- relay serving many outboxes checks them all at once).
-SELECT s.schemaname, coalesce(s.n_dead_tup, 0), coalesce(s.n_live_tup, 0), pg_relation_size(s.relid)
-FROM pg_stat_user_tables AS s
-WHERE s.relname = 'events' AND s.schemaname = ANY(%(schemas)s::text[])
+-- The statistics functions on the table's oid, found by its name (pg_class's index), not the
+-- pg_stat_user_tables view: the view groups every table of the database before it filters, 20 ms
+-- a look at 1,000 schemas. The size only of a table with dead tuples (a file's size is a system
+-- call; needs_vacuum wants no size without them).
+SELECT n.nspname, pg_stat_get_dead_tuples(c.oid), pg_stat_get_live_tuples(c.oid),
+       CASE WHEN pg_stat_get_dead_tuples(c.oid) > 0 THEN pg_relation_size(c.oid) ELSE 0 END
+FROM pg_class AS c
+JOIN pg_namespace AS n ON n.oid = c.relnamespace
+WHERE c.relname = 'events' AND c.relkind = 'r' AND n.nspname = ANY(%(schemas)s::text[])

@@ -63,10 +63,10 @@ WHERE NOT EXISTS (SELECT 1 FROM outbox_fleet.relays AS f WHERE f.id = p.owner AN
 
 -- name: hot_table_stats
 -- Dead and live tuples (statistics) and size of the hot events table.
-SELECT coalesce(s.n_dead_tup, 0), coalesce(s.n_live_tup, 0),
-       pg_total_relation_size(format('%%I.events', %(schema)s::text)::regclass)
-FROM (SELECT 1) AS one
-LEFT JOIN pg_stat_user_tables AS s ON s.schemaname = %(schema)s AND s.relname = 'events'
+-- The statistics functions on the table's oid, not the pg_stat_user_tables view: the view groups
+-- every table of the database before it filters (16 ms a call at 1,000 schemas).
+SELECT pg_stat_get_dead_tuples(t.oid), pg_stat_get_live_tuples(t.oid), pg_total_relation_size(t.oid)
+FROM (SELECT format('%%I.events', %(schema)s::text)::regclass::oid AS oid) AS t
 
 -- name: oldest_xmin_age
 -- Seconds since the oldest transaction that holds back vacuum started (NULL if none).
