@@ -316,7 +316,7 @@ class Relay:
             # Idle: sleep until the next poll, NOTIFY, or the next heartbeat (a long
             # poll interval must not let the ownership leases lapse).
             self._wakeup.clear()
-            if not any(lane.wake.woken for lane in scheduler.rotation):
+            if not scheduler.woken():
                 self._wakeup.wait(scheduler.idle_wait(now, self.upkeep.next_maintenance_check))
 
     # -- start and stop ---------------------------------------------------------

@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import math
 import random
+from operator import attrgetter
 
 from outbox.batch import Batch
 from outbox.config import RelayConfig
@@ -41,6 +42,13 @@ IDLE_POLLS = 50.0  # claims a second, at most, that poll quiet outboxes without 
 # ... and with NOTIFY on: a notification wakes an outbox at once, and a retry the relay scheduled
 # when it comes due; polls only catch what a lost notification, or another relay's retry, left.
 IDLE_POLLS_NOTIFIED = 5.0
+
+# The lanes' fields an idle relay reads on every wake-up (idle_wait), read at C speed over all of
+# them (map/min/any): at 1,000 outboxes, a generator over the lanes took 0.7 ms a wake-up.
+WOKEN = attrgetter("wake.woken")
+NEXT_POLL = attrgetter("next_poll")
+RETRY_AT = attrgetter("retry_at")
+GATES = attrgetter("gates")
 
 
 class ClaimScheduler:
@@ -93,8 +101,11 @@ class ClaimScheduler:
             if lane.gates and lane.gate_due(now, per_lane) is not None:  # a limit's tokens are due
                 self.turn = (turn + k + 1) % n
                 return lane
-            # Most lanes of a relay of many have nothing to do: that test first, it is the cheap one.
-            if not lane.due(now) or not lane.may_claim(now, per_lane):
+            # Most lanes of a relay of many have nothing to do: that test first, it is the cheap one
+            # (Lane.due, inline: a method call per lane was half the scan at 1,000 outboxes).
+            if not (lane.wake.woken or lane.more_work or now >= lane.next_poll or now >= lane.retry_at):
+                continue
+            if not lane.may_claim(now, per_lane):
                 continue
             if lane.wake.woken:
                 self.turn = (turn + k + 1) % n
@@ -113,6 +124,10 @@ class ClaimScheduler:
             self.clock = max(self.clock, chosen[1].served)
         return chosen[1]
 
+    def woken(self) -> bool:
+        """Has a NOTIFY (or a WAL reader) woken some lane?"""
+        return any(map(WOKEN, self.rotation))
+
     def served(self, lane: Lane, events: int) -> None:
         """A claim of ``lane`` took ``events``: its share used, for its weight. A lane that was
         idle starts at the clock (the least served backlog's), not with credit for its idle time."""
@@ -124,10 +139,12 @@ class ClaimScheduler:
         lanes = self.rotation
         if not lanes:
             return self.config.poll_interval
-        polls = min(max(0.0, min(lane.next_poll, lane.retry_at) - now) for lane in lanes)
-        gates = [g.next_try for lane in lanes for g in lane.gates if g.pending]
-        if gates:
-            polls = min(polls, max(0.0, min(gates) - now))
+        soonest: float = min(min(map(NEXT_POLL, lanes)), min(map(RETRY_AT, lanes)))
+        polls = max(0.0, soonest - now)
+        if self.config.limit and any(map(GATES, lanes)):  # limits (--limit) give lanes gates
+            gates = [g.next_try for lane in lanes for g in lane.gates if g.pending]
+            if gates:
+                polls = min(polls, max(0.0, min(gates) - now))
         beat = self.beats.next_at()
         beats = max(0.0, beat - BEAT_EARLY - now) if beat is not None else polls
         return min(polls, beats, max(0.0, maintenance_at - now))

@@ -12,6 +12,7 @@ import pytest
 
 from outbox.config import RelayConfig
 from outbox.lanes import Beats, Lane
+from outbox.limits import Gate, parse_limit
 from outbox.outboxes import Outbox
 from outbox.scheduler import FAIR_BATCH, MIN_CLAIM, START_CLAIM, ClaimScheduler
 from outbox.sinks.base import Delivered, Retry
@@ -105,6 +106,22 @@ def test_idle_waits_until_the_next_poll_heartbeat_or_upkeep() -> None:
     _lane(s, "a", next_poll=3.0)
     assert s.idle_wait(1.0, 100.0) == pytest.approx(2.0)
     assert s.idle_wait(1.0, 1.5) == pytest.approx(0.5)
+
+
+def test_idle_waits_for_a_limits_next_tokens_and_sees_a_notified_outbox() -> None:
+    """The wait reads every lane's poll and retry times, and a limit's next tokens (--limit); a
+    NOTIFY since (woken) is seen without a wait."""
+    s = _scheduler(poll_interval=1.0, limit=["partner.*=10/s"])
+    lanes = [_lane(s, f"o{i}", next_poll=50.0 + i) for i in range(100)]
+    lanes[40].retry_at = 20.0
+    assert s.idle_wait(10.0, 100.0) == pytest.approx(10.0)
+    lanes[7].gates = [Gate(parse_limit("partner.*=10/s"), "^partner", None, next_try=12.5)]
+    assert s.idle_wait(10.0, 100.0) == pytest.approx(2.5)
+    lanes[7].gates[0].pending = False  # nothing of it waits: its tokens do not wake the loop
+    assert s.idle_wait(10.0, 100.0) == pytest.approx(10.0)
+    assert not s.woken()
+    lanes[99].wake.notified()
+    assert s.woken()
 
 
 def test_quiet_outboxes_are_polled_at_most_so_often_in_all() -> None:
