@@ -30,7 +30,7 @@ def test_a_topic_belongs_to_the_first_limit_that_matches_it() -> None:
 
 def test_a_limit_spec_is_a_rate_and_or_a_cap() -> None:
     limit = parse_limit("partner.*=50/s,in_flight=8")
-    assert (limit.rate, limit.in_flight, limit.burst, limit.least) == (50.0, 8, 12.5, 5)
+    assert (limit.rate, limit.in_flight, limit.burst, limit.least) == (50.0, 8, 50.0, 5)
     assert parse_limit("q=in_flight=2").rate is None and parse_limit("q=in_flight=2").burst == 1.0
     assert parse_limit("q=0.5/s").least == 1
     with pytest.raises(ConfigError, match="--limit 'q=5'"):
