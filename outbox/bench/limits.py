@@ -141,8 +141,7 @@ def across(cfg: BenchConfig) -> dict[str, Any]:
             for p in procs:
                 p.wait(60)
         times = sorted(clock.times)
-        lo, hi = int(len(times) * 0.1), int(len(times) * 0.9)
-        rate = (hi - lo) / (times[hi] - times[lo]) if hi > lo and times[hi] > times[lo] else 0.0
+        rate = clock.rate(int(len(times) * 0.1), int(len(times) * 0.9))
         t0 = times[0] if times else 0.0
         per_second: dict[int, int] = {}
         for t in times:

@@ -328,9 +328,12 @@ class Clocked:
         return 204, {}, b""
 
     def rate(self, first: int, last: int) -> float:
-        """Requests a second between the ``first``-th and the ``last``-th."""
+        """Requests a second between the ``first``-th and the ``last``-th (0 when there are not
+        that many, or they came at once)."""
         with self.lock:
             times = sorted(self.times)
+        if not first < last < len(times) or times[last] <= times[first]:
+            return 0.0
         return (last - first) / (times[last] - times[first])
 
 
