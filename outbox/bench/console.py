@@ -91,7 +91,7 @@ def _fill(conn: psycopg.Connection[Any], schema: str, cfg: BenchConfig) -> None:
         progress.update(done, "pending")
     conn.execute(query("console_fill_done", schema))
     progress.update(done, "vacuum analyze")
-    conn.execute(query("console_fill_vacuum", schema))
+    conn.execute(query("bench_vacuum_outbox", schema))
     progress.close()
 
 

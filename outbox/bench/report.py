@@ -384,7 +384,8 @@ def tenants_markdown(t: dict[str, Any]) -> list[str]:
         "and plan its statements for the first time), and of the same backlog again committed at once "
         "and drained by the same relay (warm, as a relay that has run a while), and the ratio to one "
         f"outbox (target at {' and '.join(f'{n:,}' for n in RATIO_AT)} "
-        f"outboxes: >= {target}); then the idle relay's cost: the database's transactions per second, "
+        f"outboxes: >= {target}); then the idle relay's cost (once the drain's tables are vacuumed and "
+        "analyzed, autovacuum's work done): the database's transactions per second, "
         f"per outbox (target at {IDLE_AT:,}: <= {tx}), the relay's CPU (target at {IDLE_AT:,}: <= {cpu:g} % "
         "of a core), and its peak RSS per outbox beyond the first.",
         "",
