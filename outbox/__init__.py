@@ -15,9 +15,8 @@ Consumer side (the effect once per event)::
             charge(conn, order)
 """
 
-from importlib import metadata as _metadata
-
 from outbox import inbox
+from outbox._version import __version__
 from outbox.events import EVENT_ID_HEADER
 from outbox.retry import RetryPolicy
 from outbox.writer import enqueue, enqueue_async, enqueue_many, enqueue_many_async
@@ -25,13 +24,10 @@ from outbox.writer import enqueue, enqueue_async, enqueue_many, enqueue_many_asy
 __all__ = [
     "EVENT_ID_HEADER",
     "RetryPolicy",
+    "__version__",
     "enqueue",
     "enqueue_async",
     "enqueue_many",
     "enqueue_many_async",
     "inbox",
 ]
-try:
-    __version__ = _metadata.version("outbox")
-except _metadata.PackageNotFoundError:  # a source tree that was never installed
-    __version__ = "unknown"

@@ -12,7 +12,7 @@ Stores:
 - ``postgres:`` — the ``claim_checks`` table of the outbox schema (migration 0007).
   Reference ``postgres:<schema>/<event id>``. For consumers that can reach that database.
 - ``s3://bucket/prefix?endpoint=URL&region=R`` — an S3-compatible object store (boto3,
-  ``outbox[s3]``). Object ``<prefix>/<YYYYMMDD>/<event id>`` (the day it was stored, UTC);
+  ``outbox-relay[s3]``). Object ``<prefix>/<YYYYMMDD>/<event id>`` (the day it was stored, UTC);
   reference ``s3://bucket/<key>``. Credentials come from boto3's usual chain
   (``AWS_ACCESS_KEY_ID`` … or a role), never from the URL.
 

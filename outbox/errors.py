@@ -51,7 +51,7 @@ class MissingExtra(OutboxError, ImportError):
     """An optional feature needs a package that is not installed; the message names the extra."""
 
     def __init__(self, what: str, extra: str) -> None:
-        super().__init__(f"{what} needs: pip install 'outbox[{extra}]'")
+        super().__init__(f"{what} needs: pip install 'outbox-relay[{extra}]'")
         self.extra = extra
 
 

@@ -2,7 +2,7 @@
 
 The core package imports none of them at import time. A feature that needs one
 calls :func:`require` first, so that a missing package gives
-``<feature> needs: pip install 'outbox[<extra>]'`` instead of a traceback.
+``<feature> needs: pip install 'outbox-relay[<extra>]'`` instead of a traceback.
 """
 
 from __future__ import annotations
@@ -45,6 +45,6 @@ def missing(extra: str) -> list[str]:
 
 
 def require(extra: str, what: str) -> None:
-    """Raise MissingExtra naming ``outbox[extra]`` unless every module of it is installed."""
+    """Raise MissingExtra naming ``outbox-relay[extra]`` unless every module of it is installed."""
     if missing(extra):
         raise MissingExtra(what, extra)

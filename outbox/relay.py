@@ -54,7 +54,7 @@ import psycopg
 from outbox.config import RelayConfig
 from outbox.dsn import with_net_timeouts
 from outbox.endpoints import HealthServer
-from outbox.errors import ConfigError
+from outbox.errors import ConfigError, MissingExtra
 from outbox.finisher import BatchFinisher
 from outbox.gauges import DatabaseGauges
 from outbox.health import OUTBOXES_NOT_SERVED, Readiness, RelayHealth
@@ -208,8 +208,10 @@ class Relay:
 
     def run(self) -> None:
         """Relay until ``stop()``; then finish in-flight batches within the grace budget."""
+        starting = True
         try:
             self._start()
+            starting = False
             self.running.set()
             while not self.stopped.is_set():
                 try:
@@ -224,8 +226,9 @@ class Relay:
                     self.sessions.database.fail(self.sessions.clean(exc))
                     self.finisher.release_all("connection lost")
                     self.stopped.wait(NET_PAUSE)
-        except Exception:
-            log.exception("relay loop failed; in-flight events stay pending for the next owner")
+        except Exception as exc:
+            if not (starting and isinstance(exc, MissingExtra)):  # refused at start: one line, the caller's
+                log.exception("relay loop failed; in-flight events stay pending for the next owner")
             raise
         finally:
             self.running.clear()
@@ -336,6 +339,7 @@ class Relay:
         self.chains = {}
         self.sink = self.sink_factory()
         self.roster.start()
+        self.upkeep.refuse_wal_without_reader()
         if config.vacuum:
             self._hygiene = Hygiene(
                 self._dsn, lambda: [lane.schema for lane in self.scheduler.rotation], self.stopped,
@@ -385,9 +389,10 @@ class Relay:
         self.membership.leave()
         self.link.close()
         self.sessions.close_all()
-        if self.listener is not None:
+        # (Not started when the relay was refused at start.)
+        if self.listener is not None and self.listener.ident is not None:
             self.listener.join(timeout=2.0)
-        if self._hygiene is not None:
+        if self._hygiene is not None and self._hygiene.ident is not None:
             self._hygiene.join(timeout=2.0)
         if self.http is not None:
             self.http.stop()

@@ -124,7 +124,7 @@ def end_batch(
 def configure_from_env() -> bool:
     """Install an SDK tracer provider when the standard OTEL_* variables ask for export.
 
-    ``OTEL_TRACES_EXPORTER`` = ``otlp`` (needs ``pip install 'outbox[otlp]'``) or
+    ``OTEL_TRACES_EXPORTER`` = ``otlp`` (needs ``pip install 'outbox-relay[otlp]'``) or
     ``console``; an ``OTEL_EXPORTER_OTLP_*ENDPOINT`` alone means ``otlp``.
     Service name and resource come from ``OTEL_SERVICE_NAME`` /
     ``OTEL_RESOURCE_ATTRIBUTES``. Returns whether tracing was switched on.

@@ -6,6 +6,7 @@ them made due at once when they answer again."""
 from __future__ import annotations
 
 import logging
+import math
 import random
 import time
 from collections.abc import Callable
@@ -14,8 +15,9 @@ from typing import Any, Protocol, TypeVar
 
 import psycopg
 
-from outbox import capture
+from outbox import capture, extras
 from outbox.batch import WalBatch
+from outbox.errors import MissingExtra
 from outbox.finisher import BatchFinisher
 from outbox.lanes import Lane, RelayStats
 from outbox.metrics import RelayMetrics
@@ -25,7 +27,7 @@ from outbox.sessions import Sessions
 from outbox.sinks import router
 from outbox.sinks.base import UNREACHABLE_KINDS, Reachable, Sink, keeps_key_order
 from outbox.sinks.chains import KeyChains
-from outbox.wal_reader import WalReader
+from outbox.wal_reader import WAL_READER, WalReader
 
 log = logging.getLogger("outbox.relay")
 
@@ -151,14 +153,23 @@ class LaneUpkeep:
         if lane.wal is not None:
             return False
         if now >= self._slots_until:
-            found = self.on_session(
-                lane,
-                "capture check",
-                lambda conn: {r[0] for r in conn.execute(query("database_slots", lane.schema))},
-            )
+            found = self.on_session(lane, "capture check", partial(_database_slots, lane.schema))
             if found is not None:
                 self._slots, self._slots_until = found, now + CAPTURE_CHECK
         return self._slots is not None and capture.slot_name(lane.schema) not in self._slots
+
+    def refuse_wal_without_reader(self) -> None:
+        """At start: refuse, in one line naming the extra, to serve an outbox that has a WAL slot to
+        read when the reader's client (psycopg2: a replication connection) is not installed. Found
+        out in the loop, it was a traceback after the relay had joined and claimed."""
+        lanes = list(self.relay.scheduler.rotation)
+        if not lanes or not extras.missing("psycopg2"):
+            return
+        first = lanes[0]
+        slots = self.on_session(first, "capture check", partial(_database_slots, first.schema))
+        for lane in lanes:
+            if slots is not None and capture.slot_name(lane.schema) in slots:
+                extras.require("psycopg2", f"outbox {lane.name}: {WAL_READER}")
 
     def check_lane_capture(self, lane: Lane, now: float) -> None:
         lane.upkept.next_capture = now + self.capture_every()
@@ -168,6 +179,12 @@ class LaneUpkeep:
             return
         lane.upkept.capture_mode = found.mode
         if found.reads_slot and lane.wal is None:
+            if extras.missing("psycopg2"):  # switched to WAL capture since the relay started
+                # Its table may not be claimed before the slot is read (the slot's events came
+                # first): the outbox rests until a relay with the reader's client serves it.
+                lane.pause(str(MissingExtra(WAL_READER, "psycopg2")))
+                lane.paused_until = math.inf
+                return
             lane.wal = WalReader(
                 lane.outbox.dsn,
                 lane.schema,
@@ -293,3 +310,8 @@ class LaneUpkeep:
                 extra={"outbox": lane.name},
             )
             lane.wake.notified()
+
+
+def _database_slots(schema: str, conn: psycopg.Connection[Any]) -> set[str]:
+    """The names of the database's replication slots."""
+    return {r[0] for r in conn.execute(query("database_slots", schema))}

@@ -22,6 +22,7 @@ from outbox.pgoutput import Decoder, Piece, Position, lsn_int
 from outbox.queries import query
 
 log = logging.getLogger("outbox.capture")
+WAL_READER = "WAL capture's reader (a replication connection)"  # what needs outbox-relay[psycopg2]
 
 QUEUE_EVENTS = 20_000  # events read ahead of the relay at most (then the reader waits)
 STANDBY_RETRY = 1.0  # seconds between tries of a slot another relay reads
@@ -48,7 +49,7 @@ class WalReader(threading.Thread):
     ) -> None:
         super().__init__(name=f"outbox-wal-{schema}", daemon=True)
         assert capture.slot is not None and capture.publication is not None
-        require("psycopg2", "WAL capture's reader (a replication connection)")
+        require("psycopg2", WAL_READER)
         self.dsn = dsn
         self.schema = schema
         self.slot = capture.slot

@@ -8,5 +8,5 @@ each runs and produces its outputs; it never asserts a timing).
 
 The package imports nothing heavy: ``outbox.bench.cli`` registers the commands,
 and the runners (``runner``, ``faults.suite``) import psutil and matplotlib
-(the ``outbox[bench]`` extra) only when a command runs.
+(the ``outbox-relay[bench]`` extra) only when a command runs.
 """

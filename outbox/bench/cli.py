@@ -1,6 +1,6 @@
 """``outbox bench`` and ``outbox bench faults``: registered here, run from their packages.
 
-Nothing heavy is imported until a command runs; without the ``outbox[bench]``
+Nothing heavy is imported until a command runs; without the ``outbox-relay[bench]``
 extra the command says so in one line.
 """
 

@@ -1,4 +1,4 @@
-"""The benchmark's settings (light: the CLI reads them without the ``outbox[bench]`` extra)."""
+"""The benchmark's settings (light: the CLI reads them without the ``outbox-relay[bench]`` extra)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ class BenchConfig:
     big_events: int = setting(1_000_000, "drain: pending events of the larger backlog (0: skip it)")
     repeat: int = setting(3, "drain: runs per contender")
     seeds_seconds: float = setting(30.0, "drain: seconds the seeds' loop races (it is slow)")
-    peer_seconds: float = setting(30.0, "drain: seconds each Python peer races (outbox[bench-peers])")
+    peer_seconds: float = setting(30.0, "drain: seconds each Python peer races (outbox-relay[bench-peers])")
     rates: list[int] = setting(default_factory=lambda: [1000, 5000, 20000], help="steady: events/s")
     steady_seconds: float = setting(30.0, "steady: seconds per rate")
     writer_iterations: int = setting(2000, "writer: business transactions with and without enqueue")

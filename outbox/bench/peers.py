@@ -1,4 +1,4 @@
-"""Python peers in the drain, on the same events and the same broker (``outbox[bench-peers]``).
+"""Python peers in the drain, on the same events and the same broker (``outbox-relay[bench-peers]``).
 
 - ``txoutbox`` (PyPI): an asyncio relay over the user's table and publisher
   function. Its PostgreSQL storage (asyncpg) claims with ``FOR UPDATE SKIP

@@ -214,7 +214,7 @@ def drain(cfg: BenchConfig) -> dict[str, Any]:
             replace(c, contenders=tuple(k for k in c.contenders if k not in WAL_CONTENDERS)) for c in cases
         ]
     if absent := missing("bench-peers"):
-        skipped["peers"] = f"needs: pip install 'outbox[bench-peers]' (missing {', '.join(absent)})"
+        skipped["peers"] = f"needs: pip install 'outbox-relay[bench-peers]' (missing {', '.join(absent)})"
     else:
         first = cases[0]
         cases[0] = DrainCase(

@@ -222,7 +222,7 @@ def spread(cfg: BenchConfig, n: int) -> dict[str, Any]:
 def fleet_page_ms(cfg: BenchConfig, schemas: list[str]) -> dict[str, float] | None:
     """The console's fleet page over these outboxes: the first request (it prepares each
     outbox's statement), then p50 and p95 of FLEET_PAGE_REQUESTS more (None without
-    ``outbox[console]``)."""
+    ``outbox-relay[console]``)."""
     try:
         from starlette.testclient import TestClient
 

@@ -257,7 +257,7 @@ def _missing(name: str) -> str | None:
     extras = STACKS[name]
     if not any(missing(extra) for extra in extras):
         return None
-    return f"pip install 'outbox[{','.join(extras)}]'"
+    return f"pip install 'outbox-relay[{','.join(extras)}]'"
 
 
 def _summary(plain: list[float], with_event: list[float]) -> dict[str, Any]:

@@ -1,4 +1,4 @@
-"""``outbox console``: the operator console, served standalone (extra ``outbox[console]``)."""
+"""``outbox console``: the operator console, served standalone (extra ``outbox-relay[console]``)."""
 
 from __future__ import annotations
 
@@ -43,7 +43,7 @@ class ConsoleOptions:
 
 
 def register(sub: Any) -> None:
-    p = sub.add_parser("console", help="the operator console in a browser (outbox[console])")
+    p = sub.add_parser("console", help="the operator console in a browser (outbox-relay[console])")
     add_common(p)
     add_outboxes(p)
     options.add(p, ConsoleOptions, env_prefix=ENV_PREFIX)

@@ -18,7 +18,7 @@ from outbox.cli.common import Common, add_common, connect, dsn_of, schema_of
 from outbox.cli.outboxes import DiscoveryOptions, add_outboxes, choose, is_fleet
 from outbox.config import RelayConfig
 from outbox.dsn import with_net_timeouts
-from outbox.errors import ConfigError, RelayFailed
+from outbox.errors import ConfigError, MissingExtra, RelayFailed
 from outbox.fleet import Fleet, Found
 from outbox.migrate import require_migrated
 from outbox.outboxes import database_of
@@ -103,7 +103,7 @@ class ClaimCheckOptions:
     claim_check_store: str | None = setting(
         None,
         "postgres: (a table of the outbox schema) or s3://BUCKET/PREFIX?endpoint=URL&region=R "
-        "(boto3, outbox[s3]; credentials from AWS_* or the role)",
+        "(boto3, outbox-relay[s3]; credentials from AWS_* or the role)",
         metavar="URL",
     )
 
@@ -213,7 +213,7 @@ def run_until_signal(relay: Relay | Fleet) -> None:
         for s, handler in previous.items():
             signal.signal(s, handler)
     if failure:
-        if isinstance(failure[0], RelayFailed):
+        if isinstance(failure[0], (RelayFailed, MissingExtra)):  # MissingExtra: refused at start
             raise failure[0]
         raise RelayFailed(f"the relay failed: {failure[0]}")
 

@@ -1,4 +1,4 @@
-"""The operator console (``outbox console``, extra ``outbox[console]``): every queue, key and
+"""The operator console (``outbox console``, extra ``outbox-relay[console]``): every queue, key and
 dead letter of an outbox in a browser, and the actions that fix them, audited like the CLI's.
 
 ``outbox.console.app(dsn, ...)`` returns the ASGI application, to run or to mount;

@@ -1,4 +1,4 @@
-"""AWS sinks: SQS (standard and FIFO), SNS, EventBridge and Kinesis (``outbox[aws]``).
+"""AWS sinks: SQS (standard and FIFO), SNS, EventBridge and Kinesis (``outbox-relay[aws]``).
 
 Routes: ``sqs://QUEUE``, ``sns://TOPIC``, ``eventbridge://BUS``, ``kinesis://STREAM``, each
 with ``?region=…`` (else the standard chain: ``AWS_REGION``, the profile) and

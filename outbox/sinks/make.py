@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 
 
 def require_clients(routes: list[Route]) -> None:
-    """MissingExtra (one line naming ``outbox[extra]``) for the first route whose client is absent."""
+    """MissingExtra (one line naming ``outbox-relay[extra]``) for the first route whose client is absent."""
     for route in routes:
         extra = SCHEMES[route.url.scheme].extra
         if extra is not None:

@@ -1,4 +1,4 @@
-"""NATS JetStream sink: ``nats://host:port`` (``outbox[nats]``).
+"""NATS JetStream sink: ``nats://host:port`` (``outbox-relay[nats]``).
 
 Client: nats-py, the NATS maintainers' asyncio client. A JetStream publish is
 a core publish with a reply subject, which the stream answers with a PubAck:

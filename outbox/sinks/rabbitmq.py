@@ -1,4 +1,4 @@
-"""RabbitMQ sink: ``amqp://user:password@host:port/vhost?exchange=NAME`` (``outbox[rabbitmq]``).
+"""RabbitMQ sink: ``amqp://user:password@host:port/vhost?exchange=NAME`` (``outbox-relay[rabbitmq]``).
 
 Client: aiormq, the asyncio AMQP 0-9-1 client under aio-pika, used directly: one
 connection, one channel in publisher-confirm mode, many publishes in flight,

@@ -1,4 +1,4 @@
-"""Redis Streams sink: ``redis://[:password@]host:port/db[?maxlen=N]`` (``outbox[redis]``).
+"""Redis Streams sink: ``redis://[:password@]host:port/db[?maxlen=N]`` (``outbox-relay[redis]``).
 
 Client: redis-py's asyncio client (the Redis project's own). Each burst of
 events is one pipeline of ``XADD`` commands (no transaction): one round trip

@@ -1,4 +1,4 @@
-"""Webhook sink: ``http(s)://…`` with ``{topic}`` / ``{key}`` (``outbox[http]``), signed.
+"""Webhook sink: ``http(s)://…`` with ``{topic}`` / ``{key}`` (``outbox-relay[http]``), signed.
 
 Client: aiohttp's ClientSession: a pool of keep-alive connections (HTTP/1.1),
 one ``POST`` per event, many requests at once across keys (per-key order: one

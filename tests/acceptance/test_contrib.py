@@ -265,4 +265,4 @@ def test_the_django_app_without_django_names_the_extra() -> None:
         "    print(exc)\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
-    assert out.stdout == "outbox.contrib.django needs: pip install 'outbox[django]'\n", out.stderr
+    assert out.stdout == "outbox.contrib.django needs: pip install 'outbox-relay[django]'\n", out.stderr
