@@ -61,7 +61,11 @@ def test_bench_smoke_drain(pg_dsn: str, kafka: str, tmp_path: Path) -> None:
             case["contenders"]["relay"]["events_per_s_median"] / ceiling, 3
         )
     realistic = drain["cases"]["realistic"]["contenders"]
-    peers = {"txoutbox", "txoutbox_unordered", "faststream_outbox"}  # the dev extras hold outbox-relay[bench-peers]
+    peers = {
+        "txoutbox",
+        "txoutbox_unordered",
+        "faststream_outbox",
+    }  # the dev extras hold outbox-relay[bench-peers]
     # WAL capture races too: the suite's server runs with wal_level = logical (scripts/bootstrap).
     assert (
         set(realistic)

