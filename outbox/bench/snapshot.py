@@ -17,9 +17,10 @@ within 10 % of the first window's, and every window delivering what was written.
 
 The control (``snapshot_control``, on by default): each mode again for the same minutes with no
 snapshot held. On two cores, with no snapshot at all, one minute's p99 differed from the first's
-by up to 1.55x (WAL capture, 2,000/s; 1.47x table capture; benchmarks/wal/snapshot-2000-control):
-the 10 % criterion alone cannot tell the snapshot's cost from the machine's. The held run's
-worst minute against the control's worst minute can.
+by up to 1.55x (WAL capture, 2,000/s; 1.47x table capture;
+benchmarks/runs/2026-11-25-wal/snapshot-2000-control): the 10 % criterion alone cannot tell the
+snapshot's cost from the machine's. The held run's worst minute against the control's worst
+minute can.
 """
 
 from __future__ import annotations

@@ -50,7 +50,7 @@ def test_the_dockerfile_passes_hadolint() -> None:
 
 def test_hadolint_refuses_an_untagged_base_image(tmp_path: Path) -> None:
     broken = tmp_path / "Dockerfile"
-    broken.write_text("FROM python\nRUN pip install outbox\n")
+    broken.write_text("FROM python\nRUN pip install outbox-relay\n")
     done = subprocess.run([_tool("hadolint"), str(broken)], capture_output=True, text=True)
     assert done.returncode != 0 and "DL3006" in done.stdout, done.stdout
 
