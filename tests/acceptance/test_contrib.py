@@ -266,3 +266,18 @@ def test_the_django_app_without_django_names_the_extra() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.stdout == "outbox.contrib.django needs: pip install 'outbox-relay[django]'\n", out.stderr
+
+
+def test_the_pytest_plugin_loads_in_every_run_and_p_no_outbox_leaves_it_out(tmp_path: Path) -> None:
+    (tmp_path / "test_uses_it.py").write_text(
+        "def test_fixture(outbox_events):\n    outbox_events.assert_nothing_enqueued('orders.created')\n"
+    )
+    run = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist", str(tmp_path)]
+    loaded = subprocess.run(run, capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert loaded.returncode == 0, loaded.stdout[-2000:]
+    left_out = subprocess.run(
+        [*run, "-p", "no:outbox"], capture_output=True, text=True, timeout=120, cwd=tmp_path
+    )
+    assert left_out.returncode == 1 and "fixture 'outbox_events' not found" in left_out.stdout, (
+        left_out.stdout[-2000:]
+    )
