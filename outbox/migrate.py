@@ -22,6 +22,11 @@ from outbox.queries import query
 from outbox.schema import DEFAULT_SCHEMA, channel_name, validate_name, validate_schema
 
 _FILE = re.compile(r"^(\d{4})_(\w+)\.sql$")
+# Outboxes to migrate on one connection before taking a fresh one (``outbox migrate --schemas``,
+# the bench's tenants). A session keeps the plans of each outbox's functions it ran, and every
+# DDL statement's invalidations walk all of them: on one connection for all, each migration
+# took longer than the one before.
+PER_CONNECTION = 50
 
 
 @dataclass(frozen=True)

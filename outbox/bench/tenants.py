@@ -35,7 +35,7 @@ from outbox.bench.contenders import ContenderSpec
 from outbox.bench.events import FILL_CHUNK, realistic
 from outbox.bench.measure import Race, middle_rate, percentiles, race
 from outbox.harness.infra import create_topic
-from outbox.migrate import migrate
+from outbox.migrate import PER_CONNECTION, migrate
 from outbox.outboxes import Outbox
 from outbox.progress import Progress
 from outbox.queries import query
@@ -61,10 +61,12 @@ class Tenants:
         done = itertools.count(1)
 
         def migrate_every(k: int) -> None:  # the set-up's time, not the relay's: 4 at once
-            with psycopg.connect(self.dsn, autocommit=True) as conn:
-                for schema in self.schemas[k::MIGRATORS]:
-                    migrate(conn, schema)
-                    progress.update(next(done))
+            mine = self.schemas[k::MIGRATORS]
+            for start in range(0, len(mine), PER_CONNECTION):  # a fresh session now and then
+                with psycopg.connect(self.dsn, autocommit=True) as conn:
+                    for schema in mine[start : start + PER_CONNECTION]:
+                        migrate(conn, schema)
+                        progress.update(next(done))
 
         with ThreadPoolExecutor(MIGRATORS) as pool:
             list(pool.map(migrate_every, range(MIGRATORS)))

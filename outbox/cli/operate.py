@@ -239,12 +239,17 @@ def _migrate_each(args: argparse.Namespace, roles: migrations.Roles | None) -> i
     for what, why in chosen.skipped.items():
         print(f"{what}: not migrated: {why}")
     conns: dict[Any, psycopg.Connection[Any]] = {}
+    used: dict[Any, int] = {}  # outboxes migrated on each database's connection
     try:
         for o in chosen.outboxes:
             try:
                 conn = conns.get(o.database)
+                if conn is not None and used.get(o.database, 0) >= migrations.PER_CONNECTION:
+                    conn.close()
                 if conn is None or conn.closed:
                     conn = conns[o.database] = connect(args, o.dsn)
+                    used[o.database] = 0
+                used[o.database] += 1
                 applied = migrations.migrate(conn, o.schema, inbox_only=args.inbox_only)
                 if roles is not None:
                     migrations.grant_roles(conn, o.schema, roles)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import threading
 from pathlib import Path
+from typing import Any
 
 import psycopg
 import pytest
@@ -13,6 +14,7 @@ from psycopg import sql
 from psycopg.conninfo import make_conninfo
 
 import outbox
+from outbox import migrate as migrations
 from outbox.cli import main
 from outbox.migrate import migrate
 from outbox.outboxes import discover
@@ -53,6 +55,27 @@ def test_migrate_every_schema_matching_a_glob_then_status_all(
     lines = capsys.readouterr().out.splitlines()
     assert len(lines) == 5 and lines[0].startswith("outbox ") and "no live relay" in lines[2]
     assert lines[-1] == "3 outboxes, 0 unreadable; 2 pending, 0 dead letters"
+
+
+def test_migrate_over_many_schemas_takes_a_fresh_session_every_few(
+    pg_dsn: str, prefix: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # A session that migrated many outboxes walks all their functions' plans at every DDL
+    # statement: migrations.PER_CONNECTION (50) on one session, then a fresh one. Here 2, over 5.
+    names = [f"{prefix}_{i}" for i in range(5)]
+    _schemas(pg_dsn, *names)
+    monkeypatch.setattr(migrations, "PER_CONNECTION", 2)
+    sessions: list[int] = []
+    real = migrations.migrate
+
+    def recorded(conn: psycopg.Connection[Any], schema: str, **kw: Any) -> Any:
+        sessions.append(conn.info.backend_pid)
+        return real(conn, schema, **kw)
+
+    monkeypatch.setattr(migrations, "migrate", recorded)
+    assert main(["migrate", "--dsn", pg_dsn, "--schemas", f"{prefix}_*"]) == 0
+    assert capsys.readouterr().out.splitlines()[-1] == "5 of 5 outboxes migrated"
+    assert len(sessions) == 5 and [sessions.count(pid) for pid in dict.fromkeys(sessions)] == [2, 2, 1]
 
 
 def test_one_failing_outbox_does_not_stop_the_others_and_shows_no_password(
