@@ -23,9 +23,9 @@ from outbox.schema import DEFAULT_SCHEMA, channel_name, validate_name, validate_
 
 _FILE = re.compile(r"^(\d{4})_(\w+)\.sql$")
 # Outboxes to migrate on one connection before taking a fresh one (``outbox migrate --schemas``,
-# the bench's tenants). A session keeps the plans of each outbox's functions it ran, and every
-# DDL statement's invalidations walk all of them: on one connection for all, each migration
-# took longer than the one before.
+# the bench's tenants). A session's processing of every DDL statement's invalidations grows with
+# what it has cached: creating 5,000 outboxes on one session, the 700th migration took about
+# 700 ms where the first took 128 ms and one on a fresh session beside it 120-140 ms.
 PER_CONNECTION = 50
 
 
