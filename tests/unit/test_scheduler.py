@@ -14,7 +14,7 @@ from outbox.config import RelayConfig
 from outbox.lanes import Beats, Lane
 from outbox.limits import Gate, parse_limit
 from outbox.outboxes import Outbox
-from outbox.scheduler import FAIR_BATCH, MIN_CLAIM, START_CLAIM, ClaimScheduler
+from outbox.scheduler import FAIR_BATCH, MIN_CLAIM, QUIET_LOOK, START_CLAIM, ClaimScheduler
 from outbox.sinks.base import Delivered, Retry
 
 
@@ -95,9 +95,31 @@ def test_a_busy_outbox_claims_less_while_a_quiet_one_is_active() -> None:
     quiet = _lane(s, "quiet")
     assert s.batch_limit(busy, 100.0) == 2000  # the quiet one found no work lately
     quiet.last_work = 99.5  # found work within CONTENDED seconds, no backlog
-    assert s.batch_limit(busy, 100.0) == FAIR_BATCH
-    quiet.more_work = True  # both have backlogs: full batches
+    # Seen at the next look for quiet outboxes (a scan of every outbox), within QUIET_LOOK.
     assert s.batch_limit(busy, 100.0) == 2000
+    assert s.batch_limit(busy, 100.0 + 1.5 * QUIET_LOOK) == FAIR_BATCH
+    assert s.batch_limit(quiet, 100.0 + 1.5 * QUIET_LOOK) == 2000  # itself the only quiet one
+    quiet.more_work = True  # both have backlogs: full batches
+    assert s.batch_limit(busy, 100.0 + 3 * QUIET_LOOK) == 2000
+
+
+def test_the_look_for_quiet_outboxes_scans_at_most_every_quiet_look() -> None:
+    s = _scheduler(batch_size=2000)
+    lanes = [_lane(s, f"o{i}", more_work=True) for i in range(1000)]
+    looked = 0
+    original = s._quiet_but_active
+
+    def counted(now: float) -> list[Any]:
+        nonlocal looked
+        before = s._quiet_at
+        found = original(now)
+        looked += s._quiet_at != before
+        return found
+
+    s._quiet_but_active = counted  # type: ignore[method-assign]
+    for i, lane in enumerate(lanes):  # a claim of each, 1 ms apart
+        s.batch_limit(lane, 100.0 + i * 0.001)
+    assert looked <= 1.0 / QUIET_LOOK + 1  # one per claim before: 1,000
 
 
 def test_idle_waits_until_the_next_poll_heartbeat_or_upkeep() -> None:
