@@ -81,6 +81,8 @@ def rows(parser: argparse.ArgumentParser) -> list[Row]:
         if isinstance(flags, tuple):
             flags = " ".join(flags)
         text = " ".join((action.help or "").split())
+        # Python before 3.12 appends this to a boolean flag's help by itself (--help shows it).
+        text = text.removesuffix(" (default: %(default)s)")
         env = default = None
         tail = TAIL.search(text)
         if tail:
