@@ -167,8 +167,10 @@ class LaneUpkeep:
             return
         first = lanes[0]
         slots = self.on_session(first, "capture check", partial(_database_slots, first.schema))
+        if slots is None:  # the database did not answer: the loop's capture checks will say so
+            return
         for lane in lanes:
-            if slots is not None and capture.slot_name(lane.schema) in slots:
+            if capture.slot_name(lane.schema) in slots:
                 extras.require("psycopg2", f"outbox {lane.name}: {WAL_READER}")
 
     def check_lane_capture(self, lane: Lane, now: float) -> None:

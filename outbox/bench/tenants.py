@@ -60,16 +60,11 @@ class Tenants:
         progress = Progress(f"migrate {len(self.schemas)} outboxes", len(self.schemas), "")
         done = itertools.count(1)
 
-        def migrate_every(k: int) -> None:  # the set-up's time, not the relay's: 4 at once
-            mine = self.schemas[k::MIGRATORS]
-            for start in range(0, len(mine), PER_CONNECTION):  # a fresh session now and then
-                with psycopg.connect(self.dsn, autocommit=True) as conn:
-                    for schema in mine[start : start + PER_CONNECTION]:
-                        migrate(conn, schema)
-                        progress.update(next(done))
+        def migrated(conn: psycopg.Connection[Any], schema: str) -> None:
+            migrate(conn, schema)
+            progress.update(next(done))
 
-        with ThreadPoolExecutor(MIGRATORS) as pool:
-            list(pool.map(migrate_every, range(MIGRATORS)))
+        self._each_schema(migrated)  # the set-up's time, not the relay's
         progress.close()
         create_topic(self.bootstrap, self.topic, TOPIC_PARTITIONS)
         return self
@@ -80,17 +75,24 @@ class Tenants:
                 conn.execute(query("harness_drop_schema", schema))
 
     def vacuum(self) -> None:
-        """Autovacuum's work after a drain, done now (VACUUM ANALYZE of every outbox's tables,
-        ``MIGRATORS`` at once): its transactions, a few per table for minutes after a drain of
-        1,000 outboxes, are the database's upkeep after any write load, not the idle relay's."""
+        """Autovacuum's work after a drain, done now (VACUUM ANALYZE of every outbox's tables):
+        its transactions, a few per table for minutes after a drain of 1,000 outboxes, are the
+        database's upkeep after any write load, not the idle relay's."""
+        self._each_schema(lambda conn, schema: conn.execute(query("bench_vacuum_outbox", schema)))
 
-        def vacuum_every(k: int) -> None:
-            with psycopg.connect(self.dsn, autocommit=True) as conn:
-                for schema in self.schemas[k::MIGRATORS]:
-                    conn.execute(query("bench_vacuum_outbox", schema))
+    def _each_schema(self, work: Callable[[psycopg.Connection[Any], str], object]) -> None:
+        """``work(conn, schema)`` for every schema, on MIGRATORS sessions at once, each replaced by
+        a fresh one every PER_CONNECTION schemas (a session's DDL slows with what it has done)."""
+
+        def share(k: int) -> None:
+            mine = self.schemas[k::MIGRATORS]
+            for start in range(0, len(mine), PER_CONNECTION):
+                with psycopg.connect(self.dsn, autocommit=True) as conn:
+                    for schema in mine[start : start + PER_CONNECTION]:
+                        work(conn, schema)
 
         with ThreadPoolExecutor(MIGRATORS) as pool:
-            list(pool.map(vacuum_every, range(MIGRATORS)))
+            list(pool.map(share, range(MIGRATORS)))
 
     def fill_at_once(self, per_outbox: int) -> None:
         """``per_outbox`` realistic events in every schema, committed in one transaction: a relay
