@@ -94,6 +94,7 @@ class Upkept:
     """What LaneUpkeep keeps of a lane: its next checks, its capture mode, its sinks' outage."""
 
     next_maintenance: float = 0.0  # monotonic time of the next archive partition check
+    partitions_missing: bool = False  # the check found a day partition missing: create them
     next_capture: float = 0.0  # monotonic time of the next look at its capture mode
     capture_mode: str = "table"  # as last read from its capture table
     sinks_were_down: bool = False  # a sink was down since this lane's last "retry now"

@@ -254,7 +254,12 @@ class Roster:
         rotation = self.relay.scheduler.rotation
         for lane in rotation:
             self.look(lane)
+        now = time.monotonic()
         for k, lane in enumerate(rotation):
-            if k:
-                lane.ordering.delay_first_heartbeat(random.uniform(0, lane.ordering.interval))
+            # A settled outbox's next look is the one its look chose (spread over SETTLED_LOOK); one
+            # still short of its share looks again within the interval, spread too. Every outbox
+            # looked at again within the interval was 1,000 looks in the middle of the first drain.
+            ordering = lane.ordering
+            if k and ordering.due_at <= now + ordering.interval:
+                ordering.delay_first_heartbeat(random.uniform(0, ordering.interval))
             self.beats.schedule(lane)

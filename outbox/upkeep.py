@@ -34,6 +34,7 @@ log = logging.getLogger("outbox.relay")
 T = TypeVar("T")
 PARTITION_MAINTENANCE = 3600.0  # seconds between archive partition checks
 MAINTENANCE_RETRY = 10.0  # seconds before trying again after it failed
+DAYS_AHEAD = 3  # the day partitions ensure_delivered_partitions() keeps ahead (its default)
 CAPTURE_CHECK = 30.0  # seconds between looks at an outbox's capture mode (a slot to read?)
 RETRIES_PER_STEP = 8  # outboxes whose failures are made due at once after an outage, a loop step
 CAPTURE_CHECKS = 5.0  # looks a second at most, in all: a relay of 1,000 outboxes looks every 200 s
@@ -78,17 +79,24 @@ class LaneUpkeep:
     # -- partitions and capture ----------------------------------------------------------
 
     def maintain_partitions(self, now: float) -> None:
-        """The archive's day partitions of each outbox whose hourly check is due (one a step)."""
+        """The archive's day partitions of each outbox whose hourly check is due (one a step); the
+        outboxes due are first asked about in one statement, and only those missing a partition
+        get the call that creates it (at start, 1,000 outboxes were 1,000 transactions on the
+        loop's thread in the middle of their first drain)."""
         rotation = self.relay.scheduler.rotation
         # The first due, not the list of them: at start every outbox is due, and a list each step
         # was a scan of every outbox per outbox (25 million looks at 5,000 outboxes).
         lane = next((x for x in rotation if now >= x.upkept.next_maintenance and not x.leaving), None)
+        if lane is not None and not lane.upkept.partitions_missing:
+            self._ask_partitions(now)
+            lane = next((x for x in rotation if now >= x.upkept.next_maintenance and not x.leaving), None)
         if lane is None:
             self.next_maintenance_check = min(
                 (x.upkept.next_maintenance for x in rotation), default=now + PARTITION_MAINTENANCE
             )
             return
         lane.upkept.next_maintenance = now + PARTITION_MAINTENANCE
+        lane.upkept.partitions_missing = False
         done = self.on_session(
             lane,
             "archive partition maintenance",
@@ -96,6 +104,36 @@ class LaneUpkeep:
         )
         if done is None:
             lane.upkept.next_maintenance = now + MAINTENANCE_RETRY
+
+    def _ask_partitions(self, now: float) -> None:
+        """One look at every due outbox's day partitions: those that have them all are checked
+        for the hour; the rest are marked for ensure_partitions, one a step. Without a session
+        free, the due outboxes get their calls as before; when the look fails, each gets its call,
+        which says which outbox is in trouble."""
+        due = [x for x in self.relay.scheduler.rotation if now >= x.upkept.next_maintenance and not x.leaving]
+        sessions = self.relay.sessions
+        conn = sessions.take()
+        if conn is None:
+            return
+        try:
+            rows = conn.execute(
+                query("partitions_missing", due[0].schema),
+                {"schemas": [x.schema for x in due], "days": DAYS_AHEAD},
+            ).fetchall()
+            conn.rollback()
+            missing = {row[0] for row in rows}
+        except psycopg.OperationalError as exc:
+            sessions.lost(conn, f"archive partition check failed: {sessions.clean(exc)}")
+            return
+        except psycopg.Error:
+            conn.rollback()
+            missing = {x.schema for x in due}
+        sessions.give_back(conn)
+        for x in due:
+            if x.schema in missing:
+                x.upkept.partitions_missing = True
+            else:
+                x.upkept.next_maintenance = now + PARTITION_MAINTENANCE
 
     def on_session(self, lane: Lane, what: str, work: Callable[[psycopg.Connection[Any]], T]) -> T | None:
         """``work`` on a session of the pool, committed; its result, or None when no session was

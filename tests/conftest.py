@@ -86,6 +86,18 @@ def schema(pg_dsn: str) -> Iterator[str]:
         conn.execute(sql.SQL("DROP SCHEMA {} CASCADE").format(sql.Identifier(name)))
 
 
+@pytest.fixture
+def second_db(pg_dsn: str) -> Iterator[str]:
+    """A database of this test's own on the same server (its relays the only ones there); its DSN."""
+    name = f"outbox_fa_{uuid.uuid4().hex[:10]}"
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
+    dsn = make_conninfo(pg_dsn, dbname=name)
+    yield dsn
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        conn.execute(sql.SQL("DROP DATABASE {} WITH (FORCE)").format(sql.Identifier(name)))
+
+
 def _wal_level(dsn: str) -> tuple[str, int]:
     with psycopg.connect(dsn, autocommit=True) as conn:
         row = conn.execute(

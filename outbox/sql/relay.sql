@@ -152,6 +152,18 @@ FROM dead
 -- Create the archive's day partitions from yesterday to a few days ahead.
 SELECT {schema}.ensure_delivered_partitions()
 
+-- name: partitions_missing
+-- Of the outboxes (schemas) %(schemas)s, those missing a day partition of the archive that
+-- ensure_delivered_partitions() creates (yesterday to %(days)s days ahead, UTC): one look for a
+-- relay's many outboxes, where a call each was a transaction each.
+SELECT s.name
+FROM unnest(%(schemas)s::text[]) AS s(name)
+WHERE EXISTS (
+    SELECT 1
+    FROM generate_series((now() AT TIME ZONE 'UTC')::date - 1, (now() AT TIME ZONE 'UTC')::date + %(days)s,
+                         interval '1 day') AS d(day)
+    WHERE to_regclass(format('%%I.%%I', s.name, 'delivered_p' || to_char(d.day, 'YYYYMMDD'))) IS NULL)
+
 -- name: server_pid
 -- The server process of this session (outbox.pooling: does a session keep its own?).
 SELECT pg_backend_pid()

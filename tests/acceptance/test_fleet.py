@@ -32,18 +32,6 @@ from tests.helpers import (
 from tests.pgserver import Server
 
 
-@pytest.fixture
-def second_db(pg_dsn: str) -> Iterator[str]:
-    """A database of this test's own on the same server; its DSN."""
-    name = f"outbox_fa_{uuid.uuid4().hex[:10]}"
-    with psycopg.connect(pg_dsn, autocommit=True) as conn:
-        conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
-    dsn = make_conninfo(pg_dsn, dbname=name)
-    yield dsn
-    with psycopg.connect(pg_dsn, autocommit=True) as conn:
-        conn.execute(sql.SQL("DROP DATABASE {} WITH (FORCE)").format(sql.Identifier(name)))
-
-
 def _status(port: int) -> int:
     """/readyz's status, 0 while nothing listens yet."""
     try:

@@ -3,9 +3,11 @@ one outbox's trouble its own, quiet outboxes served while a busy one drains."""
 
 from __future__ import annotations
 
+import datetime as dt
 import logging
 import threading
 import time
+from typing import Any
 
 import psycopg
 import pytest
@@ -192,6 +194,46 @@ def test_a_quiet_relay_renews_every_lease_in_one_row_and_reads_its_readiness_onc
     # Every 0.4 s each, as before, would be 150 looks; one look at each when another relay of
     # the database came or went (a test before this one) is 20.
     assert outbox_looks <= 40, f"{outbox_looks} looks at 20 settled outboxes in {seconds:.1f} s"
+
+
+def test_a_relay_starting_over_many_outboxes_looks_at_each_once_and_creates_only_missing_partitions(
+    second_db: str, kafka: str, prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """At start a relay looks at each outbox's ownership once (its share taken, its next look
+    spread over SETTLED_LOOK), not again within the interval: 1,000 outboxes looked at twice was
+    1,000 transactions in the middle of their first drain. Their archive's day partitions are
+    asked about in one statement, and only the outbox missing one gets the call that creates it.
+    A database of its own: another relay's coming or going makes every outbox be looked at."""
+    import outbox.upkeep
+
+    boxes = _migrated(second_db, prefix, 20)
+    gap = boxes[3]
+    tomorrow = f"delivered_p{(dt.datetime.now(dt.timezone.utc).date() + dt.timedelta(days=1)):%Y%m%d}"
+    with psycopg.connect(second_db, autocommit=True) as conn:
+        conn.execute(sql.SQL("DROP TABLE {}.{}").format(sql.Identifier(gap.schema), sql.Identifier(tomorrow)))
+    asked: list[tuple[str, str]] = []
+    named = outbox.upkeep.query
+
+    def recorded(name: str, schema: str, **kw: Any) -> Any:
+        asked.append((name, schema))
+        return named(name, schema, **kw)
+
+    monkeypatch.setattr(outbox.upkeep, "query", recorded)
+    with running_relay(_config(second_db), bootstrap=kafka, outboxes=boxes) as relay:
+        wait_for(relay.running.is_set, timeout=30, what="the relay started")
+
+        def restored() -> bool:
+            with psycopg.connect(second_db) as conn:
+                row = conn.execute("SELECT to_regclass(%s)", [f"{gap.schema}.{tomorrow}"]).fetchone()
+            return row is not None and row[0] is not None
+
+        wait_for(restored, timeout=10, what="the missing day partition created")
+        time.sleep(2 * relay.config.ownership_lease / 5)  # two intervals: every outbox would look again
+        looks = [lane.ordering.looks for lane in relay.lanes.values()]
+    assert asked.count(("partitions_missing", boxes[0].schema)) == 1, asked
+    assert [schema for name, schema in asked if name == "ensure_partitions"] == [gap.schema], asked
+    # Each next look is at a random point of SETTLED_LOOK (120 s): a few may fall in these seconds.
+    assert sum(looks) <= 25, f"{sum(looks)} looks at 20 outboxes in the seconds after the start"
 
 
 def test_an_outbox_whose_archive_waits_on_a_lock_holds_up_no_other(
