@@ -126,9 +126,14 @@ class LaneUpkeep:
             sessions.lost(conn, f"archive partition check failed: {sessions.clean(exc)}")
             return
         except psycopg.Error:
-            conn.rollback()
             missing = {x.schema for x in due}
-        sessions.give_back(conn)
+            try:
+                conn.rollback()
+            except psycopg.Error:
+                sessions.discard(conn)
+                conn = None
+        if conn is not None:
+            sessions.give_back(conn)
         for x in due:
             if x.schema in missing:
                 x.upkept.partitions_missing = True
