@@ -211,13 +211,24 @@ class _Counting(psycopg.Cursor[Any]):
 def test_a_steady_heartbeat_is_one_statement_and_a_settled_look_one_more(pg_dsn: str, schema: str) -> None:
     """The membership heartbeat (every lease of the relay, in every outbox of the database) is one
     statement; a look at a settled outbox (registration, its partitions, its live relays) is one
-    more, and comes every SETTLED_LOOK seconds or so, not every heartbeat."""
+    more, and comes every SETTLED_LOOK / 2 to SETTLED_LOOK seconds, not every heartbeat; the look
+    after the first anywhere within SETTLED_LOOK (a relay's thousand outboxes, looked at when it
+    starts, are looked at again evenly over the period, not in a wave)."""
     from outbox.ordering import SETTLED_LOOK
 
     relay = _ordering(pg_dsn, schema, "a", lease=10.0, cursor_factory=_Counting)
     with contextlib.closing(relay.link):
         _beat(relay)
         assert len(relay.owned) == 64
+        assert relay.due_at - time.monotonic() <= SETTLED_LOOK, "the next look past the period"
+        firsts = [relay.due_at - time.monotonic()]
+        for _ in range(19):  # the look after a first settled one, drawn again: anywhere in the period
+            relay._settled_before = False
+            relay.tick([])
+            firsts.append(relay.due_at - time.monotonic())
+        # (All 20 in the second half by chance: one in a million.)
+        assert min(firsts) < SETTLED_LOOK / 2, f"the looks after the first all in the second half: {firsts}"
+        relay.tick([])
         assert relay.due_at - time.monotonic() >= SETTLED_LOOK / 2 - 1, (
             "a settled outbox looked at again soon"
         )
