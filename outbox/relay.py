@@ -257,12 +257,7 @@ class Relay:
     def lane_error(self, lane: Lane, conn: psycopg.Connection[Any], error: str) -> None:
         """An error of this outbox's own on ``conn``: the lane rests, the session goes back."""
         lane.pause(error)
-        try:
-            conn.rollback()
-        except psycopg.Error:
-            self.sessions.discard(conn)
-            return
-        self.sessions.give_back(conn)
+        self.sessions.roll_back(conn)
 
     # -- the loop ---------------------------------------------------------------
 

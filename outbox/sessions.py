@@ -142,6 +142,15 @@ class Sessions:
         else:
             self._forget(conn)
 
+    def roll_back(self, conn: psycopg.Connection[Any]) -> None:
+        """End the session's transaction and give it back; one that cannot is discarded."""
+        try:
+            conn.rollback()
+        except psycopg.Error:
+            self.discard(conn)
+            return
+        self.give_back(conn)
+
     def lost(self, conn: psycopg.Connection[Any], error: str) -> None:
         """A session failed while the database was needed: close it, count it toward the outage."""
         self.database.fail(error)

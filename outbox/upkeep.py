@@ -120,20 +120,13 @@ class LaneUpkeep:
                 query("partitions_missing", due[0].schema),
                 {"schemas": [x.schema for x in due], "days": DAYS_AHEAD},
             ).fetchall()
-            conn.rollback()
             missing = {row[0] for row in rows}
         except psycopg.OperationalError as exc:
             sessions.lost(conn, f"archive partition check failed: {sessions.clean(exc)}")
             return
         except psycopg.Error:
             missing = {x.schema for x in due}
-            try:
-                conn.rollback()
-            except psycopg.Error:
-                sessions.discard(conn)
-                conn = None
-        if conn is not None:
-            sessions.give_back(conn)
+        sessions.roll_back(conn)
         for x in due:
             if x.schema in missing:
                 x.upkept.partitions_missing = True
