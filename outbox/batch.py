@@ -119,6 +119,9 @@ class Batch:
         self.gate: Gate | None = None  # the limit (--limit) it was claimed for, if any
         self.abandoned = False
         self.finished = False  # its outcomes committed
+        # The transaction it shares with other outboxes' batches, claimed in one round trip and
+        # committed once (None: a transaction of its own).
+        self.shared: Shared | None = None
         # OpenTelemetry "send <topic>" spans of this batch (empty when tracing is off).
         self.spans: dict[str, Any] = {}
         self.corrupt = 0  # rows that could not be decoded (settled as dead at once)
@@ -183,6 +186,27 @@ class Batch:
         Raises FencingError (after rolling back) if a statement changed other
         rows than expected, and psycopg.OperationalError if the lease was lost.
         """
+        result, written = self._written(policy, archive=archive, latencies=latencies)
+        try:
+            self._write_and_commit(schema, written)
+            self.finished = True
+        except FencingError:
+            self.conn.rollback()
+            raise
+        return result
+
+    def stage(
+        self, schema: str, policy: RetryPolicy, *, archive: bool, latencies: bool = True
+    ) -> BatchResult:
+        """Write every outcome in the transaction, without committing it: a batch that shares its
+        transaction with other outboxes' batches (:class:`outbox.shared.Shared`), committed once
+        for all of them. Raises as :meth:`finish` does, without rolling back."""
+        result, written = self._written(policy, archive=archive, latencies=latencies)
+        self._write(schema, written)
+        return result
+
+    def _written(self, policy: RetryPolicy, *, archive: bool, latencies: bool) -> tuple[BatchResult, Written]:
+        """What finishing writes: the result, and the statements' lists."""
         result = BatchResult()
         topics = result.topics
         now = time.time()
@@ -266,13 +290,7 @@ class Batch:
             retry_ids, retry_delays, retry_errors, retry_kinds,
             dead_ids, dead_errors, result.dead_events,
         )  # fmt: skip
-        try:
-            self._write_and_commit(schema, written)
-            self.finished = True
-        except FencingError:
-            self.conn.rollback()
-            raise
-        return result
+        return result, written
 
     def _write_and_commit(self, schema: str, w: Written) -> None:
         """The outcomes' statements and the commit. Each statement's row count is checked
@@ -326,6 +344,62 @@ class Batch:
         self.abandoned = True
         with contextlib.suppress(psycopg.Error):  # if the connection is gone, so are the locks
             self.conn.rollback()
+
+
+class RolledBack(Exception):
+    """A batch's outcomes were not committed: the transaction it shared failed for another
+    outbox's batch. Its events stay pending, as after any failed ack."""
+
+
+class Shared:
+    """A transaction that batches of several outboxes of one database share: claimed in one round
+    trip (pipelined), sent together, committed once. Short claims of many outboxes each cost a
+    transaction, a session and an ack wait of their own otherwise; a relay draining a thousand
+    outboxes spent most of its loop on those. Every member's row locks last until the commit, so
+    each member is a lease like any batch; the price is that a failure of one member's statements
+    rolls back every member (their events stay pending and are sent again: duplicates, never a
+    loss)."""
+
+    def __init__(self, conn: psycopg.Connection[Any]) -> None:
+        self.conn = conn
+        self.members: list[tuple[str, Batch]] = []  # (schema, batch), in the order claimed
+        self.left = 0  # members not done yet: the last one gives the session back
+        self.handed = False  # on a finisher (or finished on the loop)
+
+    def add(self, schema: str, batch: Batch) -> None:
+        batch.shared = self
+        self.members.append((schema, batch))
+        self.left += 1
+
+    @property
+    def complete(self) -> bool:
+        return all(batch.complete for _, batch in self.members)
+
+    def finish(
+        self, policy: RetryPolicy, *, archive: bool, latencies: bool = True
+    ) -> dict[Batch, BatchResult | Exception]:
+        """Every member's statements, then one commit. Each member's result, or what stopped it:
+        the error for the member whose statement failed (every member's, when the commit did),
+        :class:`RolledBack` for the others."""
+        results: dict[Batch, BatchResult | Exception] = {}
+        failed: Batch | None = None
+        try:
+            for schema, batch in self.members:
+                failed = batch
+                results[batch] = batch.stage(schema, policy, archive=archive, latencies=latencies)
+            failed = None
+            self.conn.commit()
+        except (FencingError, psycopg.Error) as exc:
+            if self.conn.closed or self.conn.broken:  # the session is gone: every member's lease with it
+                failed = None
+            with contextlib.suppress(psycopg.Error):
+                self.conn.rollback()
+            culprit = next((s for s, b in self.members if b is failed), None)
+            others = RolledBack(f"rolled back with the batch of schema {culprit}: {exc}")
+            return {b: exc if failed is None or b is failed else others for _, b in self.members}
+        for _, batch in self.members:
+            batch.finished = True
+        return results
 
 
 def _check_rows(changed: int, expected: int, what: str) -> None:

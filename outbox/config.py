@@ -55,6 +55,9 @@ class RelayConfig:
     poll_interval: float = setting(POLL_INTERVAL, "seconds between polls when idle")
     notify: bool = setting(True, "wake on LISTEN/NOTIFY as well as polling")
     archive: bool = setting(True, "keep delivered events in the archive")
+    shared_claims: bool = setting(
+        True, "claim several outboxes' short batches in one transaction (a relay serving many)"
+    )
     grace: float = setting(GRACE, "seconds to finish in-flight work on SIGTERM")
     retry: RetryPolicy = setting(default_factory=RetryPolicy, help="the retry schedule", cli=False)
     ordering: str = setting(

@@ -17,18 +17,18 @@ from __future__ import annotations
 import logging
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Protocol
+from typing import Any, Protocol
 
 import psycopg
 
 from outbox import limits
-from outbox.batch import Batch, BatchResult, WalBatch
+from outbox.batch import Batch, BatchResult, RolledBack, Shared, WalBatch
 from outbox.config import RelayConfig
 from outbox.errors import FencingError
 from outbox.lanes import Lane
 from outbox.membership import Membership
 from outbox.recorder import BatchRecorder
-from outbox.scheduler import ClaimScheduler
+from outbox.scheduler import SOLO_AFTER_ERROR, ClaimScheduler
 from outbox.sessions import Link, Sessions
 from outbox.sinks.base import SINK_REPLACED, Retry, Sink
 
@@ -68,7 +68,8 @@ class BatchFinisher:
         # outbox's finish that waits (a lock on its archive) holds up no other outbox's.
         self._pool = ThreadPoolExecutor(relay.config.max_connections, thread_name_prefix="outbox-finish")
         # Batches on a finisher, with the time each was handed over (recorded once done).
-        self.finishing: dict[Batch, tuple[Future[BatchResult], int]] = {}
+        # A shared transaction's batches have one future, whose result maps each one to its own.
+        self.finishing: dict[Batch, tuple[Future[Any], int]] = {}
 
     def sent(self, lane: Lane, batch: Batch) -> None:
         """``batch`` is out: its outcomes will come through ``batch.settle``."""
@@ -106,6 +107,9 @@ class BatchFinisher:
                         earlier = (batch, self.finishing[batch][0])
                     else:
                         wal_waiting = True
+                elif batch.shared is not None:
+                    if not batch.shared.handed and batch.shared.complete:
+                        self._hand_over_shared(batch.shared)
                 elif batch.complete:
                     self._hand_over(lane, batch)
 
@@ -122,6 +126,19 @@ class BatchFinisher:
         else:
             future = self._pool.submit(self._finish_after, *earlier, lane, batch)
         self.finishing[batch] = (future, ack_start)
+
+    def _hand_over_shared(self, shared: Shared) -> None:
+        """Finish the batches of a shared transaction on a finisher thread, all at once: their
+        statements and one commit. Each member's future is the same; its result is theirs."""
+        shared.handed = True
+        ack_start = time.time_ns()
+        future = self._pool.submit(self._shared_statements, shared)
+        for _, batch in shared.members:
+            self.finishing[batch] = (future, ack_start)
+
+    def _shared_statements(self, shared: Shared) -> dict[Batch, BatchResult | Exception]:
+        config = self.relay.config
+        return shared.finish(config.retry, archive=config.archive, latencies=self.relay.metrics_on)
 
     def _statements(self, lane: Lane, batch: Batch) -> BatchResult:
         """The batch's statements and commit (on a finisher, or on the loop)."""
@@ -161,15 +178,27 @@ class BatchFinisher:
         future, ack_start = self.finishing.pop(batch)
         exc = future.exception()
         if exc is None:
-            self._outcome(lane, batch, future.result(), ack_start)
+            result = future.result()
+            self._outcome(lane, batch, result[batch] if isinstance(result, dict) else result, ack_start)
         elif isinstance(exc, (FencingError, psycopg.Error)):
             self._outcome(lane, batch, exc, ack_start)
         else:
             raise exc
 
     def finish_here(self, lane: Lane, batch: Batch) -> None:
-        """Finish ``batch`` on the loop (a sink replaced: its batches settled at once)."""
+        """Finish ``batch`` on the loop (a sink replaced: its batches settled at once); a batch of
+        a shared transaction, with every member (settled already: settle_unreported)."""
         ack_start = time.time_ns()
+        shared = batch.shared
+        if shared is not None:
+            if shared.handed:  # finished with an earlier member
+                return
+            shared.handed = True
+            results = self._shared_statements(shared)
+            lanes = {b: each for each in self.relay.scheduler.rotation for b in each.in_flight}
+            for _, member in shared.members:
+                self._outcome(lanes[member], member, results[member], ack_start)
+            return
         outcome: BatchResult | Exception
         try:
             outcome = self._statements(lane, batch)
@@ -182,10 +211,12 @@ class BatchFinisher:
         an unreachable sink, and every batch is finished here, not rolled back, so that what was
         delivered is archived once (the key holds its later events: per-key order)."""
         unreported = Retry(SINK_REPLACED, "the sink's client was replaced before it reported")
-        for lane, batch in [(each, b) for each in self.relay.scheduler.rotation for b in each.in_flight]:
+        flights = [(each, b) for each in self.relay.scheduler.rotation for b in each.in_flight]
+        for _, batch in flights:
             for i, outcome in enumerate(batch.outcomes):
                 if outcome is None:
                     batch.settle(i, unreported)
+        for lane, batch in flights:
             self.finish_here(lane, batch)
 
     def _outcome(self, lane: Lane, batch: Batch, outcome: BatchResult | Exception, ack_start: int) -> None:
@@ -195,10 +226,10 @@ class BatchFinisher:
             recorder.lease_lost(lane, batch, str(outcome), ack_start)
             self.done(lane, batch)  # fenced: its partition was taken over, nothing about the sink
             return
-        if isinstance(outcome, psycopg.Error):
+        if isinstance(outcome, (psycopg.Error, RolledBack)):
             exc = outcome
             sessions = relay.sessions
-            if batch.conn.closed or batch.conn.broken:
+            if isinstance(exc, psycopg.Error) and (batch.conn.closed or batch.conn.broken):
                 # The lease ran out (idle_in_transaction_session_timeout ended the
                 # session) or the connection broke: the ack did not commit.
                 recorder.lease_lost(lane, batch, f"connection lost: {sessions.clean(exc)}", ack_start)
@@ -207,6 +238,8 @@ class BatchFinisher:
                 now = time.monotonic()
                 relay.scheduler.pace(lane, batch, now - batch.claimed_at >= relay.config.lease, now)
             else:  # the statement failed on a live connection: a bug or a schema change
+                if batch.shared is not None:  # each claims alone for a while: the error is one's own
+                    lane.solo_until = time.monotonic() + SOLO_AFTER_ERROR
                 log.error(
                     "ack of %d events failed, they stay pending: %s",
                     len(batch),
@@ -253,7 +286,11 @@ class BatchFinisher:
             limits.finished(relay.link, relay.membership.id, lane.schema, batch.gate, len(batch))
         lane.in_flight.remove(batch)
         lane.ordering.holds.release(id(batch))
-        self.relay.sessions.give_back(batch.conn)
+        shared = batch.shared
+        if shared is not None:
+            shared.left -= 1
+        if shared is None or shared.left == 0:  # a shared session goes back with its last batch
+            self.relay.sessions.give_back(batch.conn)
         if not lane.in_flight:
             self.busy.pop(lane, None)
 

@@ -113,6 +113,7 @@ class Lane:
     next_poll: float = 0.0  # monotonic time of the next poll without a NOTIFY
     retry_at: float = math.inf  # monotonic time the soonest retry this relay scheduled comes due
     paused_until: float = 0.0  # after an error of this outbox's own
+    solo_until: float = 0.0  # claims alone (not in a shared transaction) until then: after an error
     leaving: bool = False  # no longer served: finish what is in flight, hand over, go
     last_work: float = 0.0  # monotonic time its last claim found events
     pace: Pace = field(default_factory=Pace)

@@ -197,6 +197,13 @@ class Ordering:
         """Lock up to ``limit`` events this relay may deliver now, in id order (the batch's lease).
         ``only`` / ``skip``: regular expressions of the topics to claim only / to leave (limits:
         in ordered mode, a key's events after one left wait too)."""
+        return self.send_claim(conn, limit, only, skip).fetchall()
+
+    def send_claim(
+        self, conn: psycopg.Connection[Any], limit: int, only: str | None = None, skip: str | None = None
+    ) -> psycopg.Cursor[Any]:
+        """The claim's statement, executed: its rows are the cursor's (in pipeline mode, once the
+        pipeline is synced: several outboxes' claims in one round trip)."""
         # Binary results: the same Python types for these columns, without hex-decoding the
         # payloads or parsing numbers from text (fetch of 2,000 realistic rows 2.7 -> 1.2 ms).
         cur = conn.cursor(binary=True)
@@ -209,7 +216,7 @@ class Ordering:
             "only": only,
             "skip": skip,
         }
-        return cur.execute(query(self._claim, self.schema), params).fetchall()
+        return cur.execute(query(self._claim, self.schema), params)
 
     @property
     def interval(self) -> float:

@@ -282,22 +282,21 @@ class Relay:
         if chosen is not None and gate is not None:
             self.sender.claim_gate(chosen, gate, scheduler.batch_limit(chosen, now))
         elif chosen is not None:
-            if chosen.wake.woken or now >= chosen.next_poll:
-                for g in chosen.gates:  # a NOTIFY or a poll: a limit's events may wait too
-                    g.pending = True
-            if chosen.wake.table_news:  # WAL capture: rows were inserted into its events table
-                chosen.wake.table_news = False
-                chosen.table.due = True
-            chosen.wake.woken = False  # a NOTIFY arriving during the claim sets it again
-            if now >= chosen.retry_at:  # this claim looks for the retry that came due
-                chosen.retry_at = math.inf
-            limit = scheduler.batch_limit(chosen, now)
-            claimed = self.sender.claim_and_send(chosen, limit)
-            scheduler.served(chosen, claimed)
-            # A full batch means there is probably more: claim again without waiting.
-            chosen.more_work = claimed == limit or (chosen.wal is not None and chosen.wal.waiting)
-            if not chosen.more_work:
-                chosen.next_poll = time.monotonic() + scheduler.jittered_poll()
+            companions = scheduler.companions(chosen, now)
+            limit = self._claiming(chosen, now)
+            if companions:
+                picks = [(chosen, limit)] + [(c, self._claiming(c, now, companion=True)) for c in companions]
+                counts = self.sender.claim_shared(picks)
+                if counts is None:  # failed: each claims again soon (alone, after an outbox's error)
+                    for lane, _ in picks:
+                        lane.more_work = True
+                else:
+                    for (lane, most), count in zip(picks, counts, strict=True):
+                        self._claimed(lane, most, count)
+                claimed = sum(counts) if counts is not None else -1
+            else:
+                claimed = self.sender.claim_and_send(chosen, limit)
+                self._claimed(chosen, limit, claimed)
             if claimed == 0 and chosen.in_flight:
                 # Serve the reports of the batches in flight before the next claim: when every
                 # pending key waits behind them (after an outage) and writers keep notifying,
@@ -316,6 +315,29 @@ class Relay:
             self._wakeup.clear()
             if not scheduler.woken():
                 self._wakeup.wait(scheduler.idle_wait(now, self.upkeep.next_maintenance_check))
+
+    def _claiming(self, lane: Lane, now: float, companion: bool = False) -> int:
+        """``lane`` claims now: what woke it is taken, and its claim's limit returned."""
+        if lane.wake.woken or now >= lane.next_poll:
+            for g in lane.gates:  # a NOTIFY or a poll: a limit's events may wait too
+                g.pending = True
+        if lane.wake.table_news:  # WAL capture: rows were inserted into its events table
+            lane.wake.table_news = False
+            lane.table.due = True
+        lane.wake.woken = False  # a NOTIFY arriving during the claim sets it again
+        if now >= lane.retry_at:  # this claim looks for the retry that came due
+            lane.retry_at = math.inf
+        scheduler = self.scheduler
+        return scheduler.companion_limit(lane, now) if companion else scheduler.batch_limit(lane, now)
+
+    def _claimed(self, lane: Lane, limit: int, claimed: int) -> None:
+        """``lane``'s claim of at most ``limit`` took ``claimed`` events."""
+        scheduler = self.scheduler
+        scheduler.served(lane, claimed)
+        # A full batch means there is probably more: claim again without waiting.
+        lane.more_work = claimed == limit or (lane.wal is not None and lane.wal.waiting)
+        if not lane.more_work:
+            lane.next_poll = time.monotonic() + scheduler.jittered_poll()
 
     # -- start and stop ---------------------------------------------------------
 

@@ -13,6 +13,7 @@ START_CLAIM events a claim (a slow start).
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 import random
@@ -38,6 +39,10 @@ MIN_CLAIM = 10
 # fast (a slow start): a sink slower than a --batch-size batch per lease is found on a small
 # batch, not by a full one that outlives its lease and is sent again.
 START_CLAIM = 100
+# Outboxes whose claims share a transaction, at most (ClaimScheduler.companions): their claims go
+# in one round trip, their sends wait for the acks once, and one commit ends them.
+SHARED_LANES = 8
+SOLO_AFTER_ERROR = 60.0  # seconds the outboxes of a shared transaction that failed each claim alone
 CONTENDED = 1.0  # seconds since another outbox last found work, for the relay to count as shared
 # Seconds between looks for a quiet but active outbox (batch_limit): a quiet one's first event may
 # wait this long more behind a full batch of a busy one, where a look per claim scanned every outbox.
@@ -129,6 +134,41 @@ class ClaimScheduler:
         if chosen is backlog:
             self.clock = max(self.clock, chosen[1].served)
         return chosen[1]
+
+    def companions(self, lead: Lane, now: float) -> list[Lane]:
+        """Other outboxes that could claim now, to claim with ``lead`` in one transaction (see
+        :class:`outbox.batch.Shared`): at most SHARED_LANES - 1, in turn after it. Only outboxes
+        with no batch in flight: one whose finish waits (a lock on its archive) or whose sink is
+        slow holds up its own batches, not a transaction of others' (its next claims go alone
+        while it has one out). Never an outbox read from the WAL (its batches commit in the
+        order read), one whose claims a slow sink has made smaller, or one claiming alone after
+        an error; nor with the lead being one."""
+        if not self.config.shared_claims or not self._may_share(lead, now):
+            return []
+        per_lane = self.config.max_batches_in_flight
+        lanes = self.rotation
+        n = len(lanes)
+        turn = self.turn % n if n else 0
+        out: list[Lane] = []
+        for lane in itertools.chain(lanes[turn:], lanes[:turn]):
+            if not (lane.wake.woken or lane.more_work or now >= lane.next_poll or now >= lane.retry_at):
+                continue
+            if lane is lead or not self._may_share(lane, now) or not lane.may_claim(now, per_lane):
+                continue
+            if lane.gates and lane.gate_due(now, per_lane) is not None:  # its limit's claim first
+                continue
+            out.append(lane)
+            if len(out) == SHARED_LANES - 1:
+                break
+        return out
+
+    @staticmethod
+    def _may_share(lane: Lane, now: float) -> bool:
+        return not lane.in_flight and lane.wal is None and not lane.pace.slowed and now >= lane.solo_until
+
+    def companion_limit(self, lane: Lane, now: float) -> int:
+        """A companion's claim: its own limit, within an even share of a --batch-size batch."""
+        return min(self.batch_limit(lane, now), max(MIN_CLAIM, self.config.batch_size // SHARED_LANES))
 
     def woken(self) -> bool:
         """Has a NOTIFY (or a WAL reader) woken some lane?"""

@@ -12,7 +12,7 @@ from typing import Any, Protocol, cast
 import psycopg
 
 from outbox import limits, tracing
-from outbox.batch import Batch, WalBatch
+from outbox.batch import PIPELINE, Batch, Shared, WalBatch
 from outbox.events import ClaimedEvent
 from outbox.finisher import BatchFinisher
 from outbox.health import RelayHealth
@@ -21,7 +21,7 @@ from outbox.limits import Gate
 from outbox.membership import Membership
 from outbox.metrics import RelayMetrics
 from outbox.queries import query
-from outbox.scheduler import ClaimScheduler
+from outbox.scheduler import SOLO_AFTER_ERROR, ClaimScheduler
 from outbox.sessions import Link, Sessions
 from outbox.sinks import router
 from outbox.sinks.base import ProducesMany, Sink, send_now
@@ -97,6 +97,62 @@ class BatchSender:
         ordering = lane.ordering
         batch = Batch(conn, rows, holds=ordering.holds if ordering.ordered else None, parks=ordering.parks)
         return self._send(lane, batch, claim_start, limit)
+
+    def claim_shared(self, picks: list[tuple[Lane, int]]) -> list[int] | None:
+        """Batches of several outboxes (``picks``: each lane and its claim's limit), claimed in
+        one transaction, their claims in one round trip (pipeline mode), sent, and acknowledged
+        with one wait; how many events each had. None: the claims failed (the session lost, or
+        one outbox's own error: each then claims alone for a while, where the error is its own)."""
+        relay = self.relay
+        sessions = relay.sessions
+        conn = sessions.take()
+        if conn is None:
+            return [0] * len(picks)
+        claim_start = time.time_ns()
+        try:
+            if PIPELINE:
+                with conn.pipeline():
+                    cursors = [lane.ordering.send_claim(conn, most, None, lane.skip) for lane, most in picks]
+                claimed = [cur.fetchall() for cur in cursors]
+            else:
+                claimed = [lane.ordering.claim(conn, limit, None, lane.skip) for lane, limit in picks]
+        except psycopg.OperationalError as exc:
+            sessions.lost(conn, f"claim failed: {sessions.clean(exc)}")
+            return None
+        except psycopg.Error:
+            # One of these outboxes cannot be claimed from (its schema dropped, a privilege
+            # taken away): which one, each one's claim alone says, in its own lane.
+            now = time.monotonic()
+            for lane, _ in picks:
+                lane.solo_until = now + SOLO_AFTER_ERROR
+            sessions.roll_back(conn)
+            return None
+        sessions.database.ok()
+        now = time.monotonic()
+        relay.health.loop_progress = now
+        shared = Shared(conn)
+        short = False
+        for (lane, limit), rows in zip(picks, claimed, strict=True):
+            lane.trouble.ok()
+            relay.stats.claims += 1
+            lane.stats.claims += 1
+            if not rows:
+                continue
+            lane.last_work = now
+            holds = lane.ordering.holds if lane.ordering.ordered else None
+            batch = Batch(conn, rows, holds=holds, parks=lane.ordering.parks)
+            shared.add(lane.schema, batch)
+            self._send(lane, batch, claim_start, limit, flush=False)
+            short = short or len(rows) < limit
+        if not shared.members:
+            sessions.roll_back(conn)
+            return [0] * len(picks)
+        sink = relay.sink
+        assert sink is not None
+        if short:
+            send_now(sink)  # one wait for the acks of them all (see _send)
+        sink.poll(0)
+        return list(map(len, claimed))
 
     def claim_gate(self, lane: Lane, gate: Gate, most: int) -> int:
         """Events of one limit (--limit) of ``lane``, in a batch of their own: as many as the
@@ -223,7 +279,7 @@ class BatchSender:
         lane.stats.claims += 1
         return self._send(lane, batch, claim_start, limit)
 
-    def _send(self, lane: Lane, batch: Batch, claim_start: int, limit: int) -> int:
+    def _send(self, lane: Lane, batch: Batch, claim_start: int, limit: int, flush: bool = True) -> int:
         """Hand a batch's events to the sink (their outcomes come back through ``batch.settle``)."""
         relay = self.relay
         sink = relay.sink
@@ -260,6 +316,8 @@ class BatchSender:
             if outcome is not None:
                 batch.settle(i, outcome)
         relay.finisher.sent(lane, batch)
+        if not flush:  # one of several batches sent together: the caller sends them
+            return len(batch)
         # (WAL capture: a batch cut short by a transaction's end is no sign of an idle outbox
         # while the reader holds a full batch more. Anything waiting was too broad: at 1,000
         # single-event transactions a second one nearly always waits, and every batch then

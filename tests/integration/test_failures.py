@@ -350,7 +350,7 @@ def test_reports_are_served_while_every_key_waits_and_writers_keep_notifying(
             thread.join(10)
 
 
-class _LostMidBatch:
+class LostMidBatch:
     """A sink client that, like a Kafka producer fenced mid-batch, confirms the first half of its
     first batch, reports nothing for the rest, and calls itself unhealthy; its replacements
     deliver everything. ``sent`` counts every event a client confirmed, across clients."""
@@ -400,10 +400,10 @@ def test_a_sink_replaced_mid_batch_settles_the_batch_instead_of_sending_it_again
         )
         conn.commit()
     sent: list[str] = []
-    clients: list[_LostMidBatch] = []
+    clients: list[LostMidBatch] = []
 
-    def factory() -> _LostMidBatch:
-        clients.append(_LostMidBatch(sent, first=not clients))
+    def factory() -> LostMidBatch:
+        clients.append(LostMidBatch(sent, first=not clients))
         return clients[-1]
 
     # A retry of any other kind would wait a 60 s backoff: only "due again at once" drains in time.

@@ -14,7 +14,7 @@ from outbox.config import RelayConfig
 from outbox.lanes import Beats, Lane
 from outbox.limits import Gate, parse_limit
 from outbox.outboxes import Outbox
-from outbox.scheduler import FAIR_BATCH, MIN_CLAIM, QUIET_LOOK, START_CLAIM, ClaimScheduler
+from outbox.scheduler import FAIR_BATCH, MIN_CLAIM, QUIET_LOOK, SHARED_LANES, START_CLAIM, ClaimScheduler
 from outbox.sinks.base import Delivered, Retry
 
 
@@ -245,3 +245,23 @@ def test_a_fresh_outbox_starts_at_the_relays_pace_not_at_the_slow_start() -> Non
     newest = _lane(s, "newest", claim_cap=START_CLAIM)
     newest.pace.fresh = True
     assert s.batch_limit(newest, 2.0) == 500
+
+
+def test_companions_are_due_outboxes_with_nothing_in_flight_at_most_a_shared_transactions_worth() -> None:
+    s = _scheduler(batch_size=2000)
+    lead = _lane(s, "lead", woken=True)
+    due = [_lane(s, f"due{i}", more_work=True) for i in range(SHARED_LANES + 2)]
+    _lane(s, "idle")  # nothing to do
+    busy = _lane(s, "busy", woken=True)
+    busy.in_flight.append(cast(Any, _Batch(10, 0.0)))  # a batch out: it claims alone
+    slowed = _lane(s, "slowed", woken=True)
+    slowed.pace.slowed = True  # a slow sink: its batch would hold the others' commit
+    solo = _lane(s, "solo", woken=True, solo_until=2e9)  # after a shared transaction failed
+    wal = _lane(s, "wal", woken=True, wal=cast(Any, object()))  # commits in the order read
+    picked = s.companions(lead, now=1.0)
+    assert picked == due[: SHARED_LANES - 1]
+    assert not {busy, slowed, solo, wal} & set(picked)
+    # A companion claims its own limit, within an even share of a --batch-size batch.
+    assert s.companion_limit(due[0], 1.0) == 2000 // SHARED_LANES
+    assert s.companions(busy, 1.0) == [] and s.companions(wal, 1.0) == []  # nor as the lead
+    assert _scheduler(shared_claims=False).companions(lead, 1.0) == []
