@@ -244,7 +244,11 @@ class BatchFinisher:
                     "ack of %d events failed, they stay pending: %s",
                     len(batch),
                     sessions.clean(exc),
-                    extra={"outbox": lane.name},
+                    extra={
+                        "outbox": lane.name,
+                        "event": "batch.rolled_back",
+                        "batch_age": round(time.monotonic() - batch.claimed_at, 3),
+                    },
                 )
                 recorder.end_spans(batch, ack_start, type(exc).__name__)
                 batch.release()

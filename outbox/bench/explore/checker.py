@@ -54,6 +54,7 @@ def check(rec: Record) -> list[Violation]:
     if rec.schedule.ordering == "key":
         out += _order(rec)
     out += _archived_once(rec)
+    out += _twins(rec)
     out += _duplicates(rec)
     out += _logs(rec.logs)
     return out
@@ -177,11 +178,27 @@ def _archived_once(rec: Record) -> list[Violation]:
     ]
 
 
+def _twins(rec: Record) -> list[Violation]:
+    """Each twin outbox (its batches shared transactions with the checked one's): every event of
+    a committed transaction archived once, none of a rolled back one, none left pending."""
+    out = []
+    for i, (archived, pending) in enumerate(zip(rec.twins_archived, rec.twins_pending, strict=True)):
+        counts = collections.Counter(archived)
+        twin = f"twin {i}: event"
+        out += [Violation("archived once", f"{twin} {n} archived {c}×") for n, c in counts.items() if c > 1]
+        out += [Violation("settled", f"{twin} {n} never archived") for n in rec.committed if n not in counts]
+        out += [Violation("rolled back", f"{twin} {n} archived") for n in rec.rolled_back if n in counts]
+        out += [Violation("settled", f"{twin} {n} still pending") for n in sorted(set(pending))]
+    return out
+
+
 def _lease_losses(logs: list[Path]) -> list[tuple[float, float | None]]:
-    """(when, how long the batch had been out if the line says) of each lease lost."""
+    """(when, how long the batch had been out if the line says) of each lease lost, and of each
+    batch rolled back with a transaction it shared (sent, not committed: sent again)."""
     out = []
     for entry in _log_entries(logs):
-        if entry.get("event") == "lease.lost" or "grace budget spent" in entry.get("msg", ""):
+        sent_again = entry.get("event") in ("lease.lost", "batch.rolled_back")
+        if sent_again or "grace budget spent" in entry.get("msg", ""):
             age = entry.get("batch_age")
             out.append((float(entry["ts"]), float(age) if age is not None else None))
     return out

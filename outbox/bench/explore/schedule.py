@@ -88,6 +88,10 @@ class Schedule:
     refuse: float  # share of sends refused (dead letters) until the last redrive
     late: float  # share of timed-out sends the receiver gets anyway, after the relay gave up
     concurrency: int = 0  # sends in progress at once, at most (0: no limit); the rest queue
+    # Outboxes the relays serve beside the one checked, written in the same transactions (so due
+    # at the same steps: their batches share transactions with its own), their events delivered
+    # at once by the sink; each checked for every event archived once.
+    twins: int = 0
     slow_keys: tuple[SlowKeys, ...] = ()
     freezes: tuple[Freeze, ...] = ()
     faults: tuple[Fault, ...] = ()
@@ -124,7 +128,8 @@ class Schedule:
             f"schedule {self.seed}",
             f"  relays      {self.relays} process{'es' if self.relays > 1 else ''}, "
             f"ordering={self.ordering}, "
-            f"on-dead={self.on_dead}, capture={self.capture}",
+            f"on-dead={self.on_dead}, capture={self.capture}"
+            + (f", {self.twins} twin outbox{'es' if self.twins > 1 else ''}" if self.twins else ""),
             f"  batches     size {self.batch_size}, {self.in_flight} in flight, lease {self.lease:g} s, "
             f"delivery timeout {self.delivery_timeout:g} s, ownership lease {self.ownership_lease:g} s",
             f"  retries     base {self.retry_base:g} s, cap {self.retry_cap:g} s, "
@@ -246,6 +251,8 @@ def draw(seed: int) -> Schedule:
         for _ in range(rng.choice((0, 1, 1, 2)))
     ]
     schedule = replace(schedule, slow_keys=tuple(sorted(slow_keys, key=lambda w: w.at)))
+    # Drawn apart, last: every seed's other draws are what they were before twins existed.
+    schedule = replace(schedule, twins=random.Random(f"{seed}/twins").choice((0, 1, 2, 2)))
     # A key's events go one at a time: fewer events, until the busiest key's would be sent in
     # SERIAL_BUDGET seconds (else no run drains, and every schedule fails the same way).
     while schedule.events > 50 and schedule.serial_seconds() > SERIAL_BUDGET:

@@ -55,7 +55,7 @@ def search(world: World, first: int, schedules: int, budget: float, say: Say) ->
 
 def _smaller(s: Schedule) -> Iterator[tuple[Schedule, str]]:
     """Smaller schedules than ``s``, the likeliest to keep a failure first: fewer faults, freezes
-    and actions, fewer events, fewer relays."""
+    and actions, fewer events, fewer relays, fewer twin outboxes."""
     for i, f in enumerate(s.faults):
         yield s.without(faults=s.faults[:i] + s.faults[i + 1 :]), f"without the {f.kind} at {f.at:g} s"
     for i, z in enumerate(s.freezes):
@@ -69,6 +69,8 @@ def _smaller(s: Schedule) -> Iterator[tuple[Schedule, str]]:
         )
     if s.relays > 1 and all(f.relay < s.relays - 1 for f in s.faults):
         yield s.without(relays=s.relays - 1), f"{s.relays - 1} relays"
+    if s.twins:
+        yield s.without(twins=s.twins - 1), f"{s.twins - 1} twin outboxes"
 
 
 def shrink(world: World, found: Found, budget: float, say: Say) -> Found:

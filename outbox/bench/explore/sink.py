@@ -36,6 +36,7 @@ ENV_SCHEDULE = "OUTBOX_EXPLORE_SCHEDULE"  # the schedule, as JSON
 ENV_JOURNAL = "OUTBOX_EXPLORE_JOURNAL"  # the directory of the journals
 ENV_T0 = "OUTBOX_EXPLORE_T0"  # a file: the schedule's time 0 (seconds since the epoch)
 ENV_RELAY = "OUTBOX_EXPLORE_RELAY"  # which relay of the schedule this process is
+TWIN_TOPIC = "twin.events"  # the twin outboxes' events (schedule.twins): delivered at once, no journal
 
 
 class ScriptedSink:
@@ -66,6 +67,8 @@ class ScriptedSink:
     # -- the sink protocol ---------------------------------------------------------
 
     def produce(self, event: ClaimedEvent, report: Report) -> Outcome | None:
+        if event.topic == TWIN_TOPIC:
+            return Delivered()
         s = self.schedule
         now = time.time()
         body: dict[str, Any] = json.loads(event.payload)

@@ -28,7 +28,7 @@ import psycopg
 
 from outbox import capture, dead
 from outbox.bench.explore.schedule import Fault, Schedule
-from outbox.bench.explore.sink import ENV_JOURNAL, ENV_RELAY, ENV_SCHEDULE, ENV_T0
+from outbox.bench.explore.sink import ENV_JOURNAL, ENV_RELAY, ENV_SCHEDULE, ENV_T0, TWIN_TOPIC
 from outbox.bench.faults.relays import stop_processes
 from outbox.embedded import EmbeddedPostgres, free_port
 from outbox.migrate import migrate
@@ -59,6 +59,9 @@ class Record:
     archived: list[int] = field(default_factory=list)  # n per archive row
     dead: dict[int, tuple[str, bool]] = field(default_factory=dict)  # n -> (error, parked)
     pending: list[int] = field(default_factory=list)
+    # The twin outboxes': n per archive row, and n's pending, per twin (schedule.twins)
+    twins_archived: list[list[int]] = field(default_factory=list)
+    twins_pending: list[list[int]] = field(default_factory=list)
     logs: list[Path] = field(default_factory=list)
     drained: bool = False
     t0: float = 0.0
@@ -97,6 +100,7 @@ class Run:
         self.dir.mkdir(parents=True)
         (self.dir / "journal").mkdir(exist_ok=True)
         self.schema = f"explore_{schedule.seed % 10**9}_{os.getpid()}_{int(time.time() * 1000) % 10**6}"
+        self.twins = [f"{self.schema}_t{i}" for i in range(schedule.twins)]
         self.record = Record(schedule)
         self.procs: dict[int, subprocess.Popen[bytes]] = {}
         self.ports: dict[int, int] = {}
@@ -113,6 +117,8 @@ class Run:
             migrate(conn, self.schema)
             if s.capture == "wal":
                 capture.switch(conn, self.schema, "wal")
+            for twin in self.twins:
+                migrate(conn, twin)
         (self.dir / "schedule.json").write_text(s.to_json())
         try:
             for i in range(s.relays):
@@ -173,8 +179,8 @@ class Run:
         with open(log, "wb") as out:
             self.procs[i] = subprocess.Popen(
                 [
-                    sys.executable, "-m", "outbox", "relay", "--dsn", dsn, "--schema", self.schema,
-                    "--sink", self.sink, "--kafka-bootstrap", "127.0.0.1:9",
+                    sys.executable, "-m", "outbox", "relay", *self._outboxes(dsn), "--sink", self.sink,
+                    "--kafka-bootstrap", "127.0.0.1:9",
                     "--name", f"explore-{i}", "--ordering", s.ordering, "--on-dead", s.on_dead,
                     "--batch-size", str(s.batch_size), "--batches-in-flight", str(s.in_flight),
                     "--lease", str(s.lease), "--delivery-timeout", str(s.delivery_timeout),
@@ -185,6 +191,13 @@ class Run:
                 ],
                 env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
             )  # fmt: skip
+
+    def _outboxes(self, dsn: str) -> list[str]:
+        """The relay's outboxes: the one checked, and the twins beside it (--outbox each)."""
+        if not self.twins:
+            return ["--dsn", dsn, "--schema", self.schema]
+        spec = [f"checked={dsn}#{self.schema}"] + [f"twin{i}={dsn}#{t}" for i, t in enumerate(self.twins)]
+        return [arg for each in spec for arg in ("--outbox", each)]
 
     def _wait_ready(self, i: int) -> None:
         import urllib.request
@@ -227,6 +240,9 @@ class Run:
                         self.server.dsn, application_name="explore-writer", connect_timeout=3
                     )
                 enqueue_many(conn, [self._event(m, key) for m, key in batch], schema=self.schema)
+                for twin in self.twins:  # due at the same steps: their batches share transactions
+                    twinned = [{"topic": TWIN_TOPIC, "key": key, "payload": {"n": m}} for m, key in batch]
+                    enqueue_many(conn, twinned, schema=twin)
                 if rollback:
                     conn.rollback()
                     self.record.rolled_back.update(m for m, _ in batch)
@@ -329,11 +345,16 @@ class Run:
     # -- the end ---------------------------------------------------------------------------
 
     def _accounted(self) -> tuple[set[int], set[int]]:
-        """(n's archived or dead-lettered, n's pending)."""
+        """(n's archived or dead-lettered, n's pending); a twin's pending count as pending and not
+        done (they are delivered at once: pending only while a relay has yet to archive them)."""
         with self._connect("explore-check") as conn:
             done = {_n_of(r[0]) for r in conn.execute(query("explore_archived", self.schema))}
             done |= {_n_of(r[0]) for r in conn.execute(query("explore_dead", self.schema))}
             pending = {_n_of(r[0]) for r in conn.execute(query("explore_pending", self.schema))}
+            for twin in self.twins:
+                twin_pending = {_n_of(r[0]) for r in conn.execute(query("explore_pending", twin))}
+                pending |= twin_pending
+                done -= twin_pending
         return done, pending
 
     def _drain(self, deadline: float, most: float) -> bool:
@@ -377,10 +398,17 @@ class Run:
                     rec.archived = [_n_of(r[0]) for r in conn.execute(query("explore_archived", q))]
                     rec.dead = {_n_of(r[0]): (r[1], r[2]) for r in conn.execute(query("explore_dead", q))}
                     rec.pending = [_n_of(r[0]) for r in conn.execute(query("explore_pending", q))]
+                    rec.twins_archived = [
+                        [_n_of(r[0]) for r in conn.execute(query("explore_archived", t))] for t in self.twins
+                    ]
+                    rec.twins_pending = [
+                        [_n_of(r[0]) for r in conn.execute(query("explore_pending", t))] for t in self.twins
+                    ]
                 break
             except psycopg.OperationalError:
                 time.sleep(0.5)
         with contextlib.suppress(psycopg.Error), psycopg.connect(self.server.dsn, autocommit=True) as conn:
             if self.s.capture == "wal":
                 conn.execute(query("explore_drop_slot", q), {"slot": capture.slot_name(q)})
-            conn.execute(query("harness_drop_schema", q))
+            for schema in [q, *self.twins]:
+                conn.execute(query("harness_drop_schema", schema))
