@@ -122,6 +122,7 @@ class Batch:
         # The transaction it shares with other outboxes' batches, claimed in one round trip and
         # committed once (None: a transaction of its own).
         self.shared: Shared | None = None
+        self.settled_at: float | None = None  # a shared one: when the loop first saw it complete
         # OpenTelemetry "send <topic>" spans of this batch (empty when tracing is off).
         self.spans: dict[str, Any] = {}
         self.corrupt = 0  # rows that could not be decoded (settled as dead at once)

@@ -108,6 +108,8 @@ class BatchFinisher:
                     else:
                         wal_waiting = True
                 elif batch.shared is not None:
+                    if batch.settled_at is None and batch.complete:
+                        batch.settled_at = time.monotonic()  # its pace: not the others' (see _outcome)
                     if not batch.shared.handed and batch.shared.complete:
                         self._hand_over_shared(batch.shared)
                 elif batch.complete:
@@ -261,7 +263,9 @@ class BatchFinisher:
         self.done(lane, batch)
         recorder.record(lane, batch, result, ack_start, relay.sink)
         if result.delivered:  # a batch that only failed says nothing about the sink's pace
-            relay.scheduler.pace(lane, batch, False, time.monotonic())
+            # (A batch of a shared transaction: when its own events had settled, not when the
+            # slowest member's had: a slow outbox does not make the others' claims smaller.)
+            relay.scheduler.pace(lane, batch, False, batch.settled_at or time.monotonic())
 
     def done(self, lane: Lane, batch: Batch) -> None:
         """The one place a batch leaves the loop: its session back to the pool, its key holds

@@ -282,10 +282,10 @@ class Relay:
         if chosen is not None and gate is not None:
             self.sender.claim_gate(chosen, gate, scheduler.batch_limit(chosen, now))
         elif chosen is not None:
-            companions = scheduler.companions(chosen, now)
+            group = self._shareable([chosen, *scheduler.companions(chosen, now)], now)
             limit = self._claiming(chosen, now)
-            if companions:
-                picks = [(chosen, limit)] + [(c, self._claiming(c, now, companion=True)) for c in companions]
+            if len(group) > 1 and group[0] is chosen:
+                picks = [(chosen, limit)] + [(c, self._claiming(c, now, companion=True)) for c in group[1:]]
                 counts = self.sender.claim_shared(picks)
                 if counts is None:  # failed: each claims again soon (alone, after an outbox's error)
                     for lane, _ in picks:
@@ -315,6 +315,20 @@ class Relay:
             self._wakeup.clear()
             if not scheduler.woken():
                 self._wakeup.wait(scheduler.idle_wait(now, self.upkeep.next_maintenance_check))
+
+    def _shareable(self, lanes: list[Lane], now: float) -> list[Lane]:
+        """Those of ``lanes`` that may claim in a shared transaction: outboxes whose events are in
+        their table (capture mode known: the first claim's check, done here if due; no WAL reader,
+        whose batches commit in the order read). Only the first when it is alone."""
+        if len(lanes) < 2:
+            return lanes
+        out = []
+        for lane in lanes:
+            if not lane.upkept.next_capture:
+                self.upkeep.before_first_claim(lane, now)
+            if lane.wal is None and lane.upkept.capture_mode == "table":
+                out.append(lane)
+        return out
 
     def _claiming(self, lane: Lane, now: float, companion: bool = False) -> int:
         """``lane`` claims now: what woke it is taken, and its claim's limit returned."""
