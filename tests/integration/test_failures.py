@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import psycopg
@@ -360,6 +361,17 @@ class LostMidBatch:
         self.produced = 0
         self.pending: list[tuple[str, Report]] = []
 
+    @classmethod
+    def clients(cls, sent: list[str]) -> tuple[list[LostMidBatch], Callable[[], LostMidBatch]]:
+        """The clients a relay made, and its sink factory: the first one lost mid-batch."""
+        made: list[LostMidBatch] = []
+
+        def factory() -> LostMidBatch:
+            made.append(cls(sent, first=not made))
+            return made[-1]
+
+        return made, factory
+
     def produce(self, event: ClaimedEvent, report: Report) -> Outcome | None:
         self.produced += 1
         if self.first and self.produced > 100:
@@ -400,12 +412,7 @@ def test_a_sink_replaced_mid_batch_settles_the_batch_instead_of_sending_it_again
         )
         conn.commit()
     sent: list[str] = []
-    clients: list[LostMidBatch] = []
-
-    def factory() -> LostMidBatch:
-        clients.append(LostMidBatch(sent, first=not clients))
-        return clients[-1]
-
+    clients, factory = LostMidBatch.clients(sent)
     # A retry of any other kind would wait a 60 s backoff: only "due again at once" drains in time.
     config = RelayConfig(
         pg_dsn, schema=schema, batch_size=n, poll_interval=0.1,

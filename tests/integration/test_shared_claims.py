@@ -30,8 +30,8 @@ from tests.integration.test_failures import LostMidBatch
 PER_OUTBOX = 30
 
 
-def _outboxes(pg_dsn: str, prefix: str, n: int, topic: str) -> list[Outbox]:
-    """``n`` migrated outboxes, PER_OUTBOX events each (keys of their own), written before the relay
+def _outboxes(pg_dsn: str, prefix: str, n: int, topic: str, each: int = PER_OUTBOX) -> list[Outbox]:
+    """``n`` migrated outboxes, ``each`` events each (keys of their own), written before the relay
     starts: every outbox has a short backlog at its first claim."""
     boxes = [Outbox(f"{prefix}_{i}", pg_dsn, f"{prefix}_{i}") for i in range(n)]
     with psycopg.connect(pg_dsn, autocommit=True) as conn:
@@ -47,7 +47,7 @@ def _outboxes(pg_dsn: str, prefix: str, n: int, topic: str) -> list[Outbox]:
                         "payload": {"k": f"{o.schema}-k{i % 5}", "seq": i},
                         "key": f"{o.schema}-k{i % 5}",
                     }
-                    for i in range(PER_OUTBOX)
+                    for i in range(each)
                 ],
                 schema=o.schema,
             )
@@ -222,30 +222,15 @@ def test_a_sink_replaced_mid_shared_transaction_settles_every_member_once(pg_dsn
     settled and finished together, on the loop. What the old client confirmed is archived once and
     never sent again; what it left unreported is retried through the new client at once."""
     each = 60
-    boxes = [Outbox(f"{prefix}_{i}", pg_dsn, f"{prefix}_{i}") for i in range(4)]
-    with psycopg.connect(pg_dsn, autocommit=True) as conn:
-        for o in boxes:
-            migrate(conn, o.schema)
-    with psycopg.connect(pg_dsn) as conn:
-        for o in boxes:
-            outbox.enqueue_many(
-                conn,
-                [{"topic": "t", "payload": {"i": i}, "key": f"k{i % 10}"} for i in range(each)],
-                schema=o.schema,
-            )
-        conn.commit()
+    boxes = _outboxes(pg_dsn, prefix, 4, "t", each)
     sent: list[str] = []
-    clients: list[LostMidBatch] = []
-
-    def factory() -> LostMidBatch:
-        clients.append(LostMidBatch(sent, first=not clients))
-        return clients[-1]
-
+    clients, factory = LostMidBatch.clients(sent)
     # A retry of any other kind would wait a 60 s backoff: only "due again at once" drains in time.
     config = _config(pg_dsn, retry=RetryPolicy(base=60, cap=60, max_attempts=10))
     with running_relay(config, factory, outboxes=boxes) as relay:
         wait_for(lambda: all(count(pg_dsn, o.schema, "events") == 0 for o in boxes), timeout=30, what="drain")
         assert relay.stats.sinks_replaced == 1
+    assert len(clients) == 2
     n = len(boxes) * each
     assert len(sent) == n == len(set(sent)), f"{len(sent) - len(set(sent))} events sent twice"
     attempts: collections.Counter[int] = collections.Counter()
