@@ -94,9 +94,7 @@ class BatchSender:
         if not rows:
             sessions.give_back(conn)
             return 0
-        ordering = lane.ordering
-        batch = Batch(conn, rows, holds=ordering.holds if ordering.ordered else None, parks=ordering.parks)
-        return self._send(lane, batch, claim_start, limit)
+        return self._send(lane, _batch(lane, conn, rows), claim_start, limit)
 
     def claim_shared(self, picks: list[tuple[Lane, int]]) -> list[int] | None:
         """Batches of several outboxes (``picks``: each lane and its claim's limit), claimed in
@@ -127,20 +125,13 @@ class BatchSender:
                 lane.solo_until = now + SOLO_AFTER_ERROR
             sessions.roll_back(conn)
             return None
-        sessions.database.ok()
-        now = time.monotonic()
-        relay.health.loop_progress = now
         shared = Shared(conn)
         short = False
         for (lane, limit), rows in zip(picks, claimed, strict=True):
-            lane.trouble.ok()
-            relay.stats.claims += 1
-            lane.stats.claims += 1
+            self._went_through(lane, rows)
             if not rows:
                 continue
-            lane.last_work = now
-            holds = lane.ordering.holds if lane.ordering.ordered else None
-            batch = Batch(conn, rows, holds=holds, parks=lane.ordering.parks)
+            batch = _batch(lane, conn, rows)
             shared.add(lane.schema, batch)
             self._send(lane, batch, claim_start, limit, flush=False)
             short = short or len(rows) < limit
@@ -191,8 +182,7 @@ class BatchSender:
         if not rows:
             sessions.give_back(conn)
             return 0
-        ordering = lane.ordering
-        batch = Batch(conn, rows, holds=ordering.holds if ordering.ordered else None, parks=ordering.parks)
+        batch = _batch(lane, conn, rows)
         batch.gate = gate
         gate.flying += len(batch)
         gate.batches += 1
@@ -224,14 +214,19 @@ class BatchSender:
             # a privilege taken away): this outbox rests, the others go on.
             relay.lane_error(lane, conn, f"claim failed: {sessions.clean(exc)}")
             return None
-        sessions.database.ok()  # the claim went through, empty or not
+        self._went_through(lane, rows)
+        return rows
+
+    def _went_through(self, lane: Lane, rows: list[tuple[Any, ...]]) -> None:
+        """A claim of ``lane`` went through, empty or not: the database and the outbox answer."""
+        relay = self.relay
+        relay.sessions.database.ok()
         lane.trouble.ok()
         relay.health.loop_progress = time.monotonic()
         relay.stats.claims += 1
         lane.stats.claims += 1
         if rows:
             lane.last_work = time.monotonic()
-        return rows
 
     def _read_and_send(self, lane: Lane, limit: int) -> int:
         """WAL capture: send the next committed transactions read from the outbox's slot. The
@@ -328,6 +323,12 @@ class BatchSender:
             send_now(sink)
         sink.poll(0)  # sinks that queue what they were given send it now, as one burst
         return len(batch)
+
+
+def _batch(lane: Lane, conn: psycopg.Connection[Any], rows: list[tuple[Any, ...]]) -> Batch:
+    """The batch of rows claimed from ``lane`` on ``conn``, with the outbox's key holds."""
+    ordering = lane.ordering
+    return Batch(conn, rows, holds=ordering.holds if ordering.ordered else None, parks=ordering.parks)
 
 
 def _span_shape(sink: Sink, outbox: str, topic: str) -> tuple[str, dict[str, Any]]:
