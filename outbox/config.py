@@ -58,6 +58,7 @@ class RelayConfig:
     shared_claims: bool = setting(
         True, "claim several outboxes' short batches in one transaction (a relay serving many)"
     )
+    shared_outboxes: int = setting(8, "outboxes whose claims share a transaction, at most (--shared-claims)")
     grace: float = setting(GRACE, "seconds to finish in-flight work on SIGTERM")
     retry: RetryPolicy = setting(default_factory=RetryPolicy, help="the retry schedule", cli=False)
     ordering: str = setting(
@@ -135,6 +136,8 @@ class RelayConfig:
             raise ConfigError(f"ownership lease: must be > 0 seconds, got {self.ownership_lease}")
         if self.batch_size < 1:
             raise ConfigError(f"batch size: must be >= 1, got {self.batch_size}")
+        if self.shared_outboxes < 1:
+            raise ConfigError(f"shared outboxes: must be >= 1, got {self.shared_outboxes}")
         if self.max_connections < 1:
             raise ConfigError(f"max connections: must be >= 1, got {self.max_connections}")
         if self.max_batches_in_flight < 1:

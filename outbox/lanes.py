@@ -115,6 +115,7 @@ class Lane:
     paused_until: float = 0.0  # after an error of this outbox's own
     solo_until: float = 0.0  # claims alone (not in a shared transaction) until then: after an error
     leaving: bool = False  # no longer served: finish what is in flight, hand over, go
+    claiming: bool = False  # its claim is sent, its rows not read yet (outbox.pipelined)
     last_work: float = 0.0  # monotonic time its last claim found events
     pace: Pace = field(default_factory=Pace)
     # BatchRecorder's (read by RelayHealth)
@@ -162,7 +163,7 @@ class Lane:
     def may_claim(self, now: float, per_lane: int) -> bool:
         """Could a claim of this lane run now (a free slot of its own, not paused, not leaving)?
         A limit's batches have slots of their own (:meth:`gate_due`)."""
-        if self.leaving or now < self.paused_until:
+        if self.leaving or self.claiming or now < self.paused_until:
             return False
         return (
             len(self.in_flight) - sum(g.batches for g in self.gates) < per_lane
@@ -178,7 +179,7 @@ class Lane:
     def gate_due(self, now: float, per_lane: int) -> Gate | None:
         """A limit whose events may be claimed now: some may wait, its next tokens are due, and it
         has a slot (``per_lane`` batches of each limit at most)."""
-        if not self.gates or self.leaving or now < self.paused_until:
+        if not self.gates or self.leaving or self.claiming or now < self.paused_until:
             return None
         return next((g for g in self.gates if g.due(now) and g.batches < per_lane), None)
 

@@ -65,6 +65,7 @@ from outbox.membership import Membership
 from outbox.metrics import RelayMetrics
 from outbox.ordering import Ordering
 from outbox.outboxes import DEFAULT_NAME, Outbox
+from outbox.pipelined import Picks
 from outbox.recorder import BatchRecorder
 from outbox.roster import Roster
 from outbox.scheduler import ClaimScheduler
@@ -224,6 +225,7 @@ class Relay:
                         "database connection lost on an unguarded path; releasing in-flight batches"
                     )
                     self.sessions.database.fail(self.sessions.clean(exc))
+                    self.sender.give_up_ahead()
                     self.finisher.release_all("connection lost")
                     self.stopped.wait(NET_PAUSE)
         except Exception as exc:
@@ -276,6 +278,10 @@ class Relay:
         now = time.monotonic()
         self.upkeep.due(now)
         scheduler = self.scheduler
+        ahead = self.sender.ahead
+        if ahead is not None:  # claims sent during the last step (outbox.pipelined): their rows now
+            self._claim_shared(ahead.picks)
+            return
         free = self.sessions.available()
         chosen = scheduler.next_claim(now, free)
         gate = chosen.gate_due(now, self.config.max_batches_in_flight) if chosen is not None else None
@@ -286,14 +292,7 @@ class Relay:
             limit = self._claiming(chosen, now)
             if len(group) > 1 and group[0] is chosen:
                 picks = [(chosen, limit)] + [(c, self._claiming(c, now, companion=True)) for c in group[1:]]
-                counts = self.sender.claim_shared(picks)
-                if counts is None:  # failed: each claims again soon (alone, after an outbox's error)
-                    for lane, _ in picks:
-                        lane.more_work = True
-                else:
-                    for (lane, most), count in zip(picks, counts, strict=True):
-                        self._claimed(lane, most, count)
-                claimed = sum(counts) if counts is not None else -1
+                claimed = self._claim_shared(picks)
             else:
                 claimed = self.sender.claim_and_send(chosen, limit)
                 self._claimed(chosen, limit, claimed)
@@ -316,12 +315,35 @@ class Relay:
             if not scheduler.woken():
                 self._wakeup.wait(scheduler.idle_wait(now, self.upkeep.next_maintenance_check))
 
+    def _claim_shared(self, picks: Picks) -> int:
+        """The claims of ``picks`` in one transaction, sent now or (the sender's ``ahead``) during
+        the last step; how many events they took (-1: they failed)."""
+        counts = self.sender.claim_shared(picks, self._next_claims)
+        if counts is None:  # failed: each claims again soon (alone, after an outbox's error)
+            for lane, _ in picks:
+                lane.more_work = True
+            return -1
+        for (lane, most), count in zip(picks, counts, strict=True):
+            self._claimed(lane, most, count)
+        return sum(counts)
+
+    def _next_claims(self) -> Picks:
+        """The next claim's outboxes and limits, to send ahead (ClaimScheduler.ahead), in the
+        order and with the limits the step would give them."""
+        now = time.monotonic()
+        lanes = self.scheduler.ahead(now, self.sessions.available())
+        group = self._shareable(lanes, now)
+        if not group or group[0] is not lanes[0]:
+            return []
+        lead, *others = group
+        return [(lead, self._claiming(lead, now))] + [
+            (c, self._claiming(c, now, companion=True)) for c in others
+        ]
+
     def _shareable(self, lanes: list[Lane], now: float) -> list[Lane]:
         """Those of ``lanes`` that may claim in a shared transaction: outboxes whose events are in
         their table (capture mode known: the first claim's check, done here if due; no WAL reader,
-        whose batches commit in the order read). Only the first when it is alone."""
-        if len(lanes) < 2:
-            return lanes
+        whose batches commit in the order read)."""
         out = []
         for lane in lanes:
             if not lane.upkept.next_capture:
@@ -396,6 +418,7 @@ class Relay:
 
     def _shutdown(self) -> None:
         """Stop claiming; give in-flight batches the grace budget; release the rest."""
+        self.sender.give_up_ahead()  # claims sent ahead: their events stay pending, none was sent
         rotation = self.scheduler.rotation
         deadline = time.monotonic() + self.config.grace
         while any(lane.in_flight for lane in rotation) and self.sink is not None:

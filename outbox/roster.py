@@ -159,7 +159,7 @@ class Roster:
     def forget_left(self) -> None:
         """Lanes that left and have nothing in flight hand their partitions over and go."""
         relay = self.relay
-        for lane in [lane for lane in relay.scheduler.rotation if lane.leaving and not lane.in_flight]:
+        for lane in [x for x in relay.scheduler.rotation if x.leaving and not x.in_flight and not x.claiming]:
             relay.upkeep.stop_reader(lane)
             lane.ordering.release_all()
             relay.scheduler.remove(lane)
@@ -206,7 +206,8 @@ class Roster:
             relay.upkeep.sinks_back()
         try:
             for lane in due:
-                self.look(lane)
+                if not lane.claiming:  # (else at the next step, its claim read: it owns what it claimed)
+                    self.look(lane)
         finally:  # left the schedule when taken: back in it at their next (or now, past an error)
             for lane in due:
                 self.beats.schedule(lane)

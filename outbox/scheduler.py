@@ -39,9 +39,6 @@ MIN_CLAIM = 10
 # fast (a slow start): a sink slower than a --batch-size batch per lease is found on a small
 # batch, not by a full one that outlives its lease and is sent again.
 START_CLAIM = 100
-# Outboxes whose claims share a transaction, at most (ClaimScheduler.companions): their claims go
-# in one round trip, their sends wait for the acks once, and one commit ends them.
-SHARED_LANES = 8
 SOLO_AFTER_ERROR = 60.0  # seconds the outboxes of a shared transaction that failed each claim alone
 CONTENDED = 1.0  # seconds since another outbox last found work, for the relay to count as shared
 # Seconds between looks for a quiet but active outbox (batch_limit): a quiet one's first event may
@@ -137,13 +134,14 @@ class ClaimScheduler:
 
     def companions(self, lead: Lane, now: float) -> list[Lane]:
         """Other outboxes that could claim now, to claim with ``lead`` in one transaction (see
-        :class:`outbox.batch.Shared`): at most SHARED_LANES - 1, in turn after it. Only outboxes
+        :class:`outbox.batch.Shared`): at most --shared-outboxes - 1, in turn after it. Only outboxes
         with no batch in flight: one whose finish waits (a lock on its archive) or whose sink is
         slow holds up its own batches, not a transaction of others' (its next claims go alone
         while it has one out). Never an outbox read from the WAL (its batches commit in the
         order read), one whose claims a slow sink has made smaller, or one claiming alone after
         an error; nor with the lead being one."""
-        if not self.config.shared_claims or not self._may_share(lead, now):
+        most = self.config.shared_outboxes
+        if most < 2 or not self.may_share(lead, now):
             return []
         per_lane = self.config.max_batches_in_flight
         lanes = self.rotation
@@ -153,22 +151,41 @@ class ClaimScheduler:
         for lane in itertools.chain(lanes[turn:], lanes[:turn]):
             if not (lane.wake.woken or lane.more_work or now >= lane.next_poll or now >= lane.retry_at):
                 continue
-            if lane is lead or not self._may_share(lane, now) or not lane.may_claim(now, per_lane):
+            if lane is lead or not self.may_share(lane, now) or not lane.may_claim(now, per_lane):
                 continue
             if lane.gates and lane.gate_due(now, per_lane) is not None:  # its limit's claim first
                 continue
             out.append(lane)
-            if len(out) == SHARED_LANES - 1:
+            if len(out) == most - 1:
                 break
         return out
 
-    @staticmethod
-    def _may_share(lane: Lane, now: float) -> bool:
-        return not lane.in_flight and lane.wal is None and not lane.pace.slowed and now >= lane.solo_until
+    def may_share(self, lane: Lane, now: float) -> bool:
+        """May ``lane`` claim in a shared transaction (or ahead of its claim, outbox.pipelined)?"""
+        return (
+            self.config.shared_claims
+            and not lane.in_flight
+            and lane.wal is None
+            and not lane.pace.slowed
+            and now >= lane.solo_until
+        )
+
+    def ahead(self, now: float, sessions_free: bool) -> list[Lane]:
+        """The outboxes of the next claim, to be sent ahead (outbox.pipelined): the one
+        :meth:`next_claim` chooses and its companions, if it may share and its claim is not a
+        limit's. Else none, and the turns are as they were."""
+        turn, clock = self.turn, self.clock
+        lead = self.next_claim(now, sessions_free)
+        per_lane = self.config.max_batches_in_flight
+        if lead is None or not self.may_share(lead, now) or lead.gate_due(now, per_lane) is not None:
+            self.turn, self.clock = turn, clock
+            return []
+        return [lead, *self.companions(lead, now)]
 
     def companion_limit(self, lane: Lane, now: float) -> int:
         """A companion's claim: its own limit, within an even share of a --batch-size batch."""
-        return min(self.batch_limit(lane, now), max(MIN_CLAIM, self.config.batch_size // SHARED_LANES))
+        share = self.config.batch_size // self.config.shared_outboxes
+        return min(self.batch_limit(lane, now), max(MIN_CLAIM, share))
 
     def woken(self) -> bool:
         """Has a NOTIFY (or a WAL reader) woken some lane?"""

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from functools import partial
 from typing import Any, Protocol, cast
 
@@ -20,6 +21,7 @@ from outbox.lanes import Lane, RelayStats
 from outbox.limits import Gate
 from outbox.membership import Membership
 from outbox.metrics import RelayMetrics
+from outbox.pipelined import Picks, Pipelined
 from outbox.queries import query
 from outbox.scheduler import SOLO_AFTER_ERROR, ClaimScheduler
 from outbox.sessions import Link, Sessions
@@ -56,6 +58,7 @@ class Host(Protocol):
 class BatchSender:
     def __init__(self, relay: Host) -> None:
         self.relay = relay
+        self.ahead: Pipelined | None = None  # claims sent during the last step, their rows not read
 
     def claim_and_send(self, lane: Lane, limit: int) -> int:
         """A batch of at most ``limit`` events of ``lane``, sent; how many it had."""
@@ -96,54 +99,111 @@ class BatchSender:
             return 0
         return self._send(lane, _batch(lane, conn, rows), claim_start, limit)
 
-    def claim_shared(self, picks: list[tuple[Lane, int]]) -> list[int] | None:
-        """Batches of several outboxes (``picks``: each lane and its claim's limit), claimed in
-        one transaction, their claims in one round trip (pipeline mode), sent, and acknowledged
-        with one wait; how many events each had. None: the claims failed (the session lost, or
-        one outbox's own error: each then claims alone for a while, where the error is its own)."""
+    def claim_shared(self, picks: Picks, next_claims: Callable[[], Picks]) -> list[int] | None:
+        """Batches of several outboxes (``picks``: each lane and its claim's limit) claimed in one
+        transaction, their claims in one round trip (pipeline mode), sent, and acknowledged with
+        one wait; how many events each had. None: the claims failed (the session lost, or one
+        outbox's own error: each then claims alone for a while, where the error is its own).
+
+        The claims are those sent ahead during the last step (``self.ahead``) if there are, else
+        sent now. Once their rows are in, the next claims (``next_claims()``) are sent ahead: the
+        server runs them while these batches are decoded and sent (outbox.pipelined)."""
         relay = self.relay
         sessions = relay.sessions
-        conn = sessions.take()
-        if conn is None:
-            return [0] * len(picks)
-        claim_start = time.time_ns()
+        claims, self.ahead = self.ahead, None
+        if claims is None:
+            conn = sessions.take()
+            if conn is None:
+                return [0] * len(picks)
+            claims = Pipelined(conn, picks, time.time_ns())
+            if not self._sent(claims):
+                return None
+        assert claims.picks is picks
+        conn = claims.conn
         try:
-            if PIPELINE:
-                with conn.pipeline():
-                    cursors = [lane.ordering.send_claim(conn, most, None, lane.skip) for lane, most in picks]
-                claimed = [cur.fetchall() for cur in cursors]
-            else:
-                claimed = [lane.ordering.claim(conn, limit, None, lane.skip) for lane, limit in picks]
-        except psycopg.OperationalError as exc:
-            sessions.lost(conn, f"claim failed: {sessions.clean(exc)}")
+            claimed = claims.rows()
+        except psycopg.Error as exc:
+            self._claims_failed(claims, exc)
             return None
-        except psycopg.Error:
-            # One of these outboxes cannot be claimed from (its schema dropped, a privilege
-            # taken away): which one, each one's claim alone says, in its own lane.
-            now = time.monotonic()
-            for lane, _ in picks:
-                lane.solo_until = now + SOLO_AFTER_ERROR
-            sessions.roll_back(conn)
-            return None
+        for (lane, _), rows in zip(picks, claimed, strict=True):
+            self._went_through(lane, rows)
+        if PIPELINE:
+            for lane, _ in picks:  # not among the next claims'
+                lane.claiming = True
+            try:
+                self._send_ahead(next_claims())
+            finally:
+                for lane, _ in picks:
+                    lane.claiming = False
         shared = Shared(conn)
         short = False
+        counts = []
         for (lane, limit), rows in zip(picks, claimed, strict=True):
-            self._went_through(lane, rows)
+            if lane.leaving:  # no longer served (since its claim was sent): its rows stay pending
+                rows = []
+            counts.append(len(rows))
             if not rows:
                 continue
             batch = _batch(lane, conn, rows)
             shared.add(lane.schema, batch)
-            self._send(lane, batch, claim_start, limit, flush=False)
+            self._send(lane, batch, claims.claim_start, limit, flush=False)
             short = short or len(rows) < limit
         if not shared.members:
             sessions.roll_back(conn)
-            return [0] * len(picks)
+            return counts
         sink = relay.sink
         assert sink is not None
         if short:
             send_now(sink)  # one wait for the acks of them all (see _send)
         sink.poll(0)
-        return list(map(len, claimed))
+        return counts
+
+    def _send_ahead(self, picks: Picks) -> None:
+        """The claims of ``picks`` sent now, read at the loop's next claim (``self.ahead``)."""
+        if not picks:
+            return
+        conn = self.relay.sessions.take()
+        if conn is None:  # stopping while reconnecting: they claim again when due
+            for lane, _ in picks:
+                lane.more_work = True
+            return
+        claims = Pipelined(conn, picks, time.time_ns())
+        if self._sent(claims):
+            self.ahead = claims
+        else:
+            for lane, _ in picks:
+                lane.more_work = True
+
+    def _sent(self, claims: Pipelined) -> bool:
+        try:
+            claims.send()
+        except psycopg.Error as exc:
+            self._claims_failed(claims, exc)
+            return False
+        return True
+
+    def _claims_failed(self, claims: Pipelined, exc: psycopg.Error) -> None:
+        sessions = self.relay.sessions
+        if isinstance(exc, psycopg.OperationalError):
+            sessions.lost(claims.conn, f"claim failed: {sessions.clean(exc)}")
+            return
+        # One of these outboxes cannot be claimed from (its schema dropped, a privilege taken
+        # away): which one, each one's claim alone says, in its own lane.
+        now = time.monotonic()
+        for lane, _ in claims.picks:
+            lane.solo_until = now + SOLO_AFTER_ERROR
+        sessions.roll_back(claims.conn)
+
+    def give_up_ahead(self) -> None:
+        """Claims sent ahead, not read (the relay stops, or lost its connection): rolled back, their
+        events pending as they were (none was sent)."""
+        claims, self.ahead = self.ahead, None
+        if claims is None:
+            return
+        claims.close()
+        for lane, _ in claims.picks:
+            lane.more_work = True
+        self.relay.sessions.roll_back(claims.conn)
 
     def claim_gate(self, lane: Lane, gate: Gate, most: int) -> int:
         """Events of one limit (--limit) of ``lane``, in a batch of their own: as many as the

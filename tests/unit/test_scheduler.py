@@ -14,7 +14,7 @@ from outbox.config import RelayConfig
 from outbox.lanes import Beats, Lane
 from outbox.limits import Gate, parse_limit
 from outbox.outboxes import Outbox
-from outbox.scheduler import FAIR_BATCH, MIN_CLAIM, QUIET_LOOK, SHARED_LANES, START_CLAIM, ClaimScheduler
+from outbox.scheduler import FAIR_BATCH, MIN_CLAIM, QUIET_LOOK, START_CLAIM, ClaimScheduler
 from outbox.sinks.base import Delivered, Retry
 
 
@@ -249,8 +249,9 @@ def test_a_fresh_outbox_starts_at_the_relays_pace_not_at_the_slow_start() -> Non
 
 def test_companions_are_due_outboxes_with_nothing_in_flight_at_most_a_shared_transactions_worth() -> None:
     s = _scheduler(batch_size=2000)
+    most = s.config.shared_outboxes
     lead = _lane(s, "lead", woken=True)
-    due = [_lane(s, f"due{i}", more_work=True) for i in range(SHARED_LANES + 2)]
+    due = [_lane(s, f"due{i}", more_work=True) for i in range(most + 2)]
     _lane(s, "idle")  # nothing to do
     busy = _lane(s, "busy", woken=True)
     busy.in_flight.append(cast(Any, _Batch(10, 0.0)))  # a batch out: it claims alone
@@ -258,10 +259,26 @@ def test_companions_are_due_outboxes_with_nothing_in_flight_at_most_a_shared_tra
     slowed.pace.slowed = True  # a slow sink: its batch would hold the others' commit
     solo = _lane(s, "solo", woken=True, solo_until=2e9)  # after a shared transaction failed
     wal = _lane(s, "wal", woken=True, wal=cast(Any, object()))  # commits in the order read
+    due[0].claiming = True  # its claim sent ahead, its rows not read yet
     picked = s.companions(lead, now=1.0)
-    assert picked == due[: SHARED_LANES - 1]
+    assert picked == due[1:most]
     assert not {busy, slowed, solo, wal} & set(picked)
     # A companion claims its own limit, within an even share of a --batch-size batch.
-    assert s.companion_limit(due[0], 1.0) == 2000 // SHARED_LANES
+    assert s.companion_limit(due[1], 1.0) == 2000 // most
     assert s.companions(busy, 1.0) == [] and s.companions(wal, 1.0) == []  # nor as the lead
     assert _scheduler(shared_claims=False).companions(lead, 1.0) == []
+
+
+def test_the_claims_sent_ahead_are_the_next_claims_outboxes_if_it_may_share() -> None:
+    """ClaimScheduler.ahead: the outbox next_claim chooses and its companions; none when that one
+    may not share (a batch out, a limit's claim due), and then the turns are as they were."""
+    s = _scheduler(batch_size=2000, shared_outboxes=3)
+    lanes = [_lane(s, f"due{i}", more_work=True) for i in range(5)]
+    assert s.ahead(1.0, sessions_free=True) == lanes[:3]
+    assert s.ahead(1.0, sessions_free=False) == []
+    lanes[4].wake.woken = True  # the next claim's, woken: it has a batch out
+    lanes[4].in_flight.append(cast(Any, _Batch(10, 0.0)))
+    turn, clock = s.turn, s.clock
+    assert s.ahead(1.0, sessions_free=True) == []
+    assert (s.turn, s.clock) == (turn, clock)
+    assert _scheduler(shared_claims=False).ahead(1.0, sessions_free=True) == []
