@@ -197,7 +197,10 @@ class Run:
         if not self.twins:
             return ["--dsn", dsn, "--schema", self.schema]
         spec = [f"checked={dsn}#{self.schema}"] + [f"twin{i}={dsn}#{t}" for i, t in enumerate(self.twins)]
-        return [arg for each in spec for arg in ("--outbox", each)]
+        # Two twins: shared transactions of two outboxes, so that the third's claim is sent ahead
+        # while they are sent (outbox.pipelined); all three would share one, with nothing left.
+        grouped = ["--shared-outboxes", "2"] if len(self.twins) >= 2 else []
+        return [arg for each in spec for arg in ("--outbox", each)] + grouped
 
     def _wait_ready(self, i: int) -> None:
         import urllib.request
