@@ -5,7 +5,7 @@ The claims of a shared transaction (:class:`outbox.batch.Shared`) go out togethe
 the next transaction's claims before it decodes and sends the batches of the one it has just read
 (:meth:`outbox.sender.BatchSender.claim_shared`): the server runs them meanwhile, and their rows
 are read at the loop's next claim. In a drain of 1,000 outboxes, the loop spent 16 % of its time
-waiting for the claims' results; sent ahead, 5 %, and the drain ran 1.2x as fast.
+waiting for the claims' results; sent ahead, 5 % (same-time pairs: a median 1.13-1.21x the rate).
 
 The server executes each claim as it arrives; its results wait on the connection until the
 pipeline is synced. Until then the outboxes are ``claiming`` (:class:`outbox.lanes.Lane`): no
