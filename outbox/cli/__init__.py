@@ -43,7 +43,14 @@ class Parser(argparse.ArgumentParser):
         super().error(scrub(message, secrets_in_argv([*sys.argv[1:], *_parsing])))
 
 
-class _JsonFormatter(logging.Formatter):
+# The structured fields a line may carry (``extra=``), kept in JSON lines: ``event``, a stable name
+# for tools (the message may be reworded); ``outbox``, which outbox (a relay serving several): its
+# name, never a DSN; ``batch_age``, how long a batch lost or rolled back had been out (seconds:
+# every event of it was sent within that time; the schedule explorer's checker reads it).
+_LOG_FIELDS = ("event", "outbox", "batch_age")
+
+
+class JsonFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         entry: dict[str, Any] = {
             "ts": round(record.created, 3),
@@ -51,12 +58,10 @@ class _JsonFormatter(logging.Formatter):
             "logger": record.name,
             "msg": record.getMessage(),
         }
-        event = getattr(record, "event", None)
-        if event is not None:
-            entry["event"] = event  # a stable name for tools; the message may be reworded
-        outbox = getattr(record, "outbox", None)
-        if outbox is not None:
-            entry["outbox"] = outbox  # which outbox (a relay serving several): its name, never a DSN
+        for field in _LOG_FIELDS:
+            value = getattr(record, field, None)
+            if value is not None:
+                entry[field] = value
         if record.exc_info:
             entry["exc"] = self.formatException(record.exc_info)
         return json.dumps(entry, ensure_ascii=False)
@@ -65,7 +70,7 @@ class _JsonFormatter(logging.Formatter):
 def setup_logging(fmt: str, level: str) -> None:
     handler = logging.StreamHandler(sys.stderr)
     if fmt == "json":
-        handler.setFormatter(_JsonFormatter())
+        handler.setFormatter(JsonFormatter())
     else:
         handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     root = logging.getLogger()
