@@ -18,6 +18,7 @@ fault tally judges.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import threading
 import time
 import uuid
@@ -327,14 +328,28 @@ class Clocked:
                 self.times.append(time.monotonic())
         return 204, {}, b""
 
-    def rate(self, first: int, last: int) -> float:
+    def rate(self, first: int, last: int, full_after: float | None = None) -> float:
         """Requests a second between the ``first``-th and the ``last``-th (0 when there are not
-        that many, or they came at once)."""
+        that many, or they came at once). With ``full_after`` (a bucket's burst, in seconds of its
+        rate), a silence longer than that counts only that long: the relays (or the receiver)
+        were stalled past the burst, the bucket was full, and the tokens of the rest of it were
+        not kept, by design (a rate is a ceiling, not a quota to catch up on)."""
         with self.lock:
             times = sorted(self.times)
         if not first < last < len(times) or times[last] <= times[first]:
             return 0.0
-        return (last - first) / (times[last] - times[first])
+        span = times[last] - times[first]
+        if full_after is not None:
+            span -= self.stalled(first, last, full_after)
+        return (last - first) / span
+
+    def stalled(self, first: int, last: int, full_after: float) -> float:
+        """Seconds of silences between the ``first``-th and the ``last``-th request beyond
+        ``full_after`` each."""
+        with self.lock:
+            times = sorted(self.times)
+        gaps = (b - a for a, b in itertools.pairwise(times[first : last + 1]))
+        return sum(max(0.0, g - full_after) for g in gaps)
 
 
 class HttpTap(SinkTap):
