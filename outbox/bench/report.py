@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -373,6 +374,14 @@ def _snapshot_run(r: dict[str, Any], kind: str = "") -> str:
     return f"{r['capture']}{kind}" + ("" if r.get("held", True) else ", none held")
 
 
+def _cell(value: float | None, fmt: str, meets: Callable[[float], bool] | None = None, unit: str = "") -> str:
+    """A table cell: ``value`` formatted, with its verdict when ``meets`` judges it; "-" when not
+    measured."""
+    if value is None:
+        return "-"
+    return f"{value:{fmt}}{unit}" + (f" {_verdict(meets(value))}" if meets is not None else "")
+
+
 def tenants_markdown(t: dict[str, Any]) -> list[str]:
     target = TARGETS["tenants_ratio"]
     cpu, tx = TARGETS["tenants_idle_cpu_percent"], TARGETS["tenants_idle_tx_per_outbox"]
@@ -394,27 +403,30 @@ def tenants_markdown(t: dict[str, Any]) -> list[str]:
         "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for r in t["runs"]:
-        warm = r.get("warm_ratio_to_one")
-        warm_cells = (
-            f"{r.get('warm_events_per_s', 0):,.0f} | "
-            + ("-" if warm is None else f"{warm:.2f}")
-            + (f" {_verdict(warm >= target)}" if warm is not None and r["outboxes"] in RATIO_AT else "")
-        )
-        ratio = r["ratio_to_one"]
-        judged = ratio is not None and r["outboxes"] in RATIO_AT
-        verdict = f" {_verdict(ratio >= target)}" if judged else ""
-        per = "-" if r["rss_mb_per_outbox"] is None else f"{r['rss_mb_per_outbox']:.3f}"
-        idle_cpu = r.get("idle_cpu_percent", 0)
-        per_outbox = r["idle_transactions_per_s_per_outbox"]
+        ratio, warm = r["ratio_to_one"], r.get("warm_ratio_to_one")
+        judged = r["outboxes"] in RATIO_AT
         at = r["outboxes"] == IDLE_AT
-        lines.append(
-            f"| {r['outboxes']:,} | {r['events_per_s']:,.0f} | "
-            f"{'-' if ratio is None else f'{ratio:.2f}'}{verdict} | {warm_cells} | "
-            f"{r['idle_transactions_per_s']:,.1f} | "
-            f"{per_outbox:.3f}{' ' + _verdict(per_outbox <= tx) if at else ''} | "
-            f"{idle_cpu:.1f} %{' ' + _verdict(idle_cpu <= cpu) if at else ''} | "
-            f"{r['peak_rss_mb']:.0f} | {per} |"
-        )
+        per_outbox, idle_cpu = r["idle_transactions_per_s_per_outbox"], r.get("idle_cpu_percent")
+        cells = [
+            f"{r['outboxes']:,}",
+            _cell(r["events_per_s"], ",.0f"),
+            _cell(ratio, ".2f", (lambda v: v >= target) if judged else None),
+            _cell(r.get("warm_events_per_s"), ",.0f"),
+            _cell(warm, ".2f", (lambda v: v >= target) if judged else None),
+            _cell(r["idle_transactions_per_s"], ",.1f"),
+            _cell(per_outbox, ".3f", (lambda v: v <= tx) if at else None),
+            _cell(idle_cpu, ".1f", (lambda v: v <= cpu) if at else None, " %"),
+            f"{r['peak_rss_mb']:.0f}",
+            _cell(r["rss_mb_per_outbox"], ".3f"),
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    stopped = [r for r in t["runs"] if r.get("stopped")]
+    if stopped:
+        lines += [""] + [
+            f"- {r['outboxes']:,} outboxes: stopped, {r['stopped']}; what it did not reach is not "
+            "measured (-)."
+            for r in stopped
+        ]
     pages = [r for r in t["runs"] if r.get("fleet_page_ms")]
     if pages:
         limit = TARGETS["console_page_p95_ms"]
@@ -660,10 +672,10 @@ def plots(results: dict[str, Any], out: Path) -> list[str]:
         fig, (a1, a2) = plt.subplots(1, 2, figsize=(9, 4))
         at = list(range(len(runs)))
         labels = [f"{r['outboxes']:,}" for r in runs]
-        a1.bar(at, [r["events_per_s"] for r in runs])
+        a1.bar(at, [_or_nan(r["events_per_s"]) for r in runs])  # not measured: no bar
         a1.set_title("drain events/s, one relay")
         a1.set_xlabel("outboxes the backlog is spread over")
-        a2.bar(at, [r["idle_transactions_per_s"] for r in runs])
+        a2.bar(at, [_or_nan(r["idle_transactions_per_s"]) for r in runs])
         a2.set_title("idle: database transactions/s")
         a2.set_xlabel("outboxes")
         for ax in (a1, a2):
@@ -720,3 +732,7 @@ def write(results: dict[str, Any], out: Path) -> None:
     (out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
     table = markdown(results)
     (out / "results.md").write_text(table + "\n" + "".join(f"\n![{p}]({p})\n" for p in results["plots"]))
+
+
+def _or_nan(value: float | None) -> float:
+    return float("nan") if value is None else value

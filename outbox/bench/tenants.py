@@ -145,15 +145,17 @@ def _serve(
     on_sample: Callable[[float, int], None],
     until: Callable[[float, int], bool],
     ack_log: str | None = None,
+    max_seconds: float | None = None,
 ) -> Race:
-    """One relay over every outbox of ``ws`` until ``until`` says so (events counted); with
-    ``ack_log``, it writes there when each event's ack arrived."""
+    """One relay over every outbox of ``ws`` until ``until`` says so (events counted), or
+    ``max_seconds`` (default: a race's) passed; with ``ack_log``, it writes there when each
+    event's ack arrived."""
     spec = ws.spec()
     spec.ack_log = ack_log
     return race(
         [spec],
         target=None,
-        max_seconds=cfg.max_race_seconds,
+        max_seconds=cfg.max_race_seconds if max_seconds is None else max_seconds,
         progress=progress,
         on_sample=on_sample,
         until=until,
@@ -196,9 +198,22 @@ def spread(cfg: BenchConfig, n: int) -> dict[str, Any]:
                 idle["committed"] = elapsed
 
         def until(elapsed: float, moved: int) -> bool:
-            return "committed" in idle and moved >= 2 * total
+            if "committed" in idle and moved >= 2 * total:
+                return True
+            # Each phase gets a race's time (600 s): at 5,000 outboxes the vacuum of 15,000 tables
+            # outlasted one cap over them all, and the warm drain and the idle window were not run.
+            phase, since = _phase(idle)
+            if elapsed - since > cfg.max_race_seconds:
+                stopped.append(f"{phase} took longer than {cfg.max_race_seconds:g} s")
+                return True
+            return False
 
-        result = _serve(ws, cfg, progress, on_sample, until)
+        stopped: list[str] = []
+        phases = 4 * cfg.max_race_seconds + AUTOVACUUM_WAIT + cfg.tenants_idle_seconds  # a backstop
+        result = _serve(ws, cfg, progress, on_sample, until, max_seconds=phases + 60.0)
+        for helper in (vacuum, refill):  # a stopped run's: done before its schemas are dropped
+            if helper.is_alive():
+                helper.join()
         window = max(idle.get("to", result.elapsed_s) - idle.get("from", result.elapsed_s), 1e-9)
         cpu_at = dict(result.cpu_series)
         cpu_from = next((c for t, c in result.cpu_series if t >= idle.get("from", result.elapsed_s)), 0.0)
@@ -210,20 +225,39 @@ def spread(cfg: BenchConfig, n: int) -> dict[str, Any]:
     first = [(t, m) for t, m in result.series if t <= idle.get("drained", result.elapsed_s) + 0.5]
     start = idle.get("committed", result.elapsed_s)
     warm = [(t, m - total) for t, m in result.series if t >= start - 0.5 and m >= total]
+    if not stopped and result.moved < 2 * total:
+        stopped.append(f"the race stopped after {result.elapsed_s:.0f} s")
+    idled = "to" in idle  # a stopped run measures what it finished, and says what it did not
     return {
         "outboxes": n,
         "events": total,
-        "events_per_s": round(middle_rate(first, total), 1),
-        "warm_events_per_s": round(middle_rate(warm, total), 1),
+        "events_per_s": round(middle_rate(first, total), 1) if "drained" in idle else None,
+        "warm_events_per_s": round(middle_rate(warm, total), 1) if result.moved >= 2 * total else None,
         "peak_rss_mb": round(result.peak_rss_mb, 1),
-        "idle_seconds": round(window, 1),
-        "idle_transactions_per_s": round(xacts / window, 1),
-        "idle_transactions_per_s_per_outbox": round(xacts / window / n, 4),
+        "idle_seconds": round(window, 1) if idled else None,
+        "idle_transactions_per_s": round(xacts / window, 1) if idled else None,
+        "idle_transactions_per_s_per_outbox": round(xacts / window / n, 4) if idled else None,
         "relay_cpu_s": round(result.relay_cpu_s, 2),
-        "idle_cpu_percent": round(100 * idle_cpu / window, 2),
+        "idle_cpu_percent": round(100 * idle_cpu / window, 2) if idled else None,
         "series": [(round(t, 3), c) for t, c in first],
         "fleet_page_ms": fleet_page,
+        "stopped": stopped[0] if stopped else None,
     }
+
+
+def _phase(idle: dict[str, float]) -> tuple[str, float]:
+    """The spread's phase now, and when it began (seconds into the race), from its marks."""
+    if "drained" not in idle:
+        return "the drain", 0.0
+    if "vacuumed" not in idle:
+        return "the vacuum of the drained tables", idle["drained"]
+    if "from" not in idle:
+        return "the wait for autovacuum", idle["vacuumed"]
+    if "to" not in idle:
+        return "the idle window", idle["from"]
+    if "committed" not in idle:
+        return "the refill", idle["to"]
+    return "the warm drain", idle["committed"]
 
 
 def fleet_page_ms(cfg: BenchConfig, schemas: list[str]) -> dict[str, float] | None:
@@ -309,12 +343,8 @@ def tenants(cfg: BenchConfig) -> dict[str, Any]:
     runs = [spread(cfg, n) for n in cfg.tenants_counts]
     single = next((r for r in runs if r["outboxes"] == 1), None)
     for r in runs:
-        r["ratio_to_one"] = round(r["events_per_s"] / single["events_per_s"], 3) if single else None
-        r["warm_ratio_to_one"] = (
-            round(r["warm_events_per_s"] / single["warm_events_per_s"], 3)
-            if single and single["warm_events_per_s"]
-            else None
-        )
+        r["ratio_to_one"] = _ratio(r, single, "events_per_s")
+        r["warm_ratio_to_one"] = _ratio(r, single, "warm_events_per_s")
     one_rss = single["peak_rss_mb"] if single else None
     for r in runs:
         more = r["outboxes"] - 1
@@ -322,3 +352,10 @@ def tenants(cfg: BenchConfig) -> dict[str, Any]:
             round((r["peak_rss_mb"] - one_rss) / more, 3) if one_rss and more > 0 else None
         )
     return {"events": cfg.tenants_events, "runs": runs, "fairness": fairness(cfg)}
+
+
+def _ratio(run: dict[str, Any], single: dict[str, Any] | None, key: str) -> float | None:
+    """``run``'s ``key`` over the single outbox's (None when either was not measured)."""
+    if single is None or not run[key] or not single[key]:
+        return None
+    return round(float(run[key]) / float(single[key]), 3)

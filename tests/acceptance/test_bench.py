@@ -100,6 +100,7 @@ def test_bench_smoke_steady_writer_and_tenants(pg_dsn: str, kafka: str, tmp_path
     tenants = results["scenarios"]["tenants"]
     assert [r["outboxes"] for r in tenants["runs"]] == [1, 10]
     for r in tenants["runs"]:
+        assert r["stopped"] is None and r["warm_events_per_s"], r
         assert r["events_per_s"] > 0 and r["idle_transactions_per_s"] > 0, r
     assert tenants["runs"][0]["ratio_to_one"] == 1.0
     fair = tenants["fairness"]
