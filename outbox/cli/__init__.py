@@ -78,7 +78,9 @@ def setup_logging(fmt: str, level: str) -> None:
     root.setLevel(level.upper())
     # botocore says at INFO which source gave the credentials, once per client made (the AWS
     # sinks make one per connection): noise beside the relay's own lines. Its warnings stay.
-    for name in ("botocore.credentials", "aiobotocore.credentials"):
+    # httpx (httpx2 in Starlette's test client, which times the console's pages in the bench)
+    # logs every request at INFO: a line per request in the middle of the bench's progress.
+    for name in ("botocore.credentials", "aiobotocore.credentials", "httpx", "httpx2"):
         logging.getLogger(name).setLevel(max(logging.WARNING, root.level))
 
 
