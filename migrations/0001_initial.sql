@@ -58,8 +58,9 @@ CREATE TABLE {schema}.delivered (
 -- here instead of failing the ack. ensure_delivered_partitions keeps it empty.
 CREATE TABLE {schema}.delivered_default PARTITION OF {schema}.delivered DEFAULT;
 
+-- Every function here pins its search_path: it resolves names in pg_catalog whoever calls it.
 CREATE FUNCTION {schema}.ensure_delivered_partitions(days_ahead integer DEFAULT 3)
-RETURNS integer LANGUAGE plpgsql AS $$
+RETURNS integer LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
 DECLARE
     d date;
     pname text;
@@ -107,7 +108,8 @@ CREATE TABLE {schema}.dead_letters (
 -- row), and PostgreSQL folds duplicates within a transaction. NOTIFY takes a
 -- global lock at commit, so `outbox notify off` disables this trigger for very
 -- high write rates; the relay's jittered poll keeps it correct without it.
-CREATE FUNCTION {schema}.notify_events() RETURNS trigger LANGUAGE plpgsql AS $$
+CREATE FUNCTION {schema}.notify_events() RETURNS trigger LANGUAGE plpgsql
+SET search_path = pg_catalog, pg_temp AS $$
 BEGIN
     PERFORM pg_notify({channel}, '');
     RETURN NULL;

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 import psycopg
 
-from outbox import capture
+from outbox import capture, pinning
 from outbox.conditions import Condition
 from outbox.dsn import scrub, secrets_of
 from outbox.limits import Limit
@@ -58,7 +58,7 @@ class DatabaseGauges:
             outboxes = self._outboxes()
             up: dict[Labels, float] = {(o.name,): 0.0 for o in outboxes}
             try:
-                with psycopg.connect(
+                with pinning.connect(
                     self._dsn,
                     autocommit=True,
                     connect_timeout=3,

@@ -25,6 +25,7 @@ from typing import Any
 
 import psycopg
 
+from outbox import pinning
 from outbox.conditions import Condition
 from outbox.dsn import scrub, secrets_of
 from outbox.queries import query
@@ -85,7 +86,7 @@ class Hygiene(threading.Thread):
             while not self._stop_event.wait(wait):
                 try:
                     if conn is None or conn.closed:
-                        conn = psycopg.connect(self._dsn, autocommit=True, application_name="outbox-hygiene")
+                        conn = pinning.connect(self._dsn, autocommit=True, application_name="outbox-hygiene")
                     wait = self.check(conn)
                     self.condition.ok()
                 except psycopg.Error as exc:

@@ -18,6 +18,7 @@ from collections.abc import Callable
 
 import psycopg
 
+from outbox import pinning
 from outbox.conditions import Condition
 from outbox.dsn import scrub, secrets_of
 from outbox.queries import query
@@ -51,7 +52,7 @@ class Listener(threading.Thread):
     def run(self) -> None:
         while not self._stop_event.is_set():
             try:
-                with psycopg.connect(self._dsn, autocommit=True, application_name="outbox-listener") as conn:
+                with pinning.connect(self._dsn, autocommit=True, application_name="outbox-listener") as conn:
                     listening: set[str] = set()
                     first = True
                     while not self._stop_event.is_set():

@@ -17,6 +17,7 @@ from typing import Any
 import psycopg
 from psycopg import sql
 
+from outbox import pinning
 from outbox.errors import ConfigError, NotMigrated
 from outbox.queries import query
 from outbox.schema import DEFAULT_SCHEMA, channel_name, validate_name, validate_schema
@@ -27,6 +28,14 @@ _FILE = re.compile(r"^(\d{4})_(\w+)\.sql$")
 # what it has cached: creating 5,000 outboxes on one session, the 700th migration took about
 # 700 ms where the first took 128 ms and one on a fresh session beside it 120-140 ms.
 PER_CONNECTION = 50
+# Released migrations amended since, by version: the checksums of their earlier texts, which an
+# install made before the amendment recorded. An amendment only makes a new install safe from its
+# first statement on; the migration that follows it (named here) does the same to existing ones.
+AMENDED: dict[int, frozenset[str]] = {
+    # 0001's two functions pin search_path in their definitions (0019 pins them where 0001 ran
+    # before): the first call of ensure_delivered_partitions is in 0001 itself.
+    1: frozenset({"58d56b8e2813a339bec9788ecb28defb285a8fcea3ecb275c3c996f2f04ed62e"}),
+}
 
 
 @dataclass(frozen=True)
@@ -85,6 +94,8 @@ def render_all(schema: str = DEFAULT_SCHEMA, roles: Roles | None = None, *, inbo
     parts = [
         "-- outbox migrations for schema " + sql.Identifier(schema).as_string(),
         "BEGIN;",
+        "-- names resolve in pg_catalog only while these statements run (outbox.pinning)",
+        query("pin_search_path_local", schema).as_string() + ";",
         _preamble(schema).as_string() + ";",
     ]
     for m in migrations(inbox_only=inbox_only):
@@ -103,6 +114,13 @@ def render_all(schema: str = DEFAULT_SCHEMA, roles: Roles | None = None, *, inbo
         parts.extend(statement.as_string() + ";" for statement in render_roles(schema, roles))
     parts.append("COMMIT;")
     return "\n".join(parts) + "\n"
+
+
+def _pin(conn: psycopg.Connection[Any]) -> None:
+    """Names resolve in pg_catalog only for the rest of this transaction (:mod:`outbox.pinning`),
+    whatever the caller's session: a migration runs as its owner, often a superuser, and what it
+    binds (a generated column's function, a default) stays bound."""
+    conn.execute(query("pin_search_path_local", "public"), prepare=False)
 
 
 def _lock_key(schema: str) -> int:
@@ -136,7 +154,7 @@ def _applied_already(m: Migration, done: dict[int, str], schema: str) -> bool:
     """Whether ``m`` is recorded in ``schema``; ConfigError if it was, with other content."""
     if m.version not in done:
         return False
-    if done[m.version] != m.checksum:
+    if done[m.version] != m.checksum and done[m.version] not in AMENDED.get(m.version, ()):
         raise ConfigError(
             f"migration {m.version:04d}_{m.name} was applied to schema {schema!r} "
             "with different content; migrations must never be edited once released"
@@ -153,10 +171,12 @@ def migrate(
     validate_schema(schema)
     applied: list[Migration] = []
     with conn.transaction():
+        _pin(conn)
         conn.execute(query("migrate_lock", schema), (_lock_key(schema),))
         conn.execute(_preamble(schema))
     for m in migrations(inbox_only=inbox_only):
         with conn.transaction():
+            _pin(conn)
             conn.execute(query("migrate_lock", schema), (_lock_key(schema),))
             if _applied_already(m, applied_versions(conn, schema), schema):
                 continue
@@ -171,6 +191,8 @@ def migrate_cursor(cursor: Any, schema: str = DEFAULT_SCHEMA) -> list[Migration]
     revision): the same statements, run through a DBAPI cursor of psycopg 3 or psycopg2
     (Django's cursor wrapper too), in the caller's transaction. The caller commits."""
     validate_schema(schema)
+    # The tool's transaction keeps its own search_path after ours: pinned for our statements only.
+    saved = pinning.pin_transaction(cursor)
     cursor.execute(query("migrate_lock", schema).as_string(), (_lock_key(schema),))
     cursor.execute(_preamble(schema).as_string())
     cursor.execute(query("migrations_applied", schema).as_string())
@@ -182,6 +204,7 @@ def migrate_cursor(cursor: Any, schema: str = DEFAULT_SCHEMA) -> list[Migration]
         cursor.execute(m.render(schema).as_string())
         cursor.execute(_record(schema, m).as_string())
         applied.append(m)
+    pinning.restore(cursor, saved)
     return applied
 
 
@@ -272,6 +295,7 @@ def grant_roles(conn: psycopg.Connection[Any], schema: str, roles: Roles) -> Non
             if conn.execute(query("role_exists", schema), (role,)).fetchone() is None:
                 raise ConfigError(f"{field}: {role!r} does not exist (create it, or drop --no-create-roles)")
     with conn.transaction():
+        _pin(conn)
         conn.execute(query("migrate_lock", schema), (_lock_key(schema),))
         for statement in render_roles(schema, roles):
             conn.execute(statement)

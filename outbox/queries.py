@@ -23,6 +23,25 @@ from outbox.schema import channel_name, validate_schema
 
 _BLOCK = re.compile(r"^-- name: (\w+)\n", re.MULTILINE)
 
+# Statements that run on a session the project does not pin (outbox.pinning): the application's
+# (the writers, the inbox), or a consumer's claim-check fetch. Its search_path is its owner's, and
+# another role may have planted overloads there: these name every function in pg_catalog (an
+# unqualified unnest(uuid[]) would call a planted one even with exact types, beating
+# unnest(anyarray)) and give every operator pg_catalog's exact argument types.
+# tests/unit/test_queries.py checks the names; tests/acceptance/test_search_path_traps.py runs them.
+APPLICATION_SESSION = frozenset(
+    {
+        *("insert_event", "insert_events_arrays", "copy_events", "copy_events_text", "first_statement"),
+        *("insert_event_numbered", "insert_events_arrays_numbered", "events_table", "events_table_numbered"),
+        *("writer_capture", "writer_capture_numbered", "capture_mode"),
+        *("emit_events", "emit_events_binary", "emit_events_numbered"),
+        *("inbox_record", "inbox_record_numbered", "inbox_table", "inbox_table_numbered"),
+        *("inbox_prune", "inbox_count_before"),
+        *("claim_check_put", "claim_check_get", "claim_check_purge_chunk", "claim_check_held"),
+        "claim_check_table",
+    }
+)
+
 
 @functools.cache
 def _raw_queries() -> dict[str, str]:

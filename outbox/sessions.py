@@ -15,6 +15,9 @@ new one is opened, with backoff, when none is free. Every session runs with
   table looks cheaper: 620 ms per claim of 2,000 at 200,000 pending, against 9 ms. No
   statement of these sessions needs a sort.
 
+Before them, ``search_path`` is pinned to ``pg_catalog, pg_temp`` (:mod:`outbox.pinning`): no
+overload another role planted in ``"$user"`` or ``public`` is ever called with the relay's rights.
+
 The settings are made with ``set_config`` once connected, not passed as the startup packet's
 ``options`` (PgBouncer refuses that parameter). Each session's server pid is read from the
 server too: behind a pooler, the pid the client library knows is the pooler's.
@@ -84,6 +87,7 @@ class Sessions:
         pool's, counted toward its limit (not so the heartbeat's connection)."""
         conn = psycopg.connect(self._dsn, autocommit=False, application_name=APPLICATION_NAME)
         try:
+            conn.execute(query("pin_search_path", "public"), prepare=False)  # outbox.pinning: first
             row = conn.execute(query("backend_start", "public"), {"lease_ms": str(self._lease_ms)}).fetchone()
             conn.commit()  # the settings hold for the session
         except psycopg.Error:

@@ -14,6 +14,7 @@ from typing import Any
 
 import psycopg
 
+from outbox import pinning
 from outbox.capture import CaptureState, prefix_of, state
 from outbox.conditions import Condition
 from outbox.dsn import scrub, secrets_of
@@ -164,13 +165,14 @@ class WalReader(threading.Thread):
             self.dsn,
             connection_factory=psycopg2.extras.LogicalReplicationConnection,
             application_name="outbox-wal",
+            options=pinning.REPLICATION_OPTIONS,
         )
         sent = 0
         cur = conn.cursor()
         try:
             # Where the outbox's WAL is handed on up to, as committed (by this relay, or by the
             # reader that held the slot before it: the slot's own position may lag behind it).
-            with psycopg.connect(self.dsn, autocommit=True, application_name="outbox-wal") as db:
+            with pinning.connect(self.dsn, autocommit=True, application_name="outbox-wal") as db:
                 handed = state(db, self.schema).position
                 end = db.execute(query("current_wal_lsn", self.schema)).fetchone()
                 signing = db.execute(query("capture_key", self.schema)).fetchone()

@@ -9,6 +9,7 @@ from typing import Any
 
 import psycopg
 
+from outbox import pinning
 from outbox.cli import options
 from outbox.dsn import redact, scrub, secrets_of
 from outbox.errors import Cancelled, ConfigError
@@ -55,7 +56,7 @@ def connect(args: argparse.Namespace, dsn: str | None = None) -> psycopg.Connect
     (redacted) DSN."""
     dsn = dsn_of(args) if dsn is None else dsn
     try:
-        return psycopg.connect(dsn, application_name="outbox-cli")
+        return pinning.connect(dsn, application_name="outbox-cli")
     except psycopg.OperationalError as exc:
         raise ConfigError(
             f"cannot connect to PostgreSQL ({redact(dsn)}): {scrub(str(exc), secrets_of(dsn))}"

@@ -31,7 +31,7 @@ from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 from starlette.types import Receive, Scope, Send
 
-from outbox import audit
+from outbox import audit, pinning
 from outbox.console.guards import Authorize, Guard, allowed_names
 from outbox.console.web import (
     FLEET_ROOT,
@@ -127,7 +127,7 @@ class Fleet:
         planning each at every request took the page 640 ms at 1,000 outboxes."""
         conn = self._page_conns.get(dsn)
         if conn is None or conn.closed:
-            conn = psycopg.connect(dsn, autocommit=True, application_name="outbox-console")
+            conn = pinning.connect(dsn, autocommit=True, application_name="outbox-console")
             conn.prepare_threshold = 0
             conn.prepared_max = PREPARED_MAX
             self._page_conns[dsn] = conn

@@ -36,7 +36,7 @@ from starlette.routing import BaseRoute, Mount, Route
 from starlette.staticfiles import StaticFiles
 from starlette.templating import Jinja2Templates
 
-from outbox import archive
+from outbox import archive, pinning
 from outbox.audit import command
 from outbox.console import data, forms
 from outbox.console.guards import (
@@ -72,6 +72,7 @@ def new_pool(dsn: str) -> ConnectionPool[Any]:
         min_size=1,
         max_size=POOL_SIZE,
         kwargs={"autocommit": True, "application_name": "outbox-console"},
+        configure=pinning.pin,  # search_path pinned before the pool hands a connection out
         open=False,
         name="outbox-console",
     )

@@ -31,14 +31,14 @@ SELECT to_regclass(format('%%I.capture', %(schema)s::text)) IS NOT NULL
 -- name: writer_capture
 -- For a writer, once per connection: the capture mode of an outbox ('table' before migration
 -- 0013), NULL when the schema holds no outbox.
-SELECT CASE WHEN to_regclass(format('%%I.events', %s::text)) IS NULL THEN NULL
-            WHEN to_regclass(format('%%I.capture', %s::text)) IS NULL THEN 'table'
+SELECT CASE WHEN pg_catalog.to_regclass(pg_catalog.format('%%I.events', %s::text)) IS NULL THEN NULL
+            WHEN pg_catalog.to_regclass(pg_catalog.format('%%I.capture', %s::text)) IS NULL THEN 'table'
             ELSE 'check' END
 
 -- name: writer_capture_numbered
 -- writer_capture with numbered parameters (asyncpg).
-SELECT CASE WHEN to_regclass(format('%I.events', $1::text)) IS NULL THEN NULL
-            WHEN to_regclass(format('%I.capture', $1::text)) IS NULL THEN 'table'
+SELECT CASE WHEN pg_catalog.to_regclass(pg_catalog.format('%I.events', $1::text)) IS NULL THEN NULL
+            WHEN pg_catalog.to_regclass(pg_catalog.format('%I.capture', $1::text)) IS NULL THEN 'table'
             ELSE 'check' END
 
 -- name: capture_mode
@@ -102,7 +102,8 @@ SELECT {schema}.emit_events(%b::bytea[])
 
 -- name: emit_events_numbered
 -- emit_events with numbered parameters (asyncpg), the messages as hex text[].
-SELECT {schema}.emit_events(ARRAY(SELECT decode(m, 'hex') FROM unnest($1::text[]) WITH ORDINALITY AS x (m, n)
+SELECT {schema}.emit_events(ARRAY(SELECT pg_catalog.decode(m, 'hex')
+                                  FROM pg_catalog.unnest($1::text[]) WITH ORDINALITY AS x (m, n)
                                   ORDER BY n))
 
 -- name: capture_key

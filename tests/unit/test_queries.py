@@ -70,3 +70,26 @@ def test_no_statement_is_defined_twice() -> None:
         body = " ".join(queries.raw(name).split())
         assert body not in bodies, f"{name} repeats {bodies.get(body)}"
         bodies[body] = name
+
+
+# SQL syntax that looks like a call but is no function of pg_catalog's (a FROM list's ROWS FROM,
+# ARRAY(subquery), a VALUES row, an INSERT's column list, a CTE's or alias's column list).
+_NOT_CALLS = {"array", "values", "from", "coalesce", "nullif", "exists", "any", "in", "as", "events", "inbox",
+              "claim_checks", "conflict", "x", "emit_events", "ordinality", "rows", "stdin", "using"}  # fmt: skip
+
+
+def test_statements_on_an_applications_session_name_pg_catalogs_functions_in_full() -> None:
+    """A writer's, an inbox's or a claim-check fetch's statement runs on a session whose search_path
+    the project does not pin: an unqualified call there resolves in "$user" and public first,
+    where another role may have planted an overload (tests/traps.py). Every call is pg_catalog's by
+    its full name (or the outbox's own, by its schema)."""
+    assert queries.APPLICATION_SESSION <= set(queries.names()), "a name in APPLICATION_SESSION is unknown"
+    unqualified = {}
+    for name in sorted(queries.APPLICATION_SESSION):
+        text = queries.raw(name)
+        text = re.sub(r"'(?:[^']|'')*'", "''", text)  # literals
+        calls = re.findall(r"(?<![\w.\"])([A-Za-z_]\w*)\s*\(", text)
+        bare = sorted({c for c in calls if c.lower() not in _NOT_CALLS})
+        if bare:
+            unqualified[name] = bare
+    assert unqualified == {}, unqualified
