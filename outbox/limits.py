@@ -31,8 +31,8 @@ from typing import Any
 import psycopg
 
 from outbox.errors import ConfigError
-from outbox.membership import FLEET_SCHEMA
 from outbox.queries import query
+from outbox.schema import FLEET_SCHEMA
 from outbox.sessions import Link
 
 # A bucket holds this many seconds of its rate (at least one event) ... A quarter of a second lost

@@ -29,11 +29,11 @@ import psycopg
 
 from outbox.conditions import Condition
 from outbox.queries import int_array, query
+from outbox.schema import FLEET_SCHEMA
 from outbox.sessions import Link
 
 log = logging.getLogger("outbox.ordering")
 
-FLEET_SCHEMA = "outbox_fleet"  # migration 0018: the database's relays, shared by its outboxes
 HEARTBEAT_FRACTION = 5  # heartbeats per ownership lease
 FORGET_EVERY = 60.0  # seconds between clean-ups of relays gone for a while
 

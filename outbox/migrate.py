@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import importlib.resources
 import re
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,7 +21,8 @@ from psycopg import sql
 from outbox import pinning
 from outbox.errors import ConfigError, NotMigrated
 from outbox.queries import query
-from outbox.schema import DEFAULT_SCHEMA, channel_name, validate_name, validate_schema
+from outbox.schema import DEFAULT_SCHEMA, FLEET_SCHEMA, channel_name, validate_name, validate_schema
+from outbox.trust import refusal, require_trusted
 
 _FILE = re.compile(r"^(\d{4})_(\w+)\.sql$")
 # Outboxes to migrate on one connection before taking a fresh one (``outbox migrate --schemas``,
@@ -28,6 +30,8 @@ _FILE = re.compile(r"^(\d{4})_(\w+)\.sql$")
 # what it has cached: creating 5,000 outboxes on one session, the 700th migration took about
 # 700 ms where the first took 128 ms and one on a fresh session beside it 120-140 ms.
 PER_CONNECTION = 50
+# Who a membership schema's code would run as, in the refusal of one that is not trusted.
+MIGRATOR = "this migration (often a superuser) and every relay of the database"
 # Released migrations amended since, by version: the checksums of their earlier texts, which an
 # install made before the amendment recorded. An amendment only makes a new install safe from its
 # first statement on; the migration that follows it (named here) does the same to existing ones.
@@ -48,6 +52,11 @@ class Migration:
     def inbox(self) -> bool:
         """Part of the consumer inbox (``migrate --inbox-only`` applies only these)."""
         return self.name.startswith("inbox")
+
+    @property
+    def shares_fleet(self) -> bool:
+        """Creates objects in the database's shared ``outbox_fleet`` (when missing)."""
+        return FLEET_SCHEMA in self.text
 
     @property
     def checksum(self) -> str:
@@ -116,6 +125,14 @@ def render_all(schema: str = DEFAULT_SCHEMA, roles: Roles | None = None, *, inbo
     return "\n".join(parts) + "\n"
 
 
+def _fleet_trusted(cursor: Any, owners: Collection[str]) -> None:
+    """:func:`outbox.trust.require_trusted` of ``outbox_fleet`` through another tool's cursor."""
+    statement = query("untrusted_schemas", "public").as_string()
+    cursor.execute(statement, {"schemas": [FLEET_SCHEMA], "owners": list(owners)})
+    for _, why in cursor.fetchall():
+        raise ConfigError(refusal(FLEET_SCHEMA, str(why), MIGRATOR))
+
+
 def _pin(conn: psycopg.Connection[Any]) -> None:
     """Names resolve in pg_catalog only for the rest of this transaction (:mod:`outbox.pinning`),
     whatever the caller's session: a migration runs as its owner, often a superuser, and what it
@@ -163,16 +180,23 @@ def _applied_already(m: Migration, done: dict[int, str], schema: str) -> bool:
 
 
 def migrate(
-    conn: psycopg.Connection[Any], schema: str = DEFAULT_SCHEMA, *, inbox_only: bool = False
+    conn: psycopg.Connection[Any],
+    schema: str = DEFAULT_SCHEMA,
+    *,
+    inbox_only: bool = False,
+    owners: Collection[str] = (),
 ) -> list[Migration]:
     """Apply the migrations ``schema`` lacks; return them. Safe to run again and concurrently.
     ``inbox_only``: only the consumer inbox's (in a consumer's own database); a later full
-    migrate applies the rest and skips what is there."""
+    migrate applies the rest and skips what is there. ``owners``: the roles trusted to own the
+    database's ``outbox_fleet`` (``--schema-owner``; else the migrating role and the database's
+    owner), which a schema another role made first, or may create in, must not become."""
     validate_schema(schema)
     applied: list[Migration] = []
     with conn.transaction():
         _pin(conn)
         conn.execute(query("migrate_lock", schema), (_lock_key(schema),))
+        require_trusted(conn, [FLEET_SCHEMA], owners, runs_as=MIGRATOR)
         conn.execute(_preamble(schema))
     for m in migrations(inbox_only=inbox_only):
         with conn.transaction():
@@ -181,12 +205,16 @@ def migrate(
             if _applied_already(m, applied_versions(conn, schema), schema):
                 continue
             conn.execute(m.render(schema))
+            if m.shares_fleet:  # a schema of that name made meanwhile was adopted: refused, rolled back
+                require_trusted(conn, [FLEET_SCHEMA], owners, runs_as=MIGRATOR)
             conn.execute(_record(schema, m))
             applied.append(m)
     return applied
 
 
-def migrate_cursor(cursor: Any, schema: str = DEFAULT_SCHEMA) -> list[Migration]:
+def migrate_cursor(
+    cursor: Any, schema: str = DEFAULT_SCHEMA, *, owners: Collection[str] = ()
+) -> list[Migration]:
     """:func:`migrate` inside another tool's transaction (Django's ``migrate``, an Alembic
     revision): the same statements, run through a DBAPI cursor of psycopg 3 or psycopg2
     (Django's cursor wrapper too), in the caller's transaction. The caller commits."""
@@ -194,6 +222,7 @@ def migrate_cursor(cursor: Any, schema: str = DEFAULT_SCHEMA) -> list[Migration]
     # The tool's transaction keeps its own search_path after ours: pinned for our statements only.
     saved = pinning.pin_transaction(cursor)
     cursor.execute(query("migrate_lock", schema).as_string(), (_lock_key(schema),))
+    _fleet_trusted(cursor, owners)
     cursor.execute(_preamble(schema).as_string())
     cursor.execute(query("migrations_applied", schema).as_string())
     done = {int(v): str(c) for v, c in cursor.fetchall()}
@@ -202,6 +231,8 @@ def migrate_cursor(cursor: Any, schema: str = DEFAULT_SCHEMA) -> list[Migration]
         if _applied_already(m, done, schema):
             continue
         cursor.execute(m.render(schema).as_string())
+        if m.shares_fleet:
+            _fleet_trusted(cursor, owners)
         cursor.execute(_record(schema, m).as_string())
         applied.append(m)
     pinning.restore(cursor, saved)

@@ -27,10 +27,10 @@ from psycopg.conninfo import conninfo_to_dict
 
 from outbox.dsn import SECRET_PARAMS, error_line, redact
 from outbox.errors import ConfigError, NotMigrated
-from outbox.membership import FLEET_SCHEMA
 from outbox.migrate import require_migrated
 from outbox.queries import query
-from outbox.schema import DEFAULT_SCHEMA, validate_schema
+from outbox.schema import DEFAULT_SCHEMA, FLEET_SCHEMA, validate_schema
+from outbox.trust import refusal, untrusted
 
 DEFAULT_NAME = "default"  # the outbox of --dsn/--schema
 DISCOVER_EVERY = 30.0  # seconds between looks for schemas matching --schemas
@@ -145,21 +145,6 @@ def matching_schemas(conn: psycopg.Connection[Any], pattern: str) -> list[str]:
     return sorted(n for n in names if fnmatch.fnmatchcase(n, pattern))
 
 
-def untrusted(
-    conn: psycopg.Connection[Any], schemas: Collection[str], owners: Collection[str] = ()
-) -> dict[str, str]:
-    """Of ``schemas``, those a role other than the trusted owners could have put code into that
-    a relay (or ``outbox status``) would run with its own rights: schema -> the first reason.
-    Trusted: ``owners`` (``--schema-owner``), else the connecting role and the database's owner;
-    superusers always. A tenant who owns its schema, or may create in it, is not trusted."""
-    if not schemas:
-        return {}
-    rows = conn.execute(
-        query("untrusted_schemas", "public"), {"schemas": list(schemas), "owners": list(owners)}
-    ).fetchall()
-    return {str(schema): str(why) for schema, why in rows}
-
-
 def discover(
     conn: psycopg.Connection[Any],
     pattern: str,
@@ -183,17 +168,10 @@ def discover(
     fleet = refused.pop(FLEET_SCHEMA, None)
     for schema in matching:
         if fleet is not None:  # the relays' membership, in every outbox's claims: none is served
-            skipped[schema] = (
-                f"schema: the relays' membership schema {FLEET_SCHEMA!r} is not trusted: {fleet}, "
-                "not by a trusted role (the relay's own, the database's owner, or --schema-owner); "
-                "it could run code as the relay"
-            )
+            skipped[schema] = refusal(FLEET_SCHEMA, fleet)
             continue
         if schema in refused:
-            skipped[schema] = (
-                f"schema: {schema!r} is not trusted: {refused[schema]}, not by a trusted role "
-                "(the relay's own, the database's owner, or --schema-owner); it could run code as the relay"
-            )
+            skipped[schema] = refusal(schema, refused[schema])
             continue
         try:
             validate_schema(schema, "schema")

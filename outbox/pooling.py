@@ -31,6 +31,7 @@ from outbox.dsn import error_line, redact
 from outbox.errors import ConfigError
 from outbox.queries import query
 
+_OWN: set[str] = set()  # DSNs found to give sessions of their own, in this process
 ROUNDS = 3  # times a second connection holds a transaction open while the probe asks again
 CONNECT_TIMEOUT = 10  # seconds; a pooler with no server connection free makes a login wait
 
@@ -58,8 +59,17 @@ def shares_sessions(dsn: str) -> bool:
     return False
 
 
-def require_own_sessions(dsn: str) -> None:
-    """Refuse a DSN whose connections share server sessions, in one line saying what to give."""
+RELAY_NEEDS = "row locks, LISTEN, session settings, fencing by server pid"
+# The console and the CLI pin each session's search_path (outbox.pinning): through a transaction
+# pooler that setting would land on server connections other clients' transactions then run on.
+COMMANDS_NEED = "its search_path is pinned for the session, which a transaction pooler hands to other clients"
+
+
+def require_own_sessions(dsn: str, who: str = "the relay", needs: str = RELAY_NEEDS) -> None:
+    """Refuse a DSN whose connections share server sessions, in one line saying what to give.
+    A DSN found to give sessions of their own is not probed again in this process."""
+    if dsn in _OWN:
+        return
     try:
         shared = shares_sessions(dsn)
     except psycopg.OperationalError as exc:
@@ -68,7 +78,7 @@ def require_own_sessions(dsn: str) -> None:
     if shared:
         raise ConfigError(
             f"--dsn: {redact(dsn)} hands each transaction to a different server session (a pooler "
-            "such as PgBouncer in pool_mode=transaction); the relay needs sessions of its own (row "
-            "locks, LISTEN, session settings, fencing by server pid): give it a direct DSN to "
-            "PostgreSQL, or a PgBouncer database in pool_mode=session"
+            f"such as PgBouncer in pool_mode=transaction); {who} needs sessions of its own ({needs}): "
+            "give it a direct DSN to PostgreSQL, or a PgBouncer database in pool_mode=session"
         )
+    _OWN.add(dsn)

@@ -11,6 +11,7 @@ from __future__ import annotations
 from outbox.errors import ConfigError, InvalidType
 
 DEFAULT_SCHEMA = "outbox"
+FLEET_SCHEMA = "outbox_fleet"  # migration 0018: the database's relays and limits, shared by its outboxes
 
 # PostgreSQL truncates identifiers at 63 bytes; the NOTIFY channel adds "_events".
 MAX_SCHEMA_BYTES = 56

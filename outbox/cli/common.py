@@ -14,8 +14,10 @@ from outbox.cli import options
 from outbox.dsn import redact, scrub, secrets_of
 from outbox.errors import Cancelled, ConfigError
 from outbox.events import key_bytes
-from outbox.schema import DEFAULT_SCHEMA, validate_schema
+from outbox.pooling import COMMANDS_NEED, require_own_sessions
+from outbox.schema import DEFAULT_SCHEMA, FLEET_SCHEMA, validate_schema
 from outbox.settings import setting
+from outbox.trust import require_trusted
 
 LOG_FORMATS = ("text", "json")
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -55,12 +57,34 @@ def connect(args: argparse.Namespace, dsn: str | None = None) -> psycopg.Connect
     """A connection for a command (to ``dsn``, else its --dsn), or a one-line error naming the
     (redacted) DSN."""
     dsn = dsn_of(args) if dsn is None else dsn
+    # Its search_path is pinned for the session: not through a pooler that hands the session on.
+    require_own_sessions(dsn, f"outbox {getattr(args, 'command', '')}".strip(), COMMANDS_NEED)
     try:
         return pinning.connect(dsn, application_name="outbox-cli")
     except psycopg.OperationalError as exc:
         raise ConfigError(
             f"cannot connect to PostgreSQL ({redact(dsn)}): {scrub(str(exc), secrets_of(dsn))}"
         ) from None
+
+
+def schema_owners(args: argparse.Namespace) -> list[str]:
+    """The --schema-owner roles (the variable's split on whitespace), for commands that take it."""
+    return [name for item in getattr(args, "schema_owner", None) or [] for name in item.split()]
+
+
+def connect_outbox(args: argparse.Namespace) -> psycopg.Connection[Any]:
+    """A connection for a command on the outbox of --dsn/--schema, once that schema and the
+    database's outbox_fleet are trusted (:mod:`outbox.trust`): the command's statements may run
+    code kept there (a trigger, a view), with the rights of whoever runs the command."""
+    conn = connect(args)
+    try:
+        who = f"outbox {getattr(args, 'command', '')}".strip()
+        require_trusted(conn, [schema_of(args), FLEET_SCHEMA], schema_owners(args), runs_as=who)
+        conn.commit()
+    except BaseException:
+        conn.close()
+        raise
+    return conn
 
 
 def confirm(args: argparse.Namespace, question: str) -> None:

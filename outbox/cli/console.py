@@ -10,10 +10,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from outbox.cli import options
-from outbox.cli.common import add_common, dsn_of, schema_of
+from outbox.cli.common import add_common, connect_outbox, dsn_of, schema_of
 from outbox.cli.outboxes import add_outboxes, choose, is_fleet
 from outbox.errors import ConfigError
 from outbox.extras import require
+from outbox.pooling import COMMANDS_NEED, require_own_sessions
 from outbox.settings import setting
 
 log = logging.getLogger("outbox.console")
@@ -39,6 +40,14 @@ class ConsoleOptions:
         "repeatable (in the variable: separated by whitespace). Requests for any other name are "
         "refused: a page of another site whose name points here (DNS rebinding) gets nothing",
         metavar="NAME",
+    )
+    forwarded_allow_ips: list[str] = setting(
+        default_factory=list,
+        help="the address of a reverse proxy in front of the console, whose X-Forwarded-For and "
+        "X-Forwarded-Proto are believed; repeatable (in the variable: separated by whitespace). "
+        "By default no forwarding header is: from anyone else it would name the client (and the "
+        "audit trail's actor) at will",
+        metavar="ADDRESS",
     )
 
 
@@ -87,9 +96,13 @@ def cmd_console(args: argparse.Namespace) -> int:
             log.warning("%s is not shown: %s", what, why)
         if not chosen.outboxes:
             raise ConfigError("--outbox/--schemas/--outboxes-file: no outbox to show")
+        for dsn in dict.fromkeys(o.dsn for o in chosen.outboxes):
+            require_own_sessions(dsn, "the console", COMMANDS_NEED)
         application = fleet(chosen.outboxes, **shared)
         shown = f"{len(chosen.outboxes)} outboxes"
     else:
+        require_own_sessions(dsn_of(args), "the console", COMMANDS_NEED)
+        connect_outbox(args).close()  # its schema and outbox_fleet trusted, or one line saying why
         application = app(dsn_of(args), schema=schema_of(args), **shared)
         shown = f"schema {schema_of(args)}"
     if not _loopback(args.host) and not hosts:
@@ -107,5 +120,11 @@ def cmd_console(args: argparse.Namespace) -> int:
         "console on http://%s:%d/ (%s%s)",
         args.host, args.port, shown, ", read-only" if args.read_only else "",
     )  # fmt: skip
-    uvicorn.run(application, host=args.host, port=args.port, log_level="warning", access_log=False)
+    # uvicorn believes X-Forwarded-For from 127.0.0.1 by default: any local client could name
+    # itself in the audit trail. Only a proxy the operator names is believed.
+    proxies = [address for item in args.forwarded_allow_ips for address in item.split()]
+    uvicorn.run(
+        application, host=args.host, port=args.port, log_level="warning", access_log=False,
+        proxy_headers=bool(proxies), forwarded_allow_ips=",".join(proxies) or None,
+    )  # fmt: skip
     return 0

@@ -15,7 +15,17 @@ import psycopg
 from outbox import archive, audit, capture, claim_check, dead, inbox, status
 from outbox import migrate as migrations
 from outbox.cli import options
-from outbox.cli.common import add_common, add_confirm, confirm, connect, dsn_of, key_arg, schema_of
+from outbox.cli.common import (
+    add_common,
+    add_confirm,
+    confirm,
+    connect,
+    connect_outbox,
+    dsn_of,
+    key_arg,
+    schema_of,
+    schema_owners,
+)
 from outbox.cli.outboxes import add_outboxes, choose, is_fleet
 from outbox.dsn import error_line
 from outbox.errors import ConfigError, NothingMatched, OutboxError
@@ -204,7 +214,7 @@ def cmd_migrate(args: argparse.Namespace) -> int:
     if args.drop_slot and args.capture != "table":
         raise ConfigError("--drop-slot: only with --capture table")
     with connect(args) as conn:
-        applied = migrations.migrate(conn, schema, inbox_only=args.inbox_only)
+        applied = migrations.migrate(conn, schema, inbox_only=args.inbox_only, owners=schema_owners(args))
         if roles is not None:
             try:
                 migrations.grant_roles(conn, schema, roles)
@@ -250,7 +260,9 @@ def _migrate_each(args: argparse.Namespace, roles: migrations.Roles | None) -> i
                     conn = conns[o.database] = connect(args, o.dsn)
                     used[o.database] = 0
                 used[o.database] += 1
-                applied = migrations.migrate(conn, o.schema, inbox_only=args.inbox_only)
+                applied = migrations.migrate(
+                    conn, o.schema, inbox_only=args.inbox_only, owners=schema_owners(args)
+                )
                 if roles is not None:
                     migrations.grant_roles(conn, o.schema, roles)
                 switched = ""
@@ -283,7 +295,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     if args.all or is_fleet(args):
         return _status_all(args)
     schema = schema_of(args)
-    with connect(args) as conn:
+    with connect_outbox(args) as conn:
         migrations.require_migrated(conn, schema)
         store = None if args.claim_check_store is None else _store(args, schema)
         try:
@@ -324,7 +336,7 @@ def _status_all(args: argparse.Namespace) -> int:
 
 def cmd_notify(args: argparse.Namespace) -> int:
     schema = schema_of(args)
-    with connect(args) as conn:
+    with connect_outbox(args) as conn:
         conn.execute(
             query("notify_trigger", schema, keywords={"state": "ENABLE" if args.state == "on" else "DISABLE"})
         )
@@ -389,7 +401,7 @@ def _selector(args: argparse.Namespace) -> dead.Selector:
 
 def cmd_dead_list(args: argparse.Namespace) -> int:
     schema = schema_of(args)
-    with connect(args) as conn:
+    with connect_outbox(args) as conn:
         ids = dead.select(conn, schema, _selector(args))[: args.limit]
         rows = dead.details(conn, schema, ids) if ids else []
     print(json.dumps(rows) if args.json else dead.render(rows))
@@ -413,7 +425,7 @@ def _chosen(args: argparse.Namespace, verb: str, conn: Any, schema: str) -> list
 def _dead_action(args: argparse.Namespace, action: str) -> int | None:
     """Choose, confirm, act and record it in the audit trail, in one transaction; how many."""
     schema = schema_of(args)
-    with connect(args) as conn:
+    with connect_outbox(args) as conn:
         ids = _chosen(args, args.verb if action == "redrive" else action, conn, schema)
         if ids is None:
             return None
@@ -451,7 +463,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
     until = archive.parse_time(args.until, "--until", now) if args.until else now
     archive.check_window(since, until, now, "--until")
     key = key_arg(args.key)
-    with connect(args) as conn:
+    with connect_outbox(args) as conn:
         n, upto = archive.replay_count(
             conn, schema, since=since, until=until, topic=args.topic, key=key, upto=args.upto
         )
@@ -473,7 +485,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
 def cmd_purge(args: argparse.Namespace) -> int:
     schema = schema_of(args)
     cutoff = dt.datetime.now(dt.timezone.utc) - archive.parse_duration(args.older_than, "--older-than")
-    with connect(args) as conn:
+    with connect_outbox(args) as conn:
         parts = archive.purge_plan(conn, schema, cutoff)
         what = f"{len(parts)} archive partitions before {cutoff.date().isoformat()}"
         if args.dry_run:
@@ -509,7 +521,7 @@ def cmd_purge(args: argparse.Namespace) -> int:
 def cmd_inbox_prune(args: argparse.Namespace) -> int:
     schema = schema_of(args)
     age = archive.parse_duration(args.older_than, "--older-than")
-    with connect(args) as conn:
+    with connect_outbox(args) as conn:
         conn.autocommit = True
         row = conn.execute(query("inbox_table", schema), (schema,)).fetchone()
         if not row or not row[0]:
@@ -531,7 +543,7 @@ def cmd_inbox_prune(args: argparse.Namespace) -> int:
 def cmd_audit(args: argparse.Namespace) -> int:
     if args.limit < 1:
         raise ConfigError(f"--limit: must be >= 1, got {args.limit}")
-    with connect(args) as conn:
+    with connect_outbox(args) as conn:
         rows = audit.recent(conn, schema_of(args), args.limit)
     print(json.dumps(rows) if args.json else audit.render(rows))
     return 0

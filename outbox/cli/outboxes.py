@@ -14,7 +14,7 @@ import psycopg
 from psycopg.conninfo import conninfo_to_dict
 
 from outbox.cli import options
-from outbox.cli.common import connect, dsn_of, schema_of
+from outbox.cli.common import connect, dsn_of, schema_of, schema_owners
 from outbox.dsn import error_line, redact
 from outbox.errors import ConfigError
 from outbox.outboxes import (
@@ -28,7 +28,9 @@ from outbox.outboxes import (
     validate_outbox_name,
 )
 from outbox.queries import query
+from outbox.schema import FLEET_SCHEMA
 from outbox.settings import setting
+from outbox.trust import refusal, untrusted
 
 
 @dataclass
@@ -53,10 +55,11 @@ class OutboxOptions:
     )
     schema_owner: list[str] = setting(
         default_factory=list,
-        help="a schema --schemas finds is served only when it and everything in it is owned by this "
-        "role, repeatable (in the variable: separated by whitespace); default: the role the "
-        "command connects as and the database's owner (superusers always). A schema a tenant "
-        "owns, or may create in, could run code as the relay: it is refused, saying why",
+        help="an outbox's schema (named or found by --schemas) and the database's outbox_fleet are "
+        "used only when they and everything in them are owned by this role, repeatable (in the "
+        "variable: separated by whitespace); default: the role the command connects as and the "
+        "database's owner (superusers always). A schema a tenant owns, or may create in, could run "
+        "code as the relay: it is refused, saying why",
         metavar="ROLE",
     )
 
@@ -88,11 +91,6 @@ def given_specs(args: argparse.Namespace) -> list[str]:
     return [line.strip() for item in args.outbox or [] for line in item.splitlines() if line.strip()]
 
 
-def schema_owners(args: argparse.Namespace) -> list[str]:
-    """The --schema-owner roles (the variable's split on whitespace)."""
-    return [name for item in getattr(args, "schema_owner", None) or [] for name in item.split()]
-
-
 def is_fleet(args: argparse.Namespace) -> bool:
     """Did the command line name outboxes (not just the default --dsn/--schema)?"""
     return bool(given_specs(args) or args.schemas or args.outboxes_file)
@@ -117,7 +115,10 @@ def choose(
     A database that cannot be reached for --schemas is reported in ``skipped``, not raised."""
     dsns: list[str] = args.dsn or []
     if not is_fleet(args):
-        return Chosen([Outbox(DEFAULT_NAME, dsn_of(args), schema_of(args))])
+        chosen = Chosen()
+        default = [Outbox(DEFAULT_NAME, dsn_of(args), schema_of(args))]
+        chosen.outboxes = default if every_schema else _trusted(args, default, chosen)
+        return chosen
     if dsns and not args.schemas:
         raise ConfigError(
             "--dsn: with --outbox or --outboxes-file, --dsn is used only with --schemas; "
@@ -127,6 +128,8 @@ def choose(
     found = [parse_outbox(spec) for spec in given_specs(args)]
     if args.outboxes_file:
         found += read_outboxes_file(Path(args.outboxes_file))
+    if found and not every_schema:
+        found = _trusted(args, found, chosen)
     if args.schemas:
         for dsn in dsns or [""]:
             prefix = _prefix(dsn, len(dsns) > 1)
@@ -153,6 +156,33 @@ def choose(
                 chosen.unreachable.append(dsn)
     chosen.outboxes = unique(found)
     return chosen
+
+
+def _trusted(args: argparse.Namespace, named: list[Outbox], chosen: Chosen) -> list[Outbox]:
+    """Of the outboxes named (--outbox, --outboxes-file), those whose schema and whose database's
+    outbox_fleet are trusted (outbox.trust), as discovered ones must be; the others go to
+    ``chosen.skipped`` with the reason. A database that cannot be reached keeps its outboxes:
+    serving them reports that, as before."""
+    by_dsn: dict[str, list[Outbox]] = {}
+    for o in named:
+        by_dsn.setdefault(o.dsn, []).append(o)
+    kept: list[Outbox] = []
+    for dsn, outboxes in by_dsn.items():
+        try:
+            with connect(args, dsn) as conn:
+                refused = untrusted(conn, [*(o.schema for o in outboxes), FLEET_SCHEMA], schema_owners(args))
+        except (ConfigError, psycopg.OperationalError):
+            kept += outboxes
+            continue
+        fleet = refused.pop(FLEET_SCHEMA, None)
+        for o in outboxes:
+            if fleet is not None:
+                chosen.skipped[o.name] = refusal(FLEET_SCHEMA, fleet)
+            elif o.schema in refused:
+                chosen.skipped[o.name] = refusal(o.schema, refused[o.schema])
+            else:
+                kept.append(o)
+    return kept
 
 
 def _every_schema(conn: psycopg.Connection[Any], pattern: str, dsn: str, prefix: str) -> list[Outbox]:

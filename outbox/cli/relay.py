@@ -14,7 +14,7 @@ from typing import Any
 
 from outbox.claim_check import Store, open_store
 from outbox.cli import options
-from outbox.cli.common import Common, add_common, connect, dsn_of, schema_of
+from outbox.cli.common import Common, add_common, connect, dsn_of, schema_of, schema_owners
 from outbox.cli.outboxes import DiscoveryOptions, add_outboxes, choose, is_fleet
 from outbox.config import RelayConfig
 from outbox.dsn import with_net_timeouts
@@ -26,12 +26,14 @@ from outbox.pooling import require_own_sessions
 from outbox.relay import Relay, tune_gc
 from outbox.retry import RetryPolicy
 from outbox.routes import parse_routes
+from outbox.schema import FLEET_SCHEMA
 from outbox.settings import setting
 from outbox.sinks.base import Sink
 from outbox.sinks.cloudevents import validate_source
 from outbox.sinks.kafka import KafkaSink
 from outbox.sinks.make import check_sinks, require_clients, routed
 from outbox.sinks.signing import parse_secret_envs, parse_secrets
+from outbox.trust import require_trusted
 
 log = logging.getLogger("outbox")
 
@@ -267,6 +269,8 @@ def cmd_relay(args: argparse.Namespace) -> int:
         require_own_sessions(config.dsn)
         with connect(args) as conn:
             require_migrated(conn, config.schema)
+            # Its schema and the database's outbox_fleet: code in them runs as the relay.
+            require_trusted(conn, [config.schema, FLEET_SCHEMA], schema_owners(args))
 
     sink = routed(
         routes,

@@ -111,13 +111,14 @@ def test_a_schema_a_tenant_controls_is_not_served_and_its_code_never_runs(
     assert "is not trusted" in rows[owned]["error"] and "error" not in rows[trusted], rows
 
 
-def test_a_membership_schema_a_tenant_made_first_is_refused_and_its_code_never_runs(
+def test_a_membership_schema_a_tenant_owns_is_refused_and_its_code_never_runs(
     pg_dsn: str, kafka: str, topic: str
 ) -> None:
     """The relays' membership (outbox_fleet) is shared by every outbox of a database, and every
-    claim and heartbeat touches it. A tenant who migrated first made it, and owns it: it could put
-    a trigger there that runs as the relay. A relay serving outboxes found by a glob serves none
-    of that database, and says why."""
+    claim and heartbeat touches it. Where a tenant owns it (a tenant who migrated first, before
+    migrate refused to adopt its schema: tests/acceptance/test_postgres_seams.py), it could put a
+    trigger there that runs as the relay. A relay serves no outbox of that database, found by a
+    glob or named, and says why; migrate adds nothing to it."""
     database = f"outbox_fleet_{uuid.uuid4().hex[:8]}"
     role = f"tenant_{uuid.uuid4().hex[:8]}"
     with psycopg.connect(pg_dsn, autocommit=True) as conn:
@@ -130,6 +131,13 @@ def test_a_membership_schema_a_tenant_made_first_is_refused_and_its_code_never_r
         )
     dsn = make_conninfo(pg_dsn, dbname=database)
     try:
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            migrate(conn, "tenant_ok")
+            with conn.transaction():
+                outbox.enqueue(conn, topic, b"x", key="k", schema="tenant_ok")
+            # As an install made before this version may have it: the tenant owns the schema.
+            for what in ("SCHEMA outbox_fleet", "TABLE outbox_fleet.relays"):
+                conn.execute(sql.SQL("ALTER " + what + " OWNER TO {}").format(sql.Identifier(role)))
         with psycopg.connect(make_conninfo(dsn, user=role), autocommit=True) as conn:
             migrate(conn, "tenant_own")
             conn.execute(
@@ -142,10 +150,6 @@ def test_a_membership_schema_a_tenant_made_first_is_refused_and_its_code_never_r
                 "CREATE TRIGGER grab BEFORE INSERT OR UPDATE ON outbox_fleet.relays "
                 "FOR EACH ROW EXECUTE FUNCTION outbox_fleet.grab()"
             )
-        with psycopg.connect(dsn, autocommit=True) as conn:
-            migrate(conn, "tenant_ok")
-            with conn.transaction():
-                outbox.enqueue(conn, topic, b"x", key="k", schema="tenant_ok")
         relay = ModuleProcess(
             "outbox", "relay", "--dsn", dsn, "--schemas", "tenant_*", "--kafka-bootstrap", kafka, *FAST,
         )  # fmt: skip
@@ -155,10 +159,30 @@ def test_a_membership_schema_a_tenant_made_first_is_refused_and_its_code_never_r
             log = relay.output()
         finally:
             relay.close()
-        assert not _superuser(pg_dsn, role), "the tenant's trigger ran as the relay"
         assert log.count("the relays' membership schema 'outbox_fleet' is not trusted") == 2, log[-3000:]
         assert f"is owned by {role}" in log
+        # Named, the one outbox: refused at start, in one line.
+        run = subprocess.run(
+            [sys.executable, "-m", "outbox", "relay", "--dsn", dsn, "--schema", "tenant_ok", "--kafka-bootstrap", kafka],
+            capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        assert run.returncode == 2 and len(run.stderr.strip().splitlines()) == 1, run.stderr
+        assert "membership schema 'outbox_fleet' is not trusted" in run.stderr, run.stderr
+        # Named in a list: not served, saying why (the list may change on SIGHUP: it runs on).
+        with ModuleProcess(
+            "outbox", "relay", "--outbox", f"ok={dsn}#tenant_ok", "--kafka-bootstrap", kafka
+        ) as named:
+            wait_for(lambda: "ok is not served: schema: the relays' membership" in named.output(), timeout=30)
+        assert not _superuser(pg_dsn, role), "the tenant's trigger ran as the relay"
         assert count(dsn, "tenant_ok", "events") == 1 and count(dsn, "tenant_ok", "delivered") == 0
+        run = subprocess.run(
+            [sys.executable, "-m", "outbox", "migrate", "--dsn", dsn, "--schema", "tenant_new"],
+            capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        assert run.returncode == 2 and len(run.stderr.strip().splitlines()) == 1, run.stderr
+        assert f"'outbox_fleet' is not trusted: the schema itself is owned by {role}" in run.stderr
+        with psycopg.connect(dsn) as conn:
+            assert conn.execute("SELECT to_regnamespace('tenant_new')").fetchone() == (None,)
     finally:
         with psycopg.connect(pg_dsn, autocommit=True) as conn:
             conn.execute(sql.SQL("DROP DATABASE {} WITH (FORCE)").format(sql.Identifier(database)))
