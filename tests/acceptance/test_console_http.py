@@ -160,3 +160,45 @@ def _waiting_on_audit(dsn: str) -> bool:
             "AND wait_event_type = 'Lock'"
         ).fetchone()
     return bool(row and row[0])
+
+
+def _forwarded_redrive(pg_dsn: str, schema: str, port: int, dead_id: int) -> str:
+    """Redrive dead letter ``dead_id`` in a POST that names another client in X-Forwarded-For;
+    the audit trail's actor for it."""
+    with psycopg.connect(pg_dsn) as conn:
+        conn.execute(
+            sql.SQL(
+                "INSERT INTO {}.dead_letters (id, event_id, topic, key, payload, headers, created_at, attempts, "
+                "error, first_failed_at, failed_at, parked) VALUES (%s, gen_random_uuid(), 'orders', 'k', 'x', "
+                "'{{}}', now(), 1, 'boom', now(), now(), true)"
+            ).format(sql.Identifier(schema)),
+            (dead_id,),
+        )
+    status, _, _ = _request(
+        port, "/dead/act", method="POST", body=f"action=redrive&hw={dead_id}&id={dead_id}",
+        Sec_Fetch_Site="same-origin", Content_Type="application/x-www-form-urlencoded",
+        X_Forwarded_For="10.9.8.7", X_Forwarded_Proto="https",
+    )  # fmt: skip
+    assert status == 303, status
+    with psycopg.connect(pg_dsn) as conn:
+        row = conn.execute(
+            sql.SQL("SELECT actor FROM {}.audit ORDER BY id DESC LIMIT 1").format(sql.Identifier(schema))
+        ).fetchone()
+    assert row is not None
+    return str(row[0])
+
+
+def test_a_forwarding_header_names_nobody_unless_it_comes_from_a_proxy_the_operator_named(
+    pg_dsn: str, schema: str, console: int
+) -> None:
+    """uvicorn believes X-Forwarded-For from 127.0.0.1 by default: any local client (another user
+    of the machine, a sidecar) could write whom it liked into the audit trail as the actor. The
+    console believes no forwarding header unless --forwarded-allow-ips names the proxy."""
+    assert _forwarded_redrive(pg_dsn, schema, console, 1) == "127.0.0.1 (console)"
+    port = free_port()
+    with ModuleProcess(
+        "outbox", "console", "--dsn", pg_dsn, "--schema", schema, "--port", str(port),
+        "--forwarded-allow-ips", "127.0.0.1",
+    ) as proxied:  # fmt: skip
+        wait_for(lambda: _status(port, "/") == 200, timeout=30, what=f"the console\n{proxied.output()}")
+        assert _forwarded_redrive(pg_dsn, schema, port, 2) == "10.9.8.7 (console)"
