@@ -112,6 +112,8 @@ def command(action: str, selector: dict[str, Any]) -> str:
             parts.append("--all")
         if selector.get("high_water") is not None:
             parts += ["--high-water", str(selector["high_water"])]
+        if action == "redrive" and selector.get("include_unverified"):
+            parts.append("--include-unverified")
     elif action == "replay":
         parts += ["replay", "--since", str(selector["since"]), "--until", str(selector["until"])]
         for name in ("topic", "key", "upto"):

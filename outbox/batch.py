@@ -91,6 +91,7 @@ class Written:
     retry_kinds: list[str]
     dead_ids: list[int]
     dead_errors: list[str]
+    dead_kinds: list[str]
     dead_events: list[tuple[int, str]]
 
 
@@ -221,6 +222,7 @@ class Batch:
         retry_kinds: list[str] = []
         dead_ids: list[int] = []
         dead_errors: list[str] = []
+        dead_kinds: list[str] = []
         outcomes = self.outcomes
         if set(map(type, outcomes)) == {Delivered}:
             # The common case, every event delivered: the lists come from map() and one
@@ -281,6 +283,7 @@ class Batch:
                 reason = cap_error(outcome.reason)
             dead_ids.append(self.ids[i])
             dead_errors.append(reason)
+            dead_kinds.append(outcome.kind)
             tr.dead += 1
             result.dead_events.append((self.ids[i], reason))
 
@@ -289,7 +292,7 @@ class Batch:
         written = Written(
             archive, ok_ids, ok_parts, ok_offsets, ok_refs,
             retry_ids, retry_delays, retry_errors, retry_kinds,
-            dead_ids, dead_errors, result.dead_events,
+            dead_ids, dead_errors, dead_kinds, result.dead_events,
         )  # fmt: skip
         return result, written
 
@@ -336,7 +339,12 @@ class Batch:
         if dead_ids:
             cur = conn.execute(
                 query("dead_letter", schema),
-                {"ids": int_array(dead_ids), "errors": w.dead_errors, "park": self._parks},
+                {
+                    "ids": int_array(dead_ids),
+                    "errors": w.dead_errors,
+                    "kinds": w.dead_kinds,
+                    "park": self._parks,
+                },
             )
             _check_rows(cur.rowcount, len(dead_ids), "dead-letter")
 

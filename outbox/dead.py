@@ -13,7 +13,7 @@ ids, key, topic and/or an error pattern, each filter narrowing the choice.
 from __future__ import annotations
 
 import datetime as dt
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import psycopg
@@ -22,6 +22,12 @@ from outbox import audit
 from outbox.errors import ConfigError
 from outbox.events import key_text
 from outbox.queries import int_array, query
+
+# Dead letters of messages the relay could not verify as events of this outbox: a WAL message no
+# writer of it signed (any role may emit one), one that is no event's encoding, a stored row that
+# is not an event. A bulk redrive never takes them (a catch-all route would deliver a stranger's
+# content); by id, only with --include-unverified.
+UNVERIFIED = ("unsigned_event", "corrupt_event")
 
 
 @dataclass(frozen=True)
@@ -40,6 +46,10 @@ class Selector:
     since: dt.datetime | None = None  # failed at or after
     until: dt.datetime | None = None  # failed before
     high_water: int | None = None  # made up to this seq (a console page's high-water mark)
+    # Also what the relay could not verify as an event of this outbox (UNVERIFIED kinds). Listing
+    # and skipping them is harmless; redriving one puts a stranger's content on the way to a sink,
+    # so a redrive takes them only by id, when asked (--include-unverified).
+    unverified: bool = False
 
     @property
     def filtered(self) -> bool:
@@ -49,6 +59,10 @@ class Selector:
     def __post_init__(self) -> None:
         if not self.filtered and not self.everything:
             raise ConfigError("selector: give dead letter IDs, --key, --topic, --error-like or --all")
+
+    def also_unverified(self) -> Selector:
+        """The same choice, with the dead letters that are no verified event (list, skip)."""
+        return replace(self, unverified=True)
 
     def audited(self) -> dict[str, Any]:
         """The selector as the audit trail keeps it: the filters given, the key as text, times in
@@ -63,6 +77,7 @@ class Selector:
             "until": None if self.until is None else self.until.isoformat(),
             "high_water": self.high_water,
             "ids": list(self.ids) or None,
+            "include_unverified": True if self.unverified else None,
         }
         return {k: v for k, v in chosen.items() if v is not None}
 
@@ -77,6 +92,8 @@ class Selector:
             "since": self.since,
             "until": self.until,
             "high_water": self.high_water,
+            "unverified": self.unverified,
+            "unverified_kinds": list(UNVERIFIED),
             "after": after,
             "limit": limit,
         }
@@ -115,8 +132,9 @@ def details(conn: psycopg.Connection[Any], schema: str, ids: list[int]) -> list[
             "failed_at": f.isoformat(),
             "parked": bool(p),
             "waiting": int(w),
+            "kind": kind,
         }
-        for i, e, t, k, a, err, f, p, w in rows
+        for i, e, t, k, a, err, f, p, w, kind in rows
     ]
 
 
@@ -127,14 +145,18 @@ def render(rows: list[dict[str, Any]]) -> str:
     for r in rows:
         lines.append(
             f"{r['id']:>10}  {r['topic'][:20]:<20} {str(r['key'])[:20]:<20} "
-            f"{'yes' if r['parked'] else 'no':<6} {r['waiting']:>7}  {r['error'][:80]}"
+            f"{'yes' if r['parked'] else 'no':<6} {r['waiting']:>7}  "
+            + ("(unverified: --include-unverified to redrive) " if r.get("kind") in UNVERIFIED else "")
+            + r["error"][:80]
         )
     return "\n".join(lines)
 
 
-def redrive(conn: psycopg.Connection[Any], schema: str, ids: list[int]) -> int:
-    """Move dead letters back into the outbox (attempts reset); returns how many moved."""
-    return conn.execute(query("dead_redrive", schema), {"ids": int_array(ids)}).rowcount
+def redrive(conn: psycopg.Connection[Any], schema: str, ids: list[int], *, unverified: bool = False) -> int:
+    """Move dead letters back into the outbox (attempts reset); returns how many moved. Those
+    that are no verified event of this outbox (UNVERIFIED) stay, unless ``unverified``."""
+    params = {"ids": int_array(ids), "unverified": unverified, "unverified_kinds": list(UNVERIFIED)}
+    return conn.execute(query("dead_redrive", schema), params).rowcount
 
 
 def skip(conn: psycopg.Connection[Any], schema: str, ids: list[int]) -> int:
@@ -154,10 +176,12 @@ def act(
 ) -> int:
     """Redrive or skip ``ids`` and record it in the audit trail, in the caller's transaction:
     the one code path of ``outbox dead redrive/skip``, ``outbox retry`` and the console."""
-    do = {"redrive": redrive, "skip": skip}[action]
     entry = audit.begin(
         conn, schema, action=action, selector=selector, planned=len(ids), via=via, actor=actor
     )
-    n = do(conn, schema, ids)
+    if action == "redrive":
+        n = redrive(conn, schema, ids, unverified=bool(selector.get("include_unverified")))
+    else:
+        n = {"skip": skip}[action](conn, schema, ids)
     audit.done(conn, schema, entry, n)
     return n

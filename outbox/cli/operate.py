@@ -75,6 +75,7 @@ def register(sub: Any) -> None:
         "redrive", help="put dead letters back at the head of their key; parked events follow in order"
     )
     _add_selector(d, confirm_what="the redrive")
+    _add_unverified(d)
     d.set_defaults(run=cmd_redrive, verb="redrive", everything_unless_filtered=False)
     d = verbs.add_parser("skip", help="give dead letters up and release the events parked behind them")
     _add_selector(d, confirm_what="the skip")
@@ -84,6 +85,7 @@ def register(sub: Any) -> None:
         "retry", help="put dead letters back into the outbox: `dead redrive`, every one unless filtered"
     )
     _add_selector(p, confirm_what="the retry")
+    _add_unverified(p)
     p.set_defaults(run=cmd_redrive, verb="retry", everything_unless_filtered=True)
 
     p = sub.add_parser("replay", help="re-send archived events delivered in a time window")
@@ -373,8 +375,24 @@ def _add_selector(parser: argparse.ArgumentParser, confirm_what: str | None = No
         add_confirm(parser, confirm_what)
 
 
+def _add_unverified(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--include-unverified",
+        action="store_true",
+        help="also the dead letters given by ID that the relay could not verify as events of this "
+        "outbox: unsigned_event (a WAL message no writer of it signed: any role may emit one) and "
+        "corrupt_event (no event's encoding). Without it they stay; no filter but IDs takes them",
+    )
+
+
 def _selector(args: argparse.Namespace) -> dead.Selector:
     ids = tuple(args.ids or ()) + tuple(args.more_ids or ())
+    unverified = getattr(args, "include_unverified", False)
+    if unverified and (not ids or args.all or args.key or args.topic or args.error_like or args.error):
+        raise ConfigError(
+            "--include-unverified: only with dead letter IDs and no other filter: a message the relay "
+            "could not verify is redriven one by one, knowingly"
+        )
     key = key_arg(args.key)
     now = dt.datetime.now(dt.timezone.utc)
     try:
@@ -389,6 +407,7 @@ def _selector(args: argparse.Namespace) -> dead.Selector:
             since=archive.parse_time(args.since, "--since", now) if args.since else None,
             until=archive.parse_time(args.until, "--until", now) if args.until else None,
             high_water=args.high_water,
+            unverified=unverified,
         )
     except ConfigError as exc:
         if str(exc).startswith("--"):
@@ -399,10 +418,17 @@ def _selector(args: argparse.Namespace) -> dead.Selector:
         ) from None
 
 
+def _choosing(args: argparse.Namespace) -> dead.Selector:
+    """What a command chooses among: listing and skipping the dead letters the relay could not
+    verify is harmless, a redrive takes them only when asked (by id, --include-unverified)."""
+    chosen = _selector(args)
+    return chosen.also_unverified() if getattr(args, "dead_command", None) in ("list", "skip") else chosen
+
+
 def cmd_dead_list(args: argparse.Namespace) -> int:
     schema = schema_of(args)
     with connect_outbox(args) as conn:
-        ids = dead.select(conn, schema, _selector(args))[: args.limit]
+        ids = dead.select(conn, schema, _choosing(args))[: args.limit]
         rows = dead.details(conn, schema, ids) if ids else []
     print(json.dumps(rows) if args.json else dead.render(rows))
     return 0
@@ -410,7 +436,7 @@ def cmd_dead_list(args: argparse.Namespace) -> int:
 
 def _chosen(args: argparse.Namespace, verb: str, conn: Any, schema: str) -> list[int] | None:
     """The chosen ids after the dry run / confirmation; None when it was a dry run."""
-    ids = dead.select(conn, schema, _selector(args))
+    ids = dead.select(conn, schema, _choosing(args))
     if not ids:
         raise NothingMatched("no dead letter matches")
     shown = f"{ids[:20]}" + (" ..." if len(ids) > 20 else "")

@@ -37,9 +37,15 @@ class DeadFilter:
     fingerprint: str | None = None
     ids: tuple[int, ...] = field(default_factory=tuple)
 
-    def selector(self) -> dead.Selector:
+    def selector(self, action: str | None = None) -> dead.Selector:
         """The dead letters this filter chooses, up to its high-water mark, as the CLI chooses
-        them (:class:`outbox.dead.Selector`: one selection for both)."""
+        them (:class:`outbox.dead.Selector`: one selection for both). Listed and skipped, those
+        the relay could not verify as events of this outbox are among them; a redrive leaves
+        them (the CLI takes one by id, knowingly: ``--include-unverified``)."""
+        chosen = self._selector()
+        return chosen if action == "redrive" else chosen.also_unverified()
+
+    def _selector(self) -> dead.Selector:
         return dead.Selector(
             ids=self.ids,
             key=key_bytes(self.key),
@@ -70,9 +76,10 @@ class DeadFilter:
             given["after"] = after
         return {k: v for k, v in given.items() if v is not None}
 
-    def audited(self) -> dict[str, Any]:
-        """The selector as the audit trail keeps it (what was given, and the high-water mark)."""
-        return self.selector().audited()
+    def audited(self, action: str) -> dict[str, Any]:
+        """The selector of ``action`` as the audit trail keeps it (what was given, and the
+        high-water mark)."""
+        return self._selector().audited()
 
 
 def estimate(conn: psycopg.Connection[Any], schema: str, table: str) -> int:
@@ -191,13 +198,16 @@ def dead_groups(conn: psycopg.Connection[Any], schema: str, chosen: DeadFilter) 
             "parked_keys": int(parked),
             "high_water": int(top),
             "keys": [key_text(k) for k in (keys or [])],
+            "unverified": kind in dead.UNVERIFIED,
         }
         for t, f, kind, n, first, last, parked, top, keys in rows
     ]
 
 
-def chosen_ids(conn: psycopg.Connection[Any], schema: str, chosen: DeadFilter) -> list[int]:
-    return dead.select(conn, schema, chosen.selector())
+def chosen_ids(
+    conn: psycopg.Connection[Any], schema: str, chosen: DeadFilter, action: str | None = None
+) -> list[int]:
+    return dead.select(conn, schema, chosen.selector(action))
 
 
 PAGE = 100  # dead letters listed one by one a page, when a group is opened
@@ -227,18 +237,27 @@ def dead_list(
                 "error": err,
                 "failed_at": f,
                 "parked": bool(p),
+                "unverified": kind in dead.UNVERIFIED,
+                "kind": kind,
             }
-            for i, e, t, k, a, err, f, p in rows
+            for i, e, t, k, a, err, f, p, kind in rows
         ],
     }
 
 
-def preview(conn: psycopg.Connection[Any], schema: str, chosen: DeadFilter) -> dict[str, int]:
-    """What an action on ``chosen`` would touch: dead letters, their keys, the parked events after them."""
-    ids = chosen_ids(conn, schema, chosen)
+def preview(conn: psycopg.Connection[Any], schema: str, chosen: DeadFilter, action: str) -> dict[str, int]:
+    """What ``action`` on ``chosen`` would touch: dead letters, their keys, the parked events
+    after them."""
+    ids = chosen_ids(conn, schema, chosen, action)
     row = conn.execute(query("console_preview", schema), {"ids": int_array(ids)}).fetchone()
     assert row is not None
-    return {"dead_letters": int(row[0]), "keys": int(row[1]), "parked_events": int(row[2])}
+    left = dead.count(conn, schema, chosen.selector()) - len(ids) if action == "redrive" else 0
+    return {
+        "dead_letters": int(row[0]),
+        "keys": int(row[1]),
+        "parked_events": int(row[2]),
+        "unverified_left": left,  # chosen, but no verified event of this outbox: a redrive leaves them
+    }
 
 
 def act(conn: psycopg.Connection[Any], schema: str, action: str, chosen: DeadFilter, actor: str) -> int:
@@ -246,10 +265,10 @@ def act(conn: psycopg.Connection[Any], schema: str, action: str, chosen: DeadFil
     if action not in ACTIONS:
         raise ValueError(f"action: one of {ACTIONS}, got {action!r}")
     with conn.transaction():
-        ids = chosen_ids(conn, schema, chosen)
+        ids = chosen_ids(conn, schema, chosen, action)
         if not ids:
             return 0
-        return dead.act(conn, schema, action, ids, chosen.audited(), via="console", actor=actor)
+        return dead.act(conn, schema, action, ids, chosen.audited(action), via="console", actor=actor)
 
 
 def timeline(conn: psycopg.Connection[Any], schema: str, key: str) -> dict[str, Any]:
@@ -331,7 +350,7 @@ def event(
             query("console_event_archived", schema), {"event_id": event_id, "key": key_bytes(key)}
         ).fetchall()
     out = []
-    for state, i, e, t, k, payload, headers, ty, subj, a, c, err, at, part, off, ref, parked in rows:
+    for state, i, e, t, k, payload, headers, ty, subj, a, c, err, at, part, off, ref, parked, kind in rows:
         out.append(
             {
                 "state": state,
@@ -351,6 +370,7 @@ def event(
                 "offset": off,
                 "ref": ref,
                 "parked": parked,
+                "unverified": kind in dead.UNVERIFIED,
             }
         )
     return out

@@ -317,10 +317,10 @@ def outbox_routes(c: Console) -> list[BaseRoute]:
         if isinstance(who, Response):
             return who
         action, chosen = forms.action(await request.form())
-        counts = await c.run(lambda conn: data.preview(conn, c.schema, chosen))
+        counts = await c.run(lambda conn: data.preview(conn, c.schema, chosen, action))
         return c.page(
             request, "preview.html", who, action=action, chosen=chosen, counts=counts,
-            command=command(action, chosen.audited()),
+            command=command(action, chosen.audited(action)),
         )  # fmt: skip
 
     async def act(request: Request) -> Response:

@@ -66,7 +66,8 @@ ORDER BY 1, 2
 -- name: console_dead_groups
 -- Dead letters grouped by topic and error fingerprint (the error with ids and numbers masked:
 -- a column, migration 0011), filtered; each group's count, first and last failure, keys it
--- parks and its highest seq.
+-- parks and its highest seq. The kind: as the relay kept it (migration 0020), else the error's
+-- first word.
 WITH chosen AS (
     SELECT d.*
     FROM {schema}.dead_letters AS d
@@ -77,7 +78,7 @@ WITH chosen AS (
       AND (%(since)s::timestamptz IS NULL OR d.failed_at >= %(since)s)
       AND (%(until)s::timestamptz IS NULL OR d.failed_at < %(until)s)
 )
-SELECT topic, fingerprint, split_part(fingerprint, ':', 1) AS kind, count(*), min(failed_at),
+SELECT topic, fingerprint, coalesce(min(kind), split_part(fingerprint, ':', 1)) AS kind, count(*), min(failed_at),
        max(failed_at), count(DISTINCT key) FILTER (WHERE parked), max(seq),
        (array_agg(key ORDER BY id) FILTER (WHERE parked))[1:5]
 FROM chosen
@@ -92,7 +93,7 @@ SELECT coalesce(max(seq), 0) FROM {schema}.dead_letters
 
 -- name: console_dead_list
 -- The dead letters a console selector chooses, one by one (a group opened), oldest first.
-SELECT d.id, d.event_id::text, d.topic, d.key, d.attempts, d.error, d.failed_at, d.parked
+SELECT d.id, d.event_id::text, d.topic, d.key, d.attempts, d.error, d.failed_at, d.parked, d.kind
 FROM {schema}.dead_letters AS d
 WHERE d.id = ANY(%(ids)s::text::bigint[])
 ORDER BY d.id
@@ -132,18 +133,18 @@ FROM {schema}.delivered WHERE key = %(key)s ORDER BY delivered_at DESC LIMIT %(l
 -- event id, 0011).
 SELECT 'pending' AS state, id, event_id::text, topic, key, payload, headers::text, type, subject,
        attempts, created_at, last_error AS error, available_at AS at, NULL::integer, NULL::bigint,
-       NULL::text, NULL::boolean
+       NULL::text, NULL::boolean, NULL::text
 FROM {schema}.events WHERE event_id = %(event_id)s
 UNION ALL
 SELECT 'dead', id, event_id::text, topic, key, payload, headers::text, type, subject, attempts,
-       created_at, error, failed_at, NULL, NULL, NULL, parked
+       created_at, error, failed_at, NULL, NULL, NULL, parked, kind
 FROM {schema}.dead_letters WHERE event_id = %(event_id)s
 
 -- name: console_event_archived
 -- One event's archived rows (a replayed one has several): by its key through the archive's
 -- (key, delivered_at) index, or, with no key given, by scanning the archive.
 SELECT 'delivered', id, event_id::text, topic, key, payload, headers::text, type, subject, attempts,
-       created_at, NULL, delivered_at, sink_partition, sink_offset, sink_ref, NULL
+       created_at, NULL, delivered_at, sink_partition, sink_offset, sink_ref, NULL, NULL
 FROM {schema}.delivered
 WHERE event_id = %(event_id)s AND (%(key)s::bytea IS NULL OR key = %(key)s)
 

@@ -7,7 +7,9 @@
 -- Ids of the dead letters a selector chooses (outbox.dead.Selector: the CLI's and the console's
 -- one selection). Every filter given narrows the choice: ids, key, topic, an error LIKE
 -- pattern, an error substring (any case), the fingerprint, a failure-time window, and the
--- high-water mark (made up to this seq: a console page's); with none, every dead letter.
+-- high-water mark (made up to this seq: a console page's); with none, every dead letter. A
+-- message the relay could not verify as an event of this outbox (unsigned_event, corrupt_event:
+-- migration 0020) only with %(unverified)s: a redrive takes one only by id, knowingly.
 SELECT id FROM {schema}.dead_letters AS d
 WHERE (%(ids)s::text IS NULL OR d.id = ANY(%(ids)s::text::bigint[]))
   AND (%(key)s::bytea IS NULL OR d.key = %(key)s)
@@ -18,6 +20,7 @@ WHERE (%(ids)s::text IS NULL OR d.id = ANY(%(ids)s::text::bigint[]))
   AND (%(since)s::timestamptz IS NULL OR d.failed_at >= %(since)s)
   AND (%(until)s::timestamptz IS NULL OR d.failed_at < %(until)s)
   AND (%(high_water)s::bigint IS NULL OR d.seq <= %(high_water)s)
+  AND (%(unverified)s::boolean OR d.kind IS NULL OR d.kind <> ALL(%(unverified_kinds)s::text[]))
   AND d.id > %(after)s
 ORDER BY d.id
 LIMIT %(limit)s
@@ -34,20 +37,23 @@ WHERE (%(ids)s::text IS NULL OR d.id = ANY(%(ids)s::text::bigint[]))
   AND (%(since)s::timestamptz IS NULL OR d.failed_at >= %(since)s)
   AND (%(until)s::timestamptz IS NULL OR d.failed_at < %(until)s)
   AND (%(high_water)s::bigint IS NULL OR d.seq <= %(high_water)s)
+  AND (%(unverified)s::boolean OR d.kind IS NULL OR d.kind <> ALL(%(unverified_kinds)s::text[]))
 
 -- name: dead_list
 -- Chosen dead letters in detail, with the number of events parked behind each.
 SELECT d.id, d.event_id::text, d.topic, d.key, d.attempts, d.error, d.failed_at, d.parked,
-       (SELECT count(*) FROM {schema}.events AS e WHERE e.key = d.key AND e.id > d.id) AS waiting
+       (SELECT count(*) FROM {schema}.events AS e WHERE e.key = d.key AND e.id > d.id) AS waiting, d.kind
 FROM {schema}.dead_letters AS d
 WHERE d.id = ANY(%(ids)s::text::bigint[])
 ORDER BY d.id
 
 -- name: dead_redrive
--- Put dead letters back into events under their original id (the head of their key).
+-- Put dead letters back into events under their original id (the head of their key); one that
+-- is no verified event of this outbox (dead_select) only with %(unverified)s.
 WITH moved AS (
     DELETE FROM {schema}.dead_letters AS d
     WHERE d.id = ANY(%(ids)s::text::bigint[])
+      AND (%(unverified)s::boolean OR d.kind IS NULL OR d.kind <> ALL(%(unverified_kinds)s::text[]))
     RETURNING d.id, d.event_id, d.topic, d.key, d.payload, d.headers, d.created_at, d.type, d.subject
 )
 INSERT INTO {schema}.events

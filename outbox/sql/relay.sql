@@ -131,19 +131,19 @@ FROM (
 WHERE e.id = due.id
 
 -- name: dead_letter
--- Move events that can never be delivered to dead_letters with their reason;
--- with %(park)s, a keyed dead letter parks the later events of its key.
+-- Move events that can never be delivered to dead_letters with their reason and its kind
+-- (migration 0020); with %(park)s, a keyed dead letter parks the later events of its key.
 WITH dead AS (
     DELETE FROM {schema}.events AS e
-    USING unnest(%(ids)s::text::bigint[], %(errors)s::text[]) AS r(id, error)
+    USING unnest(%(ids)s::text::bigint[], %(errors)s::text[], %(kinds)s::text[]) AS r(id, error, kind)
     WHERE e.id = r.id
     RETURNING e.id, e.event_id, e.topic, e.key, e.payload, e.headers, e.created_at,
-              e.attempts + 1 AS attempts, r.error, e.first_failed_at, e.type, e.subject
+              e.attempts + 1 AS attempts, r.error, r.kind, e.first_failed_at, e.type, e.subject
 )
 INSERT INTO {schema}.dead_letters
-    (id, event_id, topic, key, payload, headers, created_at, attempts, error,
+    (id, event_id, topic, key, payload, headers, created_at, attempts, error, kind,
      first_failed_at, failed_at, parked, type, subject)
-SELECT id, event_id, topic, key, payload, headers, created_at, attempts, error,
+SELECT id, event_id, topic, key, payload, headers, created_at, attempts, error, kind,
        coalesce(first_failed_at, clock_timestamp()), clock_timestamp(),
        %(park)s AND key IS NOT NULL, type, subject
 FROM dead

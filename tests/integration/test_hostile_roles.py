@@ -23,7 +23,7 @@ import outbox
 from outbox import capture, wal_message
 from outbox.events import encode_event
 from outbox.relay import RelayConfig
-from tests.helpers import count, login_in, read_topic, running_relay, wait_for
+from tests.helpers import FAST, ModuleProcess, count, login_in, read_topic, running_relay, wait_for
 
 
 @pytest.fixture
@@ -161,3 +161,82 @@ def test_the_writer_role_cannot_choose_the_relays_columns(writer: str, schema: s
         conn.rollback()
         outbox.enqueue(conn, "t", b"allowed", key="k", headers={"h": "v"}, delay=1, schema=schema)
         outbox.enqueue_many(conn, [{"topic": "t", "payload": b"x"}] * 3, schema=schema)
+
+
+def test_a_strangers_message_is_never_redriven_with_the_others(
+    wal_dsn: str, wal_schema: str, intruder: str
+) -> None:
+    """A stranger's WAL message is dead-lettered unsigned_event, a signed one that is no event
+    corrupt_event. Neither is taken by a bulk redrive (`dead redrive --all`, `retry`, the console's
+    "redrive all…"): with a catch-all webhook route, the stranger's content would be POSTed. By its
+    id, with --include-unverified, it goes: knowingly."""
+    from starlette.testclient import TestClient
+
+    from outbox.cli import main
+    from outbox.console.web import app
+    from tests.sink_servers import HttpTarget
+
+    hooks = HttpTarget()
+    prefix = capture.prefix_of(wal_schema)
+    with psycopg.connect(intruder, autocommit=True) as conn:
+        conn.execute("SELECT pg_logical_emit_message(true, %s, %s::bytea)", (prefix, b"a stranger's content"))
+    with psycopg.connect(wal_dsn) as conn:
+        conn.execute(
+            sql.SQL("SELECT {}.emit_events(%s::bytea[])").format(sql.Identifier(wal_schema)), ([b"no event"],)
+        )
+        conn.commit()
+        outbox.enqueue(conn, "orders.created", {"n": 1}, key="k", schema=wal_schema)
+    route = f"*=http://127.0.0.1:{hooks.receiver.port}{hooks.path}"
+    with ModuleProcess(
+        "outbox", "relay", "--dsn", wal_dsn, "--schema", wal_schema, "--route", route, *FAST
+    ) as relay:
+        wait_for(lambda: count(wal_dsn, wal_schema, "dead_letters") == 2 and len(hooks.fetch()) == 1, timeout=30,
+                 what=f"the dead letters and the event\n{relay.output()[-2000:]}")  # fmt: skip
+        with psycopg.connect(wal_dsn) as conn:
+            kinds = conn.execute(
+                sql.SQL("SELECT kind, id FROM {}.dead_letters ORDER BY kind").format(
+                    sql.Identifier(wal_schema)
+                )
+            ).fetchall()
+        assert [k for k, _ in kinds] == ["corrupt_event", "unsigned_event"]
+        stranger = next(i for k, i in kinds if k == "unsigned_event")
+        base = ["--dsn", wal_dsn, "--schema", wal_schema]
+        assert main(["dead", "redrive", *base, "--all", "--yes"]) == 1  # nothing matches
+        assert main(["retry", *base, "--yes"]) == 1
+        assert main(["dead", "redrive", *base, "--all", "--include-unverified", "--yes"]) == 2  # by id only
+        assert main(["dead", "list", *base]) == 0  # listed, and skipped, like any
+        same = {"sec-fetch-site": "same-origin"}
+        with TestClient(app(wal_dsn, schema=wal_schema), base_url="http://localhost:8000") as console:
+            page = console.get("/dead").text
+            assert "Not a verified event of this outbox" in page and "redrive…" not in page
+            hw = page.split('name="hw" value="', 1)[1].split('"', 1)[0]
+            preview = console.post("/dead/preview", data={"action": "redrive", "hw": hw}, headers=same)
+            assert 'id="unverified-left"><b>2</b>' in preview.text
+            act = console.post(
+                "/dead/act", data={"action": "redrive", "hw": hw}, headers=same, follow_redirects=False
+            )
+            assert act.status_code == 303 and "n=0" in act.headers["location"]
+            event = console.get(f"/event/{_event_id(wal_dsn, wal_schema, stranger)}").text
+            assert f"outbox dead redrive --ids {stranger} --include-unverified" in event
+        with psycopg.connect(wal_dsn) as conn:  # an event after: once it is delivered, the relay has looked
+            outbox.enqueue(conn, "orders.created", {"n": 2}, key="k", schema=wal_schema)
+        wait_for(lambda: len(hooks.fetch()) == 2, timeout=30, what="the second event")
+        assert count(wal_dsn, wal_schema, "dead_letters") == 2
+        assert all(b"stranger" not in m.value for m in hooks.fetch()), "a stranger's message was delivered"
+        assert main(["dead", "redrive", *base, "--ids", str(stranger), "--include-unverified", "--yes"]) == 0
+        wait_for(lambda: any(b"a stranger's content" in m.value for m in hooks.fetch()), timeout=30,
+                 what="the knowingly redriven message")  # fmt: skip
+        assert relay.stop() == 0
+    hooks.close()
+
+
+def _event_id(dsn: str, schema: str, dead_id: int) -> str:
+    with psycopg.connect(dsn) as conn:
+        row = conn.execute(
+            sql.SQL("SELECT event_id::text FROM {}.dead_letters WHERE id = %s").format(
+                sql.Identifier(schema)
+            ),
+            (dead_id,),
+        ).fetchone()
+    assert row is not None
+    return str(row[0])
