@@ -74,6 +74,7 @@ class Decoder:
     piece: int = 0  # events per piece at most (0: PIECE_EVENTS)
     key: bytes = b""  # the outbox's signing key (capture_key)
     rows: list[tuple[Any, ...]] = field(default_factory=list)
+    ignored: int = 0  # non-transactional messages passed over (no outbox event is one)
     _commit: int = 0  # the commit LSN of the transaction being read
     _seen: int = 0  # its events so far (handed on before, emitted in pieces, or in rows)
     _skipping: int = 0  # its first events to drop: handed on before
@@ -87,7 +88,13 @@ class Decoder:
     def feed(self, data: bytes) -> Piece | None:
         kind = data[:1]
         if kind == b"M":
-            # flags (1 byte) and the message's LSN (8), then the prefix from byte 10
+            # flags (1 byte: 1 = transactional) and the message's LSN (8), then the prefix from
+            # byte 10. A non-transactional message (any role may emit one, under any prefix)
+            # comes between transactions, committed by nobody: never an event, and kept it
+            # would sit in ``rows`` until the next transaction, holding the slot's feedback.
+            if not data[1] & 1:
+                self.ignored += 1
+                return None
             end = data.index(b"\0", 10)
             if data[10:end] != self.prefix or self._whole_skip:
                 return None

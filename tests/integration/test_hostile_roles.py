@@ -240,3 +240,38 @@ def _event_id(dsn: str, schema: str, dead_id: int) -> str:
         ).fetchone()
     assert row is not None
     return str(row[0])
+
+
+def test_a_message_outside_any_transaction_holds_no_slot_back_and_is_no_event(
+    wal_dsn: str, wal_schema: str, intruder: str, kafka: str, topic: str
+) -> None:
+    """Any role may emit a non-transactional message under the outbox's prefix. It arrives between
+    transactions; kept by the reader, it held the idle slot's feedback (WAL retained) until the next
+    outbox transaction, which then dead-lettered it. It is passed over: the slot moves past it while
+    the outbox is idle, and nothing of it becomes a dead letter."""
+    slot = capture.slot_name(wal_schema)
+
+    def confirmed_past(lsn: str) -> bool:
+        with psycopg.connect(wal_dsn) as conn:
+            row = conn.execute(
+                "SELECT confirmed_flush_lsn >= %s::pg_lsn FROM pg_replication_slots WHERE slot_name = %s",
+                (lsn, slot),
+            ).fetchone()
+        return bool(row and row[0])
+
+    with running_relay(RelayConfig(wal_dsn, schema=wal_schema, poll_interval=0.1), bootstrap=kafka):
+        with psycopg.connect(wal_dsn) as conn:
+            first = outbox.enqueue(conn, topic, {"n": 1}, key="k", schema=wal_schema)
+        wait_for(lambda: count(wal_dsn, wal_schema, "delivered") == 1, timeout=30, what="the first event")
+        with psycopg.connect(intruder, autocommit=True) as conn:
+            row = conn.execute(
+                "SELECT pg_logical_emit_message(false, %s, 'not in a transaction')::text",
+                (capture.prefix_of(wal_schema),),
+            ).fetchone()
+        assert row is not None
+        wait_for(lambda: confirmed_past(row[0]), timeout=20, what="the idle slot confirmed past the message")
+        with psycopg.connect(wal_dsn) as conn:
+            second = outbox.enqueue(conn, topic, {"n": 2}, key="k", schema=wal_schema)
+        wait_for(lambda: count(wal_dsn, wal_schema, "delivered") == 2, timeout=30, what="the second event")
+    assert count(wal_dsn, wal_schema, "dead_letters") == 0
+    assert [m.event_id for m in read_topic(kafka, topic, 2)] == [str(first), str(second)]

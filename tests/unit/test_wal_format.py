@@ -180,3 +180,18 @@ def test_the_readers_signer_is_hmac_sha256() -> None:
         signer = wal_message.Signer(key)
         for content in (b"", b"x", b"y" * 1000):
             assert signer.signature(content) == hmac.new(key, content, hashlib.sha256).digest()
+
+
+def test_a_message_outside_any_transaction_is_no_event_and_holds_nothing_back() -> None:
+    """pg_logical_emit_message(false, ...) is open to every role, and its message comes between
+    transactions, committed by nobody. It is passed over: not kept for the next transaction's
+    piece (where it sat, and the reader's idle feedback waited for ``rows`` to empty)."""
+    content = b"1\n" + wal_message.encode(encode_event("t", b"x", key=None, headers=None))
+    stray = b"M" + struct.pack(">BQ", 0, 42) + b"outbox:a\0" + struct.pack(">I", 40) + b"s" * 40
+    decoder = capture.Decoder(b"outbox:a", skip=capture.Position(100), key=KEY)
+    assert decoder.feed(stray) is None
+    assert decoder.rows == [] and decoder.ignored == 1
+    decoder.feed(_begin(150))
+    decoder.feed(_message(b"outbox:a", content))
+    piece = decoder.feed(_commit(150, 200))
+    assert piece is not None and len(piece.rows) == 1 and decode_row(piece.rows[0]).payload == b"x"
