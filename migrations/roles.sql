@@ -42,8 +42,9 @@ GRANT SELECT, INSERT, DELETE ON {schema}.capture_positions TO {relay};
 GRANT SELECT, UPDATE (lsn, part_commit, part_events) ON {schema}.capture TO {relay};
 GRANT INSERT ON {schema}.events TO {relay};
 GRANT USAGE ON SEQUENCE {sequence} TO {relay};
--- ... and the key their signatures are checked with (migration 0015).
+-- ... and the keys their signatures are checked with (migrations 0015, 0021: rotated).
 GRANT SELECT (key) ON {schema}.capture_key TO {relay};
+GRANT SELECT (id, key, retire_at) ON {schema}.capture_keys TO {relay};
 GRANT EXECUTE ON FUNCTION {schema}.ensure_delivered_partitions(integer) TO {relay};
 -- The audit trail of operators' actions: read by `outbox audit` and `outbox status`.
 GRANT SELECT ON {schema}.audit TO {relay};

@@ -158,3 +158,39 @@ def switch(conn: psycopg.Connection[Any], schema: str, mode: str, *, drop_slot: 
         f"PostgreSQL ships it, so any role can still write WAL messages under {prefix_of(schema)}, "
         "but the relay dead-letters them as unsigned_event, never delivers them"
     )
+
+
+ROTATION_WINDOW = 3600.0  # seconds, by default, the old key verifies what commits after a rotation
+
+
+@dataclass(frozen=True)
+class Rotation:
+    """What ``rotate_key`` did: the new key's id, the keys it retired (id, when they stop), the
+    old keys it dropped (past their window, and read past in the WAL)."""
+
+    new: int
+    retired: list[tuple[int, Any]]
+    dropped: list[int]
+
+
+def rotate_key(conn: psycopg.Connection[Any], schema: str, window: float = ROTATION_WINDOW) -> Rotation:
+    """Rotate the outbox's WAL signing key, in one transaction: a new key signs from the commit
+    on; the one before verifies what commits within ``window`` seconds, then nothing; a message
+    of the rotation, signed with the old key, tells every reader to read the keys again (in WAL
+    order, before anything the new key signs). Keys retired earlier whose window ended and whose
+    rotation the slot has been read past are dropped."""
+    if not window >= 0:
+        raise ConfigError(f"--window: must be >= 0 seconds, got {window}")
+    with conn.transaction():
+        row = conn.execute(query("capture_key_add", schema)).fetchone()
+        assert row is not None
+        new, old = int(row[0]), int(row[1])
+        conn.execute(query("capture_key_rotated", schema), {"new": new, "old": old})
+        retired = [(int(i), at) for i, at in conn.execute(
+            query("capture_key_retire", schema), {"new": new, "window": float(window)}
+        ).fetchall()]  # fmt: skip
+        conn.execute(query("capture_key_current", schema), {"new": new})
+        dropped = [int(i) for (i,) in conn.execute(
+            query("capture_keys_drop", schema), {"slot": slot_name(schema)}
+        ).fetchall()]  # fmt: skip
+    return Rotation(new, retired, sorted(dropped))

@@ -8,11 +8,12 @@ import struct
 from dataclasses import dataclass, field
 from typing import Any
 
-from outbox.wal_message import Signer, row_of
+from outbox.wal_message import Keys, row_of
 
 PIECE_EVENTS = 1_000  # events of a large transaction handed on together at most
 
-_BEGIN = struct.Struct(">QqI")  # final LSN, commit time, xid
+_BEGIN = struct.Struct(">QqI")  # final LSN, commit time (microseconds since 2000-01-01 UTC), xid
+PG_EPOCH = 946_684_800  # 2000-01-01 UTC in Unix seconds
 _COMMIT = struct.Struct(">BQQq")  # flags, commit LSN, end LSN, commit time
 
 
@@ -72,18 +73,16 @@ class Decoder:
     prefix: bytes
     skip: Position = field(default_factory=Position)
     piece: int = 0  # events per piece at most (0: PIECE_EVENTS)
-    key: bytes = b""  # the outbox's signing key (capture_key)
+    keys: Keys | None = None  # the outbox's signing keys (capture_keys)
     rows: list[tuple[Any, ...]] = field(default_factory=list)
     ignored: int = 0  # non-transactional messages passed over (no outbox event is one)
+    rotated: bool = False  # a key rotation's message was read: the reader reads the keys again
     _commit: int = 0  # the commit LSN of the transaction being read
+    _committed: float = 0.0  # when it committed (epoch): which keys may have signed its messages
     _seen: int = 0  # its events so far (handed on before, emitted in pieces, or in rows)
     _skipping: int = 0  # its first events to drop: handed on before
     _whole_skip: bool = False  # the whole transaction was handed on before
     _pieces: int = 0  # its pieces emitted so far
-    _signer: Signer = field(init=False)
-
-    def __post_init__(self) -> None:
-        self._signer = Signer(self.key)
 
     def feed(self, data: bytes) -> Piece | None:
         kind = data[:1]
@@ -102,14 +101,20 @@ class Decoder:
             if self._seen <= self._skipping:
                 return None  # handed on before this stream began
             (length,) = struct.unpack_from(">I", data, end + 1)
-            self.rows.append(row_of(data[end + 5 : end + 5 + length], self._signer, self.prefix))
+            assert self.keys is not None, "a decoder needs the outbox's keys"
+            row = row_of(data[end + 5 : end + 5 + length], self.keys, self.prefix, self._committed)
+            if row is None:  # a key rotation: later messages may be signed with a key not read yet
+                self.rotated = True
+                return None
+            self.rows.append(row)
             if len(self.rows) >= (self.piece or PIECE_EVENTS):
                 return self._emit(Position(self.skip.lsn, self._commit, self._seen))
             return None
         if kind == b"B":
-            (final_lsn, _, _) = _BEGIN.unpack_from(data, 1)
+            (final_lsn, committed, _) = _BEGIN.unpack_from(data, 1)
             self.rows, self._seen, self._pieces = [], 0, 0
             self._commit = final_lsn
+            self._committed = PG_EPOCH + committed / 1e6
             # Handed on whole before: its commit record starts before the end of one that was.
             self._whole_skip = final_lsn < self.skip.lsn
             self._skipping = self.skip.events if final_lsn == self.skip.commit else 0

@@ -23,6 +23,7 @@ import json
 import re
 import time
 import uuid
+from collections.abc import Sequence
 from typing import Any
 
 from outbox.events import CORRUPT_TOPIC, MAX_TOPIC_CHARS, EncodedEvent, Unusable
@@ -31,6 +32,9 @@ SIGNATURE_BYTES = 32  # HMAC-SHA256, before each message's content
 UNSIGNED_EVENT = "unsigned_event"  # the dead letter's kind of a message that is not signed
 CORRUPT_EVENT = "corrupt_event"  # ... of a signed one that is no event's encoding
 UNSIGNED_TOPIC = "(unsigned)"  # the topic such dead letters are kept under
+# A key rotation's message (capture_key_rotated): its content, after the signature, starts so.
+# An event's starts with its creation time (digits), which emit_events puts there itself.
+ROTATED = b"rotate\n"
 _NUL_ESCAPE = re.compile(rb"(?<!\\)(?:\\\\)*\\u0000")  # \u0000 not itself escaped
 _is_uuid_text = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}").fullmatch
 
@@ -89,6 +93,30 @@ def _storable(text: str) -> bool:
     return True
 
 
+class Keys:
+    """The outbox's signing keys (migration 0021), newest first, each with the time (epoch) from
+    which what commits no longer verifies with it (None: the current key). A message verifies
+    with a key its transaction committed before retiring: after a rotation, the old key verifies
+    for the rotation's window, and what a leaked old key signs later does not."""
+
+    def __init__(self, keys: Sequence[tuple[bytes, float | None]]) -> None:
+        if not keys:
+            raise ValueError("keys: the outbox has no signing key (run `outbox migrate`)")
+        self._keys = [(Signer(key), retire) for key, retire in keys]
+        self._newest = self._keys[0][0]
+
+    def verify(self, body: bytes, signature: bytes, committed: float) -> bool:
+        """Is ``signature`` ``body``'s, under a key not retired when its transaction committed?"""
+        if hmac.compare_digest(self._newest.signature(body), signature) and (
+            self._keys[0][1] is None or committed < self._keys[0][1]
+        ):
+            return True
+        return any(
+            (retire is None or committed < retire) and hmac.compare_digest(signer.signature(body), signature)
+            for signer, retire in self._keys[1:]
+        )
+
+
 class Signer:
     """HMAC-SHA256 under one key, its two pads hashed once (as ``capture_key`` keeps them for
     emit_events): a message then costs two hash copies, where ``hmac.digest`` sets the key up
@@ -120,12 +148,12 @@ def unusable_row(kind: str, reason: str, content: bytes) -> tuple[Any, ...]:
     return (0, str(uuid.uuid4()), topic, None, content, Unusable(kind, reason), time.time(), 0, None, None)
 
 
-def row_of(content: bytes, signer: Signer, prefix: bytes) -> tuple[Any, ...]:
-    """A message's row: its event if it is signed and parses, else one dead-lettered at once."""
+def row_of(content: bytes, keys: Keys, prefix: bytes, committed: float) -> tuple[Any, ...] | None:
+    """A message's row: its event if it is signed and parses, else one dead-lettered at once.
+    None for a key rotation's message (``outbox capture rotate-key``): read the keys again.
+    ``committed``: when its transaction committed (epoch), which keys may have signed it."""
     body = content[SIGNATURE_BYTES:]
-    if len(content) < SIGNATURE_BYTES or not hmac.compare_digest(
-        signer.signature(body), content[:SIGNATURE_BYTES]
-    ):
+    if len(content) < SIGNATURE_BYTES or not keys.verify(body, content[:SIGNATURE_BYTES], committed):
         return unusable_row(
             UNSIGNED_EVENT,
             f"a WAL message under {prefix.decode(errors='replace')} whose signature does not "
@@ -133,6 +161,8 @@ def row_of(content: bytes, signer: Signer, prefix: bytes) -> tuple[Any, ...]:
             "pg_logical_emit_message?); kept as the payload, never delivered",
             content,
         )
+    if body.startswith(ROTATED):
+        return None
     try:
         return decode(body)
     except (ValueError, KeyError, TypeError, RecursionError) as exc:

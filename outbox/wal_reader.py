@@ -21,6 +21,7 @@ from outbox.dsn import scrub, secrets_of
 from outbox.extras import require
 from outbox.pgoutput import Decoder, Piece, Position, lsn_int
 from outbox.queries import query
+from outbox.wal_message import Keys
 
 log = logging.getLogger("outbox.capture")
 WAL_READER = "WAL capture's reader (a replication connection)"  # what needs outbox-relay[psycopg2]
@@ -157,6 +158,12 @@ class WalReader(threading.Thread):
                 self.condition.fail(scrub(str(exc).strip(), secrets_of(self.dsn)))
                 self._halt.wait(RECONNECT)
 
+    def _keys(self, db: psycopg.Connection[Any]) -> Keys:
+        rows = db.execute(query("capture_keys", self.schema)).fetchall()
+        if not rows:
+            raise psycopg.DataError(f"{self.schema}.capture_keys is empty: run `outbox migrate`")
+        return Keys([(bytes(key), retire) for key, retire in rows])
+
     def _stream(self) -> None:
         import psycopg2
         import psycopg2.extras
@@ -175,9 +182,7 @@ class WalReader(threading.Thread):
             with pinning.connect(self.dsn, autocommit=True, application_name="outbox-wal") as db:
                 handed = state(db, self.schema).position
                 end = db.execute(query("current_wal_lsn", self.schema)).fetchone()
-                signing = db.execute(query("capture_key", self.schema)).fetchone()
-            if signing is None:
-                raise psycopg.DataError(f"{self.schema}.capture_key is empty: run `outbox migrate`")
+                keys = self._keys(db)
             target = lsn_int(end[0]) if end else 0  # caught up once the server has sent this far
             self.confirm(handed)
             cur.start_replication(
@@ -192,7 +197,7 @@ class WalReader(threading.Thread):
                 self._queued = 0
                 self._read = self._done
                 self._rewind = False
-            decoder = Decoder(prefix_of(self.schema).encode(), skip=self._done, key=bytes(signing[0]))
+            decoder = Decoder(prefix_of(self.schema).encode(), skip=self._done, keys=keys)
             if self.standing_by:
                 log.info(
                     "%staking over the WAL slot %s", self._said, self.slot, extra={"event": "wal.takeover"}
@@ -227,6 +232,12 @@ class WalReader(threading.Thread):
                     select.select([conn], [], [], 0.1)
                     continue
                 piece = decoder.feed(msg.payload)
+                if decoder.rotated:  # committed before anything its new key signs: read them now
+                    with pinning.connect(self.dsn, autocommit=True, application_name="outbox-wal") as db:
+                        decoder.keys = self._keys(db)
+                    decoder.rotated = False
+                    log.info("%sthe signing key was rotated: keys read again", self._said,
+                             extra={"event": "wal.keys"})  # fmt: skip
                 if piece is None:
                     continue
                 self.last_commit = time.time()

@@ -86,7 +86,7 @@ def setup_logging(fmt: str, level: str) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     from outbox.bench import cli as bench_cli
-    from outbox.cli import console, demo, operate, relay
+    from outbox.cli import capture, console, demo, operate, relay
 
     parser = Parser(
         prog="outbox",
@@ -97,6 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"outbox {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
     operate.register(sub)
+    capture.register(sub)
     relay.register(sub)
     demo.register(sub)
     console.register(sub)

@@ -110,6 +110,56 @@ SELECT {schema}.emit_events(ARRAY(SELECT pg_catalog.decode(m, 'hex')
 -- The key the outbox's WAL messages are signed with (migration 0015): read by the relay's reader.
 SELECT key FROM {schema}.capture_key
 
+-- name: capture_keys
+-- The keys a message may be signed with (migration 0021), newest first, each with the time
+-- (epoch) from which what commits no longer verifies with it (NULL: the current key).
+SELECT key, extract(epoch FROM retire_at)::float8 FROM {schema}.capture_keys ORDER BY id DESC
+
+-- name: capture_key_add
+-- `outbox capture rotate-key`: a new key, 32 bytes from PostgreSQL's strong random source, and
+-- HMAC's pads beside it (as migration 0015 made the first); its id, and the key it replaces.
+INSERT INTO {schema}.capture_keys (key, ipad, opad)
+SELECT k,
+       (SELECT string_agg(set_byte('\x00'::bytea, 0, get_byte(p, i) # 54), '' ORDER BY i)
+        FROM generate_series(0, 63) AS i),
+       (SELECT string_agg(set_byte('\x00'::bytea, 0, get_byte(p, i) # 92), '' ORDER BY i)
+        FROM generate_series(0, 63) AS i)
+FROM (SELECT k, k || '\x0000000000000000000000000000000000000000000000000000000000000000'::bytea AS p
+      FROM (SELECT uuid_send(gen_random_uuid()) || uuid_send(gen_random_uuid()) AS k) AS random_key
+     ) AS key_and_block
+RETURNING id, (SELECT max(id) FROM {schema}.capture_keys)
+
+-- name: capture_key_rotated
+-- The rotation's message, in its transaction, under the outbox's prefix, signed with the key it
+-- retires (the reader knows that one): in WAL order it comes before anything the new key signs,
+-- and tells the reader to read the keys again. Its content: "rotate", a line break, the new id.
+SELECT pg_logical_emit_message(true, 'outbox:' || {schema_name},
+                               sha256(opad || sha256(ipad || c)) || c)::text
+FROM {schema}.capture_keys,
+     (SELECT convert_to('rotate' || chr(10) || %(new)s::text, 'UTF8') AS c) AS marker
+WHERE id = %(old)s
+
+-- name: capture_key_retire
+-- The keys before the new one verify what commits within the window, then nothing more.
+UPDATE {schema}.capture_keys
+SET retire_at = now() + %(window)s * interval '1 second', retired_lsn = pg_current_wal_lsn()
+WHERE id < %(new)s AND retire_at IS NULL
+RETURNING id, retire_at
+
+-- name: capture_key_current
+-- capture_key keeps the newest key too, for a relay of an earlier version (it reads that one).
+UPDATE {schema}.capture_key AS c SET key = n.key, ipad = n.ipad, opad = n.opad
+FROM {schema}.capture_keys AS n WHERE n.id = %(new)s
+
+-- name: capture_keys_drop
+-- Retired keys past their window, once the outbox's slot has been read past their rotation:
+-- nothing in the WAL can need them. Returns their ids.
+DELETE FROM {schema}.capture_keys
+WHERE retire_at < now()
+  AND retired_lsn <= coalesce((SELECT confirmed_flush_lsn FROM pg_replication_slots WHERE slot_name = %(slot)s),
+                              pg_current_wal_lsn())
+RETURNING id
+
 -- name: wal_keys_waiting
 -- Of these keys, those that have something waiting in the table that a WAL event of the key must
 -- not overtake, and since when: the creation time (epoch) of the key's oldest pending event

@@ -203,6 +203,7 @@ def test_migrate_every_cli_command_and_the_console_fire_no_trap(trapped: Trapped
         _cli(*argv)
     if t.wal:
         _cli("status", "--dsn", t.dsn, "--schema", "victim_wal")
+        _cli("capture", "rotate-key", "--dsn", t.dsn, "--schema", "victim_wal", "--yes")
     _console(t, seeded)
     assert t.fired() == {}, "an overload planted by another role ran"
     assert len(schemas) == (2 if t.wal else 1)

@@ -152,6 +152,9 @@ def test_relay_role_writes_and_reads_the_wal_position(logins: Logins, schema: st
         # ... and the key WAL messages are signed with, to check them (migration 0015).
         row = conn.execute(query("capture_key", schema)).fetchone()
         assert row is not None and len(bytes(row[0])) == 32
+        # ... all of them, since they can be rotated (migration 0021).
+        keys = conn.execute(query("capture_keys", schema)).fetchall()
+        assert [(bytes(k), r) for k, r in keys] == [(bytes(row[0]), None)]
 
 
 DENIED_TO_RELAY = [
@@ -167,6 +170,8 @@ DENIED_TO_RELAY = [
     "ALTER TABLE {s}.events ADD COLUMN x int",
     # It checks WAL signatures; it cannot make them (the pads) or emit as a writer.
     "SELECT ipad FROM {s}.capture_key",
+    "SELECT opad FROM {s}.capture_keys",
+    "UPDATE {s}.capture_keys SET retire_at = NULL",
     "SELECT {s}.emit_events(ARRAY['x'::bytea])",
 ]
 

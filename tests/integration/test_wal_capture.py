@@ -20,9 +20,9 @@ import pytest
 from psycopg import sql
 
 import outbox
-from outbox import capture
+from outbox import capture, wal_message
 from outbox.errors import ConfigError
-from outbox.events import ClaimedEvent
+from outbox.events import ClaimedEvent, encode_event
 from outbox.fleet import Fleet
 from outbox.migrate import migrate
 from outbox.outboxes import Outbox
@@ -1058,3 +1058,53 @@ def test_an_outbox_at_0013_keeps_its_handed_on_position_through_0014(pg_dsn: str
     finally:
         with psycopg.connect(pg_dsn, autocommit=True) as conn:
             conn.execute(sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(sql.Identifier(name)))
+
+
+def test_a_rotated_key_signs_from_the_rotation_and_the_old_one_only_within_its_window(
+    wal_dsn: str, wal_schema: str, kafka: str, topic: str
+) -> None:
+    """``outbox capture rotate-key``: the running relay's reader reads the keys again at the
+    rotation's message (no restart), the new key's events are delivered, and a message signed
+    with the old key is delivered only if it commits within the window: after it, a leaked key
+    signs nothing that is delivered. A later rotation drops keys past their window."""
+    from outbox.cli import main
+    from outbox.wal_message import sign
+
+    def keys() -> list[bytes]:
+        with psycopg.connect(wal_dsn) as conn:
+            rows = conn.execute(
+                sql.SQL("SELECT key FROM {}.capture_keys ORDER BY id").format(sql.Identifier(wal_schema))
+            ).fetchall()
+        return [bytes(k) for (k,) in rows]
+
+    def forge(key: bytes, n: int) -> None:
+        """What a holder of ``key`` can emit: an event of its own, signed with it."""
+        content = b"%f\n" % time.time() + wal_message.encode(
+            encode_event(topic, {"forged": n}, key=None, headers=None)
+        )
+        with psycopg.connect(wal_dsn, autocommit=True) as conn:
+            conn.execute("SELECT pg_logical_emit_message(true, %s, %s::bytea)",
+                         (capture.prefix_of(wal_schema), sign(key, content)))  # fmt: skip
+
+    rotate = ["capture", "rotate-key", "--dsn", wal_dsn, "--schema", wal_schema, "--yes"]
+    with running_relay(RelayConfig(wal_dsn, schema=wal_schema, poll_interval=0.1), bootstrap=kafka):
+        with psycopg.connect(wal_dsn) as conn:
+            outbox.enqueue(conn, topic, {"n": 1}, key="k", schema=wal_schema)
+        wait_for(lambda: count(wal_dsn, wal_schema, "delivered") == 1, timeout=30, what="the first event")
+        (first,) = keys()
+        assert main([*rotate, "--window", "0s"]) == 0  # the old key retired at once: it leaked
+        forge(first, 1)
+        with psycopg.connect(wal_dsn) as conn:
+            outbox.enqueue(conn, topic, {"n": 2}, key="k", schema=wal_schema)
+        wait_for(lambda: count(wal_dsn, wal_schema, "delivered") == 2, timeout=30, what="the new key's event")
+        wait_for(
+            lambda: count(wal_dsn, wal_schema, "dead_letters") == 1, timeout=30, what="the forgery refused"
+        )
+        _, second = keys()
+        assert main([*rotate, "--window", "1h"]) == 0  # a planned rotation: writers may lag a little
+        forge(second, 3)  # within the window: verified, as a writer's late commit would be
+        wait_for(lambda: count(wal_dsn, wal_schema, "delivered") == 3, timeout=30, what="the window's event")
+        assert main(rotate) == 0
+        assert len(keys()) == 3  # the first, past its window and read past in the WAL, was dropped
+    payloads = sorted(m.value.decode() for m in read_topic(kafka, topic, 3))
+    assert payloads == ['{"forged":3}', '{"n":1}', '{"n":2}']

@@ -6,7 +6,7 @@ import struct
 
 import pytest
 
-from outbox import capture, wal_message
+from outbox import capture, pgoutput, wal_message
 from outbox.bench.writers import sqlalchemy_url
 from outbox.errors import CorruptEvent
 from outbox.events import decode_row, encode_event
@@ -54,6 +54,7 @@ def test_a_signed_message_whose_fields_do_not_parse_is_refused_naming_the_field(
 
 
 KEY = b"k" * 32  # the outbox's signing key in these tests
+KEYS = wal_message.Keys([(KEY, None)])
 
 
 def _message(prefix: bytes, content: bytes, key: bytes | None = KEY) -> bytes:
@@ -62,8 +63,10 @@ def _message(prefix: bytes, content: bytes, key: bytes | None = KEY) -> bytes:
     return b"M" + struct.pack(">BQ", 1, 42) + prefix + b"\0" + struct.pack(">I", len(signed)) + signed
 
 
-def _begin(commit: int) -> bytes:
-    return b"B" + struct.pack(">QqI", commit, 0, 7)
+def _begin(commit: int, at: float = 0.0) -> bytes:
+    """A transaction's begin record; ``at``: its commit time (epoch seconds; 0: 2000-01-01)."""
+    micros = 0 if not at else int((at - pgoutput.PG_EPOCH) * 1e6)
+    return b"B" + struct.pack(">QqI", commit, micros, 7)
 
 
 def _commit(commit: int, end: int) -> bytes:
@@ -78,7 +81,7 @@ def _event(seq: int) -> bytes:
 
 def test_the_decoder_keeps_committed_transactions_of_its_own_prefix_only() -> None:
     content = b"1\n" + wal_message.encode(encode_event("t", b"x", key=None, headers=None))
-    decoder = capture.Decoder(b"outbox:a", skip=capture.Position(100), key=KEY)
+    decoder = capture.Decoder(b"outbox:a", skip=capture.Position(100), keys=KEYS)
     assert decoder.feed(_begin(150)) is None
     assert decoder.feed(_message(b"outbox:a", content)) is None
     assert decoder.feed(_message(b"outbox:ab", content)) is None  # another outbox's prefix
@@ -98,7 +101,7 @@ def test_the_decoder_keeps_committed_transactions_of_its_own_prefix_only() -> No
         with pytest.raises(CorruptEvent) as err:
             decode_row(row)
         assert err.value.kind == ("corrupt_event" if row is garbage else "unsigned_event")
-    decoder = capture.Decoder(b"outbox:a", skip=capture.Position(100), key=KEY)
+    decoder = capture.Decoder(b"outbox:a", skip=capture.Position(100), keys=KEYS)
     decoder.feed(_begin(80))
     decoder.feed(_message(b"outbox:a", content))
     assert decoder.feed(_commit(80, 90)) is None  # ended before what was handed on: skipped
@@ -115,7 +118,7 @@ def test_a_large_transaction_goes_in_pieces_each_with_its_position() -> None:
     """Issue 30: a transaction is never held whole; each piece says how far it reaches inside its
     transaction (the commit record's LSN and the events so far), and only its last piece carries
     the transaction's end, the one position the slot may be confirmed to."""
-    decoder = capture.Decoder(b"outbox:a", skip=capture.Position(100), piece=1000, key=KEY)
+    decoder = capture.Decoder(b"outbox:a", skip=capture.Position(100), piece=1000, keys=KEYS)
     decoder.feed(_begin(500))
     pieces = [p for seq in range(2500) if (p := decoder.feed(_event(seq))) is not None]
     pieces.append(decoder.feed(_commit(500, 600)))  # type: ignore[arg-type]
@@ -140,7 +143,7 @@ def test_a_large_transaction_goes_in_pieces_each_with_its_position() -> None:
 def test_reading_again_resumes_inside_a_transaction_handed_on_in_part() -> None:
     """The slot sends again from its confirmed position (whole transactions only): what was handed
     on, down to the event inside a transaction, is skipped; nothing after it is."""
-    decoder = capture.Decoder(b"outbox:a", skip=capture.Position(100, 500, 1000), piece=1000, key=KEY)
+    decoder = capture.Decoder(b"outbox:a", skip=capture.Position(100, 500, 1000), piece=1000, keys=KEYS)
     decoder.feed(_begin(50))  # ended before 100: handed on whole
     assert decoder.feed(_event(0)) is None
     assert decoder.feed(_commit(50, 60)) is None
@@ -188,10 +191,37 @@ def test_a_message_outside_any_transaction_is_no_event_and_holds_nothing_back() 
     piece (where it sat, and the reader's idle feedback waited for ``rows`` to empty)."""
     content = b"1\n" + wal_message.encode(encode_event("t", b"x", key=None, headers=None))
     stray = b"M" + struct.pack(">BQ", 0, 42) + b"outbox:a\0" + struct.pack(">I", 40) + b"s" * 40
-    decoder = capture.Decoder(b"outbox:a", skip=capture.Position(100), key=KEY)
+    decoder = capture.Decoder(b"outbox:a", skip=capture.Position(100), keys=KEYS)
     assert decoder.feed(stray) is None
     assert decoder.rows == [] and decoder.ignored == 1
     decoder.feed(_begin(150))
     decoder.feed(_message(b"outbox:a", content))
     piece = decoder.feed(_commit(150, 200))
     assert piece is not None and len(piece.rows) == 1 and decode_row(piece.rows[0]).payload == b"x"
+
+
+def test_after_a_rotation_the_old_key_verifies_what_committed_within_the_window_only() -> None:
+    """``outbox capture rotate-key``: the rotation's message, signed with the key it retires,
+    tells the reader to read the keys again. Then the new key verifies, and the old one only what
+    committed before its window ended: a leaked old key signs nothing that is delivered later."""
+    old, new = b"o" * 32, b"n" * 32
+    content = b"1\n" + wal_message.encode(encode_event("t", b"x", key=None, headers=None))
+    decoder = capture.Decoder(b"outbox:a", skip=capture.Position(100), keys=wal_message.Keys([(old, None)]))
+    decoder.feed(_begin(150, at=1_000.0))
+    assert decoder.feed(_message(b"outbox:a", wal_message.ROTATED + b"2", key=old)) is None
+    assert decoder.rotated and decoder.rows == []  # no row: the reader reads the keys now
+    decoder.keys = wal_message.Keys([(new, None), (old, 2_000.0)])
+    decoder.rotated = False
+    decoder.feed(_message(b"outbox:a", content, key=new))
+    decoder.feed(_message(b"outbox:a", content, key=old))  # committed within the window
+    piece = decoder.feed(_commit(150, 200))
+    assert piece is not None and [decode_row(r).payload for r in piece.rows] == [b"x", b"x"]
+    decoder.feed(_begin(300, at=2_500.0))  # after the window
+    decoder.feed(_message(b"outbox:a", content, key=old))
+    decoder.feed(_message(b"outbox:a", content, key=new))
+    late, fresh = decoder.feed(_commit(300, 310)).rows  # type: ignore[union-attr]
+    assert late[2] == "(unsigned)" and decode_row(fresh).payload == b"x"
+    unsigned_rotation = capture.Decoder(b"outbox:a", keys=wal_message.Keys([(old, None)]))
+    unsigned_rotation.feed(_begin(400))
+    unsigned_rotation.feed(_message(b"outbox:a", wal_message.ROTATED + b"9", key=b"x" * 32))
+    assert not unsigned_rotation.rotated and unsigned_rotation.rows[0][2] == "(unsigned)"  # a stranger's
