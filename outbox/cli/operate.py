@@ -12,7 +12,7 @@ from typing import Any
 
 import psycopg
 
-from outbox import archive, audit, capture, claim_check, dead, inbox, status
+from outbox import archive, audit, capture, claim_check, dead, grants, inbox, status
 from outbox import migrate as migrations
 from outbox.cli import options
 from outbox.cli.common import (
@@ -27,7 +27,7 @@ from outbox.cli.common import (
     schema_owners,
 )
 from outbox.cli.outboxes import add_outboxes, choose, is_fleet
-from outbox.dsn import error_line
+from outbox.dsn import error_line, redact
 from outbox.errors import ConfigError, NothingMatched, OutboxError
 from outbox.progress import Progress
 from outbox.queries import query
@@ -38,6 +38,14 @@ def register(sub: Any) -> None:
     p = sub.add_parser("migrate", help="create or upgrade the outbox tables")
     add_common(p)
     p.add_argument("--print", action="store_true", help="print the SQL instead of applying it")
+    p.add_argument(
+        "--check-grants",
+        action="store_true",
+        help="migrate nothing: list every role outside the trusted ones (--schema-owner, else the "
+        "connecting role and the database's owner; superusers) that may CREATE in the database, in "
+        "public, in the outbox's schema or in outbox_fleet, or owns a schema named after another "
+        "role, and what it could do with it; exit 1 if there is one",
+    )
     p.add_argument(
         "--inbox-only",
         action="store_true",
@@ -201,7 +209,27 @@ def _role_error(exc: ValueError) -> ConfigError:
     return ConfigError("--" + str(exc).replace(" role: ", "-role: ", 1))
 
 
+def cmd_check_grants(args: argparse.Namespace) -> int:
+    """``migrate --check-grants``: the grants audit of each database the options name."""
+    by_dsn: dict[str, list[str]] = {}
+    for o in choose(args, every_schema=True).outboxes:
+        by_dsn.setdefault(o.dsn, []).append(o.schema)
+    found = 0
+    for dsn, schemas in by_dsn.items():
+        with connect(args, dsn) as conn:
+            findings = grants.audit(conn, schemas, schema_owners(args))
+        where = f"{redact(dsn)}: " if len(by_dsn) > 1 else ""
+        for finding in findings:
+            print(where + finding.line())
+        found += len(findings)
+    if not found:
+        print("no role outside the trusted ones may create where the outbox's sessions resolve names")
+    return 1 if found else 0
+
+
 def cmd_migrate(args: argparse.Namespace) -> int:
+    if args.check_grants:
+        return cmd_check_grants(args)
     roles = _roles(args)
     if args.inbox_only and roles is not None:
         raise ConfigError("--inbox-only: the roles are the outbox's; grant the inbox to your consumer's role")

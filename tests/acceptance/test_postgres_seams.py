@@ -268,3 +268,79 @@ def test_an_outbox_named_on_the_command_line_is_checked_as_a_found_one(
         timeout=60,
     )
     assert ok.returncode == 0, ok.stderr
+
+
+def test_the_grants_audit_names_every_role_that_may_create_where_sessions_resolve_names(
+    database: Database,
+) -> None:
+    """``outbox migrate --check-grants`` migrates nothing; it lists the roles outside the trusted
+    ones that may CREATE in the database, in public, in an outbox's schema or in outbox_fleet, or
+    own a schema named after another role, saying what each could do; exit 1 when there is one."""
+    with pinning.connect(database.dsn, autocommit=True) as conn:
+        migrate(conn, "victim")
+        grant_roles(conn, "victim", Roles(writer=f"w_{database.attacker}", relay=f"r_{database.attacker}",
+                                          console=f"c_{database.attacker}"))  # fmt: skip
+        conn.execute("REVOKE CREATE ON SCHEMA public FROM PUBLIC")  # as PostgreSQL 15+ has it
+
+    def audit() -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "outbox",
+                "migrate",
+                "--dsn",
+                database.dsn,
+                "--schema",
+                "victim",
+                "--check-grants",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+
+    run = audit()  # the attacker may create schemas (the fixture's grant): that alone
+    assert run.returncode == 1, run.stderr
+    assert run.stdout.splitlines() == [
+        f"role {database.attacker} may CREATE in database {conninfo_to_dict(database.dsn)['dbname']}: it can make a "
+        'schema named after another role (first on that role\'s default search_path, "$user"), there plant '
+        "overloads that beat pg_catalog's, or make outbox_fleet before the project does"
+    ], run.stdout
+    with pinning.connect(database.dsn, autocommit=True) as conn:
+        conn.execute("GRANT CREATE ON SCHEMA public TO PUBLIC")  # as PostgreSQL 14 and older have it
+        conn.execute(
+            sql.SQL("GRANT CREATE ON SCHEMA victim, outbox_fleet TO {}").format(
+                sql.Identifier(database.attacker)
+            )
+        )
+    with database.as_attacker() as conn:
+        conn.execute(sql.SQL("CREATE SCHEMA {}").format(sql.Identifier(f"r_{database.attacker}")))
+    lines = audit().stdout.splitlines()
+    assert len(lines) == 5, lines
+    assert any(line.startswith("PUBLIC (every role) may CREATE in schema public") for line in lines), lines
+    assert any(line.startswith(f"role {database.attacker} may CREATE in outbox_fleet") for line in lines)
+    assert any(
+        line.startswith(f"role {database.attacker} may CREATE in the outbox schema victim") for line in lines
+    )
+    assert any(line.startswith(f"role {database.attacker} owns schema r_{database.attacker}, named after another role")
+               for line in lines)  # fmt: skip
+    with pinning.connect(database.dsn, autocommit=True) as conn:
+        conn.execute("REVOKE CREATE ON SCHEMA public FROM PUBLIC")
+        conn.execute(
+            sql.SQL("REVOKE CREATE ON SCHEMA victim, outbox_fleet FROM {}").format(
+                sql.Identifier(database.attacker)
+            )
+        )
+        conn.execute(sql.SQL("DROP SCHEMA {}").format(sql.Identifier(f"r_{database.attacker}")))
+        conn.execute(sql.SQL("REVOKE CREATE ON DATABASE {} FROM {}").format(
+            sql.Identifier(conninfo_to_dict(database.dsn)["dbname"]), sql.Identifier(database.attacker)
+        ))  # fmt: skip
+    clean = audit()
+    assert clean.returncode == 0 and "no role outside the trusted ones" in clean.stdout, clean.stdout
+    with pinning.connect(database.dsn, autocommit=True) as conn:
+        for kind in ("w", "r", "c"):
+            conn.execute(
+                sql.SQL("DROP OWNED BY {} CASCADE").format(sql.Identifier(f"{kind}_{database.attacker}"))
+            )
+            conn.execute(sql.SQL("DROP ROLE {}").format(sql.Identifier(f"{kind}_{database.attacker}")))

@@ -201,6 +201,7 @@ def test_migrate_every_cli_command_and_the_console_fire_no_trap(trapped: Trapped
         ("inbox", "prune", *base, "--older-than", "7d"),
     ):
         _cli(*argv)
+    assert main(["migrate", "--dsn", t.dsn, "--schema", "victim", "--check-grants"]) == 1  # the attacker's
     if t.wal:
         _cli("status", "--dsn", t.dsn, "--schema", "victim_wal")
         _cli("capture", "rotate-key", "--dsn", t.dsn, "--schema", "victim_wal", "--yes")
