@@ -28,8 +28,6 @@ from outbox.embedded import free_port
 from tests import traps
 from tests.helpers import FAST, ModuleProcess, count, http_get, wait_for
 
-pytestmark = pytest.mark.slow
-
 
 @dataclass(frozen=True)
 class Cast:
@@ -252,6 +250,7 @@ def _console(t: Trapped, seeded: dict[str, Any]) -> None:
             assert c.get(path).status_code == 200, path
 
 
+@pytest.mark.slow
 def test_every_writer_stack_and_the_inbox_fire_no_trap(trapped: Trapped) -> None:
     t = trapped
     schemas = _migrate(t)
@@ -272,6 +271,7 @@ def test_every_writer_stack_and_the_inbox_fire_no_trap(trapped: Trapped) -> None
     assert t.fired() == {}, "an overload planted by another role ran on an application's session"
 
 
+@pytest.mark.slow
 def test_the_relay_over_table_and_wal_capture_fires_no_trap(trapped: Trapped, kafka: str) -> None:
     """The relay as its own login role: table capture with the claim-check store in PostgreSQL
     and /metrics scraped; a fleet over the WAL capture outbox and a tenant, dead letters too."""
