@@ -85,6 +85,8 @@ class PostgresStore:
     def _connection(self) -> psycopg.Connection[Any]:
         if self._conn is None or self._conn.closed or self._conn.broken:
             try:
+                # Not pinned (outbox.pinning): a consumer's fetch may go through a transaction
+                # pooler; the store's statements name pg_catalog's functions in full.
                 self._conn = psycopg.connect(
                     self._dsn, autocommit=True, application_name="outbox-claim-check"
                 )

@@ -317,6 +317,8 @@ def consume_kafka(
                         text = reference.decode("utf-8", "replace")  # not UTF-8: refused as malformed
                         delivery = replace(delivery, value=claim_check(text))
                     if conn is None or conn.closed:
+                        # Not pinned (outbox.pinning): the consumer's DSN may be a transaction
+                        # pooler's; the inbox's statements name pg_catalog's functions in full.
                         conn = psycopg.connect(dsn, autocommit=True)
                     with conn.transaction():
                         if first_delivery(conn, consumer_name, delivery.event_id, schema=schema):
