@@ -50,15 +50,26 @@ def prefix_of(schema: str) -> str:
     return f"outbox:{schema}"
 
 
-def _name(kind: str, schema: str) -> str:
+def _name(kind: str, schema: str, distinct: str | None = None) -> str:
     """A slot or publication name for ``schema``: lower-case letters, digits and underscores
-    (what slot names allow), at most 63 bytes, distinct per schema."""
+    (what slot names allow), at most 63 bytes, distinct per ``distinct`` (the schema's name)."""
     clean = re.sub(r"[^a-z0-9_]", "_", schema.lower())[:40]
-    return f"outbox_{kind}_{clean}_{hashlib.sha256(schema.encode()).hexdigest()[:8]}"
+    return f"outbox_{kind}_{clean}_{hashlib.sha256((distinct or schema).encode()).hexdigest()[:8]}"
 
 
-def slot_name(schema: str) -> str:
-    return _name("slot", schema)
+def slot_name(schema: str, database: str) -> str:
+    """The slot a switch to WAL capture makes for ``schema`` of ``database``. Slots are the
+    server's, not a database's: two databases with an outbox in a schema of one name (each its
+    own ``outbox``) need two, and the second switch took the first's (its relay then had no slot
+    in its database, and read nothing). A slot made before keeps its name, recorded in the
+    outbox's capture table (:func:`slot_names`)."""
+    return _name("slot", schema, f"{database}\0{schema}")
+
+
+def slot_names(schema: str, database: str) -> tuple[str, str]:
+    """The names an outbox's slot may have: this version's, and the name earlier versions gave a
+    slot from the schema alone (kept by an existing outbox)."""
+    return slot_name(schema, database), _name("slot", schema)
 
 
 def publication_name(schema: str) -> str:
@@ -110,7 +121,7 @@ def switch(conn: psycopg.Connection[Any], schema: str, mode: str, *, drop_slot: 
     if mode not in MODES:
         raise ConfigError(f"--capture: expected one of {', '.join(MODES)}, got {mode!r}")
     current = state(conn, schema)
-    slot, publication = slot_name(schema), publication_name(schema)
+    publication = publication_name(schema)
     if mode == "table":
         if drop_slot and current.slot is not None:
             if conn.execute(query("slot_of", schema), {"slot": current.slot}).fetchone():
@@ -129,7 +140,14 @@ def switch(conn: psycopg.Connection[Any], schema: str, mode: str, *, drop_slot: 
         return f"schema {schema}: table capture{kept}"
     row = conn.execute(query("wal_level", schema)).fetchone()
     assert row is not None
-    level, version = str(row[0]), int(row[1])
+    level, version, database = str(row[0]), int(row[1]), str(row[2])
+    slot = current.slot or slot_name(schema, database)  # one made before keeps its name
+    found = conn.execute(query("slot_of", schema), {"slot": slot}).fetchone()
+    if found is not None and found[1] != database:
+        raise ConfigError(
+            f"--capture wal: the replication slot {slot} exists, but in database {found[1]}: a slot "
+            f"reads one database; drop it there, or give this outbox's schema another name"
+        )
     if level != "logical":
         raise ConfigError(
             f"--capture wal: the server's wal_level is {level}, not logical; set it with ALTER SYSTEM "
@@ -145,7 +163,7 @@ def switch(conn: psycopg.Connection[Any], schema: str, mode: str, *, drop_slot: 
     if not exists or not exists[0]:
         conn.execute(query("create_publication", schema, identifiers={"publication": publication}))
         made.append(f"publication {publication}")
-    if not conn.execute(query("slot_of", schema), {"slot": slot}).fetchone():
+    if found is None:
         name = "create_slot_failover" if version >= FAILOVER_SERVER else "create_slot"
         conn.execute(query(name, schema), {"slot": slot})
         made.append(f"slot {slot}")
@@ -191,6 +209,6 @@ def rotate_key(conn: psycopg.Connection[Any], schema: str, window: float = ROTAT
         ).fetchall()]  # fmt: skip
         conn.execute(query("capture_key_current", schema), {"new": new})
         dropped = [int(i) for (i,) in conn.execute(
-            query("capture_keys_drop", schema), {"slot": slot_name(schema)}
+            query("capture_keys_drop", schema), {"slot": state(conn, schema).slot}
         ).fetchall()]  # fmt: skip
     return Rotation(new, retired, sorted(dropped))

@@ -62,7 +62,7 @@ class LaneUpkeep:
         self.relay = relay
         self.next_maintenance_check = 0.0
         self.next_capture_check = 0.0
-        self._slots: set[str] | None = None  # the database's replication slots, as last read
+        self._slots: tuple[str, set[str]] | None = None  # the database and its slots, as last read
         self._slots_until = 0.0  # ... and until when that reading is used (monotonic)
         self.sinks_up = True  # every sink answered the last probe
         self.after_outage = False  # some outbox's failures wait for the sinks to answer again
@@ -192,7 +192,7 @@ class LaneUpkeep:
             found = self.on_session(lane, "capture check", partial(_database_slots, lane.schema))
             if found is not None:
                 self._slots, self._slots_until = found, now + CAPTURE_CHECK
-        return self._slots is not None and capture.slot_name(lane.schema) not in self._slots
+        return self._slots is not None and not _has_slot(lane.schema, self._slots)
 
     def refuse_wal_without_reader(self) -> None:
         """At start: refuse, in one line naming the extra, to serve an outbox that has a WAL slot to
@@ -206,7 +206,7 @@ class LaneUpkeep:
         if slots is None:  # the database did not answer: the loop's capture checks will say so
             return
         for lane in lanes:
-            if capture.slot_name(lane.schema) in slots:
+            if _has_slot(lane.schema, slots):
                 extras.require("psycopg2", f"outbox {lane.name}: {WAL_READER}")
 
     def check_lane_capture(self, lane: Lane, now: float) -> None:
@@ -350,6 +350,13 @@ class LaneUpkeep:
             lane.wake.notified()
 
 
-def _database_slots(schema: str, conn: psycopg.Connection[Any]) -> set[str]:
-    """The names of the database's replication slots."""
-    return {r[0] for r in conn.execute(query("database_slots", schema))}
+def _database_slots(schema: str, conn: psycopg.Connection[Any]) -> tuple[str, set[str]]:
+    """The database's name and the names of its replication slots."""
+    rows = conn.execute(query("database_slots", schema)).fetchall()
+    return (str(rows[0][1]) if rows else ""), {str(r[0]) for r in rows}
+
+
+def _has_slot(schema: str, found: tuple[str, set[str]]) -> bool:
+    """Has ``schema``'s outbox a slot in this database (by either name it may have)?"""
+    database, slots = found
+    return bool(slots) and any(name in slots for name in capture.slot_names(schema, database))

@@ -137,7 +137,7 @@ def wal_schema(wal_dsn: str) -> Iterator[str]:
         capture.switch(conn, name, "wal")
     yield name
     with psycopg.connect(wal_dsn, autocommit=True) as conn:
-        slot, publication = capture.slot_name(name), capture.publication_name(name)
+        slot, publication = capture.state(conn, name).slot, capture.publication_name(name)
         for _ in range(100):  # a relay's reader may still be letting go of the slot
             row = conn.execute(
                 "SELECT active FROM pg_replication_slots WHERE slot_name = %s", (slot,)

@@ -392,3 +392,11 @@ def login_in(dsn: str, schema: str, group: str) -> Iterator[str]:
             for role in (login, roles.writer, roles.relay, roles.console):
                 conn.execute(sql.SQL("DROP OWNED BY {} CASCADE").format(sql.Identifier(role)))
                 conn.execute(sql.SQL("DROP ROLE {}").format(sql.Identifier(role)))
+
+
+def recorded_slot(dsn: str, schema: str) -> str:
+    """The replication slot an outbox in WAL capture reads, as its capture table records it."""
+    with psycopg.connect(dsn) as conn:
+        row = conn.execute(sql.SQL("SELECT slot FROM {}.capture").format(sql.Identifier(schema))).fetchone()
+    assert row is not None and row[0] is not None, f"{schema} has no slot"
+    return str(row[0])

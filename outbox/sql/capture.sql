@@ -51,8 +51,9 @@ UPDATE {schema}.capture
 SET mode = %(mode)s, slot = %(slot)s, publication = %(publication)s, switched_at = now()
 
 -- name: wal_level
--- The server's wal_level and major version: WAL capture needs logical, and PostgreSQL 14+.
-SELECT current_setting('wal_level'), current_setting('server_version_num')::integer
+-- The server's wal_level and major version (WAL capture needs logical, and PostgreSQL 14+), and
+-- the database's name (a slot's is made from it: slots are the server's).
+SELECT current_setting('wal_level'), current_setting('server_version_num')::integer, current_database()
 
 -- name: enable_logical_wal
 -- The embedded PostgreSQL of the demo and the bench: wal_level = logical (after a restart).
@@ -236,5 +237,6 @@ SELECT active, pg_wal_lsn_diff(pg_current_wal_lsn(), confirmed_flush_lsn)::bigin
 FROM pg_replication_slots WHERE slot_name = %(slot)s
 
 -- name: database_slots
--- The replication slots of this database, by name (an outbox with none needs no reader).
-SELECT slot_name FROM pg_replication_slots WHERE database = current_database()
+-- The replication slots of this database, by name (an outbox with none needs no reader), and the
+-- database's name (an outbox's slot is named from it).
+SELECT slot_name, current_database() FROM pg_replication_slots WHERE database = current_database()

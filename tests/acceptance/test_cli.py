@@ -10,8 +10,8 @@ import psycopg
 import pytest
 
 import outbox
-from outbox import capture
 from outbox.cli import main
+from tests.helpers import recorded_slot
 
 
 def _outbox(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
@@ -190,7 +190,7 @@ def test_an_outbox_in_wal_capture_without_psycopg2_is_refused_at_start_in_one_li
     with psycopg.connect(wal_dsn, autocommit=True) as conn:
         row = conn.execute(
             "SELECT confirmed_flush_lsn < pg_current_wal_lsn() FROM pg_replication_slots WHERE slot_name = %s",
-            (capture.slot_name(wal_schema),),
+            (recorded_slot(wal_dsn, wal_schema),),
         ).fetchone()
     assert row is not None and row[0]
 

@@ -272,7 +272,7 @@ def test_every_writer_stack_and_the_inbox_fire_no_trap(trapped: Trapped) -> None
 
 
 @pytest.mark.slow
-def test_the_relay_over_table_and_wal_capture_fires_no_trap(trapped: Trapped, kafka: str) -> None:
+def test_the_relay_over_table_and_wal_capture_fires_no_trap(trapped: Trapped, kafka: str, topic: str) -> None:
     """The relay as its own login role: table capture with the claim-check store in PostgreSQL
     and /metrics scraped; a fleet over the WAL capture outbox and a tenant, dead letters too."""
     t = trapped
@@ -280,14 +280,14 @@ def test_the_relay_over_table_and_wal_capture_fires_no_trap(trapped: Trapped, ka
     with pinning.connect(t.dsn) as conn:
         for schema in schemas:
             for i in range(40):
-                topic = "lost.x" if i % 10 == 0 else "orders.placed"
+                name = f"{topic}.lost" if i % 10 == 0 else topic  # no route: dead-lettered
                 payload = {"i": i, "pad": "x" * (300 if i % 7 == 0 else 0)}
                 from outbox import enqueue
 
-                key = None if topic == "lost.x" else f"k{i % 5}"  # a keyed dead letter would park its key
-                enqueue(conn, topic, payload, key=key, schema=schema)
+                key = None if name != topic else f"k{i % 5}"  # a keyed dead letter would park its key
+                enqueue(conn, name, payload, key=key, schema=schema)
         conn.commit()
-    route = ("--route", f"orders.*=kafka://{kafka}")
+    route = ("--route", f"{topic}=kafka://{kafka}")  # the test's own topic on the worker's broker
     table = (
         "--dsn", t.as_login("relay"), "--schema", "victim", *route, *FAST, "--claim-check-over", "200",
         "--claim-check-store", "postgres:", "--metrics-port", str(free_port()),
@@ -314,7 +314,7 @@ def test_the_relay_over_table_and_wal_capture_fires_no_trap(trapped: Trapped, ka
             except AssertionError:
                 counts = {n: count(t.dsn, schema, n) for n in ("events", "delivered", "dead_letters")}
                 raise AssertionError(
-                    f"{schema}: {counts}\n" + "\n\n".join(r.output()[-3000:] for r in relays)
+                    f"{schema}: {counts}\n" + "\n\n".join(r.output()[-6000:] for r in relays)
                 ) from None
         for relay in relays:
             port = re.search(r"serving /metrics, /livez, /readyz on [^:]+:(\d+)", relay.output())

@@ -23,7 +23,16 @@ import outbox
 from outbox import capture, wal_message
 from outbox.events import encode_event
 from outbox.relay import RelayConfig
-from tests.helpers import FAST, ModuleProcess, count, login_in, read_topic, running_relay, wait_for
+from tests.helpers import (
+    FAST,
+    ModuleProcess,
+    count,
+    login_in,
+    read_topic,
+    recorded_slot,
+    running_relay,
+    wait_for,
+)
 
 
 @pytest.fixture
@@ -249,7 +258,7 @@ def test_a_message_outside_any_transaction_holds_no_slot_back_and_is_no_event(
     transactions; kept by the reader, it held the idle slot's feedback (WAL retained) until the next
     outbox transaction, which then dead-lettered it. It is passed over: the slot moves past it while
     the outbox is idle, and nothing of it becomes a dead letter."""
-    slot = capture.slot_name(wal_schema)
+    slot = recorded_slot(wal_dsn, wal_schema)
 
     def confirmed_past(lsn: str) -> bool:
         with psycopg.connect(wal_dsn) as conn:

@@ -36,6 +36,7 @@ from tests.helpers import (
     count,
     first_occurrences,
     read_topic,
+    recorded_slot,
     running_relay,
     wait_for,
     waiting_on_a_lock,
@@ -78,7 +79,7 @@ def test_enqueue_in_wal_mode_writes_no_row_and_the_relay_delivers_it_byte_exact(
         slot = conn.execute(
             f"SELECT confirmed_flush_lsn >= (SELECT lsn FROM {_position(wal_schema)} AS p) "
             "FROM pg_replication_slots WHERE slot_name = %s",
-            (capture.slot_name(wal_schema),),
+            (recorded_slot(wal_dsn, wal_schema),),
         ).fetchone()
     assert archived == [(str(i), "order.placed", True) for i in ids]
     assert slot == (True,)
@@ -784,7 +785,7 @@ def test_status_shows_the_capture_mode_and_the_slot(
 
     _write_keyed(wal_dsn, wal_schema, topic, ["a"], 20)
     text, report = status()
-    slot = capture.slot_name(wal_schema)
+    slot = recorded_slot(wal_dsn, wal_schema)
     assert f"capture              wal, slot {slot} NOT read by any relay" in text, text
     assert report["mode"] == "wal" and report["slot_active"] is False and report["slot_lag_bytes"] > 0
     with running_relay(RelayConfig(wal_dsn, schema=wal_schema, poll_interval=0.1), bootstrap=kafka):
@@ -840,13 +841,12 @@ def test_switching_back_to_table_with_wal_events_pending_loses_nothing_and_keeps
     messages = read_topic(kafka, topic, 25)
     assert len(first_occurrences(messages)) == 25
     assert_per_key_order(messages)
+    slot = recorded_slot(wal_dsn, wal_schema)
     with psycopg.connect(wal_dsn, autocommit=True) as conn:
         assert "slot" in capture.switch(conn, wal_schema, "table", drop_slot=True)
         assert capture.state(conn, wal_schema).slot is None
         assert (
-            conn.execute(
-                "SELECT 1 FROM pg_replication_slots WHERE slot_name = %s", (capture.slot_name(wal_schema),)
-            ).fetchone()
+            conn.execute("SELECT 1 FROM pg_replication_slots WHERE slot_name = %s", (slot,)).fetchone()
             is None
         )
 
@@ -874,7 +874,7 @@ def test_the_demo_runs_in_wal_capture(wal_dsn: str, wal_schema: str, kafka: str)
 def test_a_slot_that_cannot_be_read_makes_readyz_say_so(wal_dsn: str, wal_schema: str, kafka: str) -> None:
     """The slot dropped under a running relay (an operator, max_slot_wal_keep_size): the relay is
     not ready, and says which outbox and why; `outbox status` says the slot is missing."""
-    slot = capture.slot_name(wal_schema)
+    slot = recorded_slot(wal_dsn, wal_schema)
     with running_relay(RelayConfig(wal_dsn, schema=wal_schema, poll_interval=0.1), bootstrap=kafka) as relay:
         wait_for(lambda: relay.ready()[0], timeout=30, what="ready")
         lane = relay.lanes["default"]
@@ -918,7 +918,7 @@ def test_an_idle_outbox_s_slot_moves_past_traffic_that_is_not_its_own(
     nothing is queued or in flight) and psycopg2, which moves the flush position to a
     keepalive's wal_end once the last message read is confirmed; without both, the slot would
     stay at the last event's transaction."""
-    slot = capture.slot_name(wal_schema)
+    slot = recorded_slot(wal_dsn, wal_schema)
 
     def confirmed() -> int:
         with psycopg.connect(wal_dsn, autocommit=True) as conn:
@@ -1108,3 +1108,54 @@ def test_a_rotated_key_signs_from_the_rotation_and_the_old_one_only_within_its_w
         assert len(keys()) == 3  # the first, past its window and read past in the WAL, was dropped
     payloads = sorted(m.value.decode() for m in read_topic(kafka, topic, 3))
     assert payloads == ['{"forged":3}', '{"n":1}', '{"n":2}']
+
+
+def test_outboxes_of_one_schema_name_in_two_databases_each_read_a_slot_of_their_own(
+    wal_dsn: str, kafka: str, topic: str
+) -> None:
+    """Slots are the server's, not a database's, and were named from the schema alone: the
+    second database's switch to WAL capture took the first's slot, which its relay then found in
+    no database of its own, and read nothing. Now each database's is its own; a slot made by an
+    earlier version keeps its name (here: the second database's), and is read."""
+    from psycopg.conninfo import make_conninfo
+
+    schema = f"w_{uuid.uuid4().hex[:10]}"
+    names = [f"outbox_two_{uuid.uuid4().hex[:8]}" for _ in range(2)]
+    with psycopg.connect(wal_dsn, autocommit=True) as conn:
+        for name in names:
+            conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
+    dsns = [make_conninfo(wal_dsn, dbname=name) for name in names]
+    try:
+        for dsn in dsns:
+            with psycopg.connect(dsn, autocommit=True) as conn:
+                migrate(conn, schema)
+                capture.switch(conn, schema, "wal")
+        first, second = (recorded_slot(dsn, schema) for dsn in dsns)
+        assert first != second
+        legacy = capture.slot_names(schema, names[1])[1]  # as 0.2.0 named it
+        with psycopg.connect(dsns[1], autocommit=True) as conn:
+            conn.execute("SELECT pg_drop_replication_slot(%s)", (second,))
+            conn.execute("SELECT pg_create_logical_replication_slot(%s, 'pgoutput')", (legacy,))
+            conn.execute(sql.SQL("UPDATE {}.capture SET slot = %s").format(sql.Identifier(schema)), (legacy,))
+        for i, dsn in enumerate(dsns):
+            with psycopg.connect(dsn) as conn:
+                outbox.enqueue(conn, topic, {"db": i}, key="k", schema=schema)
+        outboxes = [Outbox(f"o{i}", dsn, schema) for i, dsn in enumerate(dsns)]
+        relays = [running_relay(RelayConfig(dsn, schema=schema, poll_interval=0.1), bootstrap=kafka,
+                                outboxes=[o]) for dsn, o in zip(dsns, outboxes, strict=True)]  # fmt: skip
+        with contextlib.ExitStack() as stack:
+            for relay in relays:
+                stack.enter_context(relay)
+            for dsn in dsns:
+                wait_for(
+                    lambda d=dsn: count(d, schema, "delivered") == 1, timeout=30, what="each database's event"
+                )
+        assert sorted(m.value for m in read_topic(kafka, topic, 2)) == [b'{"db":0}', b'{"db":1}']
+    finally:
+        with psycopg.connect(wal_dsn, autocommit=True) as conn:
+            for name in names:
+                for (slot,) in conn.execute(
+                    "SELECT slot_name FROM pg_replication_slots WHERE database = %s", (name,)
+                ).fetchall():
+                    conn.execute("SELECT pg_drop_replication_slot(%s)", (slot,))
+                conn.execute(sql.SQL("DROP DATABASE {} WITH (FORCE)").format(sql.Identifier(name)))

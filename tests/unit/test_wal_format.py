@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import struct
 
 import pytest
@@ -156,8 +157,18 @@ def test_reading_again_resumes_inside_a_transaction_handed_on_in_part() -> None:
 
 
 def test_names_and_positions() -> None:
-    assert capture.slot_name("Tenant-Ä") != capture.slot_name("tenant__")
-    assert capture.slot_name("x" * 63).startswith("outbox_slot_") and len(capture.slot_name("x" * 63)) <= 63
+    assert capture.slot_name("Tenant-Ä", "db") != capture.slot_name("tenant__", "db")
+    assert capture.slot_name("outbox", "orders") != capture.slot_name(
+        "outbox", "billing"
+    )  # slots are the server's
+    assert (
+        capture.slot_name("x" * 63, "db").startswith("outbox_slot_")
+        and len(capture.slot_name("x" * 63, "d")) <= 63
+    )
+    assert (
+        capture.slot_names("outbox", "db")[1]
+        == "outbox_slot_outbox_" + hashlib.sha256(b"outbox").hexdigest()[:8]
+    )
     assert capture.lsn_int(capture.lsn_text(0x1_0000_00AB)) == 0x1_0000_00AB
     assert capture.lsn_text(0x16_B374_D848) == "16/B374D848"
     assert capture.prefix_of("orders") == "outbox:orders"

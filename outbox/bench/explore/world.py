@@ -412,6 +412,6 @@ class Run:
                 time.sleep(0.5)
         with contextlib.suppress(psycopg.Error), psycopg.connect(self.server.dsn, autocommit=True) as conn:
             if self.s.capture == "wal":
-                conn.execute(query("explore_drop_slot", q), {"slot": capture.slot_name(q)})
+                conn.execute(query("explore_drop_slot", q), {"slot": capture.state(conn, q).slot})
             for schema in [q, *self.twins]:
                 conn.execute(query("harness_drop_schema", schema))
