@@ -8,7 +8,7 @@
 -- named after a login role that another role owns (a "$user" schema planted for it). PUBLIC's
 -- grants are one row (grantee NULL); a role's own row only when it has more than PUBLIC has.
 -- Trusted: the roles named (--schema-owner), else the connecting role and the database's owner;
--- superusers always.
+-- superusers always: untrusted_schemas' CTE word for word (tests/unit/test_queries.py).
 WITH trusted AS (
     SELECT oid FROM pg_roles
     WHERE rolsuper

@@ -93,3 +93,16 @@ def test_statements_on_an_applications_session_name_pg_catalogs_functions_in_ful
         if bare:
             unqualified[name] = bare
     assert unqualified == {}, unqualified
+
+
+def test_the_grants_audit_trusts_exactly_whom_the_schema_check_trusts() -> None:
+    """Two statements name the trusted roles (a CTE cannot be shared between named statements):
+    the schema check that refuses an outbox, and the grants audit that lists who else may create.
+    They must never disagree."""
+
+    def trusted(name: str) -> str:
+        text = queries.raw(name)
+        start = text.index("trusted AS (")
+        return " ".join(text[start : text.index("), ", start)].split())
+
+    assert trusted("grants_audit") == trusted("untrusted_schemas")
