@@ -16,7 +16,7 @@ from outbox.bench.explore import cli as explore_cli
 from outbox.bench.faults import cli as faults_cli
 from outbox.bench.servers import add_servers
 from outbox.cli import options
-from outbox.cli.common import dsn_of
+from outbox.cli.common import BENCH_HELP, dsn_of
 from outbox.errors import ConfigError
 from outbox.extras import require
 from outbox.settings import setting
@@ -50,7 +50,7 @@ def register(sub: Any) -> None:
     p = sub.add_parser(
         "bench",
         allow_abbrev=False,
-        help="benchmark the relay against baselines (tables and plots), or run the fault suite",
+        help=BENCH_HELP,
         description="outbox bench [perf]: speed against the baselines, in the same run. outbox bench faults: "
         "kill, restart, stall and poison things under load, then count what was lost (exit 1 unless every "
         "scenario passes). Without --dsn / --kafka-bootstrap, embedded servers are started.",

@@ -106,7 +106,11 @@ class Destination:
 
 def relay_contender(spec: ContenderSpec, counter: Synchronized[int], stop: Event) -> None:
     config = RelayConfig(spec.dsn, schema=spec.schema)
-    drive(Relay(config, routed(parse_routes([f"*={spec.sink_url}"], None), config)), counter, stop)
+    drive(
+        Relay(config, routed(parse_routes([f"*={spec.sink_url}"], None), config.delivery_timeout)),
+        counter,
+        stop,
+    )
 
 
 def loop_contender(spec: ContenderSpec, counter: Synchronized[int], stop: Event) -> None:

@@ -25,6 +25,7 @@ from typing import Any, NoReturn
 import psycopg
 
 from outbox import __version__
+from outbox.cli.common import BENCH_HELP
 from outbox.dsn import scrub, secrets_in_argv, secrets_of
 from outbox.errors import OutboxError
 
@@ -84,8 +85,9 @@ def setup_logging(fmt: str, level: str) -> None:
         logging.getLogger(name).setLevel(max(logging.WARNING, root.level))
 
 
-def build_parser() -> argparse.ArgumentParser:
-    from outbox.bench import cli as bench_cli
+def build_parser(*, bench: bool = True) -> argparse.ArgumentParser:
+    """The whole command line; ``bench=False`` leaves `outbox bench`'s own parser out (a line in
+    the list of commands stands for it), so that no other command imports outbox.bench."""
     from outbox.cli import capture, console, demo, operate, relay
 
     parser = Parser(
@@ -101,14 +103,22 @@ def build_parser() -> argparse.ArgumentParser:
     relay.register(sub)
     demo.register(sub)
     console.register(sub)
-    bench_cli.register(sub)
+    if bench:
+        from outbox.bench import cli as bench_cli
+
+        bench_cli.register(sub)
+    else:
+        # Its help line alone: the other commands (the relay, the console, migrate) import nothing
+        # of the bench or the harness.
+        sub.add_parser("bench", help=BENCH_HELP, add_help=False)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     try:
         _parsing[:] = list(argv) if argv is not None else []
-        args = build_parser().parse_args(argv)
+        given = list(argv) if argv is not None else sys.argv[1:]
+        args = build_parser(bench=bool(given) and given[0] == "bench").parse_args(argv)
         setup_logging(args.log_format, args.log_level)
         command: Command = args.run
         return command(args)

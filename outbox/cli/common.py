@@ -19,6 +19,7 @@ from outbox.schema import DEFAULT_SCHEMA, FLEET_SCHEMA, validate_schema
 from outbox.settings import setting
 from outbox.trust import require_trusted
 
+BENCH_HELP = "benchmark the relay against baselines (tables and plots), or run the fault suite"
 LOG_FORMATS = ("text", "json")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 

@@ -274,7 +274,7 @@ def cmd_relay(args: argparse.Namespace) -> int:
 
     sink = routed(
         routes,
-        config,
+        config.delivery_timeout,
         kafka=load_sink_factory(args.sink),
         kafka_config=kafka_config,
         webhook_secrets=secrets,

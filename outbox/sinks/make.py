@@ -11,7 +11,6 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from outbox.config import RelayConfig
 from outbox.extras import require
 from outbox.routes import SCHEMES, Route, SinkURL
 from outbox.sinks.base import Sink
@@ -90,7 +89,7 @@ def default_kafka(bootstrap: str, config: dict[str, str], timeout: float) -> Sin
 
 def routed(
     routes: list[Route],
-    config: RelayConfig,
+    delivery_timeout: float,
     *,
     kafka: Callable[[str, dict[str, str], float], Sink] = default_kafka,
     kafka_config: Mapping[str, str] | None = None,
@@ -107,7 +106,7 @@ def routed(
     make = SinkMaker(
         kafka,
         dict(kafka_config or {}),
-        config.delivery_timeout,
+        delivery_timeout,
         list(webhook_secrets or []),
         list(webhook_secrets_for or []),
         cloudevents_source,

@@ -76,7 +76,9 @@ def _deliver_twice(pg_dsn: str, schema: str, target: Target, secrets: list[bytes
         )
         conn.commit()
     config = RelayConfig(pg_dsn, schema=schema, poll_interval=0.1, delivery_timeout=5.0)
-    factory = routed(parse_routes([f"*={target.url()}"], None), config, webhook_secrets=secrets)
+    factory = routed(
+        parse_routes([f"*={target.url()}"], None), config.delivery_timeout, webhook_secrets=secrets
+    )
     with running_relay(config, factory):
         wait_for(lambda: count(pg_dsn, schema, "delivered") == N, timeout=30, what="first delivery")
         if isinstance(target, NatsTarget):

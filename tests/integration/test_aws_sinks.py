@@ -44,7 +44,7 @@ def _config(pg_dsn: str, schema: str, **kw: Any) -> RelayConfig:
 
 
 def _factory(config: RelayConfig, *routes: str) -> Any:
-    return routed(parse_routes(list(routes), None), config)
+    return routed(parse_routes(list(routes), None), config.delivery_timeout)
 
 
 def _archive(pg_dsn: str, schema: str) -> list[tuple[Any, ...]]:

@@ -96,7 +96,9 @@ def test_big_payloads_go_by_reference_through_kafka_in_key_order_and_the_consume
     sent = _enqueue(pg_dsn, schema, _events(topic))
     config = _config(pg_dsn, schema)
     store = PostgresStore(pg_dsn, schema)
-    factory = routed(parse_routes([f"*=kafka://{kafka}"], None), config, claim_check=(store, OVER))
+    factory = routed(
+        parse_routes([f"*=kafka://{kafka}"], None), config.delivery_timeout, claim_check=(store, OVER)
+    )
     with running_relay(config, factory):
         wait_for(lambda: count(pg_dsn, schema, "delivered") == len(sent), timeout=60, what="delivery")
     messages = read_topic(kafka, topic, len(sent))
@@ -151,7 +153,9 @@ def test_a_big_payload_through_a_webhook_by_s3_reference(pg_dsn: str, schema: st
             conn.commit()
         config = _config(pg_dsn, schema)
         store = S3Store(f"s3://payloads/outbox?endpoint={moto.endpoint}&region=us-east-1")
-        factory = routed(parse_routes([f"*={target.url()}"], None), config, claim_check=(store, OVER))
+        factory = routed(
+            parse_routes([f"*={target.url()}"], None), config.delivery_timeout, claim_check=(store, OVER)
+        )
         with running_relay(config, factory):
             wait_for(lambda: count(pg_dsn, schema, "delivered") == 2, timeout=60, what="delivery")
         got = target.read(2)
@@ -172,7 +176,9 @@ def test_the_store_down_then_back_loses_nothing_and_keeps_key_order(
     sent = _enqueue(pg_dsn, schema, _events(topic))
     config = _config(pg_dsn, schema)
     store = S3Store(f"s3://payloads?endpoint={moto.endpoint}&region=us-east-1")
-    factory = routed(parse_routes([f"*=kafka://{kafka}"], None), config, claim_check=(store, OVER))
+    factory = routed(
+        parse_routes([f"*=kafka://{kafka}"], None), config.delivery_timeout, claim_check=(store, OVER)
+    )
     with running_relay(config, factory) as relay:
         wait_for(
             lambda: count(pg_dsn, schema, "events", "last_error LIKE 'claim-check store%'") >= KEYS,

@@ -62,7 +62,7 @@ def _created(dsn: str, schema: str) -> dict[str, str]:
 
 def _relay(dsn: str, schema: str, url: str, *, source: str | None = SOURCE, n: int = 2) -> None:
     config = RelayConfig(dsn, schema=schema, poll_interval=0.1, delivery_timeout=5.0)
-    factory = routed(parse_routes([f"*={url}"], None), config, cloudevents_source=source)
+    factory = routed(parse_routes([f"*={url}"], None), config.delivery_timeout, cloudevents_source=source)
     with running_relay(config, factory):
         wait_for(lambda: count(dsn, schema, "delivered") == n, timeout=30, what="delivery")
 

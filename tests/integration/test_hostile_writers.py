@@ -59,7 +59,7 @@ def _config(pg_dsn: str, schema: str, **kw: Any) -> RelayConfig:
 
 
 def _factory(config: RelayConfig, *routes: str, **kw: Any) -> Any:
-    return routed(parse_routes(list(routes), None), config, **kw)
+    return routed(parse_routes(list(routes), None), config.delivery_timeout, **kw)
 
 
 def _insert_raw(dsn: str, schema: str, topic: str, key: str, headers: dict[str, str]) -> str:

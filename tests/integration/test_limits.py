@@ -162,7 +162,7 @@ def test_a_limited_route_waits_in_the_table_and_holds_up_no_other_route(
     _write(pg_dsn, schema, topic, 3000, keys="o")
     config = RelayConfig(pg_dsn, schema=schema, limit=["partner.*=10/s"], poll_interval=0.2)
     routes = parse_routes([f"partner.*={clocked.url}", f"*=kafka://{kafka}"], None)
-    sink = routed(routes, config, webhook_secrets=[SECRET.encode()])
+    sink = routed(routes, config.delivery_timeout, webhook_secrets=[SECRET.encode()])
     with running_relay(config, sink) as relay:
         wait_for(
             lambda: count(pg_dsn, schema, "delivered", f"topic = '{topic}'") >= 3000,

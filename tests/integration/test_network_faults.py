@@ -193,7 +193,7 @@ def test_a_webhook_blackhole_turns_readyz_503_and_retries_resume_when_the_receiv
     config = RelayConfig(
         pg_dsn, schema=schema, metrics_port=0, poll_interval=0.2, delivery_timeout=4.0, lease=10.0, retry=slow
     )
-    factory = routed(parse_routes([f"*={sink.url('127.0.0.1', proxy.port)}"], None), config)
+    factory = routed(parse_routes([f"*={sink.url('127.0.0.1', proxy.port)}"], None), config.delivery_timeout)
     stop = threading.Event()
     written: list[int] = []
     writer = threading.Thread(target=_writer, args=(pg_dsn, schema, sink.topic, stop, written))

@@ -221,7 +221,9 @@ def test_spans_of_each_sink_follow_its_conventions(
 
         secrets = parse_secrets("whsec_" + "QQ==")
         # Redis's default user takes any password: the URL's is sent, and must not be shown.
-        with running_relay(config, routed(parse_routes(routes, None), config, webhook_secrets=secrets)):
+        with running_relay(
+            config, routed(parse_routes(routes, None), config.delivery_timeout, webhook_secrets=secrets)
+        ):
             wait_for(lambda: count(pg_dsn, schema, "delivered") == 4, timeout=30, what="all delivered")
     finally:
         for t in targets.values():

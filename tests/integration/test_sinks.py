@@ -55,7 +55,7 @@ def _config(pg_dsn: str, schema: str, **kw: Any) -> RelayConfig:
 
 
 def _factory(config: RelayConfig, *routes: str, secrets: list[bytes] | None = None) -> Any:
-    return routed(parse_routes(list(routes), None), config, webhook_secrets=secrets)
+    return routed(parse_routes(list(routes), None), config.delivery_timeout, webhook_secrets=secrets)
 
 
 def test_delivers_byte_exact_and_never_a_rolled_back_event(pg_dsn: str, schema: str, sink: Target) -> None:

@@ -86,3 +86,36 @@ def test_no_import_circles_in_the_package() -> None:
     for name, targets in graph.items():
         graph[name] = {t for t in targets if not name.startswith(t + ".")}
     assert _cycles(graph) == []
+
+
+# What runs in production: the relay, the console, the writers, the inbox, migrate, and the
+# command line of each of them. None of it may load the bench or the harness (test tooling, peers'
+# clients, embedded servers): the relay's image need not carry them, and a bug there is not its.
+RUNTIME = (
+    "outbox", "outbox.relay", "outbox.fleet", "outbox.console.web", "outbox.console.fleet",
+    "outbox.writer", "outbox.inbox", "outbox.migrate", "outbox.testing", "outbox.contrib.alembic",
+)  # fmt: skip
+COMMANDS = (
+    ["relay", "--kafka-bootstrap", "k:1"],
+    ["migrate"],
+    ["status"],
+    ["console"],
+    ["dead", "list", "--all"],
+)
+
+
+def test_the_runtime_imports_nothing_of_the_bench_or_the_harness() -> None:
+    """Measured in a fresh interpreter: every runtime module imported, and each command's line
+    parsed (the parser of `outbox bench` is built only for `outbox bench`)."""
+    import subprocess
+    import sys
+
+    probe = (
+        "import importlib, sys\n"
+        f"for m in {RUNTIME!r}: importlib.import_module(m)\n"
+        "from outbox.cli import build_parser\n"
+        f"for argv in {COMMANDS!r}: build_parser(bench=False).parse_args(argv)\n"
+        "print(sorted(m for m in sys.modules if m.startswith(('outbox.bench', 'outbox.harness'))))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout
