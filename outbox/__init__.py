@@ -18,8 +18,8 @@ Consumer side (the effect once per event)::
 from outbox import inbox
 from outbox._version import __version__
 from outbox.events import EVENT_ID_HEADER
-from outbox.retry import RetryPolicy
-from outbox.writer import enqueue, enqueue_async, enqueue_many, enqueue_many_async
+from outbox.relay.retry import RetryPolicy
+from outbox.write.writer import enqueue, enqueue_async, enqueue_many, enqueue_many_async
 
 __all__ = [
     "EVENT_ID_HEADER",

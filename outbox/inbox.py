@@ -50,9 +50,9 @@ import psycopg
 
 from outbox.errors import ConfigError, InvalidType, NotMigrated, UnsupportedConnection
 from outbox.events import CLAIM_CHECK_HEADER, EVENT_ID_HEADER
-from outbox.queries import query
-from outbox.schema import schema_or_default
-from outbox.stacks import AsyncWriter, Writer, _seen, async_writer_for, writer_for
+from outbox.store.queries import query
+from outbox.store.schema import schema_or_default
+from outbox.write.stacks import AsyncWriter, Writer, _seen, async_writer_for, writer_for
 
 log = logging.getLogger("outbox.inbox")
 
@@ -262,11 +262,11 @@ def consume_kafka(
       messages of its partition wait, so per-partition order holds.
     - A message with an ``outbox-claim-check`` header gets its payload from the store
       before the handler sees it (``delivery.value``): ``claim_check(reference)``, by
-      default :func:`outbox.claim_check.fetch` from ``claim_check_store`` only
+      default :func:`outbox.sinks.claim_check.fetch` from ``claim_check_store`` only
       (``postgres:<schema>`` on ``dsn``, the default with this inbox's schema, or
       ``s3://bucket/prefix`` with boto3's settings). A store that cannot answer is a failure:
       retried. A reference that is malformed or points outside the store
-      (:class:`~outbox.claim_check.ClaimCheckRefused`) fails that message alone: it is
+      (:class:`~outbox.sinks.claim_check.ClaimCheckRefused`) fails that message alone: it is
       skipped, logged and counted (``refused``), and the consumer goes on.
     - Stops when ``stop`` is set or, in the main thread with ``handle_signals``, on
       SIGTERM/SIGINT: the message in hand finishes, the offsets are committed
@@ -280,11 +280,11 @@ def consume_kafka(
     settings["enable.auto.commit"] = False
     settings["enable.auto.offset.store"] = False
     consumer_name = _text(name if name is not None else str(settings["group.id"]), "name", MAX_CONSUMER)
-    from outbox.claim_check import ClaimCheckRefused
+    from outbox.sinks.claim_check import ClaimCheckRefused
 
     schema = schema_or_default(schema)
     if claim_check is None:
-        from outbox.claim_check import fetch
+        from outbox.sinks.claim_check import fetch
 
         store = claim_check_store or f"postgres:{schema}"
 

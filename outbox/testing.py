@@ -27,8 +27,8 @@ from typing import Any, overload
 
 import pytest
 
-from outbox import writer
 from outbox.events import EncodedEvent
+from outbox.write import writer
 
 _UNSET: Any = object()
 

@@ -24,8 +24,8 @@ import pytest
 from psycopg import sql
 from psycopg.conninfo import make_conninfo
 
-from outbox.embedded import Broker, embedded_postgres
-from outbox.migrate import migrate
+from outbox.harness.embedded import Broker, embedded_postgres
+from outbox.store.migrate import migrate
 
 # Variables that would change what the code under test connects to.
 for _name in list(os.environ):

@@ -4,7 +4,7 @@ with a known bug put back, to show that the explorer finds it (tests/integration
 from __future__ import annotations
 
 from outbox.bench.explore.sink import ScriptedSink, scripted
-from outbox.ordering import KeyHolds
+from outbox.relay.ordering import KeyHolds
 
 
 def _no_skip(self: KeyHolds) -> tuple[list[bytes], list[int]]:

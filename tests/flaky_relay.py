@@ -9,9 +9,9 @@ from __future__ import annotations
 import os
 import sys
 
-from outbox.routes import SinkURL
 from outbox.sinks import make
 from outbox.sinks.base import Sink
+from outbox.sinks.routes import SinkURL
 from tests.sinks import AnyFlakySink
 
 _make = make.SinkMaker.__call__

@@ -20,10 +20,10 @@ from confluent_kafka.admin import AdminClient
 from psycopg import sql
 from psycopg.conninfo import make_conninfo
 
-from outbox.outboxes import Outbox
-from outbox.relay import Relay, RelayConfig
+from outbox.relay.loop import Relay, RelayConfig
 from outbox.sinks.base import Sink
 from outbox.sinks.kafka import KafkaSink
+from outbox.store.outboxes import Outbox
 
 
 def wait_for(
@@ -373,7 +373,7 @@ def login_in(dsn: str, schema: str, group: str) -> Iterator[str]:
     """A login role in the outbox's ``group`` role (``writer``, ``relay`` or ``console``), the
     three granted on ``schema`` under names of this call's own: a DSN to it. Roles are
     cluster-wide: all four are dropped after."""
-    from outbox.migrate import Roles, grant_roles
+    from outbox.store.migrate import Roles, grant_roles
 
     tag = uuid.uuid4().hex[:8]
     roles = Roles(writer=f"w_{tag}", relay=f"r_{tag}", console=f"c_{tag}")

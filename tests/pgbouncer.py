@@ -19,7 +19,7 @@ from pathlib import Path
 import psycopg
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
-from outbox.embedded import free_port
+from outbox.harness.embedded import free_port
 
 POOL_SIZE = 3  # server connections per transaction pool: fewer than the tests' 8 clients
 SESSION_POOL_SIZE = 20  # a session each: the relay's (listener, batches, hygiene, metrics), writers

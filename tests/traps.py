@@ -33,7 +33,10 @@ import psycopg
 from psycopg import sql
 
 ROOT = Path(__file__).resolve().parent.parent
-SOURCES = (*sorted((ROOT / "outbox" / "sql").glob("*.sql")), *sorted((ROOT / "migrations").glob("*.sql")))
+SOURCES = (
+    *sorted((ROOT / "outbox" / "store" / "sql").glob("*.sql")),
+    *sorted((ROOT / "migrations").glob("*.sql")),
+)
 COUNTERS = "outbox_trap"  # the schema of the counters (one sequence per trapped name)
 
 # Concrete types a polymorphic argument is trapped with (and their arrays for an array argument).

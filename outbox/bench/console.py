@@ -31,11 +31,11 @@ import psycopg
 
 from outbox.bench.config import BenchConfig
 from outbox.bench.measure import percentiles
-from outbox.embedded import free_port
 from outbox.extras import require
-from outbox.migrate import migrate
-from outbox.progress import Progress
-from outbox.queries import query
+from outbox.harness.embedded import free_port
+from outbox.observe.progress import Progress
+from outbox.store.migrate import migrate
+from outbox.store.queries import query
 
 TOPICS = 4
 PENDING_PER_KEY = 10  # 1,000,000 pending events over 100,000 customers

@@ -57,14 +57,15 @@ from typing import Any
 import psycopg
 from confluent_kafka import Producer
 
-from outbox import capture, wal_message
-from outbox.config import BATCH_SIZE, MAX_BATCHES_IN_FLIGHT
+from outbox import capture
+from outbox.capture import wal_message
 from outbox.events import EVENT_ID_HEADER, ClaimedEvent, MessageHeaders, decode_headers
-from outbox.outboxes import Outbox
-from outbox.queries import query
-from outbox.relay import Relay, RelayConfig, tune_gc
+from outbox.relay.config import BATCH_SIZE, MAX_BATCHES_IN_FLIGHT
+from outbox.relay.loop import Relay, RelayConfig, tune_gc
 from outbox.sinks.base import Delivered, Outcome, OutcomeSlots, Report, Settle, SinkWrapper
 from outbox.sinks.kafka import KafkaSink, produce_each
+from outbox.store.outboxes import Outbox
+from outbox.store.queries import query
 
 BARE_BATCH = BATCH_SIZE  # rows per batch of the minimal loops: the relay's default claim
 IDLE_WAIT = 0.005  # seconds a baseline sleeps when it finds nothing to do

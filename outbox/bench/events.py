@@ -18,9 +18,9 @@ from typing import Any
 
 import psycopg
 
-from outbox.progress import Progress
-from outbox.queries import query
-from outbox.writer import enqueue_many
+from outbox.observe.progress import Progress
+from outbox.store.queries import query
+from outbox.write.writer import enqueue_many
 
 KEYS = 1000
 FILL_CHUNK = 10_000  # events per enqueue_many/commit while filling

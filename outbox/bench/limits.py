@@ -34,9 +34,9 @@ from outbox.bench.events import FILL_CHUNK, realistic
 from outbox.bench.measure import middle_rate
 from outbox.harness.infra import create_topic
 from outbox.harness.sinktaps import Clocked
-from outbox.migrate import migrate
-from outbox.progress import Progress
-from outbox.queries import query
+from outbox.observe.progress import Progress
+from outbox.store.migrate import migrate
+from outbox.store.queries import query
 
 SECRET = "whsec_" + "YmVuY2gtbGltaXRzLWJlbmNoLWxpbWl0cy1iZW5jaCE="
 SAMPLE = 0.1  # seconds between readings of the archive

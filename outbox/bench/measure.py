@@ -16,9 +16,9 @@ import psutil
 import psycopg
 
 from outbox.bench.contenders import ContenderSpec, run_contender
-from outbox.progress import Progress
-from outbox.queries import query
-from outbox.schema import DEFAULT_SCHEMA
+from outbox.observe.progress import Progress
+from outbox.store.queries import query
+from outbox.store.schema import DEFAULT_SCHEMA
 
 SAMPLE_EVERY = 0.2  # seconds between samples of counters, CPU and memory
 STARTUP_SECONDS = 120.0  # longest a time-boxed contender may take to move its first event

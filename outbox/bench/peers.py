@@ -38,7 +38,7 @@ from typing import Any
 from outbox.bench.contenders import PRODUCER_CONFIG, ContenderSpec
 from outbox.bench.events import FILL_CHUNK, KEYS, order, trace_headers
 from outbox.bench.writers import sqlalchemy_url
-from outbox.progress import Progress
+from outbox.observe.progress import Progress
 
 TX_TABLE = "tx_outbox"
 FS_TABLE = "fs_outbox"

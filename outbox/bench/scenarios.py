@@ -29,8 +29,8 @@ from outbox.bench.workspace import STEADY_GRACE_SECONDS, SnapshotHolder, Workspa
 from outbox.bench.writers import writer as writer  # the writer scenario, every stack
 from outbox.extras import missing
 from outbox.harness.tap import Tap
-from outbox.progress import Progress
-from outbox.queries import query
+from outbox.observe.progress import Progress
+from outbox.store.queries import query
 
 # -- drain --------------------------------------------------------------------------
 

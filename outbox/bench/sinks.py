@@ -35,15 +35,15 @@ from outbox.bench.config import BenchConfig
 from outbox.bench.contenders import Contender, ContenderSpec, drive
 from outbox.bench.events import fill
 from outbox.bench.measure import median, middle_rate, race
-from outbox.config import MAX_BATCHES_IN_FLIGHT, RelayConfig
 from outbox.harness.sinktaps import Receiver, SinkTap
 from outbox.harness.taps import tap_class
-from outbox.migrate import migrate
-from outbox.progress import Progress
-from outbox.queries import query
-from outbox.relay import Relay
-from outbox.routes import parse_routes
+from outbox.observe.progress import Progress
+from outbox.relay.config import MAX_BATCHES_IN_FLIGHT, RelayConfig
+from outbox.relay.loop import Relay
 from outbox.sinks.make import routed
+from outbox.sinks.routes import parse_routes
+from outbox.store.migrate import migrate
+from outbox.store.queries import query
 
 LOOP_BATCH = 1000
 FLIGHTS = MAX_BATCHES_IN_FLIGHT  # the loop's batches out at once: the relay's default
@@ -251,7 +251,7 @@ async def _aws_publisher(scheme: str, url: str) -> Any:
     and the same JSON envelope when the route asks for one (Kinesis)."""
     import aiobotocore.session
 
-    from outbox.routes import parse_url
+    from outbox.sinks.routes import parse_url
 
     parsed = parse_url(url, "--sinks")
     name, options = parsed.resource, parsed.options

@@ -39,8 +39,8 @@ from outbox.bench.config import BenchConfig
 from outbox.bench.contenders import ack_sampled
 from outbox.bench.measure import percentiles, race
 from outbox.bench.workspace import STEADY_GRACE_SECONDS, SnapshotHolder, Workspace, Writers, wal_capable
-from outbox.progress import Progress
-from outbox.queries import query
+from outbox.observe.progress import Progress
+from outbox.store.queries import query
 
 WINDOW = 60.0  # seconds per reported window (shorter runs: a fifth of the run)
 FLAT_P99 = 1.10  # every window's p99 within 10 % of the first window's

@@ -35,10 +35,10 @@ from outbox.bench.contenders import ContenderSpec
 from outbox.bench.events import FILL_CHUNK, realistic
 from outbox.bench.measure import Race, middle_rate, percentiles, race
 from outbox.harness.infra import create_topic
-from outbox.migrate import PER_CONNECTION, migrate
-from outbox.outboxes import Outbox
-from outbox.progress import Progress
-from outbox.queries import query
+from outbox.observe.progress import Progress
+from outbox.store.migrate import PER_CONNECTION, migrate
+from outbox.store.outboxes import Outbox
+from outbox.store.queries import query
 
 FLEET_PAGE_FROM = 100  # outboxes: from this spread on, the console's fleet page is timed too
 FLEET_PAGE_REQUESTS = 20

@@ -21,8 +21,8 @@ from outbox.bench import events
 from outbox.bench.contenders import ContenderSpec
 from outbox.harness.infra import create_topic
 from outbox.harness.load import Load, prepare
-from outbox.migrate import migrate
-from outbox.queries import query
+from outbox.store.migrate import migrate
+from outbox.store.queries import query
 
 KEYS = events.KEYS
 TOPIC_PARTITIONS = 4

@@ -29,10 +29,10 @@ from outbox.bench.config import BenchConfig
 from outbox.bench.measure import percentiles
 from outbox.extras import missing
 from outbox.harness.load import prepare
-from outbox.migrate import migrate
-from outbox.progress import Progress
-from outbox.queries import query
-from outbox.writer import enqueue, enqueue_async, enqueue_many, enqueue_many_async
+from outbox.observe.progress import Progress
+from outbox.store.migrate import migrate
+from outbox.store.queries import query
+from outbox.write.writer import enqueue, enqueue_async, enqueue_many, enqueue_many_async
 
 KEYS = 1000
 MANY = 1000

@@ -26,8 +26,8 @@ import psycopg
 
 from outbox import __version__
 from outbox.cli.common import BENCH_HELP
-from outbox.dsn import scrub, secrets_in_argv, secrets_of
 from outbox.errors import OutboxError
+from outbox.store.dsn import scrub, secrets_in_argv, secrets_of
 
 log = logging.getLogger("outbox")
 

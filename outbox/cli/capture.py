@@ -5,9 +5,10 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from outbox import archive, capture
+from outbox import capture
 from outbox.cli.common import add_common, add_confirm, confirm, connect_outbox, schema_of
-from outbox.migrate import require_migrated
+from outbox.operate import archive
+from outbox.store.migrate import require_migrated
 
 
 def register(sub: Any) -> None:

@@ -9,15 +9,15 @@ from typing import Any
 
 import psycopg
 
-from outbox import pinning
 from outbox.cli import options
-from outbox.dsn import redact, scrub, secrets_of
 from outbox.errors import Cancelled, ConfigError
 from outbox.events import key_bytes
-from outbox.pooling import COMMANDS_NEED, require_own_sessions
-from outbox.schema import DEFAULT_SCHEMA, FLEET_SCHEMA, validate_schema
 from outbox.settings import setting
-from outbox.trust import require_trusted
+from outbox.store import pinning
+from outbox.store.dsn import redact, scrub, secrets_of
+from outbox.store.pooling import COMMANDS_NEED, require_own_sessions
+from outbox.store.schema import DEFAULT_SCHEMA, FLEET_SCHEMA, validate_schema
+from outbox.store.trust import require_trusted
 
 BENCH_HELP = "benchmark the relay against baselines (tables and plots), or run the fault suite"
 LOG_FORMATS = ("text", "json")
@@ -75,7 +75,7 @@ def schema_owners(args: argparse.Namespace) -> list[str]:
 
 def connect_outbox(args: argparse.Namespace) -> psycopg.Connection[Any]:
     """A connection for a command on the outbox of --dsn/--schema, once that schema and the
-    database's outbox_fleet are trusted (:mod:`outbox.trust`): the command's statements may run
+    database's outbox_fleet are trusted (:mod:`outbox.store.trust`): the command's statements may run
     code kept there (a trigger, a view), with the rights of whoever runs the command."""
     conn = connect(args)
     try:

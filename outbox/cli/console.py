@@ -14,8 +14,8 @@ from outbox.cli.common import add_common, connect_outbox, dsn_of, schema_of
 from outbox.cli.outboxes import add_outboxes, choose, is_fleet
 from outbox.errors import ConfigError
 from outbox.extras import require
-from outbox.pooling import COMMANDS_NEED, require_own_sessions
 from outbox.settings import setting
+from outbox.store.pooling import COMMANDS_NEED, require_own_sessions
 
 log = logging.getLogger("outbox.console")
 

@@ -34,7 +34,7 @@ def register(sub: Any) -> None:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from outbox.demo import run_demo
+    from outbox.harness.demo import run_demo
 
     demo = options.build(DemoOptions, args)
     return run_demo(

@@ -12,8 +12,7 @@ from typing import Any
 
 import psycopg
 
-from outbox import archive, audit, capture, claim_check, dead, grants, inbox, status
-from outbox import migrate as migrations
+from outbox import capture, inbox
 from outbox.cli import options
 from outbox.cli.common import (
     add_common,
@@ -27,11 +26,14 @@ from outbox.cli.common import (
     schema_owners,
 )
 from outbox.cli.outboxes import add_outboxes, choose, is_fleet
-from outbox.dsn import error_line, redact
 from outbox.errors import ConfigError, NothingMatched, OutboxError
-from outbox.progress import Progress
-from outbox.queries import query
+from outbox.observe.progress import Progress
+from outbox.operate import archive, audit, dead, grants, status
 from outbox.settings import setting
+from outbox.sinks import claim_check
+from outbox.store import migrate as migrations
+from outbox.store.dsn import error_line, redact
+from outbox.store.queries import query
 
 
 def register(sub: Any) -> None:

@@ -15,9 +15,10 @@ from psycopg.conninfo import conninfo_to_dict
 
 from outbox.cli import options
 from outbox.cli.common import connect, dsn_of, schema_of, schema_owners
-from outbox.dsn import error_line, redact
 from outbox.errors import ConfigError
-from outbox.outboxes import (
+from outbox.settings import setting
+from outbox.store.dsn import error_line, redact
+from outbox.store.outboxes import (
     DEFAULT_NAME,
     DISCOVER_EVERY,
     Outbox,
@@ -27,10 +28,9 @@ from outbox.outboxes import (
     unique,
     validate_outbox_name,
 )
-from outbox.queries import query
-from outbox.schema import FLEET_SCHEMA
-from outbox.settings import setting
-from outbox.trust import refusal, untrusted
+from outbox.store.queries import query
+from outbox.store.schema import FLEET_SCHEMA
+from outbox.store.trust import refusal, untrusted
 
 
 @dataclass

@@ -12,28 +12,28 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from outbox.claim_check import Store, open_store
 from outbox.cli import options
 from outbox.cli.common import Common, add_common, connect, dsn_of, schema_of, schema_owners
 from outbox.cli.outboxes import DiscoveryOptions, add_outboxes, choose, is_fleet
-from outbox.config import RelayConfig
-from outbox.dsn import with_net_timeouts
 from outbox.errors import ConfigError, MissingExtra, RelayFailed
-from outbox.fleet import Fleet, Found
-from outbox.migrate import require_migrated
-from outbox.outboxes import database_of
-from outbox.pooling import require_own_sessions
-from outbox.relay import Relay, tune_gc
-from outbox.retry import RetryPolicy
-from outbox.routes import parse_routes
-from outbox.schema import FLEET_SCHEMA
+from outbox.relay.config import RelayConfig
+from outbox.relay.fleet import Fleet, Found
+from outbox.relay.loop import Relay, tune_gc
+from outbox.relay.retry import RetryPolicy
 from outbox.settings import setting
 from outbox.sinks.base import Sink
+from outbox.sinks.claim_check import Store, open_store
 from outbox.sinks.cloudevents import validate_source
 from outbox.sinks.kafka import KafkaSink
 from outbox.sinks.make import check_sinks, require_clients, routed
+from outbox.sinks.routes import parse_routes
 from outbox.sinks.signing import parse_secret_envs, parse_secrets
-from outbox.trust import require_trusted
+from outbox.store.dsn import with_net_timeouts
+from outbox.store.migrate import require_migrated
+from outbox.store.outboxes import database_of
+from outbox.store.pooling import require_own_sessions
+from outbox.store.schema import FLEET_SCHEMA
+from outbox.store.trust import require_trusted
 
 log = logging.getLogger("outbox")
 
@@ -257,7 +257,7 @@ def cmd_relay(args: argparse.Namespace) -> int:
             "with several outboxes use s3://"
         )
     claim_check = claim_check_of(args, config)
-    from outbox.tracing import configure_from_env
+    from outbox.observe.tracing import configure_from_env
 
     if configure_from_env():
         log.info("tracing on (OTEL_* environment)")

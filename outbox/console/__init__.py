@@ -16,7 +16,7 @@ from outbox.extras import require
 if TYPE_CHECKING:
     from starlette.applications import Starlette
 
-    from outbox.outboxes import Outbox
+    from outbox.store.outboxes import Outbox
 
 __all__ = ["app"]
 

@@ -1,6 +1,6 @@
 """What the console reads and does, on one connection at a time: each page's queries (named
 SQL in ``sql/console.sql``, and ``outbox status``'s own for the numbers both show) and the
-dead-letter actions, through the same code path as the CLI (:func:`outbox.dead.act`)."""
+dead-letter actions, through the same code path as the CLI (:func:`outbox.operate.dead.act`)."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ from typing import Any
 
 import psycopg
 
-from outbox import audit, dead, status
 from outbox.events import key_bytes, key_text
-from outbox.queries import int_array, query
+from outbox.operate import audit, dead, status
+from outbox.store.queries import int_array, query
 
 CHART_MINUTES = 60
 TIMELINE_LIMIT = 200  # events per part of a key's timeline (pending, dead, latest delivered)
@@ -39,7 +39,7 @@ class DeadFilter:
 
     def selector(self, action: str | None = None) -> dead.Selector:
         """The dead letters this filter chooses, up to its high-water mark, as the CLI chooses
-        them (:class:`outbox.dead.Selector`: one selection for both). Listed and skipped, those
+        them (:class:`outbox.operate.dead.Selector`: one selection for both). Listed and skipped, those
         the relay could not verify as events of this outbox are among them; a redrive leaves
         them (the CLI takes one by id, knowingly: ``--include-unverified``)."""
         chosen = self._selector()

@@ -31,7 +31,6 @@ from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 from starlette.types import Receive, Scope, Send
 
-from outbox import audit, pinning
 from outbox.console.guards import Authorize, Guard, allowed_names
 from outbox.console.web import (
     FLEET_ROOT,
@@ -43,8 +42,10 @@ from outbox.console.web import (
     refused,
 )
 from outbox.errors import OutboxError
-from outbox.outboxes import Outbox
-from outbox.queries import query
+from outbox.operate import audit
+from outbox.store import pinning
+from outbox.store.outboxes import Outbox
+from outbox.store.queries import query
 
 SORTS = ("name", "pending", "oldest", "retrying", "dead", "parked", "relays")
 AUDIT_ROWS = 100  # the fleet audit: the latest actions, of every outbox

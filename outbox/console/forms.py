@@ -7,9 +7,9 @@ import datetime as dt
 import json
 from typing import Any
 
-from outbox import archive
 from outbox.console import data
 from outbox.errors import ConfigError
+from outbox.operate import archive
 
 PAYLOAD_SHOWN = 64 * 1024  # bytes of a payload a page shows (the rest: a download)
 

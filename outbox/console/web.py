@@ -36,8 +36,6 @@ from starlette.routing import BaseRoute, Mount, Route
 from starlette.staticfiles import StaticFiles
 from starlette.templating import Jinja2Templates
 
-from outbox import archive, pinning
-from outbox.audit import command
 from outbox.console import data, forms
 from outbox.console.guards import (
     Authorize,
@@ -50,10 +48,13 @@ from outbox.console.guards import (
     unquoted,
     visitor,
 )
-from outbox.dsn import redact
 from outbox.errors import ConfigError, OutboxError
 from outbox.events import key_bytes
-from outbox.schema import validate_schema
+from outbox.operate import archive
+from outbox.operate.audit import command
+from outbox.store import pinning
+from outbox.store.dsn import redact
+from outbox.store.schema import validate_schema
 
 HERE = Path(__file__).parent
 REFRESH_SECONDS = 5  # the overview's live update, while the tab is visible

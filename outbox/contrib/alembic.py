@@ -19,8 +19,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from outbox.migrate import Migration, migrate_cursor
-from outbox.schema import DEFAULT_SCHEMA
+from outbox.store.migrate import Migration, migrate_cursor
+from outbox.store.schema import DEFAULT_SCHEMA
 
 
 def upgrade(op: Any, schema: str = DEFAULT_SCHEMA) -> list[Migration]:

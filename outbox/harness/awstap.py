@@ -26,7 +26,7 @@ from urllib.parse import urlencode, urlsplit
 import aiobotocore.session
 
 from outbox.harness.sinktaps import SinkTap
-from outbox.routes import parse_url
+from outbox.sinks.routes import parse_url
 
 SOURCE = "outbox-faults"
 

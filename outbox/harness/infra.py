@@ -16,8 +16,8 @@ import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-from outbox.embedded import Broker, embedded_postgres_server
 from outbox.extras import require
+from outbox.harness.embedded import Broker, embedded_postgres_server
 
 COMMAND_TIMEOUT = 120.0  # seconds a restart/stop/start command may take
 

@@ -26,8 +26,8 @@ from typing import Any
 
 import psycopg
 
-from outbox.queries import query
-from outbox.writer import enqueue
+from outbox.store.queries import query
+from outbox.write.writer import enqueue
 
 MiB = 1 << 20
 CONNECT_TIMEOUT = 3  # seconds

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from outbox.errors import ConfigError
 from outbox.harness.sinktaps import HttpTap, NatsTap, RabbitTap, RedisTap, SinkTap
-from outbox.routes import AWS_SCHEMES, parse_url
+from outbox.sinks.routes import AWS_SCHEMES, parse_url
 
 
 def tap_class(sink: str) -> type[SinkTap]:

@@ -23,7 +23,7 @@ Connections: :meth:`AsyncSink.client` opens the connection on first use and
 again after it was lost. While the sink is down, sends fail at once with
 ``Retry("unavailable")`` until the next reconnect attempt is due (backoff from
 0.5 s to 5 s), so a down RabbitMQ costs the relay nothing and never stalls the
-other routes. The outage is one :class:`~outbox.conditions.Condition` per sink:
+other routes. The outage is one :class:`~outbox.observe.conditions.Condition` per sink:
 one line when it starts, a summary a minute, one line when a send succeeds.
 
 These sinks cannot keep several in-flight events of one key in order (a later
@@ -42,10 +42,10 @@ from collections import deque
 from collections.abc import Iterable
 from typing import Any, ClassVar
 
-from outbox.conditions import Condition
 from outbox.events import KEY_HEADER, ClaimedEvent
-from outbox.routes import SinkURL
+from outbox.observe.conditions import Condition
 from outbox.sinks.base import Dead, Outcome, Report, Retry
+from outbox.sinks.routes import SinkURL
 
 log = logging.getLogger("outbox.sinks")
 

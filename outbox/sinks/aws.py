@@ -72,9 +72,9 @@ from botocore.exceptions import (
 
 from outbox.errors import ConfigError
 from outbox.events import EVENT_ID_HEADER, ClaimedEvent
-from outbox.routes import SinkURL
 from outbox.sinks.aio import AsyncSink, Item, Refused, Unavailable, as_bytes
 from outbox.sinks.base import Dead, Delivered, Outcome, Retry
+from outbox.sinks.routes import SinkURL
 
 MAX_ATTRIBUTES = 10  # SQS and SNS: message attributes per message
 MAX_CALLS = 16  # batch calls in flight per sink; the rest wait their turn (their timeout not yet running)

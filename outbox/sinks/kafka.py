@@ -7,7 +7,7 @@ Errors are classified once, here: refused for good -> :class:`Dead`, a fatal
 producer error -> the sink reports itself unhealthy and the relay recreates it,
 anything else -> :class:`Retry`. The error kind is librdkafka's error name.
 
-A broker outage is one :class:`~outbox.conditions.Condition`: librdkafka's
+A broker outage is one :class:`~outbox.observe.conditions.Condition`: librdkafka's
 connection failures (its log lines and error callbacks, several per second
 per broker while it is down) become one line when it starts, a summary a
 minute, and one line when a delivery succeeds again.
@@ -32,9 +32,9 @@ from confluent_kafka import KafkaError, KafkaException
 # traceparent header, which would overwrite the one the event was written with.
 from confluent_kafka.cimpl import Producer
 
-from outbox.conditions import Condition
 from outbox.errors import ConfigError
 from outbox.events import HEADERS_OF, KEY_OF, PAYLOAD_OF, TOPIC_OF, ClaimedEvent
+from outbox.observe.conditions import Condition
 from outbox.sinks.base import Dead, Delivered, Outcome, OutcomeSlots, Report, Retry, Settle
 
 log = logging.getLogger("outbox.kafka")

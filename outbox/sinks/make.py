@@ -12,12 +12,12 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from outbox.extras import require
-from outbox.routes import SCHEMES, Route, SinkURL
 from outbox.sinks.base import Sink
 from outbox.sinks.router import Router
+from outbox.sinks.routes import SCHEMES, Route, SinkURL
 
 if TYPE_CHECKING:
-    from outbox.claim_check import Store
+    from outbox.sinks.claim_check import Store
 
 
 def require_clients(routes: list[Route]) -> None:
@@ -60,7 +60,7 @@ class SinkMaker:
 
             sink = CloudEventsSink(sink, url.scheme, self.cloudevents_source)
         if self.claim_check is not None:
-            from outbox.claim_check import ClaimCheckSink
+            from outbox.sinks.claim_check import ClaimCheckSink
 
             sink = ClaimCheckSink(sink, *self.claim_check)
         return sink
@@ -99,10 +99,10 @@ def routed(
     webhook_secrets_for: list[tuple[str, list[bytes]]] | None = None,
 ) -> Callable[[], Sink]:
     """The relay's sink factory for ``routes``: a Router over one sink per URL. The relay adds
-    each outbox's key chains where its ordering needs them (:meth:`~outbox.upkeep.LaneUpkeep.chain`).
+    each outbox's key chains where its ordering needs them (:meth:`~outbox.relay.upkeep.LaneUpkeep.chain`).
     With ``cloudevents_source``, each sink adds the CloudEvents attributes
     (:mod:`outbox.sinks.cloudevents`); with ``claim_check`` (a store and a size), payloads over
-    the size go to the store (:mod:`outbox.claim_check`)."""
+    the size go to the store (:mod:`outbox.sinks.claim_check`)."""
     make = SinkMaker(
         kafka,
         dict(kafka_config or {}),

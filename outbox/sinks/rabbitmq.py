@@ -33,9 +33,9 @@ from pamqp import commands as spec
 from pamqp.common import FieldTable
 
 from outbox.events import KEY_HEADER, ClaimedEvent
-from outbox.routes import SinkURL
 from outbox.sinks.aio import AsyncSink, Refused, Unavailable, as_bytes
 from outbox.sinks.base import Delivered, Outcome, Retry
+from outbox.sinks.routes import SinkURL
 
 log = logging.getLogger("outbox.sinks")
 

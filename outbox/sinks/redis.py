@@ -30,9 +30,9 @@ from redis.asyncio.retry import Retry as ClientRetry
 from redis.backoff import NoBackoff
 
 from outbox.events import EVENT_ID_HEADER, ClaimedEvent
-from outbox.routes import SinkURL
 from outbox.sinks.aio import AsyncSink, Item, Unavailable, as_bytes
 from outbox.sinks.base import Dead, Delivered, Outcome, Retry
+from outbox.sinks.routes import SinkURL
 
 PIPELINE = 1000  # XADDs per round trip, at most
 DEAD_ERRORS = {"WRONGTYPE": "wrong_type", "NOPERM": "not_permitted"}

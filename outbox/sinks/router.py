@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from outbox.events import TOPIC_OF, ClaimedEvent
-from outbox.routes import Route, SinkURL, route_for
+from outbox.observe.tracing import kafka_shape
 from outbox.sinks.base import (
     Dead,
     Named,
@@ -37,7 +37,7 @@ from outbox.sinks.base import (
     keeps_key_order,
     send_now,
 )
-from outbox.tracing import kafka_shape
+from outbox.sinks.routes import Route, SinkURL, route_for
 
 NO_ROUTE = "no_route"  # the error kind of an event no route takes
 SLICE = 0.002  # seconds: how long a sink without a shared wake-up is polled at a time

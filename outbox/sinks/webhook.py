@@ -52,9 +52,9 @@ import aiohttp
 from yarl import URL
 
 from outbox.events import ClaimedEvent
-from outbox.routes import SinkURL
 from outbox.sinks.aio import AsyncSink, Item, Refused, Unavailable, as_bytes, text_headers
 from outbox.sinks.base import Delivered, Outcome, Retry
+from outbox.sinks.routes import SinkURL
 from outbox.sinks.signing import signature
 
 RETRIED_STATUSES = frozenset({408, 425, 429})

@@ -21,7 +21,7 @@ from playwright.sync_api import Browser, Page, expect, sync_playwright
 from psycopg import sql
 
 import outbox
-from outbox.embedded import free_port
+from outbox.harness.embedded import free_port
 from tests.helpers import FAST, ModuleProcess, RelayProcess, count, read_topic, wait_for
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
@@ -189,7 +189,7 @@ def test_the_fleet_page_into_an_outbox_and_back_and_an_action_there_changes_no_o
     """``outbox console --schemas``: the fleet page lists each outbox; its link opens that
     outbox's pages, whose Fleet link leads back; a redrive there leaves the other outbox's dead
     letters (the same ids, topic and key) as they were."""
-    from outbox.migrate import migrate
+    from outbox.store.migrate import migrate
 
     schemas = [f"{prefix}_north", f"{prefix}_south"]
     with psycopg.connect(pg_dsn, autocommit=True) as conn:

@@ -17,7 +17,7 @@ import pytest
 from psycopg import sql
 
 import outbox
-from outbox.embedded import free_port
+from outbox.harness.embedded import free_port
 from tests.helpers import ModuleProcess, count, wait_for
 
 

@@ -20,10 +20,10 @@ import redis
 from psycopg import sql
 
 import outbox
-from outbox.config import RelayConfig
 from outbox.harness.sinktaps import Request
-from outbox.routes import parse_routes
+from outbox.relay.config import RelayConfig
 from outbox.sinks.make import routed
+from outbox.sinks.routes import parse_routes
 from outbox.sinks.signing import parse_secrets
 from tests.aws_servers import EventBridgeTarget, KinesisTarget, Moto, SnsTarget, SqsTarget
 from tests.helpers import count, running_relay, wait_for

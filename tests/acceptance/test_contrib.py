@@ -52,7 +52,7 @@ def database(pg_dsn: str) -> Iterator[str]:
 
 def _reference(dsn: str, schema: str) -> dict[str, list[tuple[Any, ...]]]:
     """The catalog ``outbox migrate`` makes, in a scratch schema of the same database."""
-    from outbox.migrate import migrate
+    from outbox.store.migrate import migrate
 
     other = f"ref_{uuid.uuid4().hex[:10]}"
     with psycopg.connect(dsn, autocommit=True) as conn:
@@ -187,7 +187,7 @@ def test_alembic_upgrade_applies_the_outbox_migrations(tmp_path: Path, database:
     with psycopg.connect(database) as conn:
         assert conn.execute("SELECT version_num FROM alembic_version").fetchall() == [("0001",)]
         assert catalog(conn, "app_outbox") == _reference(database, "app_outbox")
-    from outbox.migrate import migrate
+    from outbox.store.migrate import migrate
 
     with psycopg.connect(database, autocommit=True) as conn:
         assert migrate(conn, "app_outbox") == []  # outbox migrate sees every version applied

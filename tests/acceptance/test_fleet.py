@@ -16,9 +16,9 @@ import pytest
 from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
-from outbox.embedded import free_port
+from outbox.harness.embedded import free_port
 from outbox.harness.proxy import Proxy
-from outbox.migrate import migrate
+from outbox.store.migrate import migrate
 from tests.helpers import (
     FAST,
     ModuleProcess,

@@ -17,7 +17,7 @@ from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 import outbox
-from outbox.migrate import migrate
+from outbox.store.migrate import migrate
 from tests.helpers import FAST, ModuleProcess, count, wait_for
 
 

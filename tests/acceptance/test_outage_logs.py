@@ -21,7 +21,7 @@ import psycopg
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 import outbox
-from outbox.embedded import Broker, free_port
+from outbox.harness.embedded import Broker, free_port
 from outbox.harness.proxy import Proxy
 from tests.helpers import count, wait_for
 

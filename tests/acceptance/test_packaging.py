@@ -119,7 +119,7 @@ def test_the_release_installs_from_its_wheel_and_the_quickstart_runs(
     info = f"outbox_relay-{outbox.__version__}.dist-info"
     for shipped in (
         "outbox/py.typed",
-        "outbox/sql/relay.sql",
+        "outbox/store/sql/relay.sql",
         "outbox/migrations/0001_initial.sql",
         "outbox/migrations/0018_fleet.sql",
         "outbox/migrations/roles.sql",

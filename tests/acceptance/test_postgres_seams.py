@@ -18,8 +18,8 @@ from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 import outbox
-from outbox import pinning
-from outbox.migrate import Roles, grant_roles, migrate
+from outbox.store import pinning
+from outbox.store.migrate import Roles, grant_roles, migrate
 from tests.helpers import FAST, ModuleProcess, count, read_topic, wait_for
 
 

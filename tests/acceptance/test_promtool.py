@@ -10,8 +10,8 @@ import subprocess
 import psycopg
 
 import outbox
-from outbox.config import RelayConfig
-from outbox.retry import RetryPolicy
+from outbox.relay.config import RelayConfig
+from outbox.relay.retry import RetryPolicy
 from outbox.sinks.kafka import KafkaSink
 from tests.helpers import count, http_get, running_relay, wait_for
 from tests.sinks import AnyFlakySink

@@ -22,9 +22,10 @@ import pytest
 from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
-from outbox import claim_check, pinning
 from outbox.cli import main
-from outbox.embedded import free_port
+from outbox.harness.embedded import free_port
+from outbox.sinks import claim_check
+from outbox.store import pinning
 from tests import traps
 from tests.helpers import FAST, ModuleProcess, count, http_get, wait_for
 
@@ -242,7 +243,7 @@ def _console(t: Trapped, seeded: dict[str, Any]) -> None:
         act = c.post("/replay/act", data=fields, headers=same, follow_redirects=False)
         assert act.status_code == 303, act.text[-500:]
     from outbox.console.fleet import app as fleet_app
-    from outbox.outboxes import Outbox
+    from outbox.store.outboxes import Outbox
 
     outboxes = [Outbox(s, t.as_login("console"), s) for s in ("victim", "tenant_a")]
     with TestClient(fleet_app(outboxes), base_url="http://localhost:8000") as c:

@@ -15,7 +15,7 @@ from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 import outbox
-from outbox.embedded import free_port
+from outbox.harness.embedded import free_port
 from tests.helpers import RelayProcess, http_get, wait_for
 
 

@@ -14,11 +14,11 @@ import psycopg
 import pytest
 
 import outbox
-from outbox.config import RelayConfig
 from outbox.harness.proxy import Proxy
-from outbox.retry import RetryPolicy
-from outbox.routes import parse_routes
+from outbox.relay.config import RelayConfig
+from outbox.relay.retry import RetryPolicy
 from outbox.sinks.make import routed
+from outbox.sinks.routes import parse_routes
 from tests.aws_servers import AWS_SINKS, AwsProxy, AwsTarget, KinesisTarget, Moto, aws_target
 from tests.helpers import (
     FAST,

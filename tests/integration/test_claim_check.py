@@ -23,13 +23,13 @@ import pytest
 from psycopg import sql
 
 import outbox
-from outbox.claim_check import HEADER, PostgresStore, S3Store, fetch
 from outbox.cli import main
-from outbox.config import RelayConfig
 from outbox.inbox import Delivery, consume_kafka
-from outbox.retry import RetryPolicy
-from outbox.routes import parse_routes
+from outbox.relay.config import RelayConfig
+from outbox.relay.retry import RetryPolicy
+from outbox.sinks.claim_check import HEADER, PostgresStore, S3Store, fetch
 from outbox.sinks.make import routed
+from outbox.sinks.routes import parse_routes
 from tests.aws_servers import Moto
 from tests.helpers import count, read_topic, running_relay, wait_for
 from tests.inbox_consumer import GROUP_SETTINGS

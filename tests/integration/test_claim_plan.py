@@ -10,9 +10,9 @@ from typing import Any
 import psycopg
 from psycopg import sql
 
-from outbox.queries import query
-from outbox.sessions import Sessions
-from outbox.writer import enqueue_many
+from outbox.store.queries import query
+from outbox.store.sessions import Sessions
+from outbox.write.writer import enqueue_many
 
 
 def _relations_scanned(plan: Any, kind: str) -> set[str]:

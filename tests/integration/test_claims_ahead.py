@@ -9,10 +9,10 @@ import pytest
 from psycopg import sql
 
 from outbox.events import ClaimedEvent
-from outbox.outboxes import Outbox
-from outbox.relay import Relay
+from outbox.relay.loop import Relay
 from outbox.sinks.base import Outcome, Report, SinkWrapper
 from outbox.sinks.kafka import KafkaSink
+from outbox.store.outboxes import Outbox
 from tests.helpers import assert_per_key_order, count, read_topic, running_relay, wait_for
 from tests.integration.test_shared_claims import PER_OUTBOX, _archived_once, _config, _outboxes
 

@@ -19,11 +19,11 @@ from psycopg import sql
 
 import outbox
 from outbox.cli import main
-from outbox.config import RelayConfig
 from outbox.errors import InvalidEvent, InvalidEventType
-from outbox.routes import parse_routes
+from outbox.relay.config import RelayConfig
 from outbox.sinks.cloudevents import rfc3339
 from outbox.sinks.make import routed
+from outbox.sinks.routes import parse_routes
 from tests.helpers import Message, count, read_topic, running_relay, wait_for
 from tests.sink_servers import SINKS, Target, target
 

@@ -22,8 +22,8 @@ from starlette.routing import Mount
 from starlette.testclient import TestClient
 
 import outbox
-from outbox import status
 from outbox.console import app
+from outbox.operate import status
 from tests.helpers import count
 
 SAME = {"sec-fetch-site": "same-origin"}
@@ -462,8 +462,8 @@ def test_bad_input_is_a_400_naming_the_field(client: TestClient) -> None:
 def test_each_relay_records_its_readiness_for_status_and_the_console(
     pg_dsn: str, schema: str, kafka: str, client: TestClient
 ) -> None:
-    from outbox.config import RelayConfig
-    from outbox.embedded import free_port
+    from outbox.harness.embedded import free_port
+    from outbox.relay.config import RelayConfig
     from outbox.sinks.kafka import KafkaSink
     from tests.helpers import running_relay, wait_for
 
@@ -512,7 +512,7 @@ def test_a_keys_pending_events_are_found_through_the_key_index(pg_dsn: str, sche
     events (key, id) (migration 0012), not by reading the events table: at a million pending
     events that read was 250-400 ms (docs/console.md, "Speed"). Sequential scans are switched
     off, so a small table does not hide the plan the planner would choose at size."""
-    from outbox.queries import query
+    from outbox.store.queries import query
 
     with psycopg.connect(pg_dsn) as conn:
         conn.execute("SET enable_seqscan = off")

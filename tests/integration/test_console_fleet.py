@@ -14,11 +14,11 @@ from starlette.testclient import TestClient
 
 import outbox
 from outbox.console import app
-from outbox.limits import gates, parse_limit, take
-from outbox.membership import Membership
-from outbox.migrate import migrate
-from outbox.outboxes import Outbox
-from outbox.sessions import Link
+from outbox.relay.limits import gates, parse_limit, take
+from outbox.relay.membership import Membership
+from outbox.store.migrate import migrate
+from outbox.store.outboxes import Outbox
+from outbox.store.sessions import Link
 from tests.helpers import count
 from tests.integration.test_console import SAME, _dead, _hw
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 RESOLVE_AND_RUN = """
 import os, subprocess, sys, time
-from outbox.embedded import tansu_binary
+from outbox.harness.embedded import tansu_binary
 # A loaded machine, as in the suite's first minute: copies that finish at different times,
 # and a process descheduled between making the binary executable and spawning it.
 import random, shutil

@@ -14,7 +14,7 @@ from outbox.bench.explore.checker import check
 from outbox.bench.explore.schedule import Schedule, draw
 from outbox.bench.explore.seeds import CI_SEEDS, MUTANT_SEEDS, REGRESSIONS
 from outbox.bench.explore.world import World
-from outbox.embedded import EmbeddedPostgres, embedded_postgres_server
+from outbox.harness.embedded import EmbeddedPostgres, embedded_postgres_server
 
 
 @pytest.fixture(scope="module")

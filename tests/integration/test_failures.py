@@ -13,10 +13,10 @@ import pytest
 from psycopg import sql
 
 import outbox
-from outbox.embedded import Broker
 from outbox.events import ClaimedEvent
-from outbox.relay import RelayConfig
-from outbox.retry import RetryPolicy
+from outbox.harness.embedded import Broker
+from outbox.relay.loop import RelayConfig
+from outbox.relay.retry import RetryPolicy
 from outbox.sinks.base import Delivered, Outcome, Report, Retry, SinkWrapper
 from outbox.sinks.kafka import KafkaSink
 from tests.helpers import count, read_topic, running_relay, wait_for
@@ -238,7 +238,7 @@ def test_a_producer_that_delivers_nothing_for_long_is_replaced() -> None:
     """No fatal error, only timeouts (what a broker that forgot our producer id looks like
     when messages time out before its answer): after 3 delivery timeouts (at least 5 s)
     without one success the sink reports itself unhealthy, and the relay recreates it."""
-    from outbox.embedded import free_port
+    from outbox.harness.embedded import free_port
     from outbox.sinks.base import Retry
 
     sink = KafkaSink(f"127.0.0.1:{free_port()}", delivery_timeout=1.0)  # nothing listens there
@@ -437,8 +437,8 @@ def test_events_due_again_after_an_outage_skip_those_a_batch_holds(pg_dsn: str, 
     one locked by a batch in flight (the relay's own, or another relay's) is left to that batch.
     Waiting for its lock had blocked the relay's loop on its own batch until the statement
     timeout: 20 s without a claim after a fenced producer was replaced (the fault harness)."""
-    from outbox.queries import query
     from outbox.sinks.base import UNREACHABLE_KINDS
+    from outbox.store.queries import query
 
     with psycopg.connect(pg_dsn) as conn:
         outbox.enqueue_many(conn, [{"topic": "t", "payload": str(i)} for i in range(3)], schema=schema)

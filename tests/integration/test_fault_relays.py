@@ -9,7 +9,7 @@ import pytest
 
 from outbox.bench.faults.config import FaultConfig
 from outbox.bench.faults.relays import Relays
-from outbox.embedded import free_port
+from outbox.harness.embedded import free_port
 
 
 def test_a_relay_that_exits_fails_the_wait_at_once_with_its_exit_and_log(tmp_path: Path) -> None:

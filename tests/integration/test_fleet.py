@@ -14,9 +14,9 @@ import pytest
 from psycopg import sql
 
 import outbox
-from outbox.migrate import migrate
-from outbox.outboxes import Outbox
-from outbox.relay import RelayConfig
+from outbox.relay.loop import RelayConfig
+from outbox.store.migrate import migrate
+from outbox.store.outboxes import Outbox
 from tests.helpers import (
     assert_per_key_order,
     count,
@@ -158,7 +158,7 @@ def test_a_quiet_relay_renews_every_lease_in_one_row_and_reads_its_readiness_onc
     renewed every lease / 5 (0.4 s here), and looks at each outbox's ownership only now and then:
     it heartbeated each outbox in turn, 500 statements a second at 1,000 outboxes. The readiness
     the heartbeat records is looked at once a second at most (it reads every outbox)."""
-    from outbox.relay import Relay
+    from outbox.relay.loop import Relay
 
     looks: list[float] = []
     ready = Relay.ready
@@ -204,7 +204,7 @@ def test_a_relay_starting_over_many_outboxes_looks_at_each_once_and_creates_only
     1,000 transactions in the middle of their first drain. Their archive's day partitions are
     asked about in one statement, and only the outbox missing one gets the call that creates it.
     A database of its own: another relay's coming or going makes every outbox be looked at."""
-    import outbox.upkeep
+    import outbox.relay.upkeep
 
     boxes = _migrated(second_db, prefix, 20)
     gap = boxes[3]
@@ -212,13 +212,13 @@ def test_a_relay_starting_over_many_outboxes_looks_at_each_once_and_creates_only
     with psycopg.connect(second_db, autocommit=True) as conn:
         conn.execute(sql.SQL("DROP TABLE {}.{}").format(sql.Identifier(gap.schema), sql.Identifier(tomorrow)))
     asked: list[tuple[str, str]] = []
-    named = outbox.upkeep.query
+    named = outbox.relay.upkeep.query
 
     def recorded(name: str, schema: str, **kw: Any) -> Any:
         asked.append((name, schema))
         return named(name, schema, **kw)
 
-    monkeypatch.setattr(outbox.upkeep, "query", recorded)
+    monkeypatch.setattr(outbox.relay.upkeep, "query", recorded)
     with running_relay(_config(second_db), bootstrap=kafka, outboxes=boxes) as relay:
         wait_for(relay.running.is_set, timeout=30, what="the relay started")
 

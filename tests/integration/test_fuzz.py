@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import outbox
-from outbox.relay import RelayConfig
+from outbox.relay.loop import RelayConfig
 from tests.helpers import count, read_topic, running_relay, wait_for
 
 FIELDS = ("topic", "payload", "key", "headers", "delay")
@@ -190,10 +190,10 @@ def test_any_schema_name_is_an_identifier_or_a_clear_error(pg_dsn: str, name: st
     before any SQL runs, with an error that names the field."""
     from psycopg import sql
 
-    from outbox.dead import Selector, select
-    from outbox.migrate import migrate
-    from outbox.schema import validate_schema
-    from outbox.status import collect
+    from outbox.operate.dead import Selector, select
+    from outbox.operate.status import collect
+    from outbox.store.migrate import migrate
+    from outbox.store.schema import validate_schema
 
     with psycopg.connect(pg_dsn, autocommit=True) as conn:
         existing = {r[0] for r in conn.execute("SELECT nspname FROM pg_namespace").fetchall()}

@@ -20,9 +20,10 @@ from psycopg import errors, sql
 from psycopg.conninfo import make_conninfo
 
 import outbox
-from outbox import capture, wal_message
+from outbox import capture
+from outbox.capture import wal_message
 from outbox.events import encode_event
-from outbox.relay import RelayConfig
+from outbox.relay.loop import RelayConfig
 from tests.helpers import (
     FAST,
     ModuleProcess,

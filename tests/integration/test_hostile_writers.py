@@ -25,14 +25,14 @@ from confluent_kafka import Producer
 from psycopg import sql
 
 import outbox
-from outbox.claim_check import PostgresStore
-from outbox.config import RelayConfig
 from outbox.inbox import Delivery, consume_kafka
-from outbox.migrate import migrate
-from outbox.retry import RetryPolicy
-from outbox.routes import parse_routes
+from outbox.relay.config import RelayConfig
+from outbox.relay.retry import RetryPolicy
+from outbox.sinks.claim_check import PostgresStore
 from outbox.sinks.make import routed
+from outbox.sinks.routes import parse_routes
 from outbox.sinks.signing import parse_secrets
+from outbox.store.migrate import migrate
 from tests.helpers import count, read_topic, running_relay, wait_for
 from tests.sink_servers import SINKS, HttpTarget, NatsTarget, target
 

@@ -11,9 +11,9 @@ import psycopg
 import pytest
 
 import outbox
-from outbox.hygiene import Hygiene
-from outbox.queries import query
-from outbox.relay import RelayConfig
+from outbox.relay.loop import RelayConfig
+from outbox.store.hygiene import Hygiene
+from outbox.store.queries import query
 from tests.helpers import count, running_relay, wait_for
 
 

@@ -18,7 +18,7 @@ from psycopg import sql
 from outbox import inbox
 from outbox.cli import main
 from outbox.errors import ConfigError, InvalidType, NotMigrated, OutsideTransaction, UnsupportedConnection
-from outbox.migrate import applied_versions, migrate, migrations
+from outbox.store.migrate import applied_versions, migrate, migrations
 from tests.helpers import count
 from tests.stacks import ASYNC_STACKS, SYNC_STACKS, AsyncStack, SyncStack, configure_django
 

@@ -14,15 +14,15 @@ import pytest
 from psycopg import sql
 
 import outbox
-from outbox import status
-from outbox.config import RelayConfig
 from outbox.errors import ConfigError
 from outbox.harness.sinktaps import Clocked
-from outbox.limits import BURST_SECONDS
-from outbox.migrate import migrate
-from outbox.outboxes import Outbox
-from outbox.routes import parse_routes
+from outbox.operate import status
+from outbox.relay.config import RelayConfig
+from outbox.relay.limits import BURST_SECONDS
 from outbox.sinks.make import routed
+from outbox.sinks.routes import parse_routes
+from outbox.store.migrate import migrate
+from outbox.store.outboxes import Outbox
 from tests.helpers import RelayProcess, count, read_topic, running_relay, wait_for
 
 SECRET = "whsec_" + "c2VjcmV0LXNlY3JldC1zZWNyZXQtc2VjcmV0IQ=="

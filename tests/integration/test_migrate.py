@@ -9,7 +9,7 @@ import uuid
 import psycopg
 from psycopg import sql
 
-from outbox.migrate import migrate, migrations, render_all
+from outbox.store.migrate import migrate, migrations, render_all
 from tests.helpers import catalog as _catalog
 
 

@@ -14,13 +14,13 @@ from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 import outbox
-from outbox.config import RelayConfig
-from outbox.embedded import Broker, free_port
+from outbox.harness.embedded import Broker, free_port
 from outbox.harness.proxy import Proxy
-from outbox.relay import Relay
-from outbox.retry import RetryPolicy
-from outbox.routes import parse_routes
+from outbox.relay.config import RelayConfig
+from outbox.relay.loop import Relay
+from outbox.relay.retry import RetryPolicy
 from outbox.sinks.make import routed
+from outbox.sinks.routes import parse_routes
 from tests.helpers import count, http_get, running_relay, wait_for
 from tests.sink_servers import HttpTarget
 

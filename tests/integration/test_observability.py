@@ -17,7 +17,7 @@ from opentelemetry.trace import SpanKind
 
 import outbox
 from outbox.events import ClaimedEvent
-from outbox.relay import Relay, RelayConfig
+from outbox.relay.loop import Relay, RelayConfig
 from outbox.sinks.base import Outcome, Report, SinkWrapper
 from outbox.sinks.kafka import KafkaSink
 from tests.helpers import count, http_get, read_topic, running_relay, wait_for
@@ -196,8 +196,8 @@ def test_spans_of_each_sink_follow_its_conventions(
 ) -> None:
     """RabbitMQ and NATS: messaging PRODUCER spans; Redis: a database CLIENT span; webhooks: an
     HTTP CLIENT span. Every one links the event's creation context and shows no credentials."""
-    from outbox.routes import parse_routes
     from outbox.sinks.make import routed
+    from outbox.sinks.routes import parse_routes
     from tests.sink_servers import target
 
     targets = {scheme: target(scheme) for scheme in ("amqp", "nats", "redis", "http")}

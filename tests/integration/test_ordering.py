@@ -14,10 +14,10 @@ import pytest
 from psycopg import sql
 
 import outbox
-from outbox import dead, status
 from outbox.events import ClaimedEvent
-from outbox.relay import RelayConfig
-from outbox.retry import RetryPolicy
+from outbox.operate import dead, status
+from outbox.relay.loop import RelayConfig
+from outbox.relay.retry import RetryPolicy
 from outbox.sinks.base import Dead, Delivered, Outcome, Report, Retry, SinkWrapper
 from outbox.sinks.kafka import KafkaSink
 from tests.helpers import count, first_occurrences, owners, read_topic, running_relay, wait_for
@@ -138,9 +138,9 @@ def _ordering(
     pg_dsn: str, schema: str, name: str, lease: float, batch_lease: float = 30.0, **connect: Any
 ) -> Any:
     """An outbox's ordering with a membership of its own (one relay's view of one outbox)."""
-    from outbox.membership import Membership
-    from outbox.ordering import Ordering
-    from outbox.sessions import Link
+    from outbox.relay.membership import Membership
+    from outbox.relay.ordering import Ordering
+    from outbox.store.sessions import Link
 
     member = Membership(
         Link(lambda: psycopg.connect(pg_dsn, **connect)), name=name, lease=lease, batch_lease=batch_lease
@@ -214,7 +214,7 @@ def test_a_steady_heartbeat_is_one_statement_and_a_settled_look_one_more(pg_dsn:
     more, and comes every SETTLED_LOOK / 2 to SETTLED_LOOK seconds, not every heartbeat; the look
     after the first anywhere within SETTLED_LOOK (a relay's thousand outboxes, looked at when it
     starts, are looked at again evenly over the period, not in a wave)."""
-    from outbox.ordering import SETTLED_LOOK
+    from outbox.relay.ordering import SETTLED_LOOK
 
     relay = _ordering(pg_dsn, schema, "a", lease=10.0, cursor_factory=_Counting)
     with contextlib.closing(relay.link):
@@ -327,7 +327,7 @@ def test_partitions_taken_fenced_keep_their_outbox_looked_at_until_the_fence_lif
     """A look that took partitions fenced is not a settled one: the next look comes within
     FENCE_RECHECK, not SETTLED_LOOK later (found by test_paused_relay_is_fenced_and_order_holds:
     the fences never lifted, and a's partitions were served by nobody)."""
-    from outbox.ordering import FENCE_RECHECK
+    from outbox.relay.ordering import FENCE_RECHECK
 
     with _takeover(pg_dsn, schema, lease=1.0, batch_lease=10.0) as (a_batch, _claim):
         b_due = _takeover.last_b.due_at - time.monotonic()  # type: ignore[attr-defined]

@@ -9,7 +9,7 @@ import asyncio
 import psycopg
 
 import outbox
-from outbox.config import RelayConfig
+from outbox.relay.config import RelayConfig
 from tests.helpers import count, running_relay, wait_for
 
 TRACEPARENT = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"

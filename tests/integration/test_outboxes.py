@@ -14,10 +14,10 @@ from psycopg import sql
 from psycopg.conninfo import make_conninfo
 
 import outbox
-from outbox import migrate as migrations
 from outbox.cli import main
-from outbox.migrate import migrate
-from outbox.outboxes import discover
+from outbox.store import migrate as migrations
+from outbox.store.migrate import migrate
+from outbox.store.outboxes import discover
 
 UNREACHABLE = "postgresql://app:s3cret@127.0.0.1:1/nowhere?connect_timeout=2"
 

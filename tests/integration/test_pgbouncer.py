@@ -18,7 +18,7 @@ import pytest
 from psycopg import sql
 
 import outbox
-from outbox.config import RelayConfig
+from outbox.relay.config import RelayConfig
 from tests.helpers import RelayProcess, count, read_topic, running_relay, wait_for
 from tests.pgbouncer_writers import STACKS
 from tests.stacks import url

@@ -12,11 +12,11 @@ import pytest
 
 import outbox
 from outbox.events import ClaimedEvent
-from outbox.relay import RelayConfig
-from outbox.routes import parse_routes
+from outbox.relay.loop import RelayConfig
 from outbox.sinks.base import Delivered, Outcome, Sink, SinkWrapper
 from outbox.sinks.kafka import KafkaSink
 from outbox.sinks.router import Router
+from outbox.sinks.routes import parse_routes
 from tests.helpers import count, first_occurrences, read_topic, running_relay, wait_for
 
 

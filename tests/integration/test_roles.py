@@ -16,7 +16,7 @@ from psycopg import errors, sql
 from psycopg.conninfo import make_conninfo
 
 from outbox import enqueue, enqueue_many
-from outbox.migrate import Roles, grant_roles, render_all
+from outbox.store.migrate import Roles, grant_roles, render_all
 
 from ..helpers import RelayProcess, count, read_topic, wait_for
 
@@ -140,7 +140,7 @@ def test_relay_runs_under_the_relay_role(
 def test_relay_role_writes_and_reads_the_wal_position(logins: Logins, schema: str) -> None:
     """A WAL batch's position (migration 0014): inserted, the superseded ones deleted, read back."""
     from outbox import capture
-    from outbox.queries import query
+    from outbox.store.queries import query
 
     with psycopg.connect(logins.relay_dsn) as conn:
         for lsn in ("1/100", "1/200"):

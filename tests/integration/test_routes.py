@@ -8,12 +8,12 @@ import json
 import psycopg
 
 import outbox
-from outbox import dead
-from outbox.relay import RelayConfig
-from outbox.routes import SinkURL, parse_routes
+from outbox.operate import dead
+from outbox.relay.loop import RelayConfig
 from outbox.sinks import router
 from outbox.sinks.base import Sink
 from outbox.sinks.kafka import KafkaSink
+from outbox.sinks.routes import SinkURL, parse_routes
 from tests.helpers import count, read_topic, running_relay, wait_for
 
 

@@ -16,14 +16,14 @@ import pytest
 from psycopg import sql
 
 import outbox
-from outbox.batch import Batch, Shared
 from outbox.events import ClaimedEvent
-from outbox.migrate import migrate
-from outbox.outboxes import Outbox
-from outbox.relay import Relay, RelayConfig
-from outbox.retry import RetryPolicy
+from outbox.relay.batch import Batch, Shared
+from outbox.relay.loop import Relay, RelayConfig
+from outbox.relay.retry import RetryPolicy
 from outbox.sinks.base import Outcome, Report, SinkWrapper
 from outbox.sinks.kafka import KafkaSink
+from outbox.store.migrate import migrate
+from outbox.store.outboxes import Outbox
 from tests.helpers import assert_per_key_order, count, read_topic, running_relay, wait_for
 from tests.integration.test_failures import LostMidBatch
 

@@ -18,11 +18,11 @@ import psycopg
 import pytest
 
 import outbox
-from outbox.config import RelayConfig
 from outbox.harness.proxy import Proxy
-from outbox.retry import RetryPolicy
-from outbox.routes import parse_routes
+from outbox.relay.config import RelayConfig
+from outbox.relay.retry import RetryPolicy
 from outbox.sinks.make import routed
+from outbox.sinks.routes import parse_routes
 from outbox.sinks.signing import parse_secrets
 from tests.helpers import (
     FAST,

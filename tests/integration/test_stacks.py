@@ -16,8 +16,8 @@ from opentelemetry.sdk.trace import TracerProvider
 from psycopg import sql
 
 import outbox
-from outbox.config import RelayConfig
 from outbox.errors import InvalidEvent, InvalidEventType, OutsideTransaction, UnsupportedConnection
+from outbox.relay.config import RelayConfig
 from tests.helpers import count, read_topic, running_relay, wait_for
 from tests.stacks import ASYNC_STACKS, SYNC_STACKS, AsyncStack, SyncStack, configure_django
 

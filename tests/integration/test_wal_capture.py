@@ -20,16 +20,17 @@ import pytest
 from psycopg import sql
 
 import outbox
-from outbox import capture, wal_message
+from outbox import capture
+from outbox.capture import wal_message
 from outbox.errors import ConfigError
 from outbox.events import ClaimedEvent, encode_event
-from outbox.fleet import Fleet
-from outbox.migrate import migrate
-from outbox.outboxes import Outbox
-from outbox.relay import RelayConfig
-from outbox.retry import RetryPolicy
+from outbox.relay.fleet import Fleet
+from outbox.relay.loop import RelayConfig
+from outbox.relay.retry import RetryPolicy
 from outbox.sinks.base import Dead, Outcome, Report, Retry, SinkWrapper
 from outbox.sinks.kafka import KafkaSink
+from outbox.store.migrate import migrate
+from outbox.store.outboxes import Outbox
 from tests.helpers import (
     RelayProcess,
     assert_per_key_order,
@@ -744,9 +745,9 @@ def test_the_slot_s_lag_and_activity_are_metrics(
 ) -> None:
     """outbox_wal_slot_lag_bytes / _lag_seconds / _active: WAL kept while no relay reads grows
     and is not confirmed; a relay reading the slot makes it active and confirms it."""
-    from outbox.gauges import DatabaseGauges
-    from outbox.metrics import RelayMetrics
-    from outbox.outboxes import Outbox
+    from outbox.observe.metrics import RelayMetrics
+    from outbox.relay.gauges import DatabaseGauges
+    from outbox.store.outboxes import Outbox
 
     metrics = RelayMetrics()
     gauges = DatabaseGauges(wal_dsn, lambda: [Outbox("orders", wal_dsn, wal_schema)], metrics)
@@ -970,7 +971,7 @@ def test_the_position_written_per_wal_batch_reads_a_few_pages_under_a_held_snaps
     ack p50 grew from 1.7 to 5.3 ms in the 10-minute held-snapshot bench. Appended, with the
     superseded rows deleted among the last few, the statements read a few pages however many
     batches went before, and the position read back is the last one written."""
-    from outbox.queries import query
+    from outbox.store.queries import query
 
     holder = psycopg.connect(pg_dsn)
     holder.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
@@ -1024,7 +1025,7 @@ def test_the_position_written_per_wal_batch_reads_a_few_pages_under_a_held_snaps
 def test_an_outbox_at_0013_keeps_its_handed_on_position_through_0014(pg_dsn: str) -> None:
     """The position an outbox in WAL capture had in capture's row (0013) still counts after 0014,
     until a new relay's appended position passes it."""
-    from outbox.migrate import _preamble, _record, migrations
+    from outbox.store.migrate import _preamble, _record, migrations
 
     name = f"m_{uuid.uuid4().hex[:10]}"
     every = migrations()
@@ -1046,7 +1047,7 @@ def test_an_outbox_at_0013_keeps_its_handed_on_position_through_0014(pg_dsn: str
             assert (found.lsn, found.part_commit, found.part_events) == ("2/A0", "2/F0", 7)
             # A new relay's batches: the greater position counts, wherever it is kept (an old
             # relay may still update capture's row during a rolling upgrade).
-            from outbox.queries import query
+            from outbox.store.queries import query
 
             for lsn, expected in (("2/B0", ("2/A0", "2/F0", 7)), ("3/0", ("3/0", None, 0))):
                 position = {"lsn": lsn, "part_commit": None, "part_events": 0}
@@ -1067,8 +1068,8 @@ def test_a_rotated_key_signs_from_the_rotation_and_the_old_one_only_within_its_w
     rotation's message (no restart), the new key's events are delivered, and a message signed
     with the old key is delivered only if it commits within the window: after it, a leaked key
     signs nothing that is delivered. A later rotation drops keys past their window."""
+    from outbox.capture.wal_message import sign
     from outbox.cli import main
-    from outbox.wal_message import sign
 
     def keys() -> list[bytes]:
         with psycopg.connect(wal_dsn) as conn:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import shlex
 
-from outbox.audit import command
+from outbox.operate.audit import command
 
 
 def test_dead_letter_commands_carry_the_filters_quoted() -> None:

@@ -8,10 +8,10 @@ import pytest
 
 from outbox.errors import ConfigError
 from outbox.events import ClaimedEvent
-from outbox.routes import parse_url
 from outbox.sinks import aws
 from outbox.sinks.aio import Refused
 from outbox.sinks.base import Dead, Retry
+from outbox.sinks.routes import parse_url
 
 TRACEPARENT = b"00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, cast
 
-from outbox.lanes import Beats, Lane
+from outbox.relay.lanes import Beats, Lane
 
 
 @dataclass

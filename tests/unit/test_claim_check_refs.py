@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from outbox.claim_check import ClaimCheckRefused, _within
+from outbox.sinks.claim_check import ClaimCheckRefused, _within
 
 ID = "3f1c9a52-7d6e-4b8a-9c21-5e0f4a7b8d13"  # fixed: parameter ids must be the same on every xdist worker
 

@@ -9,9 +9,9 @@ import pytest
 
 from outbox.cli import build_parser, options
 from outbox.cli.relay import relay_config
-from outbox.config import RelayConfig
 from outbox.errors import ConfigError
-from outbox.retry import RetryPolicy
+from outbox.relay.config import RelayConfig
+from outbox.relay.retry import RetryPolicy
 
 
 def _relay_args(*argv: str) -> Any:

@@ -6,7 +6,7 @@ import logging
 
 import pytest
 
-from outbox.conditions import Condition
+from outbox.observe.conditions import Condition
 
 
 class Clock:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from psycopg.conninfo import conninfo_to_dict
 
-from outbox.dsn import redact, scrub, secrets_in_argv, secrets_of, with_net_timeouts
+from outbox.store.dsn import redact, scrub, secrets_in_argv, secrets_of, with_net_timeouts
 
 
 @pytest.mark.parametrize(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 
-from outbox.hygiene import Hygiene
+from outbox.store.hygiene import Hygiene
 
 
 def test_hygiene_vacuums_when_dead_tuples_dominate_not_mid_drain() -> None:

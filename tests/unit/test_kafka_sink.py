@@ -7,8 +7,8 @@ import logging
 import pytest
 from confluent_kafka import KafkaError
 
-from outbox.conditions import Condition
 from outbox.errors import ConfigError
+from outbox.observe.conditions import Condition
 from outbox.sinks.base import Dead, Retry
 from outbox.sinks.kafka import _ClientLog, build_config, classify, redacted
 

@@ -7,7 +7,7 @@ import re
 import pytest
 
 from outbox.errors import ConfigError
-from outbox.limits import Gate, either, gates, glob_regex, parse_limit, parse_weights, weight_of
+from outbox.relay.limits import Gate, either, gates, glob_regex, parse_limit, parse_weights, weight_of
 
 TOPICS = ["partner.orders", "partner.x.y", "partnerX", "orders", "a-b_c", "a.b", "a?b", "[x]", "p1", "p"]
 GLOBS = ["partner.*", "*", "orders", "a-b_?", "a?b", "[ab].b", "[!a]*", "p?", "*.y", "a.b"]

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import uuid
 
-from outbox.batch import Batch, WalBatch
 from outbox.capture import Position
-from outbox.ordering import KeyHolds, fair_share
+from outbox.relay.batch import Batch, WalBatch
+from outbox.relay.ordering import KeyHolds, fair_share
 from outbox.sinks.base import HELD, Dead, Delivered, Retry
 
 

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from outbox.errors import ConfigError
-from outbox.outboxes import Outbox, parse_outbox, read_outboxes_file, unique
+from outbox.store.outboxes import Outbox, parse_outbox, read_outboxes_file, unique
 
 
 def test_a_spec_names_a_dsn_and_a_schema() -> None:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from outbox import queries
+from outbox.store import queries
 
 PACKAGE = Path(queries.__file__).parent
 

@@ -7,7 +7,7 @@ import random
 import pytest
 
 from outbox.errors import ConfigError
-from outbox.retry import MAX_ERROR_CHARS, RetryPolicy, cap_error
+from outbox.relay.retry import MAX_ERROR_CHARS, RetryPolicy, cap_error
 
 
 def test_backoff_grows_exponentially_within_jitter_and_cap() -> None:

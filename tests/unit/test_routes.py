@@ -6,9 +6,9 @@ import pytest
 
 from outbox.errors import ConfigError
 from outbox.events import ClaimedEvent
-from outbox.routes import parse_route, parse_routes, route_for
 from outbox.sinks.base import Dead, Delivered, Outcome, Report, Sink
 from outbox.sinks.router import NO_ROUTE, SLICE, Router
+from outbox.sinks.routes import parse_route, parse_routes, route_for
 
 
 def test_routes_parse_in_order_and_kafka_bootstrap_is_the_last_catch_all() -> None:

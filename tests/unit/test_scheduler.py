@@ -10,12 +10,12 @@ from typing import Any, cast
 
 import pytest
 
-from outbox.config import RelayConfig
-from outbox.lanes import Beats, Lane
-from outbox.limits import Gate, parse_limit
-from outbox.outboxes import Outbox
-from outbox.scheduler import FAIR_BATCH, MIN_CLAIM, QUIET_LOOK, START_CLAIM, ClaimScheduler
+from outbox.relay.config import RelayConfig
+from outbox.relay.lanes import Beats, Lane
+from outbox.relay.limits import Gate, parse_limit
+from outbox.relay.scheduler import FAIR_BATCH, MIN_CLAIM, QUIET_LOOK, START_CLAIM, ClaimScheduler
 from outbox.sinks.base import Delivered, Retry
+from outbox.store.outboxes import Outbox
 
 
 @dataclass

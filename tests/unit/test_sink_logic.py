@@ -13,10 +13,10 @@ import pytest
 
 from outbox.errors import ConfigError
 from outbox.events import ClaimedEvent
-from outbox.routes import parse_route, parse_url
 from outbox.sinks.aio import REPORT_DELAY, AsyncSink, Refused, text_headers
 from outbox.sinks.base import Delivered, Outcome
 from outbox.sinks.redis import fields, headers_json
+from outbox.sinks.routes import parse_route, parse_url
 from outbox.sinks.signing import parse_secrets, signature
 from outbox.sinks.webhook import retry_after
 

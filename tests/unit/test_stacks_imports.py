@@ -9,7 +9,7 @@ import sys
 
 def test_importing_outbox_and_enqueueing_loads_no_optional_stack() -> None:
     code = (
-        "import sys, outbox, outbox.stacks, outbox.writer, outbox.relay, outbox.cli\n"
+        "import sys, outbox, outbox.write.stacks, outbox.write.writer, outbox.relay.loop, outbox.cli\n"
         "loaded = sorted(m for m in ('psycopg2', 'asyncpg', 'sqlalchemy', 'django', 'alembic') if m in sys.modules)\n"
         "print(loaded)\n"
     )

@@ -7,8 +7,9 @@ import struct
 
 import pytest
 
-from outbox import capture, pgoutput, wal_message
+from outbox import capture
 from outbox.bench.writers import sqlalchemy_url
+from outbox.capture import pgoutput, wal_message
 from outbox.errors import CorruptEvent
 from outbox.events import decode_row, encode_event
 

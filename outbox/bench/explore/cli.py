@@ -85,7 +85,7 @@ def cmd_explore(args: argparse.Namespace) -> int:
     require("embedded", "outbox bench explore")
     from outbox.bench.explore.search import Found, play, report, search, shrink
     from outbox.bench.explore.world import World
-    from outbox.embedded import embedded_postgres_server
+    from outbox.harness.embedded import embedded_postgres_server
 
     out = Path(opts.out)
     out.mkdir(parents=True, exist_ok=True)

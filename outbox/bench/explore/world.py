@@ -1,8 +1,8 @@
 """One schedule, played: the relays, the writer, the faults and the operator, then what happened.
 
 The relays are the ``outbox relay`` command, one process each, with the scripted sink; the
-writer writes through :func:`outbox.writer.enqueue_many`, as an application does; the operator
-acts through :func:`outbox.dead.act`, as ``outbox dead redrive``/``skip`` do. Faults are real:
+writer writes through :func:`outbox.write.writer.enqueue_many`, as an application does; the operator
+acts through :func:`outbox.operate.dead.act`, as ``outbox dead redrive``/``skip`` do. Faults are real:
 SIGKILL, SIGSTOP, ``pg_terminate_backend`` and a restart of the PostgreSQL of its own.
 What happened is gathered into a :class:`Record` for the checker: nothing in it comes from the
 relay's own account of itself but its logs.
@@ -26,14 +26,15 @@ from typing import Any
 
 import psycopg
 
-from outbox import capture, dead
+from outbox import capture
 from outbox.bench.explore.schedule import Fault, Schedule
 from outbox.bench.explore.sink import ENV_JOURNAL, ENV_RELAY, ENV_SCHEDULE, ENV_T0, TWIN_TOPIC
 from outbox.bench.faults.relays import stop_processes
-from outbox.embedded import EmbeddedPostgres, free_port
-from outbox.migrate import migrate
-from outbox.queries import query
-from outbox.writer import enqueue_many
+from outbox.harness.embedded import EmbeddedPostgres, free_port
+from outbox.operate import dead
+from outbox.store.migrate import migrate
+from outbox.store.queries import query
+from outbox.write.writer import enqueue_many
 
 TOPIC = "orders.placed"
 SINK = "outbox.bench.explore.sink:scripted"

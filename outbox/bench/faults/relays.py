@@ -23,7 +23,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from outbox.bench.faults.config import FaultConfig
-from outbox.embedded import free_port
+from outbox.harness.embedded import free_port
 
 # Structured log events, and what the report calls them.
 COUNTED_EVENTS = {

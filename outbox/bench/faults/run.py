@@ -16,16 +16,16 @@ from outbox import capture
 from outbox.bench.faults.config import FaultConfig
 from outbox.bench.faults.relays import Relays, poll_until
 from outbox.bench.faults.tally import tally
-from outbox.embedded import Broker, free_port
+from outbox.harness.embedded import Broker, free_port
 from outbox.harness.infra import create_topic
 from outbox.harness.load import LoadProcess, Written, prepare
 from outbox.harness.proxy import Proxy
 from outbox.harness.sinktaps import SinkTap
 from outbox.harness.tap import Tap
 from outbox.harness.taps import open_tap
-from outbox.migrate import migrate
-from outbox.progress import Progress
-from outbox.queries import query
+from outbox.observe.progress import Progress
+from outbox.store.migrate import migrate
+from outbox.store.queries import query
 
 MiB = 1 << 20
 TOPIC_PARTITIONS = 3

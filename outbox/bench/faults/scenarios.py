@@ -16,10 +16,10 @@ import psycopg
 from outbox.bench.faults.config import FaultConfig
 from outbox.bench.faults.relays import poll_until
 from outbox.bench.faults.run import MiB, Run
-from outbox.config import DELIVERY_TIMEOUT, LEASE, STALL_TIMEOUT
 from outbox.harness.proxy import Proxy
-from outbox.progress import Progress
-from outbox.queries import query
+from outbox.observe.progress import Progress
+from outbox.relay.config import DELIVERY_TIMEOUT, LEASE, STALL_TIMEOUT
+from outbox.store.queries import query
 
 Body = Callable[[Run, Progress], None]
 BACKLOG_DRAINED = 100  # pending events under which a healed blackhole counts as drained

@@ -11,8 +11,8 @@ from typing import Any, ClassVar
 from django.conf import settings
 from django.db import migrations
 
-from outbox.migrate import migrate_cursor
-from outbox.schema import DEFAULT_SCHEMA
+from outbox.store.migrate import migrate_cursor
+from outbox.store.schema import DEFAULT_SCHEMA
 
 
 def apply(apps: Any, schema_editor: Any) -> None:

@@ -1,0 +1,509 @@
+"""A claimed batch: its row locks are the lease, its commit is the fenced ack.
+
+The relay claims a batch with ``SELECT … FOR UPDATE SKIP LOCKED`` and keeps
+that transaction open while the sink works. The row locks mark the owner: no
+other worker can claim these events until the transaction ends. The relay's
+connections run with ``idle_in_transaction_session_timeout = lease``, so a
+worker that stalls past its lease has its session ended by PostgreSQL itself,
+its locks released, and its later ack refused (the connection is gone) — it
+cannot archive, retry or dead-letter anything after that. Every state change
+also checks the number of rows it really changed.
+
+``finish`` writes every outcome and returns a :class:`BatchResult`: what the
+batch did, per topic, from which the relay records its spans and metrics once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from operator import itemgetter
+from typing import Any, cast
+
+import psycopg
+
+from outbox import capture
+from outbox.errors import CorruptEvent, FencingError
+from outbox.events import CORRUPT_TOPIC, TOPIC_OF, ClaimedEvent, decode_row
+from outbox.relay.limits import Gate
+from outbox.relay.ordering import KeyHolds
+from outbox.relay.retry import RetryPolicy, cap_error
+from outbox.sinks.base import CORRUPT_EVENT, HELD, Dead, Delivered, Outcome, Retry
+from outbox.store.queries import int_array, query
+
+# Delivered's fields as C-level getters, for map() over a finished batch.
+_PARTITION, _OFFSET, _REF = (itemgetter(Delivered._fields.index(f)) for f in ("partition", "offset", "ref"))
+_ID, _ATTEMPTS = itemgetter(0), itemgetter(7)  # of a claimed row (claim_batch's columns)
+
+
+# psycopg's pipeline mode needs libpq 14+ (the binary wheels bring their own; a system libpq
+# may be older): without it, each statement is its own round trip.
+PIPELINE = psycopg.Pipeline.is_supported()
+
+
+@dataclass(slots=True)
+class TopicResult:
+    """What a finished batch did with its events of one topic."""
+
+    delivered: int = 0
+    retried: int = 0
+    dead: int = 0
+    errors: dict[str, int] = field(default_factory=dict)  # error kind -> failed attempts
+    # Seconds from creation to ack, per delivery; only when asked for (metrics are on).
+    latencies: list[float] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class BatchResult:
+    """What finishing a batch did: per topic, and the dead letters it made (for the log)."""
+
+    topics: dict[str, TopicResult] = field(default_factory=dict)
+    dead_events: list[tuple[int, str]] = field(default_factory=list)  # (id, reason)
+    next_retry: float | None = None  # seconds to the soonest retry it scheduled (None: none)
+
+    @property
+    def delivered(self) -> int:
+        return sum(t.delivered for t in self.topics.values())
+
+    @property
+    def retried(self) -> int:
+        return sum(t.retried for t in self.topics.values())
+
+    @property
+    def dead(self) -> int:
+        return sum(t.dead for t in self.topics.values())
+
+
+@dataclass
+class Written:
+    """A finished batch's outcomes, as lists of ids (and what goes with them) per statement."""
+
+    archive: bool
+    ok_ids: list[int]
+    ok_parts: list[int | None]
+    ok_offsets: list[int | None]
+    ok_refs: list[str | None]
+    retry_ids: list[int]
+    retry_delays: list[float]
+    retry_errors: list[str]
+    retry_kinds: list[str]
+    dead_ids: list[int]
+    dead_errors: list[str]
+    dead_kinds: list[str]
+    dead_events: list[tuple[int, str]]
+
+
+class Batch:
+    """Events claimed in one transaction on one connection, and their outcomes."""
+
+    def __init__(
+        self,
+        conn: psycopg.Connection[Any],
+        rows: list[tuple[Any, ...]],
+        *,
+        holds: KeyHolds | None = None,
+        parks: bool = False,
+    ) -> None:
+        self.conn = conn
+        # Ordered mode: a failure of key K holds K's later events until this batch ends.
+        self._holds = holds
+        self._parks = parks  # ... and so does a dead letter (--on-dead park)
+        self.ids: list[int] = list(map(_ID, rows))
+        self.attempts: list[int] = list(map(_ATTEMPTS, rows))
+        # One slot per event, None until its outcome is known. A sink may store a Delivered
+        # straight into its slot (KafkaSink.produce_many); every other outcome goes through
+        # settle(), which also holds the event's key.
+        self.outcomes: list[Outcome | None] = [None] * len(rows)
+        self.claimed_at = time.monotonic()
+        self.gate: Gate | None = None  # the limit (--limit) it was claimed for, if any
+        self.abandoned = False
+        self.finished = False  # its outcomes committed
+        # The transaction it shares with other outboxes' batches, claimed in one round trip and
+        # committed once (None: a transaction of its own).
+        self.shared: Shared | None = None
+        self.settled_at: float | None = None  # a shared one: when the loop first saw it complete
+        # OpenTelemetry "send <topic>" spans of this batch (empty when tracing is off).
+        self.spans: dict[str, Any] = {}
+        self.corrupt = 0  # rows that could not be decoded (settled as dead at once)
+        try:
+            self.events: list[ClaimedEvent | None] = list(map(decode_row, rows))
+        except CorruptEvent:  # at least one: decode row by row, settling each corrupt one
+            self.events = []
+            for i, row in enumerate(rows):
+                try:
+                    self.events.append(decode_row(row))
+                except CorruptEvent as exc:
+                    self.events.append(None)
+                    self.corrupt += 1
+                    reason = f"corrupt event row: {exc}" if exc.kind == CORRUPT_EVENT else str(exc)
+                    self.settle(i, Dead(exc.kind, reason))
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    @property
+    def waiting(self) -> int:
+        """Events whose outcome is not known yet."""
+        return self.outcomes.count(None)
+
+    def settle(self, index: int, outcome: Outcome) -> None:
+        """Record the outcome of event ``index`` (called once per event)."""
+        if self.abandoned or self.outcomes[index] is not None:
+            return
+        self.outcomes[index] = outcome
+        if type(outcome) is Delivered or self._holds is None:  # hot path first
+            return
+        # A held event stays locked here, untouched, until this batch ends, and a claim skips
+        # locked rows. The failure it waits behind blocks its key in the claim only while that
+        # failed event waits in the table: retried and delivered meanwhile (or never committed:
+        # its batch lost its lease), the key's later events were claimed and went out ahead of
+        # this one. So claims skip the key's events after it until this batch ends. (A WAL
+        # batch's held event is not in the table until this batch commits: its key is held.)
+        if outcome is HELD or isinstance(outcome, Retry) or self._parks:
+            event = self.events[index] if index < len(self.events) else None
+            if event is not None and event.key is not None:
+                locked = self._locked_id(index) if outcome is HELD else None
+                self._holds.add(id(self), event.key, locked=locked)
+
+    def _locked_id(self, index: int) -> int | None:
+        """The table id of event ``index``, locked by this batch until it ends."""
+        return self.ids[index]
+
+    def hold(self, index: int) -> None:
+        """Leave event ``index`` untouched: an earlier event of its key failed and is not committed."""
+        self.settle(index, HELD)
+
+    @property
+    def complete(self) -> bool:
+        return None not in self.outcomes
+
+    def finish(
+        self, schema: str, policy: RetryPolicy, *, archive: bool, latencies: bool = True
+    ) -> BatchResult:
+        """Write every outcome in one transaction (one statement per kind) and commit;
+        ``latencies``: list each delivery's creation-to-ack time in the result.
+
+        Raises FencingError (after rolling back) if a statement changed other
+        rows than expected, and psycopg.OperationalError if the lease was lost.
+        """
+        result, written = self._written(policy, archive=archive, latencies=latencies)
+        try:
+            self._write_and_commit(schema, written)
+            self.finished = True
+        except FencingError:
+            self.conn.rollback()
+            raise
+        return result
+
+    def stage(
+        self, schema: str, policy: RetryPolicy, *, archive: bool, latencies: bool = True
+    ) -> BatchResult:
+        """Write every outcome in the transaction, without committing it: a batch that shares its
+        transaction with other outboxes' batches (:class:`outbox.shared.Shared`), committed once
+        for all of them. Raises as :meth:`finish` does, without rolling back."""
+        result, written = self._written(policy, archive=archive, latencies=latencies)
+        self._write(schema, written)
+        return result
+
+    def _written(self, policy: RetryPolicy, *, archive: bool, latencies: bool) -> tuple[BatchResult, Written]:
+        """What finishing writes: the result, and the statements' lists."""
+        result = BatchResult()
+        topics = result.topics
+        now = time.time()
+        ok_ids: list[int] = []
+        ok_parts: list[int | None] = []
+        ok_offsets: list[int | None] = []
+        ok_refs: list[str | None] = []
+        retry_ids: list[int] = []
+        retry_delays: list[float] = []
+        retry_errors: list[str] = []
+        retry_kinds: list[str] = []
+        dead_ids: list[int] = []
+        dead_errors: list[str] = []
+        dead_kinds: list[str] = []
+        outcomes = self.outcomes
+        if set(map(type, outcomes)) == {Delivered}:
+            # The common case, every event delivered: the lists come from map() and one
+            # comprehension, not from the per-outcome loop below (a cost per event).
+            events = cast("list[ClaimedEvent]", self.events)  # none is corrupt: a corrupt row is dead
+            delivered = cast("list[Delivered]", outcomes)
+            ok_ids = self.ids
+            ok_parts = list(map(_PARTITION, delivered))
+            ok_offsets = list(map(_OFFSET, delivered))
+            ok_refs = list(map(_REF, delivered))
+            names = set(map(TOPIC_OF, events))
+            if len(names) == 1:
+                only = topics[names.pop()] = TopicResult(delivered=len(events))
+                if latencies:
+                    only.latencies = [now - e.created_at for e in events]
+            else:
+                for e in events:
+                    tr = topics.get(e.topic)
+                    if tr is None:
+                        tr = topics[e.topic] = TopicResult()
+                    tr.delivered += 1
+                    if latencies:
+                        tr.latencies.append(now - e.created_at)
+            outcomes = []  # nothing left for the loop below
+        for i, outcome in enumerate(outcomes):
+            if outcome is None or outcome is HELD:  # held: left pending, untouched
+                continue
+            event = self.events[i]
+            topic = CORRUPT_TOPIC if event is None else event.topic
+            tr = topics.get(topic)
+            if tr is None:
+                tr = topics[topic] = TopicResult()
+            if type(outcome) is Delivered:
+                ok_ids.append(self.ids[i])
+                ok_parts.append(outcome.partition)
+                ok_offsets.append(outcome.offset)
+                ok_refs.append(outcome.ref)
+                tr.delivered += 1
+                if latencies:
+                    tr.latencies.append(now - event.created_at)  # type: ignore[union-attr]
+                continue
+            assert isinstance(outcome, (Retry, Dead))
+            tr.errors[outcome.kind] = tr.errors.get(outcome.kind, 0) + 1
+            if isinstance(outcome, Retry):
+                made = self.attempts[i] + 1
+                if not policy.exhausted(made):
+                    retry_ids.append(self.ids[i])
+                    delay = policy.next_delay(made)
+                    if outcome.delay is not None:  # the sink asked for more (Retry-After)
+                        delay = max(delay, min(outcome.delay, policy.cap))
+                    retry_delays.append(delay)
+                    retry_errors.append(cap_error(outcome.reason))
+                    retry_kinds.append(outcome.kind)
+                    tr.retried += 1
+                    continue
+                reason = cap_error(f"gave up after {made} attempts: {outcome.reason}")
+            else:
+                reason = cap_error(outcome.reason)
+            dead_ids.append(self.ids[i])
+            dead_errors.append(reason)
+            dead_kinds.append(outcome.kind)
+            tr.dead += 1
+            result.dead_events.append((self.ids[i], reason))
+
+        if retry_delays:
+            result.next_retry = min(retry_delays)
+        written = Written(
+            archive, ok_ids, ok_parts, ok_offsets, ok_refs,
+            retry_ids, retry_delays, retry_errors, retry_kinds,
+            dead_ids, dead_errors, dead_kinds, result.dead_events,
+        )  # fmt: skip
+        return result, written
+
+    def _write_and_commit(self, schema: str, w: Written) -> None:
+        """The outcomes' statements and the commit. Each statement's row count is checked
+        before the commit (a lost lease changes fewer rows): one round trip each."""
+        self._write(schema, w)
+        self.conn.commit()
+
+    def _write(self, schema: str, w: Written) -> None:
+        """The outcomes' statements, in the batch's transaction (committed by ``finish``)."""
+        conn = self.conn
+        if w.ok_ids:
+            name = "archive_delivered" if w.archive else "delete_delivered"
+            cur = conn.execute(
+                query(name, schema),
+                {
+                    "ids": int_array(w.ok_ids),
+                    "partitions": int_array(w.ok_parts),
+                    "offsets": int_array(w.ok_offsets),
+                    # No sink reference at all (Kafka): an empty array, which unnest pads
+                    # with NULLs, instead of psycopg dumping a NULL per event in Python.
+                    "refs": [] if w.ok_refs.count(None) == len(w.ok_refs) else w.ok_refs,
+                },
+            )
+            _check_rows(cur.rowcount, len(w.ok_ids), "archive")
+        self._failed(schema, w, w.retry_ids, w.dead_ids)
+
+    def _failed(self, schema: str, w: Written, retry_ids: list[int], dead_ids: list[int]) -> None:
+        """The failed attempts (``retry_ids``: backoff persisted) and the dead letters (``dead_ids``,
+        parking their keys with --on-dead park), by their rows' ids."""
+        conn = self.conn
+        if retry_ids:
+            cur = conn.execute(
+                query("schedule_retry", schema),
+                {
+                    "ids": int_array(retry_ids),
+                    "delays": w.retry_delays,
+                    "errors": w.retry_errors,
+                    "kinds": w.retry_kinds,
+                },
+            )
+            _check_rows(cur.rowcount, len(retry_ids), "retry")
+        if dead_ids:
+            cur = conn.execute(
+                query("dead_letter", schema),
+                {
+                    "ids": int_array(dead_ids),
+                    "errors": w.dead_errors,
+                    "kinds": w.dead_kinds,
+                    "park": self._parks,
+                },
+            )
+            _check_rows(cur.rowcount, len(dead_ids), "dead-letter")
+
+    def release(self) -> None:
+        """Give the batch up: roll back so its events can be claimed again at once."""
+        self.abandoned = True
+        with contextlib.suppress(psycopg.Error):  # if the connection is gone, so are the locks
+            self.conn.rollback()
+
+
+class RolledBack(Exception):
+    """A batch's outcomes were not committed: the transaction it shared failed for another
+    outbox's batch. Its events stay pending, as after any failed ack."""
+
+
+class Shared:
+    """A transaction that batches of several outboxes of one database share: claimed in one round
+    trip (pipelined), sent together, committed once. Short claims of many outboxes each cost a
+    transaction, a session and an ack wait of their own otherwise; a relay draining a thousand
+    outboxes spent most of its loop on those. Every member's row locks last until the commit, so
+    each member is a lease like any batch; the price is that a failure of one member's statements
+    rolls back every member (their events stay pending and are sent again: duplicates, never a
+    loss)."""
+
+    def __init__(self, conn: psycopg.Connection[Any]) -> None:
+        self.conn = conn
+        self.members: list[tuple[str, Batch]] = []  # (schema, batch), in the order claimed
+        self.left = 0  # members not done yet: the last one gives the session back
+        self.handed = False  # on a finisher (or finished on the loop)
+
+    def add(self, schema: str, batch: Batch) -> None:
+        batch.shared = self
+        self.members.append((schema, batch))
+        self.left += 1
+
+    @property
+    def complete(self) -> bool:
+        return all(batch.complete for _, batch in self.members)
+
+    def finish(
+        self, policy: RetryPolicy, *, archive: bool, latencies: bool = True
+    ) -> dict[Batch, BatchResult | Exception]:
+        """Every member's statements, then one commit. Each member's result, or what stopped it:
+        the error for the member whose statement failed (every member's, when the commit did),
+        :class:`RolledBack` for the others."""
+        results: dict[Batch, BatchResult | Exception] = {}
+        failed: Batch | None = None
+        try:
+            for schema, batch in self.members:
+                failed = batch
+                results[batch] = batch.stage(schema, policy, archive=archive, latencies=latencies)
+            failed = None
+            self.conn.commit()
+        except (FencingError, psycopg.Error) as exc:
+            if self.conn.closed or self.conn.broken:  # the session is gone: every member's lease with it
+                failed = None
+            with contextlib.suppress(psycopg.Error):
+                self.conn.rollback()
+            culprit = next((s for s, b in self.members if b is failed), None)
+            others = RolledBack(f"rolled back with the batch of schema {culprit}: {exc}")
+            return {b: exc if failed is None or b is failed else others for _, b in self.members}
+        for _, batch in self.members:
+            batch.finished = True
+        return results
+
+
+def _check_rows(changed: int, expected: int, what: str) -> None:
+    if changed != expected:
+        raise FencingError(f"{what} changed {changed} rows, expected {expected}: the batch's lease was lost")
+
+
+def _column(rows: Sequence[tuple[Any, ...]], i: int) -> list[Any]:
+    return [row[i] for row in rows]
+
+
+class WalBatch(Batch):
+    """Events read from the WAL, sent like a claimed batch. Finishing writes the delivered
+    ones to the archive and the rest into the events table (then retried, dead-lettered or
+    parked there as table events are), records the position, commits; the relay then lets
+    the reader confirm it."""
+
+    def __init__(
+        self,
+        conn: psycopg.Connection[Any],
+        rows: list[tuple[Any, ...]],
+        after: capture.Position,
+        **kw: Any,
+    ) -> None:
+        # Each row's id is its index here until it has one of the table's (see _write).
+        rows = [(i, *row[1:]) for i, row in enumerate(rows)]
+        super().__init__(conn, rows, **kw)
+        self.rows = rows
+        self.after = after  # the WAL's position once these events are handed on
+
+    def _locked_id(self, index: int) -> int | None:
+        return None  # not in the table (yet): nothing locked there
+
+    def _write_and_commit(self, schema: str, w: Written) -> None:
+        """Every event delivered (the common case): the archive, the position and the commit go
+        in one round trip (pipeline mode); no row count needs checking first, as nothing here
+        was claimed. Three round trips held the relay's loop 1-2 ms per batch, during which
+        the transactions read waited. Atomic as before: the server commits the three together
+        or none of them, whether the relay dies before or after sending them."""
+        if len(w.ok_ids) == len(self.rows) and PIPELINE:
+            with self.conn.pipeline():
+                self._write(schema, w)
+                self.conn.commit()
+        else:
+            super()._write_and_commit(schema, w)
+
+    def _write(self, schema: str, w: Written) -> None:
+        conn = self.conn
+        rows = self.rows
+        settled = set(w.ok_ids)
+        if w.ok_ids and w.archive:
+            ok = [rows[i] for i in w.ok_ids]
+            conn.execute(
+                query("wal_archive", schema),
+                {
+                    "schema": schema,
+                    **self._columns(ok),
+                    "partitions": int_array(w.ok_parts),
+                    "offsets": int_array(w.ok_offsets),
+                    "refs": [] if w.ok_refs.count(None) == len(w.ok_refs) else w.ok_refs,
+                },
+            )
+        rest = [i for i in range(len(rows)) if i not in settled]
+        if rest:
+            # A row that could not be decoded goes in without its headers (they may be no JSON,
+            # or none jsonb takes): it is dead-lettered, its content kept as the payload.
+            events = self.events
+            kept = [rows[i] if events[i] is not None else (*rows[i][:5], None, *rows[i][6:]) for i in rest]
+            cur = conn.execute(query("wal_to_events", schema), self._columns(kept))
+            # Each event id's new ids in insertion order (the rows' order): an id may come twice
+            # (a writer's own message may repeat one), so not a plain mapping of id to id.
+            new_ids: dict[str, list[int]] = {}
+            for id_, event_id in sorted(cur.fetchall()):
+                new_ids.setdefault(event_id, []).append(int(id_))
+            real = {i: new_ids[rows[i][1]].pop(0) for i in rest}
+            self._failed(schema, w, [real[i] for i in w.retry_ids], [real[i] for i in w.dead_ids])
+            w.dead_events[:] = [(real[i], reason) for i, reason in w.dead_events]
+        after = self.after
+        position = {
+            "lsn": capture.lsn_text(after.lsn),
+            "part_commit": capture.lsn_text(after.commit) if after.commit else None,
+            "part_events": after.events if after.commit else 0,
+        }
+        conn.execute(query("wal_positions_superseded", schema), position)
+        conn.execute(query("wal_handed_on", schema), position)
+
+    @staticmethod
+    def _columns(rows: Sequence[tuple[Any, ...]]) -> dict[str, Any]:
+        return {
+            "event_ids": _column(rows, 1),
+            "topics": _column(rows, 2),
+            "keys": _column(rows, 3),
+            "payloads": _column(rows, 4),
+            "headers": _column(rows, 5),
+            "created": _column(rows, 6),
+            "types": _column(rows, 8),
+            "subjects": _column(rows, 9),
+        }

@@ -1,0 +1,205 @@
+"""A relay's health: readiness as one structured value, the stall watchdog, and the progress
+stamps both read.
+
+:class:`Readiness` is what ``/readyz`` answers, what the heartbeats record (its ``label``: shown
+by ``outbox status`` and the console), and what the ``outbox_not_ready`` metric counts (its
+``reason``): built once, never parsed back from its text.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import Protocol
+
+from outbox.observe.conditions import Condition
+from outbox.relay.config import RelayConfig
+from outbox.relay.lanes import Lane
+from outbox.relay.membership import Membership
+from outbox.sinks import router
+from outbox.sinks.base import Sink
+from outbox.store.sessions import Sessions
+
+log = logging.getLogger("outbox.relay")
+
+OUTBOXES_NOT_SERVED = "outboxes not served"  # /readyz: the relay is fine, some of its outboxes are not
+WATCH_EVERY = 1.0  # seconds between the watchdog's looks at the loop's progress
+# Seconds between looks at the relay's readiness for the heartbeats to record (its label, shown by
+# status and the console). A look reads every lane: once a heartbeat, it kept a relay of 1,000
+# idle outboxes busy.
+READINESS_EVERY = 1.0
+# The metric's reason of each label: database, sink, stalled, or lifecycle (the rest).
+_REASONS = {
+    "database unreachable": "database",
+    "sink unhealthy": "sink",
+    "sink down": "sink",
+    "stalled": "stalled",
+}
+
+
+@dataclass(frozen=True)
+class Readiness:
+    """``label``: the kind (ready, starting, draining: shutting down, sink unhealthy, sink down,
+    database unreachable, stalled, outboxes not served); ``detail`` what follows it on the first
+    line; ``sinks`` one line per sink; ``outboxes`` one line per outbox worth a line."""
+
+    label: str
+    detail: str = ""
+    sinks: tuple[str, ...] = ()
+    outboxes: tuple[str, ...] = ()
+
+    @property
+    def ok(self) -> bool:
+        return self.label == "ready"
+
+    @property
+    def reason(self) -> str:
+        """The ``outbox_not_ready`` metric's label: database, sink, stalled or lifecycle."""
+        return _REASONS.get(self.label, "lifecycle")
+
+    @property
+    def head(self) -> str:
+        return f"{self.label}: {self.detail}" if self.detail else self.label
+
+    def text(self) -> str:
+        """/readyz's body: the head, then the sinks' lines, then the outboxes'."""
+        return "\n".join([self.head, *self.sinks, *self.outboxes])
+
+
+def lane_trouble(lane: Lane) -> str:
+    """Why an outbox is not served (its own error, its heartbeat's, its WAL slot's), or ""."""
+    if lane.trouble.active:
+        return lane.trouble.last_error
+    if lane.ordering.heartbeat.active:
+        return lane.ordering.heartbeat.last_error
+    wal = lane.wal
+    if wal is not None and wal.condition.active:
+        return f"reading its WAL slot: {wal.condition.last_error}"
+    return ""
+
+
+class Host(Protocol):
+    """What the health looks at of the relay (from the health server's thread too)."""
+
+    config: RelayConfig
+    sessions: Sessions
+    membership: Membership
+    sink: Sink | None
+    running: threading.Event
+    stopped: threading.Event
+
+    @property
+    def lanes(self) -> dict[str, Lane]: ...
+
+    @property
+    def stopping(self) -> bool: ...
+
+
+class RelayHealth:
+    """Readiness and stall of one relay, and the watchdog behind ``/readyz``: when the loop last
+    completed a claim or a heartbeat, and when a sink last reported on a batch."""
+
+    def __init__(self, relay: Host) -> None:
+        self.relay = relay
+        self.loop_progress = time.monotonic()
+        self.sink_progress = time.monotonic()
+        # A database that stops answering without an error (a blackhole: the bytes are taken, no
+        # answer comes) blocks the loop inside a statement: a watchdog thread says so, once.
+        self.loop_stall = Condition(log, "stall", "the relay's database has not answered")
+        self._watchdog: threading.Thread | None = None
+        self._label = "starting"  # the label the heartbeats record, and when it is
+        self._label_next = 0.0  # looked at again (monotonic)
+
+    def readiness(self) -> Readiness:
+        """Database reachable, every sink up, every outbox served, not shutting down."""
+        r = self.relay
+        if r.stopping:
+            return Readiness("draining", "shutting down")
+        if not r.running.is_set():
+            return Readiness("starting")
+        sink = r.sink
+        if sink is None or not sink.healthy():
+            return Readiness("sink unhealthy")
+        trouble, states = router.states_of(sink)
+        sinks = tuple(states)
+        lanes = list(r.lanes.values())  # read from the health server's thread: a copy
+        beating = [lane.ordering.heartbeat.active for lane in lanes]
+        # The database is unreachable when sessions fail, the membership heartbeat does, or every
+        # outbox's look does; one outbox's failing look (its schema dropped) is its trouble only.
+        if r.sessions.database.active or r.membership.heartbeat.active or (beating and all(beating)):
+            return Readiness("database unreachable", sinks=sinks)
+        if trouble:
+            return Readiness("sink down", trouble[0], sinks)
+        stalled = self.stalled()
+        if stalled:
+            return Readiness("stalled", stalled, sinks)
+        troubled = [(lane.name, why) for lane in lanes if (why := lane_trouble(lane))]
+        if troubled:
+            lines = tuple(f"outbox {name}: {why}" for name, why in troubled)
+            return Readiness(OUTBOXES_NOT_SERVED, f"{len(troubled)} of {len(lanes)}", sinks, lines)
+        return Readiness("ready", sinks=sinks)
+
+    def label(self) -> str:
+        """The readiness label, looked at once a READINESS_EVERY at most (for the heartbeats)."""
+        now = time.monotonic()
+        if now >= self._label_next:
+            self._label_next = now + READINESS_EVERY
+            self._label = self.readiness().label
+        return self._label
+
+    def stalled(self) -> str:
+        """Why the relay is making no progress though nothing reported an error, or "".
+
+        The loop completes a claim or a heartbeat (every ownership lease / 5) at least every
+        few seconds; a statement that hangs on a silent network stops both. With batches in
+        flight, a sink reports on one at least every delivery timeout; a silent broker stops
+        that, or answers every event with a timeout: no event delivered (or dead-lettered)
+        since the first batch that only failed."""
+        r = self.relay
+        now = time.monotonic()
+        limit = r.config.stall_timeout
+        loop_age = now - self.loop_progress
+        if loop_age > max(limit, 2 * r.config.poll_interval):
+            return f"no claim or heartbeat completed for {loop_age:.0f} s"
+        lanes = list(r.lanes.values())
+        failing = [lane.failing_since for lane in lanes if lane.failing_since]
+        if failing and now - min(failing) > limit:
+            return f"every delivery attempt failed for {now - min(failing):.0f} s"
+        for lane in lanes:
+            wal = lane.wal
+            if wal is not None and wal.oldest_wait() > limit:
+                return (
+                    f"{lane.said}the WAL slot does not advance: "
+                    f"a transaction read {wal.oldest_wait():.0f} s ago waits"
+                )
+        flights = [b for lane in lanes for b in list(lane.in_flight)]
+        if flights:
+            oldest = min(b.claimed_at for b in flights)
+            quiet = now - max(self.sink_progress, oldest)
+            if quiet > limit:
+                return f"{len(flights)} batches in flight, no delivery report for {quiet:.0f} s"
+        return ""
+
+    def start_watchdog(self) -> None:
+        self._watchdog = threading.Thread(target=self._watch, name="outbox-watchdog", daemon=True)
+        self._watchdog.start()
+
+    def _watch(self) -> None:
+        """Every second: has the loop completed a claim or a heartbeat within the stall timeout?
+        One line when it has not (the loop is stuck in a statement), one when it has again."""
+        r = self.relay
+        limit = max(r.config.stall_timeout, 2 * r.config.poll_interval)
+        while not r.stopped.wait(WATCH_EVERY):
+            age = time.monotonic() - self.loop_progress
+            lanes = list(r.lanes.values())
+            said = (
+                r.sessions.database.active
+                or r.membership.heartbeat.active
+                or any(lane.ordering.heartbeat.active for lane in lanes)
+            )
+            if age > limit and not said:  # an error already said it: one problem, one line
+                self.loop_stall.fail(f"no claim or heartbeat completed for {age:.0f} s")
+            else:
+                self.loop_stall.ok()

@@ -1,0 +1,94 @@
+"""What a batch did, recorded in one place: its spans, metrics, counters and log lines."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING
+
+from outbox.observe import tracing
+from outbox.observe.metrics import RelayMetrics
+from outbox.relay.batch import Batch, BatchResult
+from outbox.relay.lanes import Lane, RelayStats
+from outbox.sinks import router
+from outbox.sinks.base import Sink
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+log = logging.getLogger("outbox.relay")
+
+
+class BatchRecorder:
+    """The relay's counters (``stats``: every outbox's; each lane has its own) and metrics
+    (``metrics_on``: when someone reads them), fed from each batch's result."""
+
+    def __init__(self, stats: RelayStats, metrics: RelayMetrics, metrics_on: Callable[[], bool]) -> None:
+        self.stats = stats
+        self.metrics = metrics
+        self.metrics_on = metrics_on
+
+    def record(
+        self, lane: Lane, batch: Batch, result: BatchResult, ack_start: int, sink: Sink | None
+    ) -> None:
+        """Spans, metrics, counters and logs of a committed batch, from its result."""
+        if batch.spans:
+            errors = {t: next(iter(r.errors)) for t, r in result.topics.items() if r.errors}
+            tracing.end_batch(batch.spans, errors, ack_start, time.time_ns())
+        metrics = self.metrics if self.metrics_on() else None
+        for topic, r in result.topics.items():
+            for stats in (self.stats, lane.stats):
+                stats.delivered += r.delivered
+                stats.retried += r.retried
+                stats.dead += r.dead
+            if metrics is None:
+                continue
+            labels = (lane.name, topic, "none" if sink is None else router.name_of(sink, topic))
+            if r.delivered:
+                metrics.delivered.inc(labels, r.delivered)
+                metrics.latency.observe_many(r.latencies, (lane.name,))
+            for kind, n in r.errors.items():
+                metrics.errors.inc((*labels, kind), n)
+            if r.dead:
+                metrics.dead.inc(labels, r.dead)
+        for event_id, reason in result.dead_events:
+            log.warning(
+                "event %d dead-lettered: %s",
+                event_id,
+                reason,
+                extra={"event": "event.dead", "outbox": lane.name},
+            )
+        retried = sum(r.retried for r in result.topics.values())
+        settled = sum(r.delivered + r.dead for r in result.topics.values())
+        if settled:
+            lane.failing_since = 0.0
+        elif retried and not lane.failing_since:
+            lane.failing_since = batch.claimed_at  # every attempt of the batch failed
+        if retried:
+            kinds = sorted({kind for r in result.topics.values() for kind in r.errors})
+            lane.delivery.fail(f"{retried} events of the last batch will be retried ({', '.join(kinds)})")
+        elif any(r.delivered for r in result.topics.values()):
+            lane.delivery.ok()
+
+    def lease_lost(self, lane: Lane, batch: Batch, why: str, ack_start: int) -> None:
+        self.stats.leases_lost += 1
+        lane.stats.leases_lost += 1
+        self.metrics.leases_lost.inc((lane.name,))
+        self.end_spans(batch, ack_start, "lease_lost")
+        log.warning(
+            "ack of %d events refused, they will be delivered again by their new owner: %s",
+            len(batch),
+            why,
+            # How long the batch was out: every event of it was sent within that time.
+            extra={
+                "event": "lease.lost",
+                "outbox": lane.name,
+                "batch_age": round(time.monotonic() - batch.claimed_at, 3),
+            },
+        )
+
+    @staticmethod
+    def end_spans(batch: Batch, ack_start: int, error: str) -> None:
+        if batch.spans:
+            tracing.end_batch(batch.spans, {}, ack_start, time.time_ns(), error)
+            batch.spans = {}

@@ -1,0 +1,133 @@
+"""Named SQL, loaded once from the ``.sql`` files in ``outbox/sql/``.
+
+Runtime code never assembles SQL by hand: it asks for a statement by name and
+gets a :class:`psycopg.sql.Composed` with the schema bound as an identifier.
+Values are parameters; the few statements that cannot take parameters (DDL,
+``migrate --print`` output) get identifiers and literals bound through
+``psycopg.sql``, never through string formatting.
+
+One file per concept (``relay.sql``, ``ordering.sql``, ``dead.sql`` …); a name
+is unique across all of them, and the loader refuses a duplicate.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.resources
+import re
+from collections.abc import Hashable, Iterable, Mapping
+
+from psycopg import sql
+
+from outbox.store.schema import channel_name, validate_schema
+
+_BLOCK = re.compile(r"^-- name: (\w+)\n", re.MULTILINE)
+
+# Statements that run on a session the project does not pin (outbox.pinning): the application's
+# (the writers, the inbox), or a consumer's claim-check fetch. Its search_path is its owner's, and
+# another role may have planted overloads there: these name every function in pg_catalog (an
+# unqualified unnest(uuid[]) would call a planted one even with exact types, beating
+# unnest(anyarray)) and give every operator pg_catalog's exact argument types.
+# tests/unit/test_queries.py checks the names; tests/acceptance/test_search_path_traps.py runs them.
+APPLICATION_SESSION = frozenset(
+    {
+        *("insert_event", "insert_events_arrays", "copy_events", "copy_events_text", "first_statement"),
+        *("insert_event_numbered", "insert_events_arrays_numbered", "events_table", "events_table_numbered"),
+        *("writer_capture", "writer_capture_numbered", "capture_mode"),
+        *("emit_events", "emit_events_binary", "emit_events_numbered"),
+        *("inbox_record", "inbox_record_numbered", "inbox_table", "inbox_table_numbered"),
+        *("inbox_prune", "inbox_count_before"),
+        *("claim_check_put", "claim_check_get", "claim_check_purge_chunk", "claim_check_held"),
+        "claim_check_table",
+    }
+)
+
+
+@functools.cache
+def _raw_queries() -> dict[str, str]:
+    queries: dict[str, str] = {}
+    for entry in sorted(importlib.resources.files("outbox.store").joinpath("sql").iterdir(), key=str):
+        if not entry.name.endswith(".sql"):
+            continue
+        parts = _BLOCK.split(entry.read_text("utf-8"))
+        # parts = [preamble, name1, body1, name2, body2, ...]
+        for name, body in zip(parts[1::2], parts[2::2], strict=True):
+            if name in queries:
+                raise RuntimeError(f"query {name!r} is defined twice in outbox/sql/")
+            lines = [line for line in body.strip().splitlines() if not line.startswith("--")]
+            queries[name] = "\n".join(lines).strip()
+    return queries
+
+
+def names() -> list[str]:
+    """Every query name (used by tests)."""
+    return sorted(_raw_queries())
+
+
+def raw(name: str) -> str:
+    """The text of a named statement, placeholders unbound."""
+    try:
+        return _raw_queries()[name]
+    except KeyError:
+        raise KeyError(f"no query named {name!r} in outbox/sql/") from None
+
+
+def query(
+    name: str,
+    schema: str,
+    *,
+    keywords: Mapping[str, str] | None = None,
+    identifiers: Mapping[str, str] | None = None,
+    literals: Mapping[str, Hashable] | None = None,
+) -> sql.Composed:
+    """The named statement with ``{schema}`` bound to ``schema`` as an identifier.
+
+    ``keywords`` fill placeholders with fixed SQL words chosen by our own code
+    (``state="ENABLE"``), never with user input; ``identifiers`` with names
+    quoted as identifiers (inside ``schema``); ``literals`` with quoted values.
+    """
+    return _query(
+        name,
+        schema,
+        _items(keywords),
+        _items(identifiers),
+        _items(literals),
+    )
+
+
+def _items(mapping: Mapping[str, Hashable] | None) -> tuple[tuple[str, Hashable], ...]:
+    return tuple(sorted(mapping.items())) if mapping else ()
+
+
+@functools.lru_cache(maxsize=512)
+def _query(
+    name: str,
+    schema: str,
+    keywords: tuple[tuple[str, Hashable], ...],
+    identifiers: tuple[tuple[str, Hashable], ...],
+    literals: tuple[tuple[str, Hashable], ...],
+) -> sql.Composed:
+    validate_schema(schema)
+    parts: dict[str, sql.Composable] = {
+        "schema": sql.Identifier(schema),
+        "schema_name": sql.Literal(schema),
+        "channel": sql.Literal(channel_name(schema)),
+    }
+    parts.update((k, sql.SQL(str(v))) for k, v in keywords)
+    parts.update((k, sql.Identifier(str(v))) for k, v in identifiers)
+    parts.update((k, sql.Literal(v)) for k, v in literals)
+    return sql.SQL(raw(name)).format(**parts)
+
+
+def int_array(values: Iterable[int | None]) -> str:
+    """A PostgreSQL array literal of integers, e.g. ``{1,2,NULL}``.
+
+    Sent as one text parameter and cast in SQL (``%(ids)s::text::bigint[]``):
+    psycopg would otherwise dump a list element by element in Python, a
+    measurable cost per acknowledged event.
+    """
+    if not isinstance(values, list):
+        values = list(values)
+    if None not in values:  # the common case: map(str) runs in C, a generator per element does not
+        return "{" + ",".join(map(str, values)) + "}"
+    return "{" + ",".join("NULL" if v is None else str(v) for v in values) + "}"
