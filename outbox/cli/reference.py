@@ -1,6 +1,6 @@
 """The docs' reference pages, generated from the code: every command and option (from the
 parser), every ``OUTBOX_*`` variable with its default (from the same options), every metric with
-its labels (from :class:`~outbox.observe.metrics.RelayMetrics`) and every migration (from its file's
+its labels (from :class:`~outbox.relay.metrics.RelayMetrics`) and every migration (from its file's
 header). ``scripts/docs-reference`` writes them to ``docs/reference/``; a test fails when the
 files there are not what this renders.
 
@@ -18,7 +18,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from importlib import resources
 
-from outbox.observe.metrics import RelayMetrics
+from outbox.relay.metrics import RelayMetrics
 from outbox.settings import ENV_PREFIX
 
 PAGES = ("cli", "settings", "metrics", "migrations")

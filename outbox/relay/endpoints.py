@@ -9,8 +9,8 @@ from collections.abc import Callable, Sequence
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import TYPE_CHECKING, Any
 
-from outbox.observe.metrics import RelayMetrics
 from outbox.relay.gauges import DatabaseGauges
+from outbox.relay.metrics import RelayMetrics
 
 if TYPE_CHECKING:
     from outbox.relay.health import Readiness

@@ -14,9 +14,9 @@ import psycopg
 
 from outbox import capture
 from outbox.observe.conditions import Condition
-from outbox.observe.metrics import RelayMetrics
 from outbox.observe.prometheus import Labels
 from outbox.relay.limits import Limit
+from outbox.relay.metrics import RelayMetrics
 from outbox.store import pinning
 from outbox.store.dsn import scrub, secrets_of
 from outbox.store.queries import query

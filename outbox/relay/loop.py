@@ -52,7 +52,6 @@ from typing import Any
 import psycopg
 
 from outbox.errors import ConfigError, MissingExtra
-from outbox.observe.metrics import RelayMetrics
 from outbox.relay.config import RelayConfig
 from outbox.relay.endpoints import HealthServer
 from outbox.relay.finisher import BatchFinisher
@@ -60,6 +59,7 @@ from outbox.relay.gauges import DatabaseGauges
 from outbox.relay.health import OUTBOXES_NOT_SERVED, Readiness, RelayHealth
 from outbox.relay.lanes import Beats, Lane, RelayStats
 from outbox.relay.membership import Membership
+from outbox.relay.metrics import RelayMetrics
 from outbox.relay.ordering import Ordering
 from outbox.relay.pipelined import Picks
 from outbox.relay.recorder import BatchRecorder

@@ -7,9 +7,9 @@ import time
 from typing import TYPE_CHECKING
 
 from outbox.observe import tracing
-from outbox.observe.metrics import RelayMetrics
 from outbox.relay.batch import Batch, BatchResult
 from outbox.relay.lanes import Lane, RelayStats
+from outbox.relay.metrics import RelayMetrics
 from outbox.sinks import router
 from outbox.sinks.base import Sink
 

@@ -14,13 +14,13 @@ from functools import partial
 from typing import Protocol
 
 from outbox.errors import ConfigError
-from outbox.observe.metrics import RelayMetrics
 from outbox.relay.config import RelayConfig
 from outbox.relay.finisher import BatchFinisher
 from outbox.relay.health import RelayHealth
 from outbox.relay.lanes import Beats, Lane, Pace
 from outbox.relay.limits import either, gates, weight_of
 from outbox.relay.membership import Membership
+from outbox.relay.metrics import RelayMetrics
 from outbox.relay.ordering import Ordering
 from outbox.relay.scheduler import BEAT_EARLY, ClaimScheduler
 from outbox.relay.upkeep import LaneUpkeep

@@ -14,7 +14,6 @@ import psycopg
 
 from outbox.events import ClaimedEvent
 from outbox.observe import tracing
-from outbox.observe.metrics import RelayMetrics
 from outbox.relay import limits
 from outbox.relay.batch import PIPELINE, Batch, Shared, WalBatch
 from outbox.relay.finisher import BatchFinisher
@@ -22,6 +21,7 @@ from outbox.relay.health import RelayHealth
 from outbox.relay.lanes import Lane, RelayStats
 from outbox.relay.limits import Gate
 from outbox.relay.membership import Membership
+from outbox.relay.metrics import RelayMetrics
 from outbox.relay.pipelined import Picks, Pipelined
 from outbox.relay.scheduler import SOLO_AFTER_ERROR, ClaimScheduler
 from outbox.relay.upkeep import LaneUpkeep

@@ -745,8 +745,8 @@ def test_the_slot_s_lag_and_activity_are_metrics(
 ) -> None:
     """outbox_wal_slot_lag_bytes / _lag_seconds / _active: WAL kept while no relay reads grows
     and is not confirmed; a relay reading the slot makes it active and confirms it."""
-    from outbox.observe.metrics import RelayMetrics
     from outbox.relay.gauges import DatabaseGauges
+    from outbox.relay.metrics import RelayMetrics
     from outbox.store.outboxes import Outbox
 
     metrics = RelayMetrics()

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from outbox.cli.reference import PAGES, render
-from outbox.observe.metrics import RelayMetrics
+from outbox.relay.metrics import RelayMetrics
 
 ROOT = Path(__file__).resolve().parents[2]
 
