@@ -1,5 +1,5 @@
 """Sinks for ``outbox relay --sink`` that load the schedule explorer's scripted sink into a relay
-with a known bug put back, to show that the explorer finds it (tests/integration/test_explore.py)."""
+with a known bug put back, to show that the explorer finds it (tests/integration/bench/test_explore.py)."""
 
 from __future__ import annotations
 

@@ -10,7 +10,7 @@ the caller's rights. A session that pins ``search_path = pg_catalog, pg_temp`` n
 SQL that runs on an application's session (the writers, the inbox) calls pg_catalog's functions by
 their qualified name.
 
-The list of names is derived from the SQL itself (``outbox/sql/*.sql``, ``migrations/*.sql``), so
+The list of names is derived from the SQL itself (``outbox/store/sql/*.sql``, ``migrations/*.sql``), so
 that a call added tomorrow is trapped tomorrow. For each pg_catalog overload of a name, the traps
 take each argument's type, or any type PostgreSQL converts to it implicitly; a polymorphic
 argument gets each of the common concrete types (its array for an array). Each trap counts its

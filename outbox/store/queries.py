@@ -1,4 +1,4 @@
-"""Named SQL, loaded once from the ``.sql`` files in ``outbox/sql/``.
+"""Named SQL, loaded once from the ``.sql`` files in ``outbox/store/sql/``.
 
 Runtime code never assembles SQL by hand: it asks for a statement by name and
 gets a :class:`psycopg.sql.Composed` with the schema bound as an identifier.
@@ -28,7 +28,7 @@ _BLOCK = re.compile(r"^-- name: (\w+)\n", re.MULTILINE)
 # another role may have planted overloads there: these name every function in pg_catalog (an
 # unqualified unnest(uuid[]) would call a planted one even with exact types, beating
 # unnest(anyarray)) and give every operator pg_catalog's exact argument types.
-# tests/unit/test_queries.py checks the names; tests/acceptance/test_search_path_traps.py runs them.
+# tests/unit/store/test_queries.py checks the names; tests/acceptance/test_search_path_traps.py runs them.
 APPLICATION_SESSION = frozenset(
     {
         *("insert_event", "insert_events_arrays", "copy_events", "copy_events_text", "first_statement"),
@@ -53,7 +53,7 @@ def _raw_queries() -> dict[str, str]:
         # parts = [preamble, name1, body1, name2, body2, ...]
         for name, body in zip(parts[1::2], parts[2::2], strict=True):
             if name in queries:
-                raise RuntimeError(f"query {name!r} is defined twice in outbox/sql/")
+                raise RuntimeError(f"query {name!r} is defined twice in outbox/store/sql/")
             lines = [line for line in body.strip().splitlines() if not line.startswith("--")]
             queries[name] = "\n".join(lines).strip()
     return queries
@@ -69,7 +69,7 @@ def raw(name: str) -> str:
     try:
         return _raw_queries()[name]
     except KeyError:
-        raise KeyError(f"no query named {name!r} in outbox/sql/") from None
+        raise KeyError(f"no query named {name!r} in outbox/store/sql/") from None
 
 
 def query(

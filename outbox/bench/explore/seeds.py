@@ -1,4 +1,4 @@
-"""The seeds CI plays (``tests/integration/test_explore.py``), and every seed that ever found a
+"""The seeds CI plays (``tests/integration/bench/test_explore.py``), and every seed that ever found a
 bug, kept as a regression case with what it found."""
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ from outbox.store.migrate import migrate
 from outbox.store.outboxes import Outbox
 from outbox.store.sessions import Link
 from tests.helpers import count
-from tests.integration.test_console import SAME, _dead, _hw
+from tests.integration.console.test_console import SAME, _dead, _hw
 
 
 @pytest.fixture

@@ -14,7 +14,7 @@ from outbox.sinks.base import Outcome, Report, SinkWrapper
 from outbox.sinks.kafka import KafkaSink
 from outbox.store.outboxes import Outbox
 from tests.helpers import assert_per_key_order, count, read_topic, running_relay, wait_for
-from tests.integration.test_shared_claims import PER_OUTBOX, _archived_once, _config, _outboxes
+from tests.integration.relay.test_shared_claims import PER_OUTBOX, _archived_once, _config, _outboxes
 
 GROUP = 4  # --shared-outboxes: 12 outboxes are three shared transactions
 

@@ -17,8 +17,7 @@ from psycopg.conninfo import make_conninfo
 
 from outbox import enqueue, enqueue_many
 from outbox.store.migrate import Roles, grant_roles, render_all
-
-from ..helpers import RelayProcess, count, read_topic, wait_for
+from tests.helpers import RelayProcess, count, read_topic, wait_for
 
 
 class Logins(NamedTuple):

@@ -10,7 +10,7 @@ import pytest
 from outbox.cli.reference import PAGES, render
 from outbox.relay.metrics import RelayMetrics
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def test_the_reference_pages_are_generated_from_todays_code() -> None:

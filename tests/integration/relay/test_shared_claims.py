@@ -25,7 +25,7 @@ from outbox.sinks.kafka import KafkaSink
 from outbox.store.migrate import migrate
 from outbox.store.outboxes import Outbox
 from tests.helpers import assert_per_key_order, count, read_topic, running_relay, wait_for
-from tests.integration.test_failures import LostMidBatch
+from tests.integration.relay.test_failures import LostMidBatch
 
 PER_OUTBOX = 30
 

@@ -10,7 +10,7 @@ import pytest
 
 from outbox.store import queries
 
-PACKAGE = Path(queries.__file__).parent
+PACKAGE = Path(queries.__file__).parents[1]  # outbox/
 
 
 def test_int_arrays_as_literals() -> None:
