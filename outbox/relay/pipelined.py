@@ -25,6 +25,13 @@ from outbox.relay.lanes import Lane
 Picks = list[tuple[Lane, int]]  # each outbox and its claim's limit
 
 
+def claim_again(picks: Picks) -> None:
+    """Claims that came to nothing (not sent, or given up unread): each outbox claims again at the
+    next step, its events pending as they were."""
+    for lane, _ in picks:
+        lane.more_work = True
+
+
 class Pipelined:
     """The claims of ``picks`` on ``conn``: :meth:`send`, then :meth:`rows` (or :meth:`close`)."""
 
@@ -53,14 +60,17 @@ class Pipelined:
             raise
 
     def rows(self) -> list[list[tuple[Any, ...]]]:
-        """Each outbox's claimed rows, in the order of ``picks`` (raises what the claims raised)."""
+        """Each outbox's claimed rows, in the order of ``picks`` (raises what the claims raised).
+        The outboxes stay ``claiming`` until :meth:`done`: the caller sends the next claims first,
+        and these are not among them."""
         try:
             if not PIPELINE:
                 return [lane.ordering.claim(self.conn, most, None, lane.skip) for lane, most in self.picks]
             self._pipeline.close()  # the sync: every claim's result in
             return [cur.fetchall() for cur in self._cursors]
-        finally:
+        except BaseException:
             self.done()
+            raise
 
     def close(self) -> None:
         """Leave the pipeline without reading the rows (the caller rolls the transaction back)."""

@@ -22,7 +22,7 @@ from outbox.relay.lanes import Lane, RelayStats
 from outbox.relay.limits import Gate
 from outbox.relay.membership import Membership
 from outbox.relay.metrics import RelayMetrics
-from outbox.relay.pipelined import Picks, Pipelined
+from outbox.relay.pipelined import Picks, Pipelined, claim_again
 from outbox.relay.scheduler import SOLO_AFTER_ERROR, ClaimScheduler
 from outbox.relay.upkeep import LaneUpkeep
 from outbox.sinks import router
@@ -122,20 +122,17 @@ class BatchSender:
         assert claims.picks is picks
         conn = claims.conn
         try:
-            claimed = claims.rows()
+            claimed = claims.rows()  # they stay claiming: not among the next claims
         except psycopg.Error as exc:
             self._claims_failed(claims, exc)
             return None
-        for (lane, _), rows in zip(picks, claimed, strict=True):
-            self._went_through(lane, rows)
-        if PIPELINE:
-            for lane, _ in picks:  # not among the next claims'
-                lane.claiming = True
-            try:
+        try:
+            for (lane, _), rows in zip(picks, claimed, strict=True):
+                self._went_through(lane, rows)
+            if PIPELINE:
                 self._send_ahead(next_claims())
-            finally:
-                for lane, _ in picks:
-                    lane.claiming = False
+        finally:
+            claims.done()
         shared = Shared(conn)
         short = False
         counts = []
@@ -164,16 +161,12 @@ class BatchSender:
         if not picks:
             return
         conn = self.relay.sessions.take()
-        if conn is None:  # stopping while reconnecting: they claim again when due
-            for lane, _ in picks:
-                lane.more_work = True
-            return
-        claims = Pipelined(conn, picks, time.time_ns())
-        if self._sent(claims):
-            self.ahead = claims
-        else:
-            for lane, _ in picks:
-                lane.more_work = True
+        if conn is not None:
+            claims = Pipelined(conn, picks, time.time_ns())
+            if self._sent(claims):
+                self.ahead = claims
+                return
+        claim_again(picks)  # stopping while reconnecting, or the claims failed
 
     def _sent(self, claims: Pipelined) -> bool:
         try:
@@ -202,8 +195,7 @@ class BatchSender:
         if claims is None:
             return
         claims.close()
-        for lane, _ in claims.picks:
-            lane.more_work = True
+        claim_again(claims.picks)
         self.relay.sessions.roll_back(claims.conn)
 
     def claim_gate(self, lane: Lane, gate: Gate, most: int) -> int:
