@@ -85,3 +85,14 @@ class CorruptEvent(OutboxError, ValueError):
     def __init__(self, message: str, kind: str = "corrupt_event") -> None:
         super().__init__(message)
         self.kind = kind
+
+
+class StoreUnavailable(OutboxError):
+    """A claim-check store could not take or give a payload now (retry later)."""
+
+    exit_code = 1
+
+
+class ClaimCheckRefused(OutboxError):
+    """A claim-check reference that is malformed, or points outside the store the consumer
+    follows: that message fails for good (it is not retried, and the consumer goes on)."""

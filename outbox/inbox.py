@@ -51,7 +51,7 @@ import psycopg
 from outbox.errors import ConfigError, InvalidType, NotMigrated, UnsupportedConnection
 from outbox.events import CLAIM_CHECK_HEADER, EVENT_ID_HEADER
 from outbox.store.queries import query
-from outbox.store.schema import schema_or_default
+from outbox.store.schema import DEFAULT_SCHEMA, schema_or_default
 from outbox.write.stacks import AsyncWriter, Writer, _seen, async_writer_for, writer_for
 
 log = logging.getLogger("outbox.inbox")
@@ -266,7 +266,7 @@ def consume_kafka(
       (``postgres:<schema>`` on ``dsn``, the default with this inbox's schema, or
       ``s3://bucket/prefix`` with boto3's settings). A store that cannot answer is a failure:
       retried. A reference that is malformed or points outside the store
-      (:class:`~outbox.sinks.claim_check.ClaimCheckRefused`) fails that message alone: it is
+      (:class:`~outbox.errors.ClaimCheckRefused`) fails that message alone: it is
       skipped, logged and counted (``refused``), and the consumer goes on.
     - Stops when ``stop`` is set or, in the main thread with ``handle_signals``, on
       SIGTERM/SIGINT: the message in hand finishes, the offsets are committed
@@ -280,7 +280,7 @@ def consume_kafka(
     settings["enable.auto.commit"] = False
     settings["enable.auto.offset.store"] = False
     consumer_name = _text(name if name is not None else str(settings["group.id"]), "name", MAX_CONSUMER)
-    from outbox.sinks.claim_check import ClaimCheckRefused
+    from outbox.errors import ClaimCheckRefused
 
     schema = schema_or_default(schema)
     if claim_check is None:
@@ -386,3 +386,21 @@ def consume_kafka(
         if conn is not None:
             conn.close()
     return stats
+
+
+def fetch_claim_check(
+    reference: str | bytes,
+    *,
+    store: str = "postgres:" + DEFAULT_SCHEMA,
+    dsn: str | None = None,
+    endpoint: str | None = None,
+) -> bytes:
+    """The payload an ``outbox-claim-check`` header refers to, for a consumer that does not use
+    :func:`consume_kafka`: from ``store`` only (``postgres:<schema>`` through ``dsn``, or
+    ``s3://bucket[/prefix]`` with boto3's credentials, from ``endpoint``). Raises
+    :class:`~outbox.errors.ClaimCheckRefused` for a reference that is malformed or points anywhere
+    else, ``LookupError`` when it is gone (purged), :class:`~outbox.errors.StoreUnavailable`
+    when the store cannot answer now."""
+    from outbox.sinks.claim_check import fetch
+
+    return fetch(reference, store=store, dsn=dsn, endpoint=endpoint)

@@ -38,7 +38,7 @@ from urllib.parse import parse_qs, urlsplit
 
 import psycopg
 
-from outbox.errors import ConfigError, OutboxError
+from outbox.errors import ClaimCheckRefused, ConfigError, StoreUnavailable
 from outbox.events import CLAIM_CHECK_HEADER, ClaimedEvent
 from outbox.sinks.base import Outcome, Report, Retry, Sink, SinkWrapper
 from outbox.store.dsn import redact, scrub, secrets_of
@@ -50,17 +50,6 @@ log = logging.getLogger("outbox.claim_check")
 HEADER = CLAIM_CHECK_HEADER
 PURGE_CHUNK = 1000
 S3_OPTIONS = ("endpoint", "region")
-
-
-class StoreUnavailable(OutboxError):
-    """The store could not take or give a payload now (retry later)."""
-
-    exit_code = 1
-
-
-class ClaimCheckRefused(OutboxError):
-    """A reference that is malformed, or points outside the store the consumer follows: that
-    message fails for good (it is not retried, and the consumer goes on)."""
 
 
 class Store(Protocol):

@@ -265,7 +265,13 @@ def test_a_finished_shared_transaction_leaves_nothing_for_the_garbage_collector(
             )
 
             def alive() -> list[object]:
-                return [o for o in gc.get_objects() if isinstance(o, (Batch, Shared))]
+                # This relay's only (its sessions'): the worker's process has run other tests,
+                # whose threads or tracebacks may hold batches of their own.
+                return [
+                    o
+                    for o in gc.get_objects()
+                    if isinstance(o, (Batch, Shared)) and relay.sessions.pid(o.conn) is not None
+                ]
 
             # A finisher thread may still hold the last batch for a moment after its lane let go
             # (a loaded machine: seen in CI): that reference ends, a cycle does not (gc is off).
@@ -273,8 +279,12 @@ def test_a_finished_shared_transaction_leaves_nothing_for_the_garbage_collector(
                 wait_for(lambda: not alive(), timeout=10, what="the batches freed")
             except AssertionError:
                 left = alive()
+                held = [
+                    (type(o).__name__, [type(r).__name__ for r in gc.get_referrers(o) if r is not left])
+                    for o in left
+                ]
                 raise AssertionError(
-                    f"{len(left)} batches and shared transactions kept alive by a cycle"
+                    f"{len(left)} batches and shared transactions kept alive by a cycle: {held}"
                 ) from None
     finally:
         gc.enable()

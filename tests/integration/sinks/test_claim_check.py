@@ -109,7 +109,7 @@ def test_big_payloads_go_by_reference_through_kafka_in_key_order_and_the_consume
     assert all(m.headers["seq"] in (b"1", b"4") for m in big), "only the big ones went by reference"
     for m in messages:  # small ones unchanged, big ones resolvable, byte-exact
         value = (
-            fetch(m.headers[HEADER], store=f"postgres:{schema}", dsn=pg_dsn)
+            outbox.inbox.fetch_claim_check(m.headers[HEADER], store=f"postgres:{schema}", dsn=pg_dsn)
             if HEADER in m.headers
             else m.value
         )
