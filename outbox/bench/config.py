@@ -81,18 +81,18 @@ SMOKE = {
     "big_events": 6000,
     "repeat": 1,
     # Time-boxed races count from their first event moved (a slow spawn on a loaded machine is
-    # not in them): 3 s is 60 samples of the 50 ms counter, and each box burns CPU flat out, in
+    # not in them): 1.5 s is 30 samples of the 50 ms counter, and each box burns CPU flat out, in
     # a parallel test suite on two cores.
-    "seeds_seconds": 3.0,
-    "peer_seconds": 3.0,
+    "seeds_seconds": 1.5,
+    "peer_seconds": 1.5,
     "rates": [200],
     "steady_seconds": 3.0,
     "writer_iterations": 100,
     "enqueue_many_repeats": 3,
-    "soak_minutes": 0.1,
+    "soak_minutes": 0.05,
     "soak_rate": 200,
-    "snapshot_seconds": 2.0,
-    "snapshot_minutes": 0.1,
+    "snapshot_seconds": 1.0,
+    "snapshot_minutes": 0.05,
     "snapshot_rate": 200,
     "settle_seconds": 3.0,
     "scale_processes": [1, 2],

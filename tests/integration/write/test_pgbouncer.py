@@ -24,7 +24,7 @@ from tests.pgbouncer_writers import STACKS
 from tests.stacks import url
 
 CLIENTS = 8  # concurrent connections, more than the pool's server connections
-TRANSACTIONS = 500  # per connection
+TRANSACTIONS = 150  # per connection: 1,200 a stack, each client's session swapped constantly
 
 
 def _clients(
