@@ -15,6 +15,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+pytestmark = pytest.mark.same_on_every_python
+
 ROOT = Path(__file__).resolve().parents[2]
 KUBERNETES = "1.31.0"  # the version the manifests are validated against (README, deploy/)
 CHART = ROOT / "deploy" / "helm" / "outbox-relay"

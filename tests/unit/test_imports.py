@@ -6,6 +6,10 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.same_on_every_python
+
 PACKAGE = Path(__file__).resolve().parents[2] / "outbox"
 
 

@@ -13,6 +13,8 @@ import outbox
 from outbox.errors import MissingExtra
 from outbox.extras import EXTRAS
 
+pytestmark = pytest.mark.same_on_every_python
+
 ROOT = Path(__file__).resolve().parents[2]
 
 # An install line or a metadata lookup naming the import package instead of the distribution:

@@ -6,6 +6,10 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
+pytestmark = pytest.mark.same_on_every_python
+
 
 def test_importing_outbox_and_enqueueing_loads_no_optional_stack() -> None:
     code = (
