@@ -14,6 +14,9 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 SERIAL_BUDGET = 12.0  # seconds
+# The relays' --poll-interval (world.py): a key's failed send is claimed again no sooner than its
+# backoff, and the claim that takes it comes with the next poll.
+POLL_INTERVAL = 0.2  # seconds
 FAULT_KINDS = ("kill", "stop", "terminate", "restart")
 ACTION_KINDS = ("redrive", "skip")
 
@@ -115,12 +118,16 @@ class Schedule:
         return max(times)
 
     def serial_seconds(self) -> float:
-        """About how long the busiest key's events take to send, one after another."""
+        """About how long the busiest key's events take to send, one after another: each send, and
+        each failed one again after a poll (its expected retries: fail + fail² + ... up to
+        max_attempts; seed 310, a single key failing one send in four, was still moving 180 s
+        past its end where the sends alone were 11 s)."""
         weights = [1.0 / (k + 1) ** self.skew for k in range(self.keys)]
         busiest = self.events * weights[0] / sum(weights)
         typical = self.latency_ms / 1000 * math.exp(self.spread**2 / 2)
         each = (1 - self.slow) * typical + self.slow * self.delivery_timeout
-        return float(busiest * each)
+        retries = sum(self.fail**attempt for attempt in range(1, self.max_attempts))
+        return float(busiest * (each + retries * (POLL_INTERVAL + typical)))
 
     def render(self) -> str:
         """The schedule as text: the same seed, the same text."""

@@ -13,12 +13,15 @@ REGRESSIONS: dict[int, str] = {
     "a failure and the relay's poll; and a hot key failing one send in ten outlasted the drain",
     52: "the checker's: a batch held out 5.7 s by a key's chained slow sends (lease 2.7 s) lost its "
     "lease; its window needs the batch's age, which the relay's JSON log lines dropped (cli.JsonFormatter)",
+    310: "the explorer's: one key failing one send in four, on three outboxes, was still moving 180 s past "
+    "its end (2.5 events/s), 63 events unsettled; the schedule's serial time left retries out "
+    "(Schedule.serial_seconds counts them now: 400 events drawn become 100)",
 }
 
 # Played by CI besides, a spread: 5 (three relays, key order, park; SIGKILL, SIGSTOP and a
 # PostgreSQL restart; slow keys), 52 (WAL capture, key order, continue; a restart; a redrive and
 # a skip). With the regression seeds (among them a Kafka-like queue per key, freezes, refusals)
-# and the mutant's, CI plays six schedules: about 150 s of test time in a suite whose minutes are
+# and the mutant's, CI plays seven schedules: about 200 s of test time in a suite whose minutes are
 # counted. 18 and 40 (a queue per key with freezes; two relays killed and stopped) were CI's too,
 # and are where a longer run starts: outbox bench explore --seed 18 --schedules 100.
 CI_SEEDS: tuple[int, ...] = (5, 52)

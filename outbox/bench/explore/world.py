@@ -27,7 +27,7 @@ from typing import Any
 import psycopg
 
 from outbox import capture
-from outbox.bench.explore.schedule import Fault, Schedule
+from outbox.bench.explore.schedule import POLL_INTERVAL, Fault, Schedule
 from outbox.bench.explore.sink import ENV_JOURNAL, ENV_RELAY, ENV_SCHEDULE, ENV_T0, TWIN_TOPIC
 from outbox.bench.faults.relays import stop_processes
 from outbox.harness.embedded import EmbeddedPostgres, free_port
@@ -187,7 +187,8 @@ class Run:
                     "--lease", str(s.lease), "--delivery-timeout", str(s.delivery_timeout),
                     "--ownership-lease", str(s.ownership_lease), "--net-timeout", "2",
                     "--retry-base", str(s.retry_base), "--retry-cap", str(s.retry_cap),
-                    "--max-attempts", str(s.max_attempts), "--poll-interval", "0.2", "--grace", "3",
+                    "--max-attempts", str(s.max_attempts), "--poll-interval", str(POLL_INTERVAL),
+                    "--grace", "3",
                     "--metrics-port", str(port), "--log-format", "json", "--log-level", "info",
                 ],
                 env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
