@@ -6,7 +6,7 @@ neither ``--dsn`` nor ``OUTBOX_DSN`` is set. Options are made from the
 settings they configure (``outbox.cli.options``), so they are declared once.
 
 Each command group registers itself: ``cli.relay`` (relay), ``cli.operate``
-(migrate, status, notify, dead, retry, replay, purge, inbox, audit), ``cli.demo``
+(migrate, status, notify, inbox), ``cli.repair`` (dead, retry, replay, purge, audit), ``cli.demo``
 (demo), ``cli.console`` (console), and ``outbox.bench.cli`` (bench, bench faults). An expected error
 (:class:`~outbox.errors.OutboxError`) is one line on stderr and an exit code;
 anything else is a bug and keeps its traceback.
@@ -88,7 +88,7 @@ def setup_logging(fmt: str, level: str) -> None:
 def build_parser(*, bench: bool = True) -> argparse.ArgumentParser:
     """The whole command line; ``bench=False`` leaves `outbox bench`'s own parser out (a line in
     the list of commands stands for it), so that no other command imports outbox.bench."""
-    from outbox.cli import capture, console, demo, operate, relay
+    from outbox.cli import capture, console, demo, operate, relay, repair
 
     parser = Parser(
         prog="outbox",
@@ -99,6 +99,7 @@ def build_parser(*, bench: bool = True) -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"outbox {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
     operate.register(sub)
+    repair.register(sub)
     capture.register(sub)
     relay.register(sub)
     demo.register(sub)
