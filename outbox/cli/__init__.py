@@ -15,6 +15,7 @@ anything else is a bug and keeps its traceback.
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import logging
 import os
@@ -85,11 +86,21 @@ def setup_logging(fmt: str, level: str) -> None:
         logging.getLogger(name).setLevel(max(logging.WARNING, root.level))
 
 
-def build_parser(*, bench: bool = True) -> argparse.ArgumentParser:
-    """The whole command line; ``bench=False`` leaves `outbox bench`'s own parser out (a line in
-    the list of commands stands for it), so that no other command imports outbox.bench."""
-    from outbox.cli import capture, console, demo, operate, relay, repair
+# Which module registers each command: a command line that names one builds that module's
+# parser alone, and imports no other command's (``outbox status`` imports neither the relay nor
+# the console). Anything else (no command, --help, a misspelt one) builds them all.
+GROUPS: dict[str, str] = {
+    "migrate": "operate", "status": "operate", "notify": "operate", "inbox": "operate",
+    "dead": "repair", "retry": "repair", "replay": "repair", "purge": "repair", "audit": "repair",
+    "capture": "capture", "relay": "relay", "demo": "demo", "console": "console", "bench": "bench",
+}  # fmt: skip
+_ORDER = ("operate", "repair", "capture", "relay", "demo", "console", "bench")
 
+
+def build_parser(*, bench: bool = True, command: str | None = None) -> argparse.ArgumentParser:
+    """The whole command line; ``bench=False`` leaves `outbox bench`'s own parser out (a line in
+    the list of commands stands for it), so that no other command imports outbox.bench.
+    ``command``: only the group that registers it (see :data:`GROUPS`), when it names one."""
     parser = Parser(
         prog="outbox",
         description="Transactional outbox relay: PostgreSQL outbox table -> Kafka, RabbitMQ, NATS, "
@@ -98,20 +109,18 @@ def build_parser(*, bench: bool = True) -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"outbox {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
-    operate.register(sub)
-    repair.register(sub)
-    capture.register(sub)
-    relay.register(sub)
-    demo.register(sub)
-    console.register(sub)
-    if bench:
-        from outbox.bench import cli as bench_cli
+    group = GROUPS.get(command or "")
+    for name in (group,) if group else _ORDER:
+        if name == "bench" and not (bench or group == "bench"):
+            # Its help line alone: the other commands (the relay, the console, migrate) import
+            # nothing of the bench or the harness.
+            sub.add_parser("bench", help=BENCH_HELP, add_help=False)
+        elif name == "bench":
+            from outbox.bench import cli as bench_cli
 
-        bench_cli.register(sub)
-    else:
-        # Its help line alone: the other commands (the relay, the console, migrate) import nothing
-        # of the bench or the harness.
-        sub.add_parser("bench", help=BENCH_HELP, add_help=False)
+            bench_cli.register(sub)
+        else:
+            importlib.import_module(f"outbox.cli.{name}").register(sub)
     return parser
 
 
@@ -119,7 +128,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         _parsing[:] = list(argv) if argv is not None else []
         given = list(argv) if argv is not None else sys.argv[1:]
-        args = build_parser(bench=bool(given) and given[0] == "bench").parse_args(argv)
+        first = given[0] if given else None
+        args = build_parser(bench=first == "bench", command=first).parse_args(argv)
         setup_logging(args.log_format, args.log_level)
         command: Command = args.run
         return command(args)

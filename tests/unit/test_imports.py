@@ -123,3 +123,22 @@ def test_the_runtime_imports_nothing_of_the_bench_or_the_harness() -> None:
     )
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]", out.stdout
+
+
+@pytest.mark.parametrize("argv", [["status", "--help"], ["migrate", "--help"], ["dead", "list", "--help"]])
+def test_a_command_that_moves_no_event_imports_neither_the_relay_nor_the_console(argv: list[str]) -> None:
+    """Each command's parser is built alone (cli.GROUPS): `outbox status` in a cron job or a probe
+    does not pay for importing the relay, its sinks or the console (about 80 ms a call)."""
+    import subprocess
+    import sys
+
+    probe = (
+        "import runpy, sys\n"
+        f"sys.argv = ['outbox', *{argv!r}]\n"
+        "try:\n    runpy.run_module('outbox', run_name='__main__')\n"
+        "except SystemExit:\n    pass\n"
+        "print(sorted(m for m in sys.modules if m.startswith(('outbox.relay.loop', 'outbox.console', "
+        "'outbox.sinks.kafka', 'outbox.cli.relay', 'outbox.cli.console', 'outbox.cli.demo'))), file=sys.stderr)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    assert "usage: outbox" in out.stdout and out.stderr.strip() == "[]", out.stderr

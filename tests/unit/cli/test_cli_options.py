@@ -68,3 +68,13 @@ def test_metrics_port_zero_means_off_on_the_command_line(monkeypatch: pytest.Mon
     assert relay_config(_relay_args("--metrics-port", "0")).metrics_port is None
     monkeypatch.setenv("OUTBOX_METRICS_PORT", "9464")
     assert relay_config(_relay_args()).metrics_port == 9464
+
+
+def test_every_command_is_in_groups_and_its_group_alone_builds_it() -> None:
+    from outbox.cli import GROUPS
+
+    every = build_parser()._subparsers._group_actions[0].choices  # type: ignore[union-attr]
+    assert set(every) == set(GROUPS)
+    for command in every:
+        alone = build_parser(command=command)._subparsers._group_actions[0].choices  # type: ignore[union-attr]
+        assert command in alone and len(alone) < len(every), command
