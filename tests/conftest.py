@@ -26,6 +26,7 @@ from psycopg.conninfo import make_conninfo
 
 from outbox.harness.embedded import Broker, embedded_postgres
 from outbox.store.migrate import migrate
+from tests.helpers import kept
 
 # Variables that would change what the code under test connects to.
 for _name in list(os.environ):
@@ -79,11 +80,9 @@ def pg_dsn() -> Iterator[str]:
 @pytest.fixture
 def schema(pg_dsn: str) -> Iterator[str]:
     name = f"t_{uuid.uuid4().hex[:12]}"
-    with psycopg.connect(pg_dsn, autocommit=True) as conn:
-        migrate(conn, name)
+    kept(pg_dsn, lambda conn: migrate(conn, name))  # on the worker's kept session (tests.helpers)
     yield name
-    with psycopg.connect(pg_dsn, autocommit=True) as conn:
-        conn.execute(sql.SQL("DROP SCHEMA {} CASCADE").format(sql.Identifier(name)))
+    kept(pg_dsn, lambda conn: conn.execute(sql.SQL("DROP SCHEMA {} CASCADE").format(sql.Identifier(name))))
 
 
 @pytest.fixture

@@ -12,7 +12,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import psycopg
 from confluent_kafka import OFFSET_BEGINNING, Consumer, TopicPartition
@@ -51,6 +51,7 @@ def wait_for(
 
 
 _polling = threading.local()
+T = TypeVar("T")
 
 
 def polled(dsn: str, query: Any, params: Sequence[Any] | None = None) -> list[tuple[Any, ...]]:
@@ -59,13 +60,21 @@ def polled(dsn: str, query: Any, params: Sequence[Any] | None = None) -> list[tu
     0.3 ms on a kept one, a twentieth of the suite's CPU on two cores. A kept session that was
     dropped (a server restarted, a database dropped, a backend terminated) is opened again once;
     a second failure is raised (wait_for polls again)."""
+    return kept(dsn, lambda conn: conn.execute(query, params).fetchall())
+
+
+def kept(dsn: str, use: Callable[[psycopg.Connection[Any]], T]) -> T:
+    """``use`` run on the autocommit session this thread keeps for ``dsn`` (as :func:`polled`):
+    the fixtures make and drop a schema a test on it, two new sessions a test otherwise. A kept
+    session that was dropped meanwhile is opened again once; ``use`` must be safe to run again
+    after a session that failed (a migrate is: it commits each step)."""
     sessions: dict[str, psycopg.Connection[Any]] = _polling.__dict__.setdefault("sessions", {})
     for attempt in (1, 2):
         conn = sessions.get(dsn)
         if conn is None or conn.closed:
             conn = sessions[dsn] = psycopg.connect(dsn, autocommit=True, application_name="outbox-tests")
         try:
-            return conn.execute(query, params).fetchall()
+            return use(conn)
         except psycopg.OperationalError:
             sessions.pop(dsn, None)
             with contextlib.suppress(Exception):
