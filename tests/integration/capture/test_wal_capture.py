@@ -981,15 +981,24 @@ def test_the_position_written_per_wal_batch_reads_a_few_pages_under_a_held_snaps
         return {"lsn": capture.lsn_text(0x1_0000_0000 + n * 0x100), "part_commit": None, "part_events": 0}
 
     def buffers(conn: psycopg.Connection[Any], name: str, params: dict[str, Any] | None) -> int:
-        """Shared buffers the statement touched (hit + read), run and rolled back."""
-        plan = conn.execute(
-            sql.SQL("EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) ") + query(name, schema),
-            params,
-        ).fetchone()
-        conn.rollback()
-        assert plan is not None
-        top = plan[0][0]["Plan"]
-        return int(top["Shared Hit Blocks"]) + int(top["Shared Read Blocks"])
+        """Shared buffers the statement touched (hit + read), run and rolled back: the least of
+        three runs. What a session does once is not what this measures: on PostgreSQL 14, beside
+        the matrix's other tests (which make and drop schemas all along, and autovacuum), a first
+        run of the INSERT once touched 35 buffers where it touches 6 to 9 alone, and other
+        sessions' DDL made a first run cost more here too (its catalog caches rebuilt inside the
+        statement). The cost this guards against, every statement reading the dead versions a
+        held snapshot keeps (108 to 148 buffers), is in every run."""
+        runs = []
+        for _ in range(3):
+            plan = conn.execute(
+                sql.SQL("EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) ") + query(name, schema),
+                params,
+            ).fetchone()
+            conn.rollback()
+            assert plan is not None
+            top = plan[0][0]["Plan"]
+            runs.append(int(top["Shared Hit Blocks"]) + int(top["Shared Read Blocks"]))
+        return min(runs)
 
     try:
         with psycopg.connect(pg_dsn) as conn:
