@@ -5,6 +5,7 @@ started on a free loopback port (as the user postgres when root: a server does n
 from __future__ import annotations
 
 import fcntl
+import functools
 import json
 import os
 import shutil
@@ -13,6 +14,7 @@ import subprocess
 import sys
 import tarfile
 import tempfile
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -22,17 +24,33 @@ DEFAULT_CACHE = Path("/var/tmp/outbox-pg") if os.getuid() == 0 else Path.home() 
 CACHE = Path(os.environ.get("OUTBOX_PG_CACHE", DEFAULT_CACHE))
 
 
-def latest(major: str) -> str:
-    """The newest build of a major: every version is a prerelease (13.23.0-beta.16), which npm's
-    ranges skip, so the list is read and sorted here (server version, then build number). A build
-    already in the cache is used when npm cannot be asked."""
+_asking = threading.Lock()
+
+
+def _published() -> tuple[str, ...] | None:
+    """Every published build, asked of npm once a process (scripts/pg-matrix starts five servers
+    at once, in threads: one question, not five); None when npm cannot be asked."""
+    with _asking:
+        return _ask_npm()
+
+
+@functools.cache
+def _ask_npm() -> tuple[str, ...] | None:
     try:
         out = subprocess.run(
             ["npm", "view", PACKAGE, "versions", "--json"], capture_output=True, text=True, check=True
         ).stdout
-        versions = json.loads(out)
+        return tuple(json.loads(out))
     except (OSError, subprocess.CalledProcessError):
-        versions = [p.name for p in CACHE.glob(f"{major}.*")]
+        return None
+
+
+def latest(major: str) -> str:
+    """The newest build of a major: every version is a prerelease (13.23.0-beta.16), which npm's
+    ranges skip, so the list is read and sorted here (server version, then build number). A build
+    already in the cache is used when npm cannot be asked."""
+    published = _published()
+    versions = list(published) if published is not None else [p.name for p in CACHE.glob(f"{major}.*")]
     ours = [v for v in versions if v.split(".")[0] == major and "-beta." in v]
     if not ours:
         sys.exit(f"no {PACKAGE} build for PostgreSQL {major}")
