@@ -21,6 +21,12 @@ GROUPS = [
 ]  # fmt: skip
 
 
+# Each runs a whole `outbox bench` process with a timeout of its own (600 s), which says what it
+# was doing: pytest's default 300 s would cut it short first when it shares the cores (CI runs
+# the long checks beside the version matrix).
+pytestmark = pytest.mark.timeout(660)
+
+
 def test_the_groups_cover_every_scenario_once() -> None:
     assert sorted(s for g in GROUPS for s in g) == sorted(SCENARIOS)
 

@@ -23,6 +23,11 @@ import pytest
 from outbox.bench.faults.config import WINDOW_COMMITS
 from outbox.bench.faults.scenarios import SCENARIOS
 
+# Each runs a whole `outbox bench` process with a timeout of its own (600 s), which says what it
+# was doing: pytest's default 300 s would cut it short first when it shares the cores (CI runs
+# the long checks beside the version matrix).
+pytestmark = pytest.mark.timeout(660)
+
 
 def _results(out: subprocess.CompletedProcess[str], directory: Path) -> dict[str, Any]:
     """The run's results.json; a run that ended before writing it fails with its output."""
