@@ -94,7 +94,6 @@ GROUPS: dict[str, str] = {
     "dead": "repair", "retry": "repair", "replay": "repair", "purge": "repair", "audit": "repair",
     "capture": "capture", "relay": "relay", "demo": "demo", "console": "console", "bench": "bench",
 }  # fmt: skip
-_ORDER = ("operate", "repair", "capture", "relay", "demo", "console", "bench")
 
 
 def build_parser(*, bench: bool = True, command: str | None = None) -> argparse.ArgumentParser:
@@ -110,8 +109,8 @@ def build_parser(*, bench: bool = True, command: str | None = None) -> argparse.
     parser.add_argument("--version", action="version", version=f"outbox {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
     group = GROUPS.get(command or "")
-    for name in (group,) if group else _ORDER:
-        if name == "bench" and not (bench or group == "bench"):
+    for name in (group,) if group else dict.fromkeys(GROUPS.values()):  # each module once, in order
+        if name == "bench" and not bench:
             # Its help line alone: the other commands (the relay, the console, migrate) import
             # nothing of the bench or the harness.
             sub.add_parser("bench", help=BENCH_HELP, add_help=False)
