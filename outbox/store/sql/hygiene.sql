@@ -36,10 +36,9 @@ SELECT pg_relation_size(format('%%I.events', %(schema)s::text)::regclass)
 -- The statistics functions on each table's oid, looked up by name (the catalog's cache), not the
 -- pg_stat_user_tables view, which groups every table of the database before it filters (20 ms a
 -- look at 1,000 schemas; a join of pg_class to the schemas' names was a nested loop, worse).
--- The size only of a table with dead tuples: a file's size is a system call, and needs_vacuum
--- wants no size without them.
-SELECT t.schema, t.dead, pg_stat_get_live_tuples(t.oid),
-       CASE WHEN t.dead > 0 THEN pg_relation_size(t.oid) ELSE 0 END
+-- Every table's size, dead tuples or not (the dead count can read 0 in a table of nothing else:
+-- needs_vacuum): a system call each, 4 ms a look at 1,000 schemas.
+SELECT t.schema, t.dead, pg_stat_get_live_tuples(t.oid), pg_relation_size(t.oid)
 FROM (
     SELECT s.schema, c.oid, pg_stat_get_dead_tuples(c.oid) AS dead
     FROM unnest(%(schemas)s::text[]) AS s(schema)
