@@ -7,7 +7,7 @@ settings they configure (``outbox.cli.options``), so they are declared once.
 
 Each command group registers itself: ``cli.relay`` (relay), ``cli.operate``
 (migrate, status, notify, inbox), ``cli.repair`` (dead, retry, replay, purge, audit), ``cli.demo``
-(demo), ``cli.console`` (console), and ``outbox.bench.cli`` (bench, bench faults). An expected error
+(demo, dev), ``cli.console`` (console), and ``outbox.bench.cli`` (bench, bench faults). An expected error
 (:class:`~outbox.errors.OutboxError`) is one line on stderr and an exit code;
 anything else is a bug and keeps its traceback.
 """
@@ -92,7 +92,8 @@ def setup_logging(fmt: str, level: str) -> None:
 GROUPS: dict[str, str] = {
     "migrate": "operate", "status": "operate", "notify": "operate", "inbox": "operate",
     "dead": "repair", "retry": "repair", "replay": "repair", "purge": "repair", "audit": "repair",
-    "capture": "capture", "relay": "relay", "demo": "demo", "console": "console", "bench": "bench",
+    "capture": "capture", "relay": "relay", "demo": "demo", "dev": "demo", "console": "console",
+    "bench": "bench",
 }  # fmt: skip
 
 

@@ -32,12 +32,23 @@ class Common:
         "several, with --schemas)",
     )
     schema: str = setting(DEFAULT_SCHEMA, "schema of the outbox tables")
+
+
+@dataclass
+class Logs:
     log_format: str = setting("text", "log line format", choices=LOG_FORMATS)
     log_level: str = setting("info", "log level", choices=LOG_LEVELS)
 
 
 def add_common(parser: argparse.ArgumentParser) -> None:
+    """The connection's options and the logs'."""
     options.add(parser, Common)
+    options.add(parser, Logs)
+
+
+def add_logs(parser: argparse.ArgumentParser) -> None:
+    """The logs' options alone (a command that connects to no outbox)."""
+    options.add(parser, Logs)
 
 
 def schema_of(args: argparse.Namespace) -> str:

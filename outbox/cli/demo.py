@@ -1,4 +1,5 @@
-"""``outbox demo``: the whole pipeline on this machine, with live progress."""
+"""``outbox demo``: the whole pipeline on this machine, with live progress; ``outbox dev``: the
+quickstart's two servers, without Docker."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from outbox.cli import options
-from outbox.cli.common import add_common, dsn_of, schema_of
+from outbox.cli.common import add_common, add_logs, dsn_of, schema_of
 from outbox.cli.relay import KafkaOptions, parse_kafka_config
 from outbox.settings import setting
 
@@ -25,12 +26,29 @@ class DemoOptions:
     )
 
 
+@dataclass
+class DevOptions:
+    pg_port: int = setting(5432, "PostgreSQL's port on localhost", env="OUTBOX_DEV_PG_PORT")
+    kafka_port: int = setting(
+        9092, "the Kafka-protocol broker's port on localhost", env="OUTBOX_DEV_KAFKA_PORT"
+    )
+    database: str = setting("shop", "the database created for you", env="OUTBOX_DEV_DATABASE")
+
+
 def register(sub: Any) -> None:
     p = sub.add_parser("demo", help="the whole pipeline on this machine, with live progress")
     add_common(p)
     options.add(p, KafkaOptions)
     options.add(p, DemoOptions)
     p.set_defaults(run=cmd_demo)
+    p = sub.add_parser(
+        "dev",
+        help="a throwaway PostgreSQL and Kafka-protocol broker on localhost for the quickstart, "
+        "until Ctrl-C (outbox-relay[embedded]; no Docker)",
+    )
+    add_logs(p)
+    options.add(p, DevOptions)
+    p.set_defaults(run=cmd_dev)
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -46,3 +64,10 @@ def cmd_demo(args: argparse.Namespace) -> int:
         capture=demo.capture,
         kafka_config=parse_kafka_config(args.kafka_config),
     )
+
+
+def cmd_dev(args: argparse.Namespace) -> int:
+    from outbox.harness.dev import run_dev
+
+    dev = options.build(DevOptions, args)
+    return run_dev(pg_port=dev.pg_port, kafka_port=dev.kafka_port, database=dev.database)

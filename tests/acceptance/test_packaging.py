@@ -1,7 +1,9 @@
 """The release, as a user gets it: the sdist and the wheel built with ``python -m build``, their
 metadata read by ``twine check --strict``, and the wheel (not the source tree) installed with
-extras into a fresh virtualenv, where the README's quickstart runs from nothing to a consumed
-event and the console answers. Nothing of the source tree is on that virtualenv's path."""
+extras into a fresh virtualenv, where the README's first command (``outbox demo``) runs green and
+its quickstart runs from nothing to a consumed event, block by block as the README writes them
+(on ``outbox dev``'s servers: this machine's own PostgreSQL has port 5432), and the console
+answers. Nothing of the source tree is on that virtualenv's path."""
 
 from __future__ import annotations
 
@@ -15,24 +17,22 @@ import subprocess
 import sys
 import time
 import urllib.request
-import uuid
 import zipfile
 from collections.abc import Iterator
 from pathlib import Path
 
 import psycopg
 import pytest
-from psycopg import sql
 
 import outbox
-from outbox.bench.writers import sqlalchemy_url as url
-from outbox.harness.infra import create_topic
 
 ROOT = Path(__file__).resolve().parents[2]
 README = (ROOT / "README.md").read_text()
 EXAMPLE = re.compile(r"<!-- example: (\w+) -->\n```python\n(.*?)```", re.DOTALL)
-EXTRAS = "console,aws,nats,sqlalchemy"
-ORDERS = 300  # placed through the app, relayed, consumed
+TERMINAL = re.compile(r"<!-- terminal: (\w+) -->\n```sh\n(.*?)```", re.DOTALL)
+EXTRAS = "console,aws,nats,sqlalchemy,embedded"
+QUICKSTART_PACKAGES = {"fastapi", "uvicorn"}  # what the README's pip lines add to the extras
+ORDERS = 300  # placed through the app (the README's one, then the test's), relayed, consumed
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -65,25 +65,17 @@ def _wait_for(what: str, check: object, seconds: float = 60.0) -> None:
 
 
 @contextlib.contextmanager
-def _database(pg_dsn: str) -> Iterator[str]:
-    """A database of its own: the quickstart's outbox lives in the default schema, ``outbox``."""
-    name = f"qs_{uuid.uuid4().hex[:10]}"
-    with psycopg.connect(pg_dsn, autocommit=True) as conn:
-        conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
-    try:
-        yield url(pg_dsn, "").rsplit("/", 1)[0] + "/" + name
-    finally:
-        with psycopg.connect(pg_dsn, autocommit=True) as conn:
-            conn.execute(sql.SQL("DROP DATABASE {} WITH (FORCE)").format(sql.Identifier(name)))
-
-
-@contextlib.contextmanager
 def _process(
     *args: str | Path, env: dict[str, str], cwd: Path, log: Path
 ) -> Iterator[subprocess.Popen[bytes]]:
     with log.open("wb") as out:
         proc = subprocess.Popen(
-            [str(a) for a in args], env=env, cwd=cwd, stdout=out, stderr=subprocess.STDOUT
+            [str(a) for a in args],
+            env=env,
+            cwd=cwd,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
         )
         try:
             yield proc
@@ -103,9 +95,7 @@ def _count(dsn: str, query: str) -> int:
     return int(row[0]) if row else 0
 
 
-def test_the_release_installs_from_its_wheel_and_the_quickstart_runs(
-    pg_dsn: str, kafka: str, tmp_path: Path
-) -> None:
+def test_the_release_installs_from_its_wheel_and_the_quickstart_runs(tmp_path: Path) -> None:
     # The sdist, then the wheel built from it (python -m build's default): what the sdist forgot,
     # the wheel misses.
     dist = tmp_path / "dist"
@@ -158,56 +148,93 @@ def test_the_release_installs_from_its_wheel_and_the_quickstart_runs(
     where = _run(python, "-c", "import outbox; print(outbox.__file__)", env=env, cwd=tmp_path)
     assert where.stdout.strip().startswith(str(venv)), where.stdout
 
-    with _database(pg_dsn) as database:
-        env |= {"DATABASE_URL": database, "KAFKA_BOOTSTRAP": kafka}
-        _quickstart(env, bin_, tmp_path, database, kafka)
-        _console_answers(env, bin_, tmp_path, database)
+    blocks = dict(TERMINAL.findall(README))
+    demo = _lines(blocks["demo"]).replace("--seconds 20", "--seconds 3")  # the same, shorter
+    done = _run("bash", "-euo", "pipefail", "-c", demo, env=env, cwd=tmp_path, timeout=180)
+    assert "demo: every committed event was consumed" in done.stdout + done.stderr, done.stdout + done.stderr
+    _quickstart(env, bin_, tmp_path, blocks)
 
 
-def _quickstart(env: dict[str, str], bin_: Path, tmp_path: Path, database: str, kafka: str) -> None:
-    """The README's quickstart, its shell lines and its programs as written there."""
-    [shell] = re.findall(r"```sh\n(pip install 'outbox-relay\[sqlalchemy\]'.*?)```", README, re.DOTALL)
-    # Its first line installs what the virtualenv has already; the rest runs as written.
-    lines = shell.splitlines()
-    assert lines[0].startswith("pip install")
-    setup = "\n".join(line for line in lines[1:] if not line.startswith("export "))
-    _run("bash", "-euo", "pipefail", "-c", setup, env=env, cwd=tmp_path)
+def _lines(block: str) -> str:
+    """A README block's lines, less its ``pip install`` lines: the virtualenv has what they name."""
+    kept = []
+    for line in block.splitlines():
+        if line.startswith("pip install"):
+            for word in line.split()[2:]:
+                name, _, extras = word.strip("'").partition("[")
+                assert name == "outbox-relay" or name in QUICKSTART_PACKAGES, line
+                assert set(extras.rstrip("]").split(",")) - {""} <= set(EXTRAS.split(",")), line
+        else:
+            kept.append(line)
+    return "\n".join(kept)
+
+
+@contextlib.contextmanager
+def _terminal(
+    block: str, ports: dict[int, int], env: dict[str, str], cwd: Path, log: Path
+) -> Iterator[subprocess.Popen[bytes]]:
+    """One of the README's terminals: its lines as written, on this test's ports (the README's
+    in ``ports``), the last one exec'd, so that a signal reaches it as Ctrl-C's would."""
+    script = _lines(block)
+    for theirs, ours in ports.items():
+        script = script.replace(f"localhost:{theirs}", f"localhost:{ours}")
+    *head, last = script.splitlines()
+    with _process(
+        "bash", "-euo", "pipefail", "-c", "\n".join([*head, f"exec {last}"]), env=env, cwd=cwd, log=log
+    ) as proc:
+        yield proc
+
+
+def _quickstart(env: dict[str, str], bin_: Path, tmp_path: Path, blocks: dict[str, str]) -> None:
+    """The README's quickstart, its terminals and its programs as written there."""
+    pg, kafka, http = _free_port(), _free_port(), _free_port()
+    ports = {5432: pg, 9092: kafka, 8000: http}
+    database = f"postgresql://postgres:postgres@localhost:{pg}/shop"
     programs = dict(EXAMPLE.findall(README))
     (tmp_path / "app.py").write_text(programs["app"])
     (tmp_path / "consumer.py").write_text(programs["consumer"])
-    create_topic(kafka, "orders.placed", 1)
-
-    port = _free_port()
-    with _process(
-        bin_ / "uvicorn", "app:app", "--port", str(port), env=env, cwd=tmp_path, log=tmp_path / "app.log"
-    ):
-        _wait_for("the app", lambda: _listening(port))
-        for n in range(ORDERS):
-            request = urllib.request.Request(f"http://127.0.0.1:{port}/orders/sku-{n}", method="POST")
-            with urllib.request.urlopen(request, timeout=10) as answer:
-                assert json.loads(answer.read())["order"]
-    assert _count(database, "SELECT count(*) FROM outbox.events") == ORDERS
-
-    relay = re.search(r"^outbox relay .*$", README, re.MULTILINE)
-    assert relay is not None
-    with _process(
-        "bash", "-c", f"exec {relay.group(0)}", env=env, cwd=tmp_path, log=tmp_path / "relay.log"
-    ) as proc:
-        _wait_for(
-            "the relay's drain", lambda: _count(database, "SELECT count(*) FROM outbox.delivered") == ORDERS
+    log = {name: tmp_path / f"{name}.log" for name in ("servers", "app", "relay", "consumer")}
+    servers_env = env | {"OUTBOX_DEV_PG_PORT": str(pg), "OUTBOX_DEV_KAFKA_PORT": str(kafka)}
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(_terminal(blocks["servers"], ports, servers_env, tmp_path, log["servers"]))
+        _wait_for("outbox dev", lambda: "export DATABASE_URL" in log["servers"].read_text(), 120)
+        # What it prints is the line the README's terminals start with.
+        [export] = [x for x in log["servers"].read_text().splitlines() if x.startswith("export ")]
+        for theirs, ours in ports.items():
+            export = export.replace(f"localhost:{ours}", f"localhost:{theirs}")
+        assert all(
+            block.startswith(export) for name, block in blocks.items() if name in ("relay", "consumer")
         )
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(30) == 0, (tmp_path / "relay.log").read_text()[-3000:]
-    assert _count(database, "SELECT count(*) FROM outbox.events") == 0
 
-    with _process(
-        bin_ / "python", "consumer.py", env=env, cwd=tmp_path, log=tmp_path / "consumer.log"
-    ) as proc:
+        app_env = env | {"UVICORN_PORT": str(http)}
+        stack.enter_context(_terminal(blocks["app"], ports, app_env, tmp_path, log["app"]))
+        _wait_for("the app", lambda: _listening(http), 120)
+        relay = stack.enter_context(_terminal(blocks["relay"], ports, env, tmp_path, log["relay"]))
+
+        order = _lines(blocks["order"]).replace("localhost:8000", f"localhost:{http}")
+        answer = _run("bash", "-euo", "pipefail", "-c", order, env=env, cwd=tmp_path)
+        assert json.loads(answer.stdout) == {"order": "1"}
+        for n in range(2, ORDERS + 1):
+            request = urllib.request.Request(f"http://127.0.0.1:{http}/orders/sku-{n}", method="POST")
+            with urllib.request.urlopen(request, timeout=10) as reply:
+                assert json.loads(reply.read())["order"] == str(n)
+        _wait_for(
+            "the relay's drain",
+            lambda: _count(database, "SELECT count(*) FROM outbox.delivered") == ORDERS,
+            120,
+        )
+        relay.send_signal(signal.SIGTERM)
+        assert relay.wait(30) == 0, log["relay"].read_text()[-3000:]
+        assert _count(database, "SELECT count(*) FROM outbox.events") == 0
+
+        consumer = stack.enter_context(_terminal(blocks["consumer"], ports, env, tmp_path, log["consumer"]))
         _wait_for("the consumer", lambda: _count(database, "SELECT count(*) FROM shipments") == ORDERS, 120)
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(30) == 0, (tmp_path / "consumer.log").read_text()[-3000:]
-    assert _count(database, "SELECT count(*) FROM outbox.inbox") == ORDERS
-    assert "Traceback" not in (tmp_path / "consumer.log").read_text()
+        consumer.send_signal(signal.SIGTERM)
+        assert consumer.wait(30) == 0, log["consumer"].read_text()[-3000:]
+        said = log["consumer"].read_text()
+        assert "shipping order 1\n" in said and "Traceback" not in said, said[-3000:]
+        assert _count(database, "SELECT count(*) FROM outbox.inbox") == ORDERS
+        _console_answers(env, bin_, tmp_path, database)
 
 
 def _console_answers(env: dict[str, str], bin_: Path, tmp_path: Path, database: str) -> None:

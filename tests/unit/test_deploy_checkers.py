@@ -133,9 +133,20 @@ def _compose_config(path: Path) -> subprocess.CompletedProcess[str]:
     )
 
 
-def test_the_compose_file_passes_docker_compose_config() -> None:
-    done = _compose_config(ROOT / "deploy" / "docker-compose.yml")
+@pytest.mark.parametrize("name", ["docker-compose.yml", "quickstart.yml"])
+def test_the_compose_files_pass_docker_compose_config(name: str) -> None:
+    done = _compose_config(ROOT / "deploy" / name)
     assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_the_quickstart_servers_are_the_readmes() -> None:
+    """deploy/quickstart.yml and the README's two docker lines: the same images, the same ports."""
+    services = yaml.safe_load((ROOT / "deploy" / "quickstart.yml").read_text())["services"]
+    readme = (ROOT / "README.md").read_text()
+    for service in services.values():
+        [port] = service["ports"]
+        assert f"-p {port} " in readme and f" {service['image']}\n" in readme, service
+    assert "POSTGRES_PASSWORD=postgres -e POSTGRES_DB=shop" in readme
 
 
 def test_docker_compose_config_refuses_a_bad_condition(tmp_path: Path) -> None:

@@ -65,3 +65,7 @@ ANALYZE {schema}.events
 -- name: harness_server_version
 -- The server's version, for the report's machine line.
 SHOW server_version
+
+-- name: harness_create_database
+-- `outbox dev`: the quickstart's database, on the embedded server.
+CREATE DATABASE {database}
