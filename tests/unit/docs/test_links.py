@@ -5,9 +5,9 @@ page, a heading or a file that exists."""
 from __future__ import annotations
 
 import re
+import sys
 from pathlib import Path
 
-import tomllib
 import yaml
 from markdown.extensions.toc import slugify
 
