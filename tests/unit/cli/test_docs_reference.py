@@ -40,3 +40,37 @@ def test_a_variable_set_in_the_environment_does_not_leak_into_the_pages(
 ) -> None:
     monkeypatch.setenv("OUTBOX_BATCH_SIZE", "7")
     assert render() == {name: (ROOT / "docs" / "reference" / name).read_text() for name in render()}
+
+
+def test_settings_are_by_command_and_the_tools_apart() -> None:
+    """Each variable once; the bench's, the demo's and the fault suite's on their own page; the
+    relay's under the headings of RELAY_GROUPS; a choice's values shown."""
+    import re
+
+    from outbox.cli.reference import RELAY_GROUPS
+
+    pages = render()
+    product, tools = pages["settings.md"], pages["settings-tools.md"]
+    from outbox.cli.reference import commands, rows
+
+    listed = re.findall(r"^\| `(OUTBOX_\w+)` \|", product, re.MULTILINE)
+    listed_tools = re.findall(r"^\| `(OUTBOX_\w+)` \|", tools, re.MULTILINE)
+    assert len(listed) == len(set(listed)) and len(listed_tools) == len(set(listed_tools))
+    every = {r.env for _, parser, _ in commands() for r in rows(parser) if r.env}
+    assert set(listed) | set(listed_tools) == every
+    assert not [v for v in listed if v.startswith(("OUTBOX_BENCH_", "OUTBOX_DEMO_", "OUTBOX_DEV_"))]
+    assert "| `OUTBOX_BENCH_EVENTS` |" in tools and "| `OUTBOX_DEV_PG_PORT` |" in tools
+    for title in RELAY_GROUPS:
+        assert f"\n### {title}\n" in product, title
+    assert "| `OUTBOX_LOG_FORMAT` | log line format; one of: `text`, `json` |" in product
+    assert "`yes` or `on`" in product  # the switches' syntax, said once
+    assert (
+        product.index("### Batching") < product.index("`OUTBOX_BATCH_SIZE`") < product.index("### Ordering")
+    )
+
+
+def test_a_relay_option_in_no_group_fails_the_render() -> None:
+    from outbox.cli.reference import Row, _grouped
+
+    with pytest.raises(ValueError, match="--brand-new"):
+        _grouped([Row("--brand-new", "OUTBOX_BRAND_NEW", None, "a new option")])
