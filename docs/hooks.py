@@ -9,8 +9,10 @@ link to anything else of the repository is left as it is, and the strict build r
 
 from __future__ import annotations
 
+import logging
 import os
 import re
+import sys
 from typing import Any
 
 LINK = re.compile(r"(\]\()([^)\s]+)(\))")
@@ -46,3 +48,14 @@ def on_page_markdown(markdown: str, page: Any, config: Any, files: Any) -> str:
         return m.group(1) + new + hash_ + fragment + m.group(3)
 
     return LINK.sub(fix, markdown)
+
+
+def on_pre_build(config: Any) -> None:
+    """A public name of the Python API without a docstring is a warning: the strict build fails."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    try:
+        from api_docs import undocumented
+    finally:
+        sys.path.pop(0)
+    for name in undocumented():
+        logging.getLogger("mkdocs.hooks").warning("the Python API's %s has no docstring", name)

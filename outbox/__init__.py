@@ -1,6 +1,6 @@
-"""outbox: a transactional outbox relay from PostgreSQL to Kafka.
+"""outbox: a transactional outbox for PostgreSQL, and the relay that delivers it to brokers and webhooks.
 
-Write side::
+Write side:
 
     with conn.transaction():
         conn.execute("INSERT INTO orders ...")
@@ -8,7 +8,7 @@ Write side::
 
 Relay side: ``outbox relay --dsn ... --kafka-bootstrap ...``.
 
-Consumer side (the effect once per event)::
+Consumer side (the effect once per event):
 
     with conn.transaction():
         if outbox.inbox.first_delivery(conn, "billing", event_id):
@@ -21,13 +21,14 @@ from outbox.events import EVENT_ID_HEADER
 from outbox.relay.retry import RetryPolicy
 from outbox.write.writer import enqueue, enqueue_async, enqueue_many, enqueue_many_async
 
-__all__ = [
+# In the order the API reference shows them.
+__all__ = [  # noqa: RUF022
+    "enqueue",
+    "enqueue_many",
+    "enqueue_async",
+    "enqueue_many_async",
     "EVENT_ID_HEADER",
     "RetryPolicy",
-    "__version__",
-    "enqueue",
-    "enqueue_async",
-    "enqueue_many",
-    "enqueue_many_async",
     "inbox",
+    "__version__",
 ]

@@ -96,3 +96,23 @@ class StoreUnavailable(OutboxError):
 class ClaimCheckRefused(OutboxError):
     """A claim-check reference that is malformed, or points outside the store the consumer
     follows: that message fails for good (it is not retried, and the consumer goes on)."""
+
+
+__all__ = [
+    "Cancelled",
+    "ClaimCheckRefused",
+    "ConfigError",
+    "CorruptEvent",
+    "FencingError",
+    "InvalidEvent",
+    "InvalidEventType",
+    "InvalidType",
+    "MissingExtra",
+    "NotMigrated",
+    "NothingMatched",
+    "OutboxError",
+    "OutsideTransaction",
+    "RelayFailed",
+    "StoreUnavailable",
+    "UnsupportedConnection",
+]

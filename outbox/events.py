@@ -32,6 +32,8 @@ MAX_TYPE_CHARS = 255
 MAX_SUBJECT_CHARS = 1024
 
 EVENT_ID_HEADER = "event-id"
+"""The header that carries each event's id (a UUID, as text) on every sink: what a consumer keys
+its duplicates on (:func:`outbox.inbox.first_delivery`)."""
 KEY_HEADER = "event-key"  # the event's key, on sinks whose messages have no key of their own
 CLAIM_CHECK_HEADER = "outbox-claim-check"  # a big payload's reference (outbox.claim_check)
 CORRUPT_TOPIC = "(corrupt)"  # the topic of what could not be decoded (results, WAL dead letters)

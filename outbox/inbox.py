@@ -404,3 +404,14 @@ def fetch_claim_check(
     from outbox.sinks.claim_check import fetch
 
     return fetch(reference, store=store, dsn=dsn, endpoint=endpoint)
+
+
+__all__ = [
+    "ConsumeStats",
+    "Delivery",
+    "consume_kafka",
+    "count_older",
+    "fetch_claim_check",
+    "first_delivery",
+    "prune",
+]

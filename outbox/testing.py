@@ -2,7 +2,7 @@
 with no relay and no broker.
 
 Installed with outbox (entry point ``pytest11``), so the fixture is there in any test
-suite that has outbox installed::
+suite that has outbox installed:
 
     def test_checkout_enqueues_order_created(client, outbox_events):
         client.post("/orders", json={"sku": "a-1"})
@@ -47,7 +47,7 @@ class Enqueued:
     delay: float = 0.0
 
     @classmethod
-    def of(cls, schema: str, ev: EncodedEvent) -> Enqueued:
+    def _of(cls, schema: str, ev: EncodedEvent) -> Enqueued:
         headers: dict[str, str | bytes] = {}
         for name, value in ev.headers.items():
             if isinstance(value, str):
@@ -65,7 +65,7 @@ class Enqueued:
                 key = ev.key
         return cls(ev.event_id, ev.topic, key, headers, payload, ev.payload, schema, ev.delay)
 
-    def line(self) -> str:
+    def _line(self) -> str:
         return f"{self.topic} key={self.key!r} payload={self.payload!r}"
 
 
@@ -75,8 +75,8 @@ class EnqueuedEvents(Sequence[Enqueued]):
     def __init__(self) -> None:
         self._events: list[Enqueued] = []
 
-    def record(self, schema: str, events: Sequence[EncodedEvent]) -> None:
-        self._events.extend(Enqueued.of(schema, ev) for ev in events)
+    def _record(self, schema: str, events: Sequence[EncodedEvent]) -> None:
+        self._events.extend(Enqueued._of(schema, ev) for ev in events)
 
     @overload
     def __getitem__(self, index: int) -> Enqueued: ...
@@ -124,15 +124,16 @@ class EnqueuedEvents(Sequence[Enqueued]):
         found = self.matching(topic, key=key, payload=payload, headers=headers)
         wanted = _describe(topic, key, payload, headers)
         if not found or (count is not None and len(found) != count):
-            seen = "\n".join(f"  {e.line()}" for e in self._events) or "  (nothing)"
+            seen = "\n".join(f"  {e._line()}" for e in self._events) or "  (nothing)"
             many = f"{count} events" if count is not None else "an event"
             raise AssertionError(f"expected {many}{wanted}, found {len(found)}; enqueued:\n{seen}")
         return found[-1]
 
     def assert_nothing_enqueued(self, topic: str | None = None) -> None:
+        """AssertionError listing them when any event (of ``topic``, if given) was enqueued."""
         found = self.matching(topic)
         if found:
-            seen = "\n".join(f"  {e.line()}" for e in found)
+            seen = "\n".join(f"  {e._line()}" for e in found)
             raise AssertionError(f"expected no events{_describe(topic)}, found {len(found)}:\n{seen}")
 
 
@@ -153,12 +154,12 @@ _active: list[EnqueuedEvents] = []
 def outbox_events() -> Iterator[EnqueuedEvents]:
     """The events the test's code enqueues, on any stack (see :class:`EnqueuedEvents`)."""
     events = EnqueuedEvents()
-    writer.recorders.append(events.record)
+    writer.recorders.append(events._record)
     _active.append(events)
     try:
         yield events
     finally:
-        writer.recorders.remove(events.record)
+        writer.recorders.remove(events._record)
         _active.remove(events)
 
 
@@ -174,3 +175,6 @@ def assert_enqueued(
     if not _active:
         raise RuntimeError("assert_enqueued: the test must use the outbox_events fixture")
     return _active[-1].assert_enqueued(topic, key=key, payload=payload, headers=headers, count=count)
+
+
+__all__ = ["Enqueued", "EnqueuedEvents", "assert_enqueued", "outbox_events"]
