@@ -294,6 +294,36 @@ def metrics_page() -> str:
     return "\n".join(lines) + "\n"
 
 
+# Each release and the last migration it brought (the next release brings those after).
+RELEASES = (("0.1.0", 4), ("0.2.0", 18))
+# The tables writers and relays touch on every event: a migration that locks one stops them
+# while it holds the lock.
+HOT_TABLES = ("events", "delivered")
+_INDEX = re.compile(r"CREATE (?:UNIQUE )?INDEX (?!CONCURRENTLY)\w+ ON \{schema\}\.(\w+)")
+_ALTER = re.compile(r"ALTER TABLE \{schema\}\.(\w+)([^;]*)")
+_TRIGGER = re.compile(r"CREATE TRIGGER \w+ [^;]*?ON \{schema\}\.(\w+)")
+# What in an ALTER TABLE rewrites the table (holding its lock all the while).
+_REWRITES = re.compile(r"\bSTORED\b|\bTYPE\b|DEFAULT\s+(?:gen_random_uuid|now|clock_timestamp|random)\(")
+
+
+def since(version: int) -> str:
+    """The release that brought migration ``version`` (or "unreleased")."""
+    return next((name for name, last in RELEASES if version <= last), "unreleased")
+
+
+def hot_locks(sql: str) -> list[str]:
+    """The hot tables a migration's SQL locks, and how, in the order it first locks each."""
+    found: dict[str, str] = {}
+    for m in _INDEX.finditer(sql):
+        found.setdefault(m.group(1), "SHARE until the index is built (inserts wait)")
+    for m in _ALTER.finditer(sql):
+        how = "while it is rewritten" if _REWRITES.search(m.group(2)) else "brief"
+        found.setdefault(m.group(1), f"ACCESS EXCLUSIVE, {how} (all wait)")
+    for m in _TRIGGER.finditer(sql):
+        found.setdefault(m.group(1), "SHARE ROW EXCLUSIVE, brief (inserts wait)")
+    return [f"`{table}`: {how}" for table, how in found.items() if table in HOT_TABLES]
+
+
 def migrations_page() -> str:
     lines = [
         "# Migrations",
@@ -301,23 +331,33 @@ def migrations_page() -> str:
         GENERATED,
         "",
         "`outbox migrate` applies these in order, each once, and records each in the outbox's",
-        "`schema_migrations` table; it is idempotent, and `outbox migrate --print` shows the SQL for",
-        "your own migration tool. A relay refuses, in one line, an outbox missing a migration it",
-        "needs. Upgrading: run `outbox migrate` before the new relays start.",
+        "`schema_migrations` table; it is idempotent, and `outbox migrate --print` shows the SQL (with",
+        "each file's notes) for your own migration tool. A relay refuses, in one line, an outbox",
+        "missing a migration it needs: run `outbox migrate` before the new relays start",
+        "([Deploy and upgrade](../deploy.md) says how, release by release).",
         "",
+        "*Locks* names the hot tables a migration locks (the writers insert into `events`, the relays",
+        "claim from it and archive into `delivered`) and how: while it holds the lock, what it stops",
+        "waits. A new outbox has nothing to wait.",
+        "",
+        "| migration | what it does | since | locks |",
+        "| --- | --- | --- | --- |",
     ]
     folder = resources.files("outbox.migrations")
     for entry in sorted(folder.iterdir(), key=lambda e: e.name):
         m = MIGRATION.match(entry.name)
         if not m:
             continue
-        header = _header(entry.read_text())
-        title, _, rest = header.partition("\n\n")
+        sql = entry.read_text()
+        title = _header(sql).partition("\n\n")[0]
         title = re.sub(r"^outbox \d{4}:\s*", "", title)
+        # The issue a migration came from is the project's history, not the reader's business.
+        title = re.sub(r"\s*\(issue \d+\)|,\s*issue \d+(?=\))", "", title)
         title = title[:1].upper() + title[1:]
-        lines += [f"## {m.group(1)} `{m.group(2)}`", "", title, ""]
-        if rest:
-            lines += [rest, ""]
+        locks = "; ".join(hot_locks(sql)) if m.group(1) != "0001" else "creates them"
+        lines.append(
+            f"| {m.group(1)} `{m.group(2)}` | {_cell(title)} | {since(int(m.group(1)))} | {locks or '–'} |"
+        )
     return "\n".join(lines).rstrip() + "\n"
 
 

@@ -32,7 +32,7 @@ def test_they_cover_every_command_variable_metric_and_migration() -> None:
         assert f"| `{metric.name}` |" in pages["metrics.md"], metric.name
     for sql in sorted((ROOT / "migrations").glob("0*.sql")):
         version, name = sql.stem.split("_", 1)
-        assert f"## {version} `{name}`" in pages["migrations.md"], sql.name
+        assert f"| {version} `{name}` |" in pages["migrations.md"], sql.name
 
 
 def test_a_variable_set_in_the_environment_does_not_leak_into_the_pages(
@@ -74,3 +74,31 @@ def test_a_relay_option_in_no_group_fails_the_render() -> None:
 
     with pytest.raises(ValueError, match="--brand-new"):
         _grouped([Row("--brand-new", "OUTBOX_BRAND_NEW", None, "a new option")])
+
+
+def test_a_migration_says_its_release_and_the_hot_tables_it_locks() -> None:
+    from outbox.cli.reference import hot_locks, since
+
+    assert (since(1), since(4), since(5), since(18), since(19)) == (
+        "0.1.0",
+        "0.1.0",
+        "0.2.0",
+        "0.2.0",
+        "unreleased",
+    )
+    sql = """
+        CREATE INDEX events_key_idx ON {schema}.events (key, id);
+        CREATE INDEX CONCURRENTLY delivered_x ON {schema}.delivered (x);
+        ALTER TABLE {schema}.delivered ADD COLUMN p smallint GENERATED ALWAYS AS (1) STORED;
+        ALTER TABLE {schema}.inbox ADD COLUMN y text;
+        CREATE TRIGGER t AFTER INSERT ON {schema}.events FOR EACH ROW EXECUTE FUNCTION f();
+    """
+    assert hot_locks(sql) == [
+        "`events`: SHARE until the index is built (inserts wait)",
+        "`delivered`: ACCESS EXCLUSIVE, while it is rewritten (all wait)",
+    ]
+    assert hot_locks("ALTER TABLE {schema}.events ADD COLUMN t text;") == [
+        "`events`: ACCESS EXCLUSIVE, brief (all wait)"
+    ]
+    page = render()["migrations.md"]
+    assert "| 0012 `events_by_key` | A key's pending events, indexed. | 0.2.0 | `events`: SHARE" in page
