@@ -11,7 +11,7 @@ TARGETS = {
     "relay_vs_ceiling": 0.8,  # relay drain >= 0.8 x the minimal loop on plain tables (every case)
     "cpu_vs_ceiling": 1.3,  # relay CPU per event <= 1.3 x the minimal loop's
     "no_stats_vs_analyzed": 0.9,  # the drain without statistics within 10 % of the one after ANALYZE
-    "relay_vs_seeds": 35.0,  # relay drain >= 35 x the seeds' loop
+    "relay_vs_seeds": 35.0,  # relay drain >= 35 x the hand-written loop
     "ack_p50_ms_at_1k": 10.0,
     "ack_p99_ms_at_1k": 50.0,
     "enqueue_overhead_p50_ms": 0.3,
@@ -56,7 +56,7 @@ DRAIN_NAMES = {
     "ceiling": "minimal loop, plain tables (ceiling)",
     "ceiling_wal": "minimal loop reading the slot, plain archive (WAL ceiling)",
     "bare": "minimal loop on the outbox's tables",
-    "seeds": "seeds' loop",
+    "seeds": "hand-written loop",
     "txoutbox": "txoutbox, strict ordering",
     "txoutbox_unordered": "txoutbox, strict_ordering=False",
     "faststream_outbox": "faststream-outbox + FastStream's Kafka publisher",

@@ -84,7 +84,7 @@ def test_bench_smoke_drain(pg_dsn: str, kafka: str, tmp_path: Path) -> None:
     assert compared["txoutbox"]["versus"] == "relay"  # strict ordering against our default
     assert "ratio_no_stats_to_analyzed" in drain
     _png(tmp_path / "drain_throughput.png")
-    assert "outbox relay" in table and "plain tables (ceiling)" in table and "seeds' loop" in table
+    assert "outbox relay" in table and "plain tables (ceiling)" in table and "hand-written loop" in table
     assert "on the outbox's tables" in table and "middle 80 %" in table and "events/s" in table
     assert "WAL capture (read from the slot)" in table and "WAL capture / table capture" in table
     assert "(WAL ceiling)" in table and "WAL relay / WAL ceiling" in table
