@@ -14,7 +14,10 @@ class BenchConfig:
     events: int = setting(300_000, "drain/scale: pending events")
     big_events: int = setting(1_000_000, "drain: pending events of the larger backlog (0: skip it)")
     repeat: int = setting(3, "drain: runs per contender")
-    seeds_seconds: float = setting(30.0, "drain: seconds the hand-written loop (one event a transaction, the loop most teams start with) races (it is slow)")
+    seeds_seconds: float = setting(
+        30.0,
+        "drain: seconds the hand-written loop (one event a transaction) races (it is slow)",
+    )
     peer_seconds: float = setting(30.0, "drain: seconds each Python peer races (outbox-relay[bench-peers])")
     rates: list[int] = setting(default_factory=lambda: [1000, 5000, 20000], help="steady: events/s")
     steady_seconds: float = setting(30.0, "steady: seconds per rate")

@@ -509,18 +509,28 @@ def plots(results: dict[str, Any], out: Path) -> list[str]:
     s = results["scenarios"]
     if "drain" in s:
         cases = s["drain"]["cases"]
-        fig, axes = plt.subplots(1, len(cases), figsize=(4.5 * len(cases), 4.5), squeeze=False)
+        # Two panels a row, and one legend for all of them under the panels, at a size a page
+        # shows legibly (four panels in a row, each with its own legend in 6 pt, could not be read).
+        columns = min(2, len(cases))
+        rows = -(-len(cases) // columns)
+        fig, axes = plt.subplots(rows, columns, figsize=(6.5 * columns, 4.2 * rows), squeeze=False)
         colours = {kind: f"C{i}" for i, kind in enumerate(DRAIN_NAMES)}  # one colour per contender
-        for ax, case in zip(axes[0], cases.values(), strict=True):
+        handles: dict[str, Any] = {}
+        for ax, case in zip(axes.flat, cases.values(), strict=False):
             for kind, r in case["contenders"].items():
                 ts, rates = _rate_curve(r["series"])
-                ax.plot(ts, rates, label=DRAIN_NAMES.get(kind, kind), color=colours.get(kind))
+                name = DRAIN_NAMES.get(kind, kind)
+                (handles[name],) = ax.plot(ts, rates, label=name, color=colours.get(kind))
             ax.set_xlabel("seconds")
             ax.set_ylabel("events/s (1 s window)")
-            ax.set_title(f"{case['title']}, {case['events']:,}", fontsize=9)
+            ax.set_title(f"{case['title']}, {case['events']:,}", fontsize=11)
             ax.grid(alpha=0.3)
-            ax.legend(fontsize=6, loc="lower right")
-        fig.tight_layout()
+        for ax in list(axes.flat)[len(cases) :]:
+            ax.set_visible(False)
+        fig.legend(
+            list(handles.values()), list(handles), loc="lower center", ncol=2, fontsize=10, frameon=False
+        )
+        fig.tight_layout(rect=(0, 0.04 + 0.035 * (-(-len(handles) // 2)) / rows, 1, 1))
         fig.savefig(out / "drain_throughput.png", dpi=110)
         plt.close(fig)
         made.append("drain_throughput.png")
