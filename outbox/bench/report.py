@@ -512,8 +512,8 @@ def plots(results: dict[str, Any], out: Path) -> list[str]:
         # Two panels a row, and one legend for all of them under the panels, at a size a page
         # shows legibly (four panels in a row, each with its own legend in 6 pt, could not be read).
         columns = min(2, len(cases))
-        rows = -(-len(cases) // columns)
-        fig, axes = plt.subplots(rows, columns, figsize=(6.5 * columns, 4.2 * rows), squeeze=False)
+        grid_rows = -(-len(cases) // columns)
+        fig, axes = plt.subplots(grid_rows, columns, figsize=(6.5 * columns, 4.2 * grid_rows), squeeze=False)
         colours = {kind: f"C{i}" for i, kind in enumerate(DRAIN_NAMES)}  # one colour per contender
         handles: dict[str, Any] = {}
         for ax, case in zip(axes.flat, cases.values(), strict=False):
@@ -530,7 +530,7 @@ def plots(results: dict[str, Any], out: Path) -> list[str]:
         fig.legend(
             list(handles.values()), list(handles), loc="lower center", ncol=2, fontsize=10, frameon=False
         )
-        fig.tight_layout(rect=(0, 0.04 + 0.035 * (-(-len(handles) // 2)) / rows, 1, 1))
+        fig.tight_layout(rect=(0, 0.04 + 0.035 * (-(-len(handles) // 2)) / grid_rows, 1, 1))
         fig.savefig(out / "drain_throughput.png", dpi=110)
         plt.close(fig)
         made.append("drain_throughput.png")

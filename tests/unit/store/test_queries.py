@@ -29,6 +29,7 @@ def test_every_named_query_binds_its_placeholders() -> None:
             "relay": "r",
             "table": "events",
             "publication": "p",
+            "database": "d",
         },
         "literals": {
             "version": 1,
