@@ -78,3 +78,20 @@ def test_every_command_is_in_groups_and_its_group_alone_builds_it() -> None:
     for command in every:
         alone = build_parser(command=command)._subparsers._group_actions[0].choices  # type: ignore[union-attr]
         assert command in alone and len(alone) < len(every), command
+
+
+def test_outbox_dev_refuses_a_taken_port_in_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    """The quickstart's servers on a machine that has its own PostgreSQL on 5432: one line naming
+    the option to change, before anything starts."""
+    import socket
+
+    from outbox.cli import main
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        code = main(["dev", "--pg-port", str(port), "--kafka-port", str(port)])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and err.count("\n") == 0, err
+    assert f"--pg-port: port {port} is taken" in err and "Traceback" not in err
