@@ -16,6 +16,11 @@ import sys
 from typing import Any
 
 LINK = re.compile(r"(\]\()([^)\s]+)(\))")
+# Inline code of this many characters or more may wrap (docs/stylesheets/extra.css keeps shorter
+# names whole): after the separators of a long test name, path, URL or metric, not mid-word.
+LONG_CODE = 33
+INLINE_CODE = re.compile(r"<code>([^<]{%d,})</code>" % LONG_CODE)
+BREAK_AFTER = re.compile(r"([_/.,=&?:])(?=[^_/.,=&?:])")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Repository folder -> its folder in the site (relative to docs/).
 MOUNTS = {os.path.join(ROOT, "docs"): "", os.path.join(ROOT, "benchmarks"): "benchmarks"}
@@ -59,3 +64,13 @@ def on_pre_build(config: Any) -> None:
         sys.path.pop(0)
     for name in undocumented():
         logging.getLogger("mkdocs.hooks").warning("the Python API's %s has no docstring", name)
+
+
+def on_page_content(html: str, page: Any, config: Any, files: Any) -> str:
+    """A long inline code span (not a code block: its text holds the highlighter's tags) gets a
+    break opportunity after each separator, and the class that lets it wrap there."""
+
+    def breakable(m: re.Match[str]) -> str:
+        return '<code class="long">' + BREAK_AFTER.sub(r"\1<wbr>", m.group(1)) + "</code>"
+
+    return INLINE_CODE.sub(breakable, html)

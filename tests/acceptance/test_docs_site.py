@@ -1,9 +1,9 @@
 """The docs as a reader sees them: the site built strictly, every page opened in Chromium at
 1280 px, failing on what a reader would trip over: the page or a code block or table wider than
-its column (hidden behind a sideways scroll), an image that does not load, a link whose text is a
-file name rather than the name of what it leads to. A canary page with each defect proves the
-checks see them. Screenshots of the reference pages are saved (OUTBOX_TEST_SCREENSHOTS, else the
-test's own directory)."""
+its column (hidden behind a sideways scroll), a name in a table broken across lines, an image
+that does not load, a link whose text is a file name rather than the name of what it leads to. A
+canary page with each defect proves the checks see them. Screenshots of the reference pages are
+saved (OUTBOX_TEST_SCREENSHOTS, else the test's own directory)."""
 
 from __future__ import annotations
 
@@ -29,15 +29,20 @@ SHOTS = ("reference/settings/", "reference/cli/", "reference/api/")
 pytestmark = pytest.mark.timeout(600)
 
 # Per page: how far the page scrolls sideways; each code block, table or scroll wrapper whose
-# content is wider than it; each image that did not load; each link whose text is a file name.
+# content is wider than it; each name in a table's code broken across lines (OUTBOX_AR|CHIVE; a
+# long one, which docs/hooks.py lets wrap after its separators, aside);
+# each image that did not load; each link whose text is a file name.
 CHECK = r"""() => {
   const root = document.documentElement;
-  const out = {page: root.scrollWidth - root.clientWidth, wide: [], images: [], files: []};
+  const out = {page: root.scrollWidth - root.clientWidth, wide: [], broken: [], images: [], files: []};
   for (const el of document.querySelectorAll(
       '.md-typeset pre > code, .md-typeset table, .md-typeset__scrollwrap, .md-typeset__table')) {
     if (el.scrollWidth > el.clientWidth + 1) {
       out.wide.push(`${el.scrollWidth - el.clientWidth}px: ${el.textContent.trim().slice(0, 70)}`);
     }
+  }
+  for (const code of document.querySelectorAll('.md-typeset td code:not(.long), .md-typeset th code')) {
+    if (code.getClientRects().length > 1) out.broken.push(code.textContent);
   }
   for (const img of document.querySelectorAll('img')) {
     if (!(img.complete && img.naturalWidth > 0)) out.images.push(img.getAttribute('src'));
@@ -54,6 +59,7 @@ CHECK = r"""() => {
 CANARY = """<!doctype html><html><head><meta charset="utf-8"></head><body style="margin:0">
 <div class="md-content"><article class="md-typeset" style="width:600px">
 <pre><code style="display:block;overflow:auto;white-space:pre">{line}</code></pre>
+<table><tr><td style="width:40px"><code style="overflow-wrap:anywhere">OUTBOX_ARCHIVE_SOMETHING_LONG</code></td></tr></table>
 <img src="missing.png"><a href="../x/">reliability.md</a>
 <div style="width:{width}px">wider than the page</div></article></div></body></html>"""
 
@@ -90,7 +96,12 @@ def page() -> Iterator[Page]:
     with sync_playwright() as p:
         # Never `playwright install` (it downloads): the machine's chromium, as root without a sandbox.
         browser = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"], timeout=60_000)
-        yield browser.new_page(viewport={"width": WIDTH, "height": 900})
+        page = browser.new_page(viewport={"width": WIDTH, "height": 900})
+        # The search box's worker fetches and indexes the whole site on every page load: half the
+        # test's CPU, and nothing it looks at.
+        page.route("**/search/search_index.json", lambda route: route.abort())
+        page.route("**/search/worker*.js", lambda route: route.abort())
+        yield page
         browser.close()
 
 
@@ -103,6 +114,7 @@ def test_the_checks_see_each_defect(site: tuple[str, Path], page: Page) -> None:
     base, _ = site
     seen = _look(page, base + "canary/")
     assert seen["page"] > 0 and seen["wide"] and seen["images"] == ["missing.png"]
+    assert seen["broken"] == ["OUTBOX_ARCHIVE_SOMETHING_LONG"]
     assert seen["files"] == ["reliability.md -> ../x/"]
 
 
@@ -122,6 +134,7 @@ def test_every_page_reads_at_1280_px(site: tuple[str, Path], page: Page, tmp_pat
         if seen["page"] > 0:
             problems.append(f"{rel}: the page scrolls sideways by {seen['page']}px")
         problems += [f"{rel}: wider than its column by {w}" for w in seen["wide"]]
+        problems += [f"{rel}: a name broken across lines: {name}" for name in seen["broken"]]
         problems += [f"{rel}: image does not load: {src}" for src in seen["images"]]
         problems += [f"{rel}: a link's text is a file name: {f}" for f in seen["files"]]
         if rel in SHOTS:
