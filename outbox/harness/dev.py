@@ -15,9 +15,6 @@ from outbox.errors import ConfigError
 from outbox.harness.embedded import Broker, embedded_postgres_server
 from outbox.store.queries import query
 
-DEFAULT_PG_PORT = 5432
-DEFAULT_KAFKA_PORT = 9092
-
 
 def _taken(port: int) -> bool:
     with socket.socket() as s:
