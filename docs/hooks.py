@@ -20,7 +20,7 @@ LINK = re.compile(r"(\]\()([^)\s]+)(\))")
 # names whole): after the separators of a long test name, path, URL or metric, not mid-word.
 LONG_CODE = 33
 INLINE_CODE = re.compile(r"<code>([^<]{%d,})</code>" % LONG_CODE)
-BREAK_AFTER = re.compile(r"([_/.,=&?:])(?=[^_/.,=&?:])")
+BREAK_AFTER = re.compile(r"([_/.,=?:])(?=[^_/.,=?:])")  # not &: it starts an entity (&amp;)
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Repository folder -> its folder in the site (relative to docs/).
 MOUNTS = {os.path.join(ROOT, "docs"): "", os.path.join(ROOT, "benchmarks"): "benchmarks"}
