@@ -19,7 +19,7 @@ LINK = re.compile(r"(\]\()([^)\s]+)(\))")
 # Inline code of this many characters or more may wrap (docs/stylesheets/extra.css keeps shorter
 # names whole): after the separators of a long test name, path, URL or metric, not mid-word.
 LONG_CODE = 33
-INLINE_CODE = re.compile(r"<code>([^<]{%d,})</code>" % LONG_CODE)
+INLINE_CODE = re.compile(rf"<code>([^<]{{{LONG_CODE},}})</code>")
 BREAK_AFTER = re.compile(r"([_/.,=?:])(?=[^_/.,=?:])")  # not &: it starts an entity (&amp;)
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Repository folder -> its folder in the site (relative to docs/).

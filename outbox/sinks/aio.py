@@ -336,6 +336,10 @@ class AsyncSink:
             raise Unavailable(self._down_reason)
         if self._connecting is None:
             self._connecting = self._loop.create_task(self._open())
+            # Its failure is read by whoever awaits it; if they all gave up (a send's own
+            # timeout), asyncio logged "Task exception was never retrieved" with a traceback,
+            # for an outage the condition has already said in one line.
+            self._connecting.add_done_callback(_retrieved)
         return await asyncio.shield(self._connecting)
 
     async def _open(self) -> Any:
@@ -409,3 +413,9 @@ class AsyncSink:
             "server.address": self.url.parts.hostname or "",
             "server.port": self.url.parts.port or self.default_port,
         }
+
+
+def _retrieved(task: asyncio.Task[Any]) -> None:
+    """Mark a finished task's exception as read (the caller that wanted it may be gone)."""
+    if not task.cancelled():
+        task.exception()

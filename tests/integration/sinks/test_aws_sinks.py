@@ -161,10 +161,22 @@ def test_per_key_order_through_failures_and_two_relay_processes(
 
 @pytest.mark.slow
 def test_the_endpoint_down_for_a_while_then_back_loses_nothing(
-    pg_dsn: str, schema: str, target: AwsTarget, moto_server: Moto, caplog: pytest.LogCaptureFixture
+    pg_dsn: str,
+    schema: str,
+    target: AwsTarget,
+    moto_server: Moto,
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Every connection to the endpoint reset and new ones refused mid-stream, then healed:
-    nothing lost, each event archived once, per-key order kept, the outage one line each way."""
+    nothing lost, each event archived once, per-key order kept, the outage one line each way.
+    The reconnects reuse the sink's botocore session: a new one per attempt loaded the service's
+    model again inside the connect timeout, and a starved relay could not reconnect for a minute."""
+    import aiobotocore.session
+
+    sessions = []
+    real_session = aiobotocore.session.get_session
+    monkeypatch.setattr(aiobotocore.session, "get_session", lambda: sessions.append(1) or real_session())
     proxy = Proxy("127.0.0.1", moto_server.port).start()
     keys, rounds = 10, 12
     retry = RetryPolicy(base=0.05, cap=0.5, max_attempts=1000)
@@ -196,6 +208,7 @@ def test_the_endpoint_down_for_a_while_then_back_loses_nothing(
         outage
     )
     assert outage.count(f"{target.scheme}.started") <= 2, outage  # as for every sink (test_sinks.py)
+    assert relay.stats.retried > 0 and len(sessions) == 1, len(sessions)
 
 
 def test_a_refused_event_is_dead_lettered_with_the_services_reason_and_parks_its_key(
