@@ -5,27 +5,19 @@ storage, on the ports a local install would use, until Ctrl-C."""
 from __future__ import annotations
 
 import signal
-import socket
 import sys
 import threading
 
-import psycopg
-
 from outbox.errors import ConfigError
-from outbox.harness.embedded import Broker, embedded_postgres_server
+from outbox.harness.embedded import Broker, embedded_postgres_server, port_open
+from outbox.store import pinning
 from outbox.store.queries import query
-
-
-def _taken(port: int) -> bool:
-    with socket.socket() as s:
-        s.settimeout(0.2)
-        return s.connect_ex(("127.0.0.1", port)) == 0
 
 
 def run_dev(*, pg_port: int, kafka_port: int, database: str) -> int:
     """Serve until SIGINT or SIGTERM; print the two addresses once both are up."""
     for option, port in (("--pg-port", pg_port), ("--kafka-port", kafka_port)):
-        if _taken(port):
+        if port_open(port):
             raise ConfigError(
                 f"{option}: port {port} is taken on 127.0.0.1 (a server of your own?); pass another"
             )
@@ -35,7 +27,7 @@ def run_dev(*, pg_port: int, kafka_port: int, database: str) -> int:
         print(f"starting PostgreSQL on localhost:{pg_port} and Kafka on localhost:{kafka_port}", flush=True)
         with embedded_postgres_server() as pg, Broker(kafka_port):
             admin = pg.listen("127.0.0.1", pg_port)
-            with psycopg.connect(admin, autocommit=True) as conn:
+            with pinning.connect(admin, autocommit=True) as conn:
                 conn.execute(query("harness_create_database", "public", identifiers={"database": database}))
                 version = conn.info.parameter_status("server_version") or "?"
             print(

@@ -36,7 +36,8 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _port_open(port: int) -> bool:
+def port_open(port: int) -> bool:
+    """Whether something listens on this loopback port."""
     with socket.socket() as s:
         s.settimeout(0.2)
         return s.connect_ex(("127.0.0.1", port)) == 0
@@ -92,7 +93,7 @@ class Broker:
             stdin=subprocess.DEVNULL,
         )
         deadline = time.monotonic() + BROKER_START_TIMEOUT
-        while not _port_open(self.port):
+        while not port_open(self.port):
             if self._proc.poll() is not None or time.monotonic() > deadline:
                 self._log.seek(0)
                 out = self._log.read().decode(errors="replace")[-2000:]  # before stop() closes it
