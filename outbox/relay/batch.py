@@ -28,7 +28,7 @@ from outbox import capture
 from outbox.errors import CorruptEvent, FencingError
 from outbox.events import CORRUPT_TOPIC, TOPIC_OF, ClaimedEvent, decode_row
 from outbox.relay.limits import Gate
-from outbox.relay.ordering import KeyHolds
+from outbox.relay.ordering import Failure, KeyHolds
 from outbox.relay.retry import RetryPolicy, cap_error
 from outbox.sinks.base import CORRUPT_EVENT, HELD, Dead, Delivered, Outcome, Retry
 from outbox.store.queries import int_array, query
@@ -62,6 +62,9 @@ class BatchResult:
     topics: dict[str, TopicResult] = field(default_factory=dict)
     dead_events: list[tuple[int, str]] = field(default_factory=list)  # (id, reason)
     next_retry: float | None = None  # seconds to the soonest retry it scheduled (None: none)
+    # (event_id, the event_id it overtook): delivered while an earlier event of its key, sent
+    # before it, is to be retried (KeyHolds.overtaken): per-key order broken.
+    overtaken: list[tuple[str, str]] = field(default_factory=list)
 
     @property
     def delivered(self) -> int:
@@ -98,6 +101,8 @@ class Written:
 class Batch:
     """Events claimed in one transaction on one connection, and their outcomes."""
 
+    made = 0  # the number of the last batch made (the loop's thread makes them)
+
     def __init__(
         self,
         conn: psycopg.Connection[Any],
@@ -117,6 +122,8 @@ class Batch:
         # settle(), which also holds the event's key.
         self.outcomes: list[Outcome | None] = [None] * len(rows)
         self.claimed_at = time.monotonic()
+        Batch.made += 1
+        self.seq = Batch.made  # the order the relay sends its batches in
         self.gate: Gate | None = None  # the limit (--limit) it was claimed for, if any
         self.abandoned = False
         self.finished = False  # its outcomes committed
@@ -166,6 +173,9 @@ class Batch:
             if event is not None and event.key is not None:
                 locked = self._locked_id(index) if outcome is HELD else None
                 self._holds.add(id(self), event.key, locked=locked)
+                if isinstance(outcome, Retry):
+                    failure = Failure(event.event_id, self.seq, index, Batch.made, time.monotonic())
+                    self._holds.failed(event.key, failure)
 
     def _locked_id(self, index: int) -> int | None:
         """The table id of event ``index``, locked by this batch until it ends."""
@@ -224,6 +234,8 @@ class Batch:
         dead_errors: list[str] = []
         dead_kinds: list[str] = []
         outcomes = self.outcomes
+        if self._holds is not None and self._holds.failures:
+            result.overtaken = self._overtaken()
         if set(map(type, outcomes)) == {Delivered}:
             # The common case, every event delivered: the lists come from map() and one
             # comprehension, not from the per-outcome loop below (a cost per event).
@@ -295,6 +307,18 @@ class Batch:
             dead_ids, dead_errors, dead_kinds, result.dead_events,
         )  # fmt: skip
         return result, written
+
+    def _overtaken(self) -> list[tuple[str, str]]:
+        """Each delivered event that went ahead of an earlier event of its key to be retried."""
+        assert self._holds is not None
+        found = []
+        for i, outcome in enumerate(self.outcomes):
+            event = self.events[i]
+            if type(outcome) is Delivered and event is not None and event.key is not None:
+                earlier = self._holds.overtaken(event.key, self.seq, i)
+                if earlier is not None:
+                    found.append((event.event_id, earlier.event_id))
+        return found
 
     def _write_and_commit(self, schema: str, w: Written) -> None:
         """The outcomes' statements and the commit. Each statement's row count is checked

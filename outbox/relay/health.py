@@ -121,7 +121,8 @@ class RelayHealth:
             return Readiness("starting")
         sink = r.sink
         if sink is None or not sink.healthy():
-            return Readiness("sink unhealthy")
+            failing = router.states_of(sink)[0] if sink is not None else []
+            return Readiness("sink unhealthy", failing[0] if failing else "")
         trouble, states = router.states_of(sink)
         sinks = tuple(states)
         lanes = list(r.lanes.values())  # read from the health server's thread: a copy

@@ -51,6 +51,11 @@ class RelayMetrics:
         self.partitions_lost = Counter(
             "outbox_partitions_lost_total", "Owned key partitions found taken by another relay.", ["outbox"]
         )
+        self.key_order_violations = Counter(
+            "outbox_key_order_violations_total",
+            "Events delivered ahead of an earlier event of their key that is to be retried.",
+            ["outbox"],
+        )
         self.pending = Gauge("outbox_pending_events", "Events waiting in the outbox.", ["outbox", "topic"])
         self.oldest_age = Gauge(
             "outbox_oldest_pending_age_seconds", "Age of the oldest event waiting in the outbox.", ["outbox"]
@@ -111,8 +116,9 @@ class RelayMetrics:
         self._not_ready_since = 0.0
         self._all: list[Metric] = [
             self.delivered, self.errors, self.dead, self.latency, self.batch_size, self.leases_lost,
-            self.sinks_replaced, self.partitions_lost, self.pending, self.oldest_age, self.dead_tuples,
-            self.table_bytes, self.oldest_xmin, self.owned_partitions, self.up, self.ready,
+            self.sinks_replaced, self.partitions_lost, self.key_order_violations, self.pending,
+            self.oldest_age, self.dead_tuples, self.table_bytes, self.oldest_xmin, self.owned_partitions,
+            self.up, self.ready,
             self.not_ready_seconds, self.not_ready, self.wal_lag_bytes, self.wal_lag_seconds, self.wal_active,
             self.limit_throttled, self.limit_waiting,
         ]  # fmt: skip

@@ -78,7 +78,7 @@ import random
 import time
 import uuid
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, NamedTuple
 
 import psycopg
 
@@ -99,16 +99,60 @@ ORDERINGS = ("key", "none")  # key: per-key order across relays; none: plain SKI
 ON_DEAD = ("park", "continue")  # park: a dead letter holds back its key's later events
 
 
-class KeyHolds:
-    """Keys held back in memory, each counted by the in-flight batches that hold it."""
+class Failure(NamedTuple):
+    """An event that failed, to be retried: where it was in the relay's order of sending."""
 
-    def __init__(self) -> None:
+    event_id: str
+    batch: int  # its batch's number (Batch.seq: the order the relay made its batches in)
+    place: int  # its index in that batch
+    last_sent: int  # the last batch made when it failed: any of the key's events after it in
+    # those were on their way already, and delivered they land ahead of the retry
+    at: float  # monotonic
+
+
+class KeyHolds:
+    """Keys held back in memory, each counted by the in-flight batches that hold it; and the
+    watch on their order (:meth:`failed`, :meth:`overtaken`)."""
+
+    def __init__(self, horizon: float = 600.0) -> None:
         self.keys: dict[bytes, int] = {}  # key -> number of in-flight batches that hold it
         self._by_batch: dict[int, set[bytes]] = {}
         # key -> {in-flight batch: the lowest id of the key's events it holds locked, untouched}:
         # claims skip the key's events after that id (skip_after).
         self._skip: dict[bytes, dict[int, int]] = {}
         self._skipped_by_batch: dict[int, set[bytes]] = {}
+        # key -> its first event that failed while later ones of the key were on their way.
+        # Empty but for the batch lease after a failure (``horizon`` seconds): no batch sent
+        # before a failure can still be in flight after that.
+        self.failures: dict[bytes, Failure] = {}
+        self._horizon = horizon
+        self._looked = 0.0
+
+    def failed(self, key: bytes, failure: Failure) -> None:
+        """An event of ``key`` failed and will be retried: an event of the key sent after it and
+        before the failure, delivered, has overtaken it (:meth:`overtaken`)."""
+        self._forget(failure.at)
+        known = self.failures.get(key)
+        if known is None or (failure.batch, failure.place) < (known.batch, known.place):
+            self.failures[key] = failure
+        elif failure.last_sent > known.last_sent:
+            self.failures[key] = known._replace(last_sent=failure.last_sent, at=failure.at)
+
+    def overtaken(self, key: bytes, batch: int, index: int) -> Failure | None:
+        """The failed event of ``key`` that event ``index`` of batch ``batch``, delivered, went
+        ahead of; None when it went in order."""
+        known = self.failures.get(key)
+        if known is None or batch > known.last_sent or (batch, index) <= (known.batch, known.place):
+            return None
+        return known
+
+    def _forget(self, now: float) -> None:
+        """Drop the failures older than the horizon (a look at most every tenth of it)."""
+        if now - self._looked < self._horizon / 10:
+            return
+        self._looked = now
+        for key in [k for k, f in self.failures.items() if now - f.at > self._horizon]:
+            del self.failures[key]
 
     def add(self, batch: int, key: bytes, locked: int | None = None) -> None:
         """An event of ``key`` failed in batch ``batch``: hold the key until that batch ends.
@@ -170,7 +214,7 @@ class Ordering:
         self.ordered = ordering == "key"
         # Does a dead letter hold back its key's later events (ordered mode, --on-dead park)?
         self.parks = self.ordered and on_dead == "park"
-        self.holds = KeyHolds()
+        self.holds = KeyHolds(horizon=max(lease, batch_lease))
         self._claim = "claim_batch" if self.ordered else "claim_batch_unordered"
         self.link = member.link  # the heartbeat's connection, shared with the database's other outboxes
         self._next = 0.0

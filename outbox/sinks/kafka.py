@@ -3,6 +3,14 @@
 An event counts as delivered only when its delivery report arrives without
 error. Per-partition order on the broker is kept by the idempotent producer
 (its retries never reorder), so the relay may keep many messages in flight.
+
+The sink owns the delivery deadline, not librdkafka: ``message.timeout.ms`` is 0
+(never), as librdkafka times a queued message out alone and goes on with the later
+ones of its partition, which would let a key's next event land ahead of it. When
+the oldest message without a report passes the deadline, the producer counts as
+lost and the relay replaces it: everything unreported fails together, always the
+tail of each key's events in flight, and is sent again in order. A message the
+broker refused for good keeps its own error through that.
 Errors are classified once, here: refused for good -> :class:`Dead`, a fatal
 producer error -> the sink reports itself unhealthy and the relay recreates it,
 anything else -> :class:`Retry`. The error kind is librdkafka's error name.
@@ -17,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import re
+import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -55,8 +64,11 @@ PERMANENT_ERRORS = frozenset(
     }
 )
 
-# Settings the relay's guarantees depend on; a user may not weaken them.
-REQUIRED_CONFIG = {"enable.idempotence": "true", "acks": "all"}
+# Settings the relay's guarantees depend on; a user may not weaken them. Gapless: an error that
+# would leave a gap in a partition's messages is fatal (the producer is replaced), not skipped.
+REQUIRED_CONFIG = {"enable.idempotence": "true", "acks": "all", "enable.gapless.guarantee": "true"}
+# librdkafka never times a message out (0: never): the sink's deadline does (KafkaSink.healthy).
+TIMEOUT_KEYS = ("message.timeout.ms", "delivery.timeout.ms")
 
 DEFAULT_CONFIG: dict[str, Any] = {
     # Milliseconds a partition's messages wait to be sent together. Only under a backlog: after
@@ -104,9 +116,15 @@ def build_config(
 ) -> dict[str, Any]:
     """Producer configuration: defaults < user overrides < what the guarantees require."""
     config: dict[str, Any] = dict(DEFAULT_CONFIG)
-    # A report must arrive before the batch's lease ends; see Relay.lease.
-    config["message.timeout.ms"] = int(delivery_timeout * 1000)
     config.update(overrides or {})
+    for key in TIMEOUT_KEYS:
+        if key in config and str(config[key]) != "0":
+            raise ConfigError(
+                f"kafka config {key}: must be 0 (never); the relay times deliveries out itself "
+                f"(OUTBOX_DELIVERY_TIMEOUT, {delivery_timeout:g} s), in order; got {config[key]!r}"
+            )
+        config.pop(key, None)
+    config["message.timeout.ms"] = 0
     for key, required in REQUIRED_CONFIG.items():
         value = str(config.get(key, required)).lower()
         if value != required:
@@ -166,6 +184,8 @@ class _ClientLog(logging.Logger):
         if len(args) == 3 and args[0] in CONNECTION_FACILITIES and level >= logging.WARNING:
             self._broker.fail(str(args[2]))
             return
+        if len(args) == 3 and args[0] == "CONFWARN" and "enable.gapless.guarantee" in str(args[2]):
+            return  # "is experimental": set on purpose, said each time a producer is made
         self._out.log(level, msg, *args, **kwargs)
 
 
@@ -250,6 +270,11 @@ class KafkaSink:
         # UNKNOWN_PRODUCER_ID to every epoch librdkafka bumps locally, and every
         # message times out for ever. No delivery for this long -> a new producer.
         self._stuck_after = max(STUCK_MIN, STUCK_FACTOR * delivery_timeout)
+        self._deadline = delivery_timeout
+        # Each produce call's messages as [monotonic time, reports still to come], oldest first:
+        # the head is the oldest message without a report (healthy() holds it to the deadline).
+        self._sent: deque[list[float]] = deque()
+        self._deadline_lock = threading.Lock()  # healthy() runs on the loop's and /readyz's threads
         self._topics_ok: set[str] = set()
         self._failing_since = 0.0  # monotonic time of the first failure since the last success
         self._last_failure = ""
@@ -280,7 +305,8 @@ class KafkaSink:
                 )
             self._topics_ok.add(event.topic)
         # partial (C) rather than a closure per message: this is the hot path.
-        on_delivery = partial(self._on_delivery, report)
+        sent = [time.monotonic(), 1.0]
+        on_delivery = partial(self._on_delivery, sent, report)
         while True:
             try:
                 # Positional: confluent-kafka parses keyword arguments by name on every call
@@ -289,6 +315,7 @@ class KafkaSink:
                 self._producer.produce(
                     event.topic, event.payload, event.key, UNASSIGNED, on_delivery, None, 0, event.headers
                 )
+                self._sent.append(sent)
                 return None
             except BufferError:
                 # The client's queue is full: serve delivery reports, then try again.
@@ -322,8 +349,9 @@ class KafkaSink:
             if not all(map(_legal_topic, new)):
                 return 0  # produce() refuses the illegal name, event by event
             self._topics_ok.update(new)
-        report = partial(self._on_delivery_at, outcomes, settle)
-        return produce_each(
+        sent = [time.monotonic(), 0.0]
+        report = partial(self._on_delivery_at, sent, outcomes, settle)
+        queued = produce_each(
             self._producer.produce,
             topics,
             map(PAYLOAD_OF, events),
@@ -331,11 +359,22 @@ class KafkaSink:
             map(partial, repeat(report), range(len(events))),
             map(HEADERS_OF, events),
         )
+        if queued:  # no report is served before the next poll: counted from here
+            sent[1] += queued
+            self._sent.append(sent)
+        return queued
 
     def _on_delivery_at(
-        self, outcomes: OutcomeSlots, settle: Settle, index: int, err: KafkaError | None, msg: Any
+        self,
+        sent: list[float],
+        outcomes: OutcomeSlots,
+        settle: Settle,
+        index: int,
+        err: KafkaError | None,
+        msg: Any,
     ) -> None:
         """A delivery report of :meth:`produce_many`: the common case in one call."""
+        sent[1] -= 1
         if err is None:
             if self._failing_since:
                 self._failing_since = 0.0
@@ -343,15 +382,27 @@ class KafkaSink:
                 self.broker.ok()
             outcomes[index] = _new_delivered(Delivered, (msg.partition(), msg.offset(), None))
         else:
-            self._on_delivery(partial(settle, index), err, msg)
+            self._failed(partial(settle, index), err)
 
-    def _on_delivery(self, report: Report, err: KafkaError | None, msg: Any) -> None:
+    def _on_delivery(self, sent: list[float], report: Report, err: KafkaError | None, msg: Any) -> None:
+        sent[1] -= 1
         if err is None:
             self._failing_since = 0.0
             if self.broker.since is not None:
                 self.broker.ok()
             report(_new_delivered(Delivered, (msg.partition(), msg.offset(), None)))
-        elif self._fatal is not None or producer_lost(err):
+        else:
+            self._failed(report, err)
+
+    def _failed(self, report: Report, err: KafkaError) -> None:
+        """A delivery report with an error: its outcome."""
+        if self._fatal is not None or producer_lost(err):
+            outcome = classify(err)
+            if isinstance(outcome, Dead) and not producer_lost(err):
+                # Refused for good: its own error, not the producer's (which a retry would
+                # meet again with every replacement).
+                report(outcome)
+                return
             # A lost producer's reports, its purged messages' included, all say the same: retried
             # as soon as its replacement answers, not after a backoff.
             self._lose(err)
@@ -424,6 +475,20 @@ class KafkaSink:
         return f"{b.description} for {b.seconds():.0f} s: {b.last_error}" if b.active else None
 
     def healthy(self) -> bool:
+        """False once the producer can deliver nothing more: fatal, lost, stuck, or its oldest
+        message without a report is past the deadline. The loop asks every step, /readyz too."""
+        with self._deadline_lock:
+            sent = self._sent
+            while sent and sent[0][1] <= 0:
+                sent.popleft()
+            if sent and self._fatal is None:
+                waited = time.monotonic() - sent[0][0]
+                if waited > self._deadline:
+                    self._fatal = (
+                        f"a message had no delivery report for {waited:.0f} s ({self._deadline:g} s allowed)"
+                    )
+                    log.warning("kafka producer past its deadline, replacing it: %s", self._fatal,
+                                extra={"event": "kafka.deadline"})  # fmt: skip
         if self._fatal is None and self._failing_since:
             failing = time.monotonic() - self._failing_since
             if failing > self._stuck_after:

@@ -30,8 +30,10 @@ COUNTED_EVENTS = {
     "lease.lost": "stale_acks_refused",
     "sink.replaced": "producers_recreated",
     # Why a Kafka producer was replaced: it could deliver no more (fenced, its epoch or id
-    # unknown to the broker), or no delivery succeeded for 3 delivery timeouts.
+    # unknown to the broker), a message had no report for a delivery timeout (its deadline), or
+    # no delivery succeeded for 3 delivery timeouts.
     "kafka.lost": "producers_lost",
+    "kafka.deadline": "producers_past_deadline",
     "kafka.stuck": "producers_stuck",
     "database.started": "reconnects",
     "ownership.lost": "ownership_lost",

@@ -4,8 +4,13 @@ from __future__ import annotations
 
 from typing import Any
 
-# Why producers were replaced (counted from the relays' logs): fenced by the broker, or stuck.
-REPLACED_BECAUSE = (("producers_lost", "fenced"), ("producers_stuck", "stuck"))
+# Why producers were replaced (counted from the relays' logs): fenced by the broker, a message
+# past its deadline, or stuck.
+REPLACED_BECAUSE = (
+    ("producers_lost", "fenced"),
+    ("producers_past_deadline", "past its deadline"),
+    ("producers_stuck", "stuck"),
+)
 
 
 def _fmt_recover(v: float | None) -> str:

@@ -234,26 +234,34 @@ def test_broker_restarted_empty_gets_a_new_producer(
     assert {m.value for m in after} == {f"e{i}".encode() for i in range(100, 200)}
 
 
-def test_a_producer_that_delivers_nothing_for_long_is_replaced() -> None:
-    """No fatal error, only timeouts (what a broker that forgot our producer id looks like
-    when messages time out before its answer): after 3 delivery timeouts (at least 5 s)
-    without one success the sink reports itself unhealthy, and the relay recreates it."""
+def test_a_message_without_a_report_past_the_deadline_gives_the_producer_up_once(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """No broker answers: librdkafka keeps the messages (it never times one out: a key's next
+    message could land ahead of a timed-out one), and the sink gives the producer up when its
+    oldest message passes the delivery timeout, in one line; the relay replaces it, and every
+    unreported message is reported as the producer's failure, retried in order."""
     from outbox.harness.embedded import free_port
-    from outbox.sinks.base import Retry
 
-    sink = KafkaSink(f"127.0.0.1:{free_port()}", delivery_timeout=1.0)  # nothing listens there
-    outcomes: list[Outcome] = []
-    event = ClaimedEvent(1, "00000000-0000-0000-0000-000000000001", "t", b"k", b"v", [], time.time(), 0)
-    assert sink.produce(event, outcomes.append) is None
-    wait_for(lambda: (sink.poll(0.1), outcomes)[1], timeout=10, what="the delivery report")
-    assert isinstance(outcomes[0], Retry) and "_MSG_TIMED_OUT" in outcomes[0].reason
-    assert sink.healthy(), "one timeout is an outage, not a stuck producer"
-    deadline = time.monotonic() + 10
-    while sink.healthy() and time.monotonic() < deadline:
-        sink.produce(event, outcomes.append)
-        sink.poll(0.5)
-    assert not sink.healthy()
-    sink.close(0)
+    sink = KafkaSink(f"127.0.0.1:{free_port()}", delivery_timeout=0.5)  # nothing listens there
+    try:
+        reports: list[object] = []
+        event = ClaimedEvent(1, "00000000-0000-0000-0000-000000000001", "t", b"k", b"v", [], time.time(), 0)
+        assert sink.produce(event, reports.append) is None
+        outcomes: list[object] = [None, None]
+        assert sink.produce_many([event, event], outcomes, lambda i, o: reports.append(o)) == 2
+        assert sink.healthy()
+        time.sleep(0.6)
+        sink.poll(0.2)
+        assert reports == [] and outcomes == [None, None]  # librdkafka did not time them out
+        assert not sink.healthy() and not sink.healthy()
+        assert "no delivery report for" in (sink.trouble() or "")
+        assert len([r for r in caplog.records if "past its deadline" in r.getMessage()]) == 1
+        sink.close(0)  # as the relay replaces it: purged, each reported as the producer's failure
+        assert len(reports) == 3
+        assert all(isinstance(r, Retry) and r.kind == "producer_failed" for r in reports), reports
+    finally:
+        sink._producer.purge()
 
 
 class _ReportsOnPoll:

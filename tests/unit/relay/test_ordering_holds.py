@@ -6,7 +6,8 @@ import uuid
 
 from outbox.capture import Position
 from outbox.relay.batch import Batch, WalBatch
-from outbox.relay.ordering import KeyHolds, fair_share
+from outbox.relay.ordering import Failure, KeyHolds, fair_share
+from outbox.relay.retry import RetryPolicy
 from outbox.sinks.base import HELD, Dead, Delivered, Retry
 
 
@@ -81,3 +82,57 @@ def test_fair_shares_differ_by_at_most_one() -> None:
     shares = [fair_share(64, relays, r) for r in relays]
     assert sum(shares) == 64 and max(shares) - min(shares) <= 1
     assert fair_share(64, relays[:1], uuid.uuid4()) == 32  # a newcomer counts itself in
+
+
+def _finished(batch: Batch) -> list[tuple[str, str]]:
+    """What finishing ``batch`` reports as overtaken (its statements are not run)."""
+    result, _ = batch._written(RetryPolicy(), archive=True, latencies=False)
+    return result.overtaken
+
+
+def test_a_key_s_event_delivered_ahead_of_an_earlier_one_to_be_retried_is_found() -> None:
+    """The window of a client that times one message out and delivers the next: a key's
+    event N fails while N+1, sent after it, is on its way in the same batch or a later one, and
+    N+1 is delivered. Finishing the batch of N+1 names both; keys delivered in order are not."""
+    holds = KeyHolds()
+    first = Batch(_Conn(), _rows([b"k", b"k", b"other"]), holds=holds)  # type: ignore[arg-type]
+    second = Batch(_Conn(), _rows([b"k", b"other"]), holds=holds)  # type: ignore[arg-type]
+    first.settle(0, Retry("timeout", "message timed out"))
+    first.settle(1, Delivered(0, 1))  # N+1, same batch: landed ahead of N
+    first.settle(2, Delivered(0, 2))
+    second.settle(0, Delivered(0, 3))  # N+2, sent before N failed: ahead of it too
+    second.settle(1, Delivered(0, 4))
+    n = first.events[0]
+    assert n is not None
+    assert _finished(first) == [(first.events[1].event_id, n.event_id)]  # type: ignore[union-attr]
+    assert _finished(second) == [(second.events[0].event_id, n.event_id)]  # type: ignore[union-attr]
+    # Claimed after the failure (the retry of N, then N+1 again): in order.
+    third = Batch(_Conn(), _rows([b"k", b"k"]), holds=holds)  # type: ignore[arg-type]
+    third.settle(0, Delivered(0, 5))
+    third.settle(1, Delivered(0, 6))
+    assert _finished(third) == []
+
+
+def test_failures_without_a_later_event_delivered_are_not_violations() -> None:
+    """Every event of the key after N failed too (a producer replaced: the unreported tail), or
+    held; another key's delivery; the unordered mode, which keeps no watch."""
+    holds = KeyHolds()
+    batch = Batch(_Conn(), _rows([b"k", b"k", b"k", b"j"]), holds=holds)  # type: ignore[arg-type]
+    batch.settle(0, Retry("producer_failed", "purged"))
+    batch.settle(1, Retry("producer_failed", "purged"))
+    batch.hold(2)
+    batch.settle(3, Delivered(0, 1))
+    assert _finished(batch) == []
+    unordered = Batch(_Conn(), _rows([b"k", b"k"]))  # type: ignore[arg-type]
+    unordered.settle(0, Retry("timeout", "x"))
+    unordered.settle(1, Delivered(0, 2))
+    assert _finished(unordered) == []
+
+
+def test_the_watch_forgets_a_failure_after_its_horizon() -> None:
+    holds = KeyHolds(horizon=10.0)
+    holds.failed(b"k", Failure("e1", batch=1, place=0, last_sent=3, at=100.0))
+    assert holds.overtaken(b"k", 2, 0) is not None and holds.overtaken(b"k", 4, 0) is None
+    assert holds.overtaken(b"k", 1, 0) is None  # the failed event itself
+    holds.failed(b"j", Failure("e2", batch=5, place=0, last_sent=5, at=200.0))
+    assert set(holds.failures) == {b"j"}
