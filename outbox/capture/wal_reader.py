@@ -15,13 +15,13 @@ from typing import Any
 import psycopg
 
 from outbox.capture.mode import CaptureState, prefix_of, state
-from outbox.capture.pgoutput import Decoder, Piece, Position, lsn_int
+from outbox.capture.pgoutput import Decoder, Piece, Position, lsn_int, lsn_text
 from outbox.capture.wal_message import Keys
 from outbox.extras import require
 from outbox.observe.conditions import Condition
 from outbox.store import pinning
 from outbox.store.dsn import scrub, secrets_of
-from outbox.store.queries import query
+from outbox.store.queries import query, raw
 
 log = logging.getLogger("outbox.capture")
 WAL_READER = "WAL capture's reader (a replication connection)"  # what needs outbox-relay[psycopg2]
@@ -76,6 +76,9 @@ class WalReader(threading.Thread):
             log, "wal", f"{said}reading the WAL slot {self.slot} failing", fields=fields
         )
         self._said = said
+        self._fields = fields
+        self._server: tuple[str, int] | None = None  # (host:port, timeline) streamed last
+        self._lost = False  # the slot was found missing (said once, until it is read again)
 
     # -- the relay loop's side --
 
@@ -143,6 +146,10 @@ class WalReader(threading.Thread):
                 self.reading = False
                 self.condition.fail(scrub(str(exc).strip(), secrets_of(self.dsn)))
                 self._halt.wait(RECONNECT)
+            except psycopg2.errors.UndefinedObject as exc:  # "replication slot ... does not exist"
+                self.reading = False
+                self._slot_lost(str(exc).strip())
+                self._halt.wait(RECONNECT)
             except psycopg2.errors.ObjectInUse:
                 if not self.standing_by:
                     log.info(
@@ -157,6 +164,43 @@ class WalReader(threading.Thread):
                 self.reading = False
                 self.condition.fail(scrub(str(exc).strip(), secrets_of(self.dsn)))
                 self._halt.wait(RECONNECT)
+
+    def _slot_lost(self, error: str) -> None:
+        """The slot is not on the server: after a failover to a standby that did not synchronise
+        it, or dropped. What was committed after the position handed on and not read is lost
+        with it. Said once (until the slot is read again); /readyz names it meanwhile."""
+        lost = f"the WAL slot {self.slot} is lost: {error}"
+        if not self._lost:
+            self._lost = True
+            log.error(
+                "%s%s; delivered: every event committed up to WAL position %s%s. Events committed "
+                "after it and not read are lost with the slot (docs/wal-capture.md, A lost slot)",
+                self._said, lost, lsn_text(self._done.lsn),
+                f" (the last read at {time.strftime('%Y-%m-%d %H:%M:%S', time.gmtime(self.last_commit))} UTC)"
+                if self.last_commit else "",
+                extra={"event": "wal.slot_lost", **self._fields},
+            )  # fmt: skip
+        self.condition.fail(lost)
+
+    @staticmethod
+    def _server_of(cur: Any, conn: Any) -> tuple[str, int]:
+        """(host:port, timeline) of the server a replication connection reached."""
+        cur.execute(raw("identify_system"))
+        row = cur.fetchone()
+        return f"{conn.info.host}:{conn.info.port}", int(row[1]) if row else 0
+
+    def _streaming_on(self, server: tuple[str, int]) -> None:
+        """The slot is streamed on ``server``: said once when that is another server than before
+        (a failover to a standby that synchronised the slot)."""
+        if self._server is not None and server != self._server:
+            log.warning(
+                "%sthe WAL slot %s found on %s (timeline %d; it was read on %s, timeline %d): "
+                "reading on from WAL position %s",
+                self._said, self.slot, server[0], server[1], self._server[0], self._server[1],
+                lsn_text(self._done.lsn), extra={"event": "wal.failover", **self._fields},
+            )  # fmt: skip
+        self._server = server
+        self._lost = False
 
     def _keys(self, db: psycopg.Connection[Any]) -> Keys:
         rows = db.execute(query("capture_keys", self.schema)).fetchall()
@@ -185,6 +229,7 @@ class WalReader(threading.Thread):
                 keys = self._keys(db)
             target = lsn_int(end[0]) if end else 0  # caught up once the server has sent this far
             self.confirm(handed)
+            server = self._server_of(cur, conn)
             cur.start_replication(
                 slot_name=self.slot,
                 decode=False,
@@ -203,6 +248,7 @@ class WalReader(threading.Thread):
                     "%staking over the WAL slot %s", self._said, self.slot, extra={"event": "wal.takeover"}
                 )
             self.standing_by, self.reading = False, True
+            self._streaming_on(server)
             self.condition.ok()
             last_feedback = asked = time.monotonic()
             while not self._halt.is_set() and not self._rewind:

@@ -240,3 +240,8 @@ FROM pg_replication_slots WHERE slot_name = %(slot)s
 -- The replication slots of this database, by name (an outbox with none needs no reader), and the
 -- database's name (an outbox's slot is named from it).
 SELECT slot_name, current_database() FROM pg_replication_slots WHERE database = current_database()
+
+-- name: identify_system
+-- On a replication connection (a command of the replication protocol, not SQL): the server's
+-- system identifier, timeline, WAL position and database. A new timeline is a promoted standby.
+IDENTIFY_SYSTEM

