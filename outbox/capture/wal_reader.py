@@ -148,7 +148,7 @@ class WalReader(threading.Thread):
                 self._halt.wait(RECONNECT)
             except psycopg2.errors.UndefinedObject as exc:  # "replication slot ... does not exist"
                 self.reading = False
-                self._slot_lost(str(exc).strip())
+                self._slot_lost(scrub(str(exc).strip(), secrets_of(self.dsn)))
                 self._halt.wait(RECONNECT)
             except psycopg2.errors.ObjectInUse:
                 if not self.standing_by:
