@@ -133,8 +133,12 @@ class KeyHolds:
         before the failure, delivered, has overtaken it (:meth:`overtaken`)."""
         self._forget(failure.at)
         known = self.failures.get(key)
-        if known is None or (failure.batch, failure.place) < (known.batch, known.place):
+        if known is None or failure.batch > known.last_sent:
+            # None known, or the known one's window closed before this batch was made: nothing
+            # sent after this failure can overtake that one, so this one is the key's watch.
             self.failures[key] = failure
+        elif (failure.batch, failure.place) < (known.batch, known.place):
+            self.failures[key] = failure._replace(last_sent=max(failure.last_sent, known.last_sent))
         elif failure.last_sent > known.last_sent:
             self.failures[key] = known._replace(last_sent=failure.last_sent, at=failure.at)
 

@@ -136,3 +136,19 @@ def test_the_watch_forgets_a_failure_after_its_horizon() -> None:
     assert holds.overtaken(b"k", 1, 0) is None  # the failed event itself
     holds.failed(b"j", Failure("e2", batch=5, place=0, last_sent=5, at=200.0))
     assert set(holds.failures) == {b"j"}
+
+
+def test_a_later_failure_of_the_key_after_the_first_one_s_window_is_the_one_named() -> None:
+    """Event N failed (batches 1-2 could overtake it) and was retried and delivered; later event
+    M of the key fails in batch 5 with batch 6 on its way: an event of batch 6 delivered overtook
+    M, not N. Within the first one's window, the first stays named and its window grows."""
+    holds = KeyHolds()
+    holds.failed(b"k", Failure("n", batch=1, place=0, last_sent=2, at=1.0))
+    holds.failed(b"k", Failure("m", batch=5, place=3, last_sent=6, at=2.0))
+    earlier = holds.overtaken(b"k", 6, 0)
+    assert earlier is not None and earlier.event_id == "m"
+    assert holds.overtaken(b"k", 5, 1) is None  # before m in its batch
+    holds.failed(b"j", Failure("a", batch=3, place=0, last_sent=4, at=3.0))
+    holds.failed(b"j", Failure("b", batch=4, place=1, last_sent=7, at=3.0))  # within a's window
+    earlier = holds.overtaken(b"j", 7, 0)
+    assert earlier is not None and earlier.event_id == "a"
