@@ -396,23 +396,22 @@ class KafkaSink:
 
     def _failed(self, report: Report, err: KafkaError) -> None:
         """A delivery report with an error: its outcome."""
-        if self._fatal is not None or producer_lost(err):
-            outcome = classify(err)
-            if isinstance(outcome, Dead) and not producer_lost(err):
-                # Refused for good: its own error, not the producer's (which a retry would
-                # meet again with every replacement).
-                report(outcome)
-                return
+        outcome = classify(err)
+        lost = producer_lost(err)
+        if isinstance(outcome, Dead) and not lost:
+            # Refused for good: its own error, also when the producer is lost (a retry would meet
+            # it again with every replacement).
+            report(outcome)
+        elif lost or self._fatal is not None:
             # A lost producer's reports, its purged messages' included, all say the same: retried
             # as soon as its replacement answers, not after a backoff.
             self._lose(err)
             report(Retry(PRODUCER_FAILED, f"producer failed: {self._fatal}"))
         else:
-            outcome = classify(err)
-            if isinstance(outcome, Retry):
-                if not self._failing_since:
-                    self._failing_since = time.monotonic()
-                self._last_failure = outcome.reason
+            assert isinstance(outcome, Retry)
+            if not self._failing_since:
+                self._failing_since = time.monotonic()
+            self._last_failure = outcome.reason
             report(outcome)
 
     def poll(self, timeout: float) -> int:
