@@ -71,8 +71,9 @@ class EncodedEvent:
 
 
 class Unusable(NamedTuple):
-    """In a claimed row's headers column: the row stands for a WAL message that is no event
-    (unsigned, or malformed), which the batch dead-letters at once with this kind and reason."""
+    """Beside a WAL message's event (:data:`outbox.capture.wal_message.WalRow`), in place of its
+    headers: the message is no deliverable event (unsigned, malformed), and the batch
+    dead-letters it at once with this kind and reason."""
 
     kind: str
     reason: str
@@ -100,6 +101,9 @@ class ClaimedEvent(NamedTuple):
 # ClaimedEvent's fields as C-level getters, for map() over a batch on the relay's hot path.
 TOPIC_OF, KEY_OF, PAYLOAD_OF, HEADERS_OF = (
     itemgetter(ClaimedEvent._fields.index(name)) for name in ("topic", "key", "payload", "headers")
+)
+EVENT_ID_OF, CREATED_OF, TYPE_OF, SUBJECT_OF = (
+    itemgetter(ClaimedEvent._fields.index(name)) for name in ("event_id", "created_at", "type", "subject")
 )
 
 
@@ -303,12 +307,10 @@ def decode_headers(raw: object) -> MessageHeaders:
         return []
     if isinstance(raw, str):  # the claim queries send jsonb as text: valid JSON, maybe not an object
         try:
-            raw = _parse_json(raw)
+            raw = parse_json(raw)
         except (ValueError, RecursionError) as exc:  # a WAL message's: written by no jsonb
             raise CorruptEvent(f"headers: not JSON: {exc}") from None
     if not isinstance(raw, dict):
-        if isinstance(raw, Unusable):
-            raise CorruptEvent(raw.reason, raw.kind)
         raise CorruptEvent(f"headers: expected a JSON object, found {type(raw).__name__}")
     if not _CHECKED_NAMES.issuperset(raw):
         _check_names(raw)
@@ -359,7 +361,7 @@ def _check_names(headers: dict[str, Any]) -> None:
 _scan_json: Callable[[str, int], tuple[Any, int]] = json.scanner.make_scanner(json.JSONDecoder())  # type: ignore[arg-type]
 
 
-def _parse_json(text: str) -> object:
+def parse_json(text: str) -> object:
     """``json.loads(text)``, by the C scanner when the text is one JSON value and nothing else."""
     try:
         value, end = _scan_json(text, 0)
@@ -387,10 +389,10 @@ def decode_row(row: tuple[Any, ...]) -> ClaimedEvent:
     kafka_headers.append((EVENT_ID_HEADER, event_id.encode()))
     # tuple.__new__ directly: a NamedTuple's own __new__ is one more Python call per event.
     fields = (id_, event_id, topic, key, payload, kafka_headers, created_at, attempts, type_, subject)
-    return _new_claimed(ClaimedEvent, fields)
+    return new_claimed(ClaimedEvent, fields)
 
 
-_new_claimed: Callable[[type[ClaimedEvent], tuple[Any, ...]], ClaimedEvent] = tuple.__new__
+new_claimed: Callable[[type[ClaimedEvent], tuple[Any, ...]], ClaimedEvent] = tuple.__new__
 
 
 def key_bytes(text: str | None, field: str = "key") -> bytes | None:

@@ -6,9 +6,8 @@ from __future__ import annotations
 
 import struct
 from dataclasses import dataclass, field
-from typing import Any
 
-from outbox.capture.wal_message import Keys, row_of
+from outbox.capture.wal_message import Keys, WalRow, row_of
 
 PIECE_EVENTS = 1_000  # events of a large transaction handed on together at most
 
@@ -54,7 +53,7 @@ class Piece:
     """Committed events of this outbox, in commit order: a whole transaction, or a piece of a
     large one (at most ``PIECE_EVENTS``). ``after`` is the position once they are handed on."""
 
-    rows: list[tuple[Any, ...]]
+    rows: list[WalRow]  # each event, decoded once (the relay's loop sends it as it is)
     after: Position
     whole: bool = True  # a whole transaction, not a piece of one
     queued_at: float = 0.0  # monotonic time it was read
@@ -74,7 +73,7 @@ class Decoder:
     skip: Position = field(default_factory=Position)
     piece: int = 0  # events per piece at most (0: PIECE_EVENTS)
     keys: Keys | None = None  # the outbox's signing keys (capture_keys)
-    rows: list[tuple[Any, ...]] = field(default_factory=list)
+    rows: list[WalRow] = field(default_factory=list)
     ignored: int = 0  # non-transactional messages passed over (no outbox event is one)
     rotated: bool = False  # a key rotation's message was read: the reader reads the keys again
     _commit: int = 0  # the commit LSN of the transaction being read

@@ -26,7 +26,18 @@ import uuid
 from collections.abc import Sequence
 from typing import Any
 
-from outbox.events import CORRUPT_TOPIC, MAX_TOPIC_CHARS, EncodedEvent, Unusable
+from outbox.errors import CorruptEvent
+from outbox.events import (
+    CORRUPT_TOPIC,
+    EVENT_ID_HEADER,
+    MAX_TOPIC_CHARS,
+    ClaimedEvent,
+    EncodedEvent,
+    Unusable,
+    decode_headers,
+    new_claimed,
+    parse_json,
+)
 
 SIGNATURE_BYTES = 32  # HMAC-SHA256, before each message's content
 UNSIGNED_EVENT = "unsigned_event"  # the dead letter's kind of a message that is not signed
@@ -48,14 +59,24 @@ def encode(ev: EncodedEvent) -> bytes:
     return json.dumps(head, separators=(",", ":")).encode() + b"\n" + headers + b"\n" + ev.payload
 
 
-def decode(content: bytes) -> tuple[Any, ...]:
-    """A message's content (after its signature) as a claimed row (``claim_batch``'s columns, the
-    headers as JSON text as the claim sends them; the id is filled in later). Raises ValueError
-    (or TypeError) if it is not an outbox event's encoding: an id that is not a UUID, a topic
-    that is not text a topic may be, and so on. The headers are checked where every claimed
-    row's are (:func:`outbox.events.decode_row`)."""
+# An event read from the WAL: the event as the sinks take it, and its headers as the JSON text
+# the message held (stored as they are when it goes to the archive or the table; None: none);
+# or, in their place, why the message is no deliverable event (dead-lettered at once, the event
+# standing for what is kept).
+WalRow = tuple[ClaimedEvent, "str | Unusable | None"]
+
+
+def decode(content: bytes) -> WalRow:
+    """A message's content (after its signature) as the event it carries, decoded once (the
+    relay's loop takes it as it is). Raises ValueError (or TypeError) if it is not an outbox
+    event's encoding: an id that is not a UUID, a topic that is not text a topic may be, and so
+    on. Headers no sink may send (not a JSON object of strings, a name enqueue refuses) make it a
+    corrupt event that keeps its fields, dead-lettered at once."""
     created, head, headers, payload = content.split(b"\n", 3)
-    event_id, topic, key, type_, subject = json.loads(head)
+    # Parsed as text by the C scanner: json.loads on bytes first guesses the encoding and
+    # decodes with surrogatepass, 5.4 against 1.0 us a message.
+    parsed: Any = parse_json(head.decode())
+    event_id, topic, key, type_, subject = parsed
     if event_id.__class__ is not str or not _is_uuid_text(event_id):
         raise ValueError("id: not a UUID")
     if topic.__class__ is not str or not 0 < len(topic) <= MAX_TOPIC_CHARS or not _storable(topic):
@@ -66,18 +87,18 @@ def decode(content: bytes) -> tuple[Any, ...]:
         raise ValueError("subject: not text")
     if b"u0000" in headers and _NUL_ESCAPE.search(headers):  # jsonb refuses; enqueue never writes it
         raise ValueError("headers: a NUL character")
-    return (
-        0,
-        event_id,
-        topic,
-        None if key is None else bytes.fromhex(key),
-        payload,
-        headers.decode() if headers else None,
-        float(created),
-        0,
-        type_,
-        subject,
-    )
+    text = headers.decode() if headers else None
+    raw_key = None if key is None else bytes.fromhex(key)
+    at = float(created)
+    try:
+        sent = decode_headers(text)
+    except CorruptEvent as exc:  # a signed message's own SQL: kept, never sent
+        unsent: tuple[Any, ...] = (0, event_id, topic, raw_key, payload, [], at, 0, type_, subject)
+        return new_claimed(ClaimedEvent, unsent), Unusable(exc.kind, f"corrupt event row: {exc}")
+    sent.append((EVENT_ID_HEADER, event_id.encode()))
+    # tuple.__new__ directly: a NamedTuple's own __new__ is one more Python call per event.
+    fields: tuple[Any, ...] = (0, event_id, topic, raw_key, payload, sent, at, 0, type_, subject)
+    return new_claimed(ClaimedEvent, fields), text
 
 
 def _storable(text: str) -> bool:
@@ -140,15 +161,17 @@ def sign(key: bytes, content: bytes) -> bytes:
     return hmac.digest(key, content, "sha256") + content
 
 
-def unusable_row(kind: str, reason: str, content: bytes) -> tuple[Any, ...]:
+def unusable_row(kind: str, reason: str, content: bytes) -> WalRow:
     """A message that is no deliverable event, as a row the batch dead-letters at once: under a
     new event id (its own may be forged, or no id), without a key (it must not park one), with
     its whole content as the payload (nothing is lost), and why (:class:`Unusable`)."""
     topic = UNSIGNED_TOPIC if kind == UNSIGNED_EVENT else CORRUPT_TOPIC
-    return (0, str(uuid.uuid4()), topic, None, content, Unusable(kind, reason), time.time(), 0, None, None)
+    why = f"corrupt event row: {reason}" if kind == CORRUPT_EVENT else reason
+    fields: tuple[Any, ...] = (0, str(uuid.uuid4()), topic, None, content, [], time.time(), 0, None, None)
+    return new_claimed(ClaimedEvent, fields), Unusable(kind, why)
 
 
-def row_of(content: bytes, keys: Keys, prefix: bytes, committed: float) -> tuple[Any, ...] | None:
+def row_of(content: bytes, keys: Keys, prefix: bytes, committed: float) -> WalRow | None:
     """A message's row: its event if it is signed and parses, else one dead-lettered at once.
     None for a key rotation's message (``outbox capture rotate-key``): read the keys again.
     ``committed``: when its transaction committed (epoch), which keys may have signed it."""

@@ -16,7 +16,7 @@ import psycopg
 
 from outbox.capture.mode import CaptureState, prefix_of, state
 from outbox.capture.pgoutput import Decoder, Piece, Position, lsn_int, lsn_text
-from outbox.capture.wal_message import Keys
+from outbox.capture.wal_message import Keys, WalRow
 from outbox.extras import require
 from outbox.observe.conditions import Condition
 from outbox.store import pinning
@@ -82,13 +82,13 @@ class WalReader(threading.Thread):
 
     # -- the relay loop's side --
 
-    def take(self, limit: int) -> tuple[list[tuple[Any, ...]], Position] | None:
+    def take(self, limit: int) -> tuple[list[WalRow], Position] | None:
         """Pieces in order, up to ``limit`` events (at least one piece): their rows, and the
         position once they are handed on. None when none waits."""
         with self._lock:
             if not self._queue:
                 return None
-            rows: list[tuple[Any, ...]] = []
+            rows: list[WalRow] = []
             after = self._queue[0].after
             while self._queue and (not rows or len(rows) + len(self._queue[0].rows) <= limit):
                 piece = self._queue.popleft()

@@ -25,8 +25,21 @@ from typing import Any, cast
 import psycopg
 
 from outbox import capture
+from outbox.capture.wal_message import WalRow
 from outbox.errors import CorruptEvent, FencingError
-from outbox.events import CORRUPT_TOPIC, TOPIC_OF, ClaimedEvent, decode_row
+from outbox.events import (
+    CORRUPT_TOPIC,
+    CREATED_OF,
+    EVENT_ID_OF,
+    KEY_OF,
+    PAYLOAD_OF,
+    SUBJECT_OF,
+    TOPIC_OF,
+    TYPE_OF,
+    ClaimedEvent,
+    Unusable,
+    decode_row,
+)
 from outbox.relay.limits import Gate
 from outbox.relay.ordering import Failure, KeyHolds
 from outbox.relay.retry import RetryPolicy, cap_error
@@ -36,6 +49,7 @@ from outbox.store.queries import int_array, query
 # Delivered's fields as C-level getters, for map() over a finished batch.
 _PARTITION, _OFFSET, _REF = (itemgetter(Delivered._fields.index(f)) for f in ("partition", "offset", "ref"))
 _ID, _ATTEMPTS = itemgetter(0), itemgetter(7)  # of a claimed row (claim_batch's columns)
+_EVENT, _TEXT = itemgetter(0), itemgetter(1)  # of a WalRow
 
 
 # psycopg's pipeline mode needs libpq 14+ (the binary wheels bring their own; a system libpq
@@ -111,16 +125,39 @@ class Batch:
         holds: KeyHolds | None = None,
         parks: bool = False,
     ) -> None:
+        self._start(conn, list(map(_ID, rows)), list(map(_ATTEMPTS, rows)), holds, parks)
+        try:
+            self.events: list[ClaimedEvent | None] = list(map(decode_row, rows))
+        except CorruptEvent:  # at least one: decode row by row, settling each corrupt one
+            self.events = []
+            for i, row in enumerate(rows):
+                try:
+                    self.events.append(decode_row(row))
+                except CorruptEvent as exc:
+                    self.events.append(None)
+                    self.corrupt += 1
+                    reason = f"corrupt event row: {exc}" if exc.kind == CORRUPT_EVENT else str(exc)
+                    self.settle(i, Dead(exc.kind, reason))
+
+    def _start(
+        self,
+        conn: psycopg.Connection[Any],
+        ids: list[int],
+        attempts: list[int],
+        holds: KeyHolds | None,
+        parks: bool,
+    ) -> None:
+        """Everything but the events: their ids and attempts, no outcome yet."""
         self.conn = conn
         # Ordered mode: a failure of key K holds K's later events until this batch ends.
         self._holds = holds
         self._parks = parks  # ... and so does a dead letter (--on-dead park)
-        self.ids: list[int] = list(map(_ID, rows))
-        self.attempts: list[int] = list(map(_ATTEMPTS, rows))
+        self.ids = ids
+        self.attempts = attempts
         # One slot per event, None until its outcome is known. A sink may store a Delivered
         # straight into its slot (KafkaSink.produce_many); every other outcome goes through
         # settle(), which also holds the event's key.
-        self.outcomes: list[Outcome | None] = [None] * len(rows)
+        self.outcomes: list[Outcome | None] = [None] * len(ids)
         self.claimed_at = time.monotonic()
         Batch.made += 1
         self.seq = Batch.made  # the order the relay sends its batches in
@@ -134,18 +171,7 @@ class Batch:
         # OpenTelemetry "send <topic>" spans of this batch (empty when tracing is off).
         self.spans: dict[str, Any] = {}
         self.corrupt = 0  # rows that could not be decoded (settled as dead at once)
-        try:
-            self.events: list[ClaimedEvent | None] = list(map(decode_row, rows))
-        except CorruptEvent:  # at least one: decode row by row, settling each corrupt one
-            self.events = []
-            for i, row in enumerate(rows):
-                try:
-                    self.events.append(decode_row(row))
-                except CorruptEvent as exc:
-                    self.events.append(None)
-                    self.corrupt += 1
-                    reason = f"corrupt event row: {exc}" if exc.kind == CORRUPT_EVENT else str(exc)
-                    self.settle(i, Dead(exc.kind, reason))
+        self.events = []
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -440,10 +466,6 @@ def _check_rows(changed: int, expected: int, what: str) -> None:
         raise FencingError(f"{what} changed {changed} rows, expected {expected}: the batch's lease was lost")
 
 
-def _column(rows: Sequence[tuple[Any, ...]], i: int) -> list[Any]:
-    return [row[i] for row in rows]
-
-
 class WalBatch(Batch):
     """Events read from the WAL, sent like a claimed batch. Finishing writes the delivered
     ones to the archive and the rest into the events table (then retried, dead-lettered or
@@ -453,14 +475,25 @@ class WalBatch(Batch):
     def __init__(
         self,
         conn: psycopg.Connection[Any],
-        rows: list[tuple[Any, ...]],
+        rows: list[WalRow],
         after: capture.Position,
-        **kw: Any,
+        *,
+        holds: KeyHolds | None = None,
+        parks: bool = False,
     ) -> None:
-        # Each row's id is its index here until it has one of the table's (see _write).
-        rows = [(i, *row[1:]) for i, row in enumerate(rows)]
-        super().__init__(conn, rows, **kw)
-        self.rows = rows
+        n = len(rows)
+        # Each event's id is its index here until it has one of the table's (see _write). The
+        # reader decoded the events: they are sent as they are.
+        self._start(conn, list(range(n)), [0] * n, holds, parks)
+        self.stored: list[ClaimedEvent] = list(map(_EVENT, rows))  # what is kept, all of them
+        self.texts: list[str | Unusable | None] = list(map(_TEXT, rows))  # their headers' JSON
+        self.events = list(self.stored)
+        if Unusable in set(map(type, self.texts)):  # a message that is no event: dead at once
+            for i, text in enumerate(self.texts):
+                if isinstance(text, Unusable):
+                    self.events[i] = None
+                    self.corrupt += 1
+                    self.settle(i, Dead(text.kind, text.reason))
         self.after = after  # the WAL's position once these events are handed on
 
     def _locked_id(self, index: int) -> int | None:
@@ -472,7 +505,7 @@ class WalBatch(Batch):
         was claimed. Three round trips held the relay's loop 1-2 ms per batch, during which
         the transactions read waited. Atomic as before: the server commits the three together
         or none of them, whether the relay dies before or after sending them."""
-        if len(w.ok_ids) == len(self.rows) and PIPELINE:
+        if len(w.ok_ids) == len(self.stored) and PIPELINE:
             with self.conn.pipeline():
                 self._write(schema, w)
                 self.conn.commit()
@@ -481,33 +514,36 @@ class WalBatch(Batch):
 
     def _write(self, schema: str, w: Written) -> None:
         conn = self.conn
-        rows = self.rows
-        settled = set(w.ok_ids)
+        stored = self.stored
+        n = len(stored)
         if w.ok_ids and w.archive:
-            ok = [rows[i] for i in w.ok_ids]
+            ok = w.ok_ids
+            columns = self._columns(stored, self.texts) if len(ok) == n else self._columns(
+                [stored[i] for i in ok], [self.texts[i] for i in ok]
+            )  # fmt: skip
             conn.execute(
                 query("wal_archive", schema),
                 {
                     "schema": schema,
-                    **self._columns(ok),
+                    **columns,
                     "partitions": int_array(w.ok_parts),
                     "offsets": int_array(w.ok_offsets),
                     "refs": [] if w.ok_refs.count(None) == len(w.ok_refs) else w.ok_refs,
                 },
             )
-        rest = [i for i in range(len(rows)) if i not in settled]
+        rest = [] if len(w.ok_ids) == n else sorted(set(range(n)).difference(w.ok_ids))
         if rest:
-            # A row that could not be decoded goes in without its headers (they may be no JSON,
-            # or none jsonb takes): it is dead-lettered, its content kept as the payload.
-            events = self.events
-            kept = [rows[i] if events[i] is not None else (*rows[i][:5], None, *rows[i][6:]) for i in rest]
-            cur = conn.execute(query("wal_to_events", schema), self._columns(kept))
+            # A message that is no event goes in without its headers (they may be no JSON, or
+            # none jsonb takes): it is dead-lettered, its content kept as the payload.
+            texts = self.texts
+            kept = [None if isinstance(texts[i], Unusable) else texts[i] for i in rest]
+            cur = conn.execute(query("wal_to_events", schema), self._columns([stored[i] for i in rest], kept))
             # Each event id's new ids in insertion order (the rows' order): an id may come twice
             # (a writer's own message may repeat one), so not a plain mapping of id to id.
             new_ids: dict[str, list[int]] = {}
             for id_, event_id in sorted(cur.fetchall()):
                 new_ids.setdefault(event_id, []).append(int(id_))
-            real = {i: new_ids[rows[i][1]].pop(0) for i in rest}
+            real = {i: new_ids[stored[i].event_id].pop(0) for i in rest}
             self._failed(schema, w, [real[i] for i in w.retry_ids], [real[i] for i in w.dead_ids])
             w.dead_events[:] = [(real[i], reason) for i, reason in w.dead_events]
         after = self.after
@@ -520,14 +556,15 @@ class WalBatch(Batch):
         conn.execute(query("wal_handed_on", schema), position)
 
     @staticmethod
-    def _columns(rows: Sequence[tuple[Any, ...]]) -> dict[str, Any]:
+    def _columns(events: Sequence[ClaimedEvent], headers: Sequence[Any]) -> dict[str, Any]:
+        """The events' columns for wal_archive and wal_to_events (``headers``: their JSON texts)."""
         return {
-            "event_ids": _column(rows, 1),
-            "topics": _column(rows, 2),
-            "keys": _column(rows, 3),
-            "payloads": _column(rows, 4),
-            "headers": _column(rows, 5),
-            "created": _column(rows, 6),
-            "types": _column(rows, 8),
-            "subjects": _column(rows, 9),
+            "event_ids": list(map(EVENT_ID_OF, events)),
+            "topics": list(map(TOPIC_OF, events)),
+            "keys": list(map(KEY_OF, events)),
+            "payloads": list(map(PAYLOAD_OF, events)),
+            "headers": headers,
+            "created": list(map(CREATED_OF, events)),
+            "types": list(map(TYPE_OF, events)),
+            "subjects": list(map(SUBJECT_OF, events)),
         }

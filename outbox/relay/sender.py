@@ -12,7 +12,7 @@ from typing import Any, Protocol, cast
 
 import psycopg
 
-from outbox.events import ClaimedEvent
+from outbox.events import KEY_OF, ClaimedEvent
 from outbox.observe import tracing
 from outbox.relay import limits
 from outbox.relay.batch import PIPELINE, Batch, Shared, WalBatch
@@ -301,12 +301,12 @@ class BatchSender:
         batch = WalBatch(
             conn, rows, after, holds=ordering.holds if ordering.ordered else None, parks=ordering.parks
         )
-        keys = list({e.key for e in batch.events if e is not None and e.key is not None})
+        keys = set(map(KEY_OF, batch.stored))
+        keys.discard(None)
         try:
             found: list[tuple[Any, ...]] = []
-            if keys:
-                found = conn.execute(query("wal_keys_waiting", lane.schema), {"keys": keys}).fetchall()
-            waiting: dict[bytes, float] = {row[0]: row[1] for row in found}
+            if keys and not _one(conn.execute(query("wal_table_quiet", lane.schema)).fetchone()):
+                found = conn.execute(query("wal_keys_waiting", lane.schema), {"keys": list(keys)}).fetchall()
         except psycopg.Error as exc:
             lane.wal.rewind()  # read again from the slot
             if isinstance(exc, psycopg.OperationalError):
@@ -314,14 +314,11 @@ class BatchSender:
             else:
                 relay.lane_error(lane, conn, f"WAL batch failed: {sessions.clean(exc)}")
             return 0
-        for i, event in enumerate(batch.events):
-            # Held (into the table, behind them) when the key has older events waiting there.
-            if (
-                event is not None
-                and event.key is not None
-                and waiting.get(event.key, math.inf) <= event.created_at
-            ):
-                batch.hold(i)
+        if found:  # held (into the table, behind them) when the key has older events waiting there
+            waiting: dict[bytes | None, float] = {row[0]: row[1] for row in found}
+            for i, event in enumerate(batch.events):
+                if event is not None and waiting.get(event.key, math.inf) <= event.created_at:
+                    batch.hold(i)
         relay.health.loop_progress = lane.last_work = time.monotonic()
         relay.stats.claims += 1
         lane.stats.claims += 1
@@ -376,6 +373,11 @@ class BatchSender:
             send_now(sink)
         sink.poll(0)  # sinks that queue what they were given send it now, as one burst
         return len(batch)
+
+
+def _one(row: tuple[Any, ...] | None) -> Any:
+    """The value of a one-column row (None: no row)."""
+    return None if row is None else row[0]
 
 
 def _batch(lane: Lane, conn: psycopg.Connection[Any], rows: list[tuple[Any, ...]]) -> Batch:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import struct
 
 import pytest
@@ -10,24 +11,22 @@ import pytest
 from outbox import capture
 from outbox.bench.writers import sqlalchemy_url
 from outbox.capture import pgoutput, wal_message
-from outbox.errors import CorruptEvent
-from outbox.events import decode_row, encode_event
+from outbox.events import Unusable, encode_event
 
 
 def test_an_event_survives_its_wal_message_byte_exact() -> None:
     ev = encode_event(
         "orders", b"\x00\n\xffraw", key=b"k\n1", headers={"h": "v\nw", "b": b"\xff"}, type="t.é", subject=None
     )
-    row = wal_message.decode(b"1732540000.25\n" + wal_message.encode(ev))
-    claimed = decode_row(row)
+    claimed, text = wal_message.decode(b"1732540000.25\n" + wal_message.encode(ev))
+    assert isinstance(text, str) and json.loads(text) == ev.headers  # stored as the message held them
     assert claimed.event_id == str(ev.event_id) and claimed.topic == "orders" and claimed.key == b"k\n1"
     assert claimed.payload == b"\x00\n\xffraw" and claimed.type == "t.é" and claimed.subject is None
     assert ("h", b"v\nw") in claimed.headers and ("b", b"\xff") in claimed.headers
-    assert claimed.created_at == 1732540000.25
+    assert ("event-id", str(ev.event_id).encode()) in claimed.headers
+    assert claimed.created_at == 1732540000.25 and claimed.attempts == 0
     bare = encode_event("t", b"", key=None, headers=None)
-    assert (
-        wal_message.decode(b"1\n" + wal_message.encode(bare))[5] is None
-    )  # no headers: NULL, as a claim sends
+    assert wal_message.decode(b"1\n" + wal_message.encode(bare))[1] is None  # no headers: NULL
     with pytest.raises(ValueError):
         wal_message.decode(b"not an event")
 
@@ -93,16 +92,15 @@ def test_the_decoder_keeps_committed_transactions_of_its_own_prefix_only() -> No
     piece = decoder.feed(_commit(150, 200))
     assert piece is not None and len(piece.rows) == 4 and piece.whole
     assert piece.after == capture.Position(200)
-    event, garbage, *unsigned = (decode_row(piece.rows[0]), *piece.rows[1:])
-    assert event.topic == "t" and event.payload == b"x"
+    (event, text), (garbage, why), *unsigned = piece.rows
+    assert event.topic == "t" and event.payload == b"x" and text is None
     # The others are rows the batch dead-letters at once: a new id, no key, the content kept.
-    assert garbage[2] == "(corrupt)" and garbage[4] == b"garbage" and garbage[3] is None
-    assert [row[2] for row in unsigned] == ["(unsigned)", "(unsigned)"]
-    assert unsigned[1][4] == content and unsigned[1][1] != event.event_id
-    for row in (garbage, *unsigned):
-        with pytest.raises(CorruptEvent) as err:
-            decode_row(row)
-        assert err.value.kind == ("corrupt_event" if row is garbage else "unsigned_event")
+    assert garbage.topic == "(corrupt)" and garbage.payload == b"garbage" and garbage.key is None
+    assert [row.topic for row, _ in unsigned] == ["(unsigned)", "(unsigned)"]
+    assert unsigned[1][0].payload == content and unsigned[1][0].event_id != event.event_id
+    assert isinstance(why, Unusable) and why.kind == "corrupt_event"
+    assert why.reason.startswith("corrupt event row: a signed WAL message that is no outbox event")
+    assert [u.kind for _, u in unsigned] == ["unsigned_event", "unsigned_event"]  # type: ignore[union-attr]
     decoder = capture.Decoder(b"outbox:a", skip=capture.Position(100), keys=KEYS)
     decoder.feed(_begin(80))
     decoder.feed(_message(b"outbox:a", content))
@@ -113,7 +111,7 @@ def test_the_decoder_keeps_committed_transactions_of_its_own_prefix_only() -> No
 
 
 def _payloads(piece: capture.Piece) -> list[int]:
-    return [int(row[4]) for row in piece.rows]
+    return [int(event.payload) for event, _ in piece.rows]
 
 
 def test_a_large_transaction_goes_in_pieces_each_with_its_position() -> None:
@@ -209,7 +207,7 @@ def test_a_message_outside_any_transaction_is_no_event_and_holds_nothing_back() 
     decoder.feed(_begin(150))
     decoder.feed(_message(b"outbox:a", content))
     piece = decoder.feed(_commit(150, 200))
-    assert piece is not None and len(piece.rows) == 1 and decode_row(piece.rows[0]).payload == b"x"
+    assert piece is not None and len(piece.rows) == 1 and piece.rows[0][0].payload == b"x"
 
 
 def test_after_a_rotation_the_old_key_verifies_what_committed_within_the_window_only() -> None:
@@ -227,13 +225,28 @@ def test_after_a_rotation_the_old_key_verifies_what_committed_within_the_window_
     decoder.feed(_message(b"outbox:a", content, key=new))
     decoder.feed(_message(b"outbox:a", content, key=old))  # committed within the window
     piece = decoder.feed(_commit(150, 200))
-    assert piece is not None and [decode_row(r).payload for r in piece.rows] == [b"x", b"x"]
+    assert piece is not None and [event.payload for event, _ in piece.rows] == [b"x", b"x"]
     decoder.feed(_begin(300, at=2_500.0))  # after the window
     decoder.feed(_message(b"outbox:a", content, key=old))
     decoder.feed(_message(b"outbox:a", content, key=new))
     late, fresh = decoder.feed(_commit(300, 310)).rows  # type: ignore[union-attr]
-    assert late[2] == "(unsigned)" and decode_row(fresh).payload == b"x"
+    assert late[0].topic == "(unsigned)" and fresh[0].payload == b"x" and fresh[1] is None
     unsigned_rotation = capture.Decoder(b"outbox:a", keys=wal_message.Keys([(old, None)]))
     unsigned_rotation.feed(_begin(400))
     unsigned_rotation.feed(_message(b"outbox:a", wal_message.ROTATED + b"9", key=b"x" * 32))
-    assert not unsigned_rotation.rotated and unsigned_rotation.rows[0][2] == "(unsigned)"  # a stranger's
+    assert (
+        not unsigned_rotation.rotated and unsigned_rotation.rows[0][0].topic == "(unsigned)"
+    )  # a stranger's
+
+
+def test_headers_no_sink_may_send_keep_the_events_fields_and_say_why() -> None:
+    """A signed message whose headers are not an object of strings (a writer's own SQL): the
+    event keeps its id, key and payload (dead-lettered as it is, its key parked with --on-dead
+    park), and the reason names the headers; its headers are not stored."""
+    head = b'["00000000-0000-4000-8000-000000000000","t","6b",null,null]'
+    for headers, why in ((b'{"n":5}', "headers['n']: expected a string"), (b"[1]", "expected a JSON object")):
+        event, unusable = wal_message.decode(b"1\n" + head + b"\n" + headers + b"\npayload")
+        assert event.event_id == "00000000-0000-4000-8000-000000000000" and event.key == b"k"
+        assert event.payload == b"payload" and event.headers == []
+        assert isinstance(unusable, Unusable) and unusable.kind == "corrupt_event"
+        assert unusable.reason.startswith("corrupt event row: ") and why in unusable.reason

@@ -5,6 +5,7 @@ from __future__ import annotations
 import uuid
 
 from outbox.capture import Position
+from outbox.events import decode_row
 from outbox.relay.batch import Batch, WalBatch
 from outbox.relay.ordering import Failure, KeyHolds, fair_share
 from outbox.relay.retry import RetryPolicy
@@ -51,7 +52,7 @@ def test_a_held_event_holds_its_key_and_claims_skip_what_follows_it_until_its_ba
     assert holds.keys == {} and holds.skip_after() == ([b"k"], [5])
     holds.release(7)
     assert holds.keys == {} and holds.skip_after() == ([], [])
-    wal = WalBatch(_Conn(), _rows([b"w"]), Position(), holds=holds)  # type: ignore[arg-type]
+    wal = WalBatch(_Conn(), [(decode_row(_rows([b"w"])[0]), None)], Position(), holds=holds)  # type: ignore[arg-type]
     wal.settle(0, HELD)
     assert holds.keys == {b"w": 1} and holds.skip_after() == ([], [])
 
