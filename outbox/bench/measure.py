@@ -98,6 +98,17 @@ class Race:
     peak_rss_mb: float = 0.0
     moved: int = 0
     elapsed_s: float = 0.0
+    # The same three from the first sample that saw an event moved to the end, and the events
+    # moved meanwhile: the cost of moving events, without the start-up (imports, connections,
+    # a replication slot's first read), which a short race would spread over its few events.
+    relay_cpu_moving_s: float = 0.0
+    postgres_cpu_moving_s: float = 0.0
+    broker_cpu_moving_s: float = 0.0
+    moved_measured: int = 0
+
+    def per_1k(self, cpu_s: float) -> float:
+        """``cpu_s`` (one of the ``*_moving_s``) per 1,000 events moved while it was measured."""
+        return round(1000 * cpu_s / max(self.moved_measured, 1), 4)
 
 
 def race(
@@ -135,11 +146,11 @@ def race(
     started = time.monotonic()
     cpu_last: dict[int, float] = {}
     first_move: float | None = None
+    # CPU (contenders, PostgreSQL, broker) and events moved at the first sample that saw a move.
+    from_move: tuple[float, dict[int, float], dict[int, float], int] | None = None
     while True:
         elapsed = time.monotonic() - started
         moved = sum(int(c.value) for c in counters)
-        if first_move is None and moved > 0:
-            first_move = elapsed
         result.series.append((elapsed, moved))
         for p in procs:
             if p.pid is not None and p.is_alive():
@@ -150,6 +161,9 @@ def race(
                 except psutil.NoSuchProcess:
                     pass
         result.cpu_series.append((elapsed, sum(cpu_last.values())))
+        if first_move is None and moved > 0:
+            first_move = elapsed
+            from_move = (sum(cpu_last.values()), postgres_cpu(), broker_cpu(), moved)
         if progress is not None:
             rate = _recent_rate(result.series)
             progress.update(moved if target or counting else elapsed, f"{rate:,.0f} ev/s")
@@ -169,9 +183,16 @@ def race(
             stop.set()
             raise RuntimeError(f"a contender process died (exit codes {dead})")
         time.sleep(SAMPLE_EVERY)
-    result.postgres_cpu_s = cpu_delta(pg_before, postgres_cpu())
-    result.broker_cpu_s = cpu_delta(broker_before, broker_cpu())
+    pg_after, broker_after = postgres_cpu(), broker_cpu()
+    result.postgres_cpu_s = cpu_delta(pg_before, pg_after)
+    result.broker_cpu_s = cpu_delta(broker_before, broker_after)
     result.relay_cpu_s = sum(cpu_last.values())
+    if from_move is not None:
+        relay_from, pg_from, broker_from, moved_from = from_move
+        result.relay_cpu_moving_s = result.relay_cpu_s - relay_from
+        result.postgres_cpu_moving_s = cpu_delta(pg_from, pg_after)
+        result.broker_cpu_moving_s = cpu_delta(broker_from, broker_after)
+        result.moved_measured = sum(int(c.value) for c in counters) - moved_from
     result.elapsed_s = time.monotonic() - started
     stop.set()
     for p in procs:

@@ -21,6 +21,9 @@ TARGETS = {
     "relay_vs_sink_loop": 0.8,  # each sink: relay drain >= 0.8 x its minimal loop
     "console_page_p95_ms": 300.0,  # every console page at the full size (issue 27)
     "wal_vs_table": 1.5,  # WAL capture's drain >= 1.5 x the table relay's (issue 30)
+    "wal_vs_wal_ceiling": 0.85,  # ... and >= 0.85 x its own minimal loop (issue 59)
+    "wal_postgres_cpu_vs_table": 0.6,  # PostgreSQL's CPU per event, WAL / table capture <= 0.6 (59)
+    "wal_relay_cpu_vs_table": 1.2,  # the relay's CPU per event, WAL / table capture <= 1.2 (59)
     "snapshot_p99_flat": 1.10,  # under a held snapshot: every minute's p99 <= 1.1 x the first's (issue 30)
     "tenants_ratio": 0.8,  # the backlog over 100 and over 1,000 outboxes >= 0.8 x over one (28, 45)
     "tenants_idle_cpu_percent": 3.0,  # the idle relay at 1,000 outboxes: <= 3 % of a core (issue 45)
@@ -53,6 +56,8 @@ DRAIN_NAMES = {
     "relay": "outbox relay",
     "relay_unordered": "outbox relay, --ordering none",
     "relay_wal": "outbox relay, WAL capture (read from the slot)",
+    "relay_no_archive": "outbox relay, --no-archive",
+    "relay_wal_no_archive": "outbox relay, WAL capture, --no-archive",
     "ceiling": "minimal loop, plain tables (ceiling)",
     "ceiling_wal": "minimal loop reading the slot, plain archive (WAL ceiling)",
     "bare": "minimal loop on the outbox's tables",
@@ -85,9 +90,11 @@ def drain_markdown(d: dict[str, Any]) -> list[str]:
         f"**Drain**: events/s over the middle 80 % of each run (from the moment 10 % of the "
         f"events had been moved to the moment 90 % had, on the parent's monotonic clock, which "
         f"reads each contender's shared counter every 50 ms); median of {d['repeat']} runs, "
-        "contenders interleaved, each in a process of its own. Archive on for every contender. "
-        "CPU: the contender's process (user + system); PostgreSQL: all its server processes; "
-        "broker: the Tansu process when it runs on this machine (0 for a broker elsewhere).",
+        "contenders interleaved, each in a process of its own. Archive on for every contender but "
+        "the two `--no-archive` ones. CPU, from the first event moved to the last (start-up "
+        "excluded), per 1,000 events moved meanwhile: the contender's process (user + system); "
+        "PostgreSQL: all its server processes; broker: the Tansu process when it runs on this "
+        "machine (0 for a broker elsewhere).",
         "",
         "| case | contender | events/s (median) | runs | CPU s / 1k ev | PostgreSQL CPU s / 1k ev "
         "| broker CPU s / 1k ev | peak RSS MB |",
@@ -119,7 +126,22 @@ def drain_markdown(d: dict[str, Any]) -> list[str]:
                 "WAL reader reached here)"
             )
         if "ratio_wal_to_wal_ceiling" in case:
-            extra.append(f"WAL relay / WAL ceiling {case['ratio_wal_to_wal_ceiling']:.2f}")
+            near = case["ratio_wal_to_wal_ceiling"]
+            extra.append(f"WAL relay / WAL ceiling **{near:.2f}** {_against(near, 'wal_vs_wal_ceiling')}")
+        if "cpu_ratio_wal_to_table" in case:
+            relay_cpu, pg_cpu = case["cpu_ratio_wal_to_table"], case["postgres_cpu_ratio_wal_to_table"]
+            extra.append(
+                f"CPU per event WAL / table capture: the relay **{relay_cpu:.2f}** "
+                f"{_against(relay_cpu, 'wal_relay_cpu_vs_table', most=True)}, PostgreSQL **{pg_cpu:.2f}** "
+                f"{_against(pg_cpu, 'wal_postgres_cpu_vs_table', most=True)}"
+            )
+        if "postgres_cpu_ratio_wal_to_table_no_archive" in case:
+            extra.append(
+                "PostgreSQL's CPU per event WAL / table capture without the archive "
+                f"{case['postgres_cpu_ratio_wal_to_table_no_archive']:.2f} (the archive's own share: "
+                f"{case['postgres_cpu_archive_wal_per_1k']:.3f} against "
+                f"{case['postgres_cpu_archive_table_per_1k']:.3f} s per 1k events)"
+            )
         if "ratio_relay_to_seeds" in case:
             seeds = case["ratio_relay_to_seeds"]
             extra.append(f"relay / seeds {seeds:.1f}× {_against(seeds, 'relay_vs_seeds')}")

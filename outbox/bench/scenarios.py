@@ -41,6 +41,9 @@ DRAIN_CONTENDERS: dict[str, tuple[str, dict[str, Any]]] = {
     "relay_unordered": ("relay", {"ordering": "none"}),
     # WAL capture: the same events emitted to the WAL by the same enqueue_many, read from the slot
     "relay_wal": ("relay", {}),
+    # Both captures without the archive: how much of PostgreSQL's work per event is the archive's
+    "relay_no_archive": ("relay", {"archive": False}),
+    "relay_wal_no_archive": ("relay", {"archive": False}),
     "ceiling": ("ceiling", {}),  # the minimal loop on plain tables of its own, headers forwarded
     # The minimal loop of WAL capture: the slot streamed, each event produced, archived in a plain table
     "ceiling_wal": ("ceiling_wal", {}),
@@ -50,7 +53,7 @@ DRAIN_CONTENDERS: dict[str, tuple[str, dict[str, Any]]] = {
 
 
 # The contenders that read a slot: their outbox is switched to WAL capture before the fill.
-WAL_CONTENDERS = ("relay_wal", "ceiling_wal")
+WAL_CONTENDERS = ("relay_wal", "relay_wal_no_archive", "ceiling_wal")
 
 
 @dataclass(frozen=True)
@@ -73,7 +76,17 @@ DRAIN_CASES = (
         shape="realistic",
         analyze=False,
         big=False,
-        contenders=("relay", "relay_wal", "relay_unordered", "ceiling", "ceiling_wal", "bare", "seeds"),
+        contenders=(
+            "relay",
+            "relay_wal",
+            "relay_unordered",
+            "ceiling",
+            "ceiling_wal",
+            "bare",
+            "seeds",
+            "relay_no_archive",
+            "relay_wal_no_archive",
+        ),
     ),
     DrainCase(
         "analyzed",
@@ -165,9 +178,10 @@ def _drained(name: str, result: Any, total: int) -> dict[str, Any]:
         "contender": name,
         "events": moved,
         "events_per_s": round(rate, 1),
-        "relay_cpu_s_per_1k": round(1000 * result.relay_cpu_s / max(moved, 1), 4),
-        "postgres_cpu_s_per_1k": round(1000 * result.postgres_cpu_s / max(moved, 1), 4),
-        "broker_cpu_s_per_1k": round(1000 * result.broker_cpu_s / max(moved, 1), 4),
+        # From the first event moved: the cost of moving them, without the start-up.
+        "relay_cpu_s_per_1k": result.per_1k(result.relay_cpu_moving_s),
+        "postgres_cpu_s_per_1k": result.per_1k(result.postgres_cpu_moving_s),
+        "broker_cpu_s_per_1k": result.per_1k(result.broker_cpu_moving_s),
         "peak_rss_mb": round(result.peak_rss_mb, 1),
         "series": [(round(t, 3), c) for t, c in result.series],
     }
@@ -254,9 +268,23 @@ def drain(cfg: BenchConfig) -> dict[str, Any]:
                 relay["events_per_s_median"], c["seeds"]["events_per_s_median"], 1
             )
         if "relay_wal" in c:
-            summary["ratio_wal_to_table"] = _ratio(
-                c["relay_wal"]["events_per_s_median"], relay["events_per_s_median"]
+            wal = c["relay_wal"]
+            summary["ratio_wal_to_table"] = _ratio(wal["events_per_s_median"], relay["events_per_s_median"])
+            summary["cpu_ratio_wal_to_table"] = _ratio(wal["relay_cpu_s_per_1k"], relay["relay_cpu_s_per_1k"])
+            summary["postgres_cpu_ratio_wal_to_table"] = _ratio(
+                wal["postgres_cpu_s_per_1k"], relay["postgres_cpu_s_per_1k"]
             )
+            if "relay_wal_no_archive" in c and "relay_no_archive" in c:
+                bare_wal, bare_table = c["relay_wal_no_archive"], c["relay_no_archive"]
+                summary["postgres_cpu_ratio_wal_to_table_no_archive"] = _ratio(
+                    bare_wal["postgres_cpu_s_per_1k"], bare_table["postgres_cpu_s_per_1k"]
+                )
+                summary["postgres_cpu_archive_wal_per_1k"] = round(
+                    wal["postgres_cpu_s_per_1k"] - bare_wal["postgres_cpu_s_per_1k"], 4
+                )
+                summary["postgres_cpu_archive_table_per_1k"] = round(
+                    relay["postgres_cpu_s_per_1k"] - bare_table["postgres_cpu_s_per_1k"], 4
+                )
         if "ceiling_wal" in c:
             # What reading the WAL can do at most here, against the table relay (the target's
             # reach) and against the WAL relay (how near the relay comes to it).
