@@ -14,13 +14,16 @@ from __future__ import annotations
 
 import hashlib
 import random
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import psycopg
 
 from outbox.observe.progress import Progress
 from outbox.store.queries import query
 from outbox.write.writer import enqueue_many
+
+if TYPE_CHECKING:
+    import psutil
 
 KEYS = 1000
 FILL_CHUNK = 10_000  # events per enqueue_many/commit while filling
@@ -55,13 +58,17 @@ def realistic(i: int, topic: str) -> dict[str, Any]:
 
 def fill(
     dsn: str, schema: str, topic: str, n: int, label: str, *, shape: str = "realistic", analyze: bool = False
-) -> None:
-    """``n`` events of ``shape`` in ``schema``'s outbox, committed 10,000 at a time."""
+) -> float:
+    """``n`` events of ``shape`` in ``schema``'s outbox, committed 10,000 at a time. Returns the
+    CPU seconds its session's server process spent writing them (0.0 when the server is not a
+    process of this machine): what writing costs the database, in table or WAL capture."""
     if shape not in SHAPES:
         raise ValueError(f"shape: expected one of {SHAPES}, got {shape!r}")
     progress = Progress(f"fill {label}", n, " ev")
     blob = bytes(random.getrandbits(8) for _ in range(PAYLOAD_BYTES))
     with psycopg.connect(dsn) as conn:
+        backend = _backend(conn)
+        before = _cpu(backend)
         for start in range(0, n, FILL_CHUNK):
             end = min(n, start + FILL_CHUNK)
             if shape == "realistic":
@@ -74,7 +81,34 @@ def fill(
             enqueue_many(conn, events, schema=schema)
             conn.commit()
             progress.update(end)
+        spent = _cpu(backend) - before
         if analyze:
             conn.autocommit = True
             conn.execute(query("harness_analyze", schema))
     progress.close()
+    return spent
+
+
+def _backend(conn: psycopg.Connection[Any]) -> psutil.Process | None:
+    """The server process of ``conn`` when it runs on this machine."""
+    import psutil  # outbox-relay[bench], as the runners that call this
+
+    row = conn.execute(query("backend_pid", "public")).fetchone()
+    conn.commit()
+    try:
+        process = psutil.Process(int(row[0])) if row else None
+        return process if process is not None and process.name() in ("postgres", "postmaster") else None
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return None
+
+
+def _cpu(process: psutil.Process | None) -> float:
+    if process is None:
+        return 0.0
+    import psutil
+
+    try:
+        times = process.cpu_times()
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return 0.0
+    return float(times.user + times.system)

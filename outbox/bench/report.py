@@ -135,6 +135,14 @@ def drain_markdown(d: dict[str, Any]) -> list[str]:
                 f"{_against(relay_cpu, 'wal_relay_cpu_vs_table', most=True)}, PostgreSQL **{pg_cpu:.2f}** "
                 f"{_against(pg_cpu, 'wal_postgres_cpu_vs_table', most=True)}"
             )
+        if "postgres_cpu_written_and_relayed_wal_to_table" in case:
+            wal_w = case["contenders"]["relay_wal"]["write_postgres_cpu_s_per_1k"]
+            table_w = case["contenders"]["relay"]["write_postgres_cpu_s_per_1k"]
+            extra.append(
+                "PostgreSQL's CPU per event written and relayed WAL / table capture "
+                f"{case['postgres_cpu_written_and_relayed_wal_to_table']:.2f} (written: {wal_w:.3f} "
+                f"against {table_w:.3f} s per 1k events)"
+            )
         if "postgres_cpu_ratio_wal_to_table_no_archive" in case:
             extra.append(
                 "PostgreSQL's CPU per event WAL / table capture without the archive "

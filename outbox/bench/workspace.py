@@ -57,8 +57,9 @@ class Workspace:
         with psycopg.connect(self.dsn, autocommit=True) as conn:
             capture.switch(conn, self.schema, "wal")
 
-    def fill(self, n: int, label: str, *, shape: str = "realistic", analyze: bool = False) -> None:
-        events.fill(self.dsn, self.schema, self.topic, n, label, shape=shape, analyze=analyze)
+    def fill(self, n: int, label: str, *, shape: str = "realistic", analyze: bool = False) -> float:
+        """``n`` events written; the CPU seconds the server spent writing them (see events.fill)."""
+        return events.fill(self.dsn, self.schema, self.topic, n, label, shape=shape, analyze=analyze)
 
     def plain_tables(self, *, analyze: bool, move: bool = True) -> None:
         """The ceiling's plain tables, holding the events just filled (moved out of the outbox),

@@ -83,6 +83,9 @@ def test_bench_smoke_drain(pg_dsn: str, kafka: str, tmp_path: Path) -> None:
     for name in ("cpu_ratio_wal_to_table", "postgres_cpu_ratio_wal_to_table"):
         assert isinstance(case[name], float) and case[name] >= 0, name
     assert case["postgres_cpu_ratio_wal_to_table_no_archive"] >= 0
+    # The write's cost to the server, read from the fill session's own process (a local server).
+    assert realistic["relay"]["write_postgres_cpu_s_per_1k"] > 0
+    assert case["postgres_cpu_written_and_relayed_wal_to_table"] > 0
     compared = drain["cases"]["realistic"]["peers"]
     assert set(compared) == peers and drain["cases"]["realistic"]["best_peer"] in peers
     assert compared["txoutbox"]["versus"] == "relay"  # strict ordering against our default
@@ -94,6 +97,7 @@ def test_bench_smoke_drain(pg_dsn: str, kafka: str, tmp_path: Path) -> None:
     assert "(WAL ceiling)" in table and "WAL relay / WAL ceiling" in table
     assert "CPU per event WAL / table capture: the relay" in table and "without the archive" in table
     assert "WAL capture, --no-archive" in table and "start-up excluded" in table
+    assert "written and relayed WAL / table capture" in table
 
 
 @pytest.mark.slow

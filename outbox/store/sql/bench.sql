@@ -221,3 +221,7 @@ FROM pg_replication_slots WHERE slot_name = %(slot)s
 -- name: bench_archived_of_topic
 -- Events of a topic archived so far (the limits scenario reads a route's drain from the archive).
 SELECT count(*) FROM {schema}.delivered WHERE topic = %(topic)s
+
+-- name: backend_pid
+-- The server process of this session (the bench reads its CPU while it fills an outbox).
+SELECT pg_catalog.pg_backend_pid()
