@@ -188,7 +188,12 @@ def test_without_slot_synchronisation_the_lost_slot_is_one_line_and_the_relay_is
         scene.end()
     output, readiness = scene.output, scene.readiness
     assert status == 503 and f"the WAL slot {slot} is lost" in body, body
-    assert not any(r.startswith("200") for r in readiness), readiness  # never ready after the crash
+    # Never ready again once it knows: the watcher starts as the standby is promoted, and its
+    # first answers may come before the relay has touched either server since the crash (CI saw
+    # one "200 ready" there, then 503 from the next answer on): what it knows, it says at once.
+    noticed = next((i for i, r in enumerate(readiness) if not r.startswith("200")), len(readiness))
+    assert noticed <= 4, readiness  # within 2 s of the promotion
+    assert not any(r.startswith("200") for r in readiness[noticed:]), readiness
     lost = [line for line in output.splitlines() if f"the WAL slot {slot} is lost" in line]
     assert len(lost) == 1, output[-4000:]
     assert "delivered: every event committed up to WAL position" in lost[0] and "ERROR" in lost[0]
