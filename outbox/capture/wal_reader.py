@@ -170,7 +170,8 @@ class WalReader(threading.Thread):
         it, or dropped. What was committed after the position handed on and not read is lost
         with it. Said once (until the slot is read again); /readyz names it meanwhile."""
         lost = f"the WAL slot {self.slot} is lost: {error}"
-        if not self._lost:
+        said = not self._lost
+        if said:
             self._lost = True
             log.error(
                 "%s%s; delivered: every event committed up to WAL position %s%s. Events committed "
@@ -180,7 +181,7 @@ class WalReader(threading.Thread):
                 if self.last_commit else "",
                 extra={"event": "wal.slot_lost", **self._fields},
             )  # fmt: skip
-        self.condition.fail(lost)
+        self.condition.fail(lost, said=said)  # an episode it starts: that line was its start
 
     @staticmethod
     def _server_of(cur: Any, conn: Any) -> tuple[str, int]:

@@ -65,8 +65,10 @@ class Condition:
         since = self.since
         return 0.0 if since is None else self._clock() - since
 
-    def fail(self, error: str) -> None:
-        """One more failed attempt: logs only when the episode starts, and at summaries."""
+    def fail(self, error: str, *, said: bool = False) -> None:
+        """One more failed attempt: logs only when the episode starts, and at summaries.
+        ``said``: the caller has just logged this failure in a line of its own (with more than
+        this line would say): an episode it starts begins without a second line."""
         error = " ".join(error.split())  # one line, whatever the driver put in the message
         with self._lock:
             now = self._clock()
@@ -76,9 +78,9 @@ class Condition:
                 self.since = self._summary_at = now
                 self.attempts = 1
                 self.episodes += 1
-                self.log.warning(
-                    "%s: %s", self.description, error, extra={**self.fields, "event": f"{self.name}.started"}
-                )
+                if not said:
+                    started = {**self.fields, "event": f"{self.name}.started"}
+                    self.log.warning("%s: %s", self.description, error, extra=started)
                 return
             self.attempts += 1
             if now - self._summary_at >= self.summary_every:

@@ -72,3 +72,21 @@ def test_a_problem_that_comes_and_goes_is_one_episode_until_it_settles(
     events = [getattr(r, "event", None) for r in caplog.records]
     assert events == ["delivery.started", "delivery.ended"]
     assert not c.active
+
+
+def test_a_failure_its_caller_said_starts_the_episode_without_a_second_line(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The WAL reader logs a lost slot in an ERROR line of its own (where delivery stood): the
+    episode it starts is not said again; what follows it is, as for any episode."""
+    clock = Clock()
+    c = Condition(logging.getLogger("test.cond"), "wal", "reading the WAL slot s failing", clock=clock)
+    with caplog.at_level(logging.INFO):
+        c.fail("the WAL slot s is lost", said=True)
+        assert c.active and c.episodes == 1 and not caplog.records
+        clock.now += 61
+        c.fail("the WAL slot s is lost", said=True)  # an episode under way: its summary as usual
+        c.ok()
+    assert [getattr(r, "event", None) for r in caplog.records] == ["wal.ongoing", "wal.ended"]
+    c.fail("refused", said=False)  # said only when it starts one: a new episode's own line
+    assert [getattr(r, "event", None) for r in caplog.records][-1] == "wal.started"
