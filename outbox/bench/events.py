@@ -14,16 +14,13 @@ from __future__ import annotations
 
 import hashlib
 import random
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import psycopg
 
 from outbox.observe.progress import Progress
 from outbox.store.queries import query
 from outbox.write.writer import enqueue_many
-
-if TYPE_CHECKING:
-    import psutil
 
 KEYS = 1000
 FILL_CHUNK = 10_000  # events per enqueue_many/commit while filling
@@ -66,9 +63,13 @@ def fill(
         raise ValueError(f"shape: expected one of {SHAPES}, got {shape!r}")
     progress = Progress(f"fill {label}", n, " ev")
     blob = bytes(random.getrandbits(8) for _ in range(PAYLOAD_BYTES))
+    from outbox.bench.measure import backend_cpu  # psutil: outbox-relay[bench], as its runners
+
     with psycopg.connect(dsn) as conn:
-        backend = _backend(conn)
-        before = _cpu(backend)
+        row = conn.execute(query("backend_pid", "public")).fetchone()
+        conn.commit()
+        backend = int(row[0]) if row else 0
+        before = backend_cpu(backend)
         for start in range(0, n, FILL_CHUNK):
             end = min(n, start + FILL_CHUNK)
             if shape == "realistic":
@@ -81,34 +82,9 @@ def fill(
             enqueue_many(conn, events, schema=schema)
             conn.commit()
             progress.update(end)
-        spent = _cpu(backend) - before
+        spent = backend_cpu(backend) - before
         if analyze:
             conn.autocommit = True
             conn.execute(query("harness_analyze", schema))
     progress.close()
     return spent
-
-
-def _backend(conn: psycopg.Connection[Any]) -> psutil.Process | None:
-    """The server process of ``conn`` when it runs on this machine."""
-    import psutil  # outbox-relay[bench], as the runners that call this
-
-    row = conn.execute(query("backend_pid", "public")).fetchone()
-    conn.commit()
-    try:
-        process = psutil.Process(int(row[0])) if row else None
-        return process if process is not None and process.name() in ("postgres", "postmaster") else None
-    except (psutil.NoSuchProcess, psutil.AccessDenied):
-        return None
-
-
-def _cpu(process: psutil.Process | None) -> float:
-    if process is None:
-        return 0.0
-    import psutil
-
-    try:
-        times = process.cpu_times()
-    except (psutil.NoSuchProcess, psutil.AccessDenied):
-        return 0.0
-    return float(times.user + times.system)

@@ -47,9 +47,25 @@ def machine(dsn: str, broker_version: str) -> dict[str, Any]:
     }
 
 
+POSTGRES_NAMES = ("postgres", "postmaster")  # what PostgreSQL's processes are called
+
+
 def postgres_cpu() -> dict[int, float]:
     """CPU seconds (user + system) of every PostgreSQL process, by pid."""
-    return _cpu_of(lambda name: name in ("postgres", "postmaster"))
+    return _cpu_of(lambda name: name in POSTGRES_NAMES)
+
+
+def backend_cpu(pid: int) -> float:
+    """CPU seconds of the PostgreSQL server process ``pid`` (a session's ``pg_backend_pid()``);
+    0.0 when no PostgreSQL process of this machine has that pid (a server elsewhere)."""
+    try:
+        proc = psutil.Process(pid)
+        if proc.name() not in POSTGRES_NAMES:
+            return 0.0
+        t = proc.cpu_times()
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return 0.0
+    return float(t.user + t.system)
 
 
 def broker_cpu() -> dict[int, float]:
