@@ -19,6 +19,7 @@ from outbox import inbox
 from outbox._version import __version__
 from outbox.events import EVENT_ID_HEADER
 from outbox.relay.retry import RetryPolicy
+from outbox.transform.event import Event
 from outbox.write.writer import enqueue, enqueue_async, enqueue_many, enqueue_many_async
 
 # In the order the API reference shows them.
@@ -29,6 +30,7 @@ __all__ = [  # noqa: RUF022
     "enqueue_many_async",
     "EVENT_ID_HEADER",
     "RetryPolicy",
+    "Event",
     "inbox",
     "__version__",
 ]

@@ -346,7 +346,9 @@ def _loop(
         ids = flight.ids
         if outbox_tables:
             nulls = [None] * len(ids)
-            flight.conn.execute(archive, {"ids": ids, "partitions": nulls, "offsets": nulls, "refs": nulls})
+            flight.conn.execute(
+                archive, {"ids": ids, "partitions": nulls, "offsets": nulls, "refs": nulls, "filtered": []}
+            )
         else:
             flight.conn.execute(archive, {"ids": ids})
         flight.conn.commit()

@@ -148,7 +148,8 @@ async def _loop(dsn: str, schema: str, url: str, counter: Synchronized[int], sto
                 ids = [r[0] for r in rows]
                 nulls = [None] * len(ids)
                 await conn.execute(
-                    archive, {"ids": ids, "partitions": nulls, "offsets": nulls, "refs": nulls}
+                    archive,
+                    {"ids": ids, "partitions": nulls, "offsets": nulls, "refs": nulls, "filtered": []},
                 )
                 await conn.commit()
                 moved += len(rows)

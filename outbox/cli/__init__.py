@@ -92,7 +92,8 @@ def setup_logging(fmt: str, level: str) -> None:
 GROUPS: dict[str, str] = {
     "migrate": "operate", "status": "operate", "notify": "operate", "inbox": "operate",
     "dead": "repair", "retry": "repair", "replay": "repair", "purge": "repair", "audit": "repair",
-    "capture": "capture", "relay": "relay", "demo": "demo", "dev": "demo", "console": "console",
+    "capture": "capture", "transform": "transform", "relay": "relay", "demo": "demo", "dev": "demo",
+    "console": "console",
     "bench": "bench",
 }  # fmt: skip
 

@@ -38,7 +38,7 @@ RELAY_GROUPS: dict[str, tuple[str, ...]] = {
     "Routing and sinks": (
         "--route", "--kafka-bootstrap", "--kafka-config", "--sink", "--webhook-secret",
         "--webhook-secret-env", "--cloudevents", "--cloudevents-source", "--claim-check-over",
-        "--claim-check-store",
+        "--claim-check-store", "--transform",
     ),
     "Batching": (
         "--batch-size", "--batches-in-flight", "--max-connections", "--delivery-timeout",

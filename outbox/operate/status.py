@@ -35,7 +35,8 @@ def collect(conn: psycopg.Connection[Any], schema: str, store: Store | None = No
         "retrying": int(retrying),
         "dead": int(dead),
         "delivered": int(delivered),
-        "delivered_last_hour": int(last_hour[0]) if last_hour else 0,
+        "delivered_last_hour": int(last_hour[0]) - int(last_hour[1]) if last_hour else 0,
+        "filtered_last_hour": int(last_hour[1]) if last_hour else 0,
         "oldest_pending_age_seconds": None if oldest is None else round(float(oldest), 3),
         "pending_by_topic": [
             {"topic": t, "pending": int(n), "oldest_age_seconds": round(float(a), 3)} for t, n, a in by_topic
@@ -196,7 +197,8 @@ def render(report: dict[str, Any]) -> str:
         f"  oldest pending age   {'-' if age is None else f'{age:.1f} s'}",
         f"  dead letters         {report['dead']}",
         f"  delivered (archive)  {report['delivered']}",
-        f"  delivered last hour  {report['delivered_last_hour']}",
+        f"  delivered last hour  {report['delivered_last_hour']}"
+        + (f" (and {report['filtered_last_hour']} filtered)" if report["filtered_last_hour"] else ""),
         f"  hot table            {report['table']['bytes'] / 2**20:.1f} MiB, "
         f"{report['table']['dead_tuples']} dead tuples",
         "  oldest snapshot      "

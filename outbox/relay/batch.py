@@ -45,6 +45,8 @@ from outbox.relay.ordering import Failure, KeyHolds
 from outbox.relay.retry import RetryPolicy, cap_error
 from outbox.sinks.base import CORRUPT_EVENT, HELD, Dead, Delivered, Outcome, Retry
 from outbox.store.queries import int_array, query
+from outbox.transform import TRANSFORM_FAILED, Transforms
+from outbox.transform.spec import TransformFailed
 
 # Delivered's fields as C-level getters, for map() over a finished batch.
 _PARTITION, _OFFSET, _REF = (itemgetter(Delivered._fields.index(f)) for f in ("partition", "offset", "ref"))
@@ -62,6 +64,7 @@ class TopicResult:
     """What a finished batch did with its events of one topic."""
 
     delivered: int = 0
+    filtered: dict[str, int] = field(default_factory=dict)  # transform -> events it dropped
     retried: int = 0
     dead: int = 0
     errors: dict[str, int] = field(default_factory=dict)  # error kind -> failed attempts
@@ -102,6 +105,7 @@ class Written:
     ok_parts: list[int | None]
     ok_offsets: list[int | None]
     ok_refs: list[str | None]
+    ok_filtered: list[str | None]  # the transform that dropped each (empty: none was dropped)
     retry_ids: list[int]
     retry_delays: list[float]
     retry_errors: list[str]
@@ -172,9 +176,46 @@ class Batch:
         self.spans: dict[str, Any] = {}
         self.corrupt = 0  # rows that could not be decoded (settled as dead at once)
         self.events = []
+        # A transform's work: the events it dropped (index -> the transform, their outcome a
+        # Delivered), and the keys the events it re-keyed had (index -> the stored key), which
+        # holds and parks go by: the table's claims know only those.
+        self.filtered: dict[int, str] = {}
+        self.stored_keys: dict[int, bytes | None] = {}
 
     def __len__(self) -> int:
         return len(self.ids)
+
+    def key(self, index: int) -> bytes | None:
+        """The stored key of event ``index`` (a transform may send it under another)."""
+        event = self.events[index] if index < len(self.events) else None
+        if event is None:
+            return None
+        return self.stored_keys.get(index, event.key) if self.stored_keys else event.key
+
+    def transform(self, transforms: Transforms) -> None:
+        """Each event not settled yet through the transform of its topic, if any: replaced by
+        what it returned, dropped (None), or dead (it raised, or returned no valid event)."""
+        events = self.events
+        outcomes = self.outcomes
+        of = transforms.of
+        for i, event in enumerate(events):
+            if event is None or outcomes[i] is not None:
+                continue
+            t = of(event.topic)
+            if t is None:
+                continue
+            try:
+                after = t.run(event)
+            except TransformFailed as exc:
+                self.settle(i, Dead(TRANSFORM_FAILED, str(exc)))
+                continue
+            if after is None:
+                self.filtered[i] = t.text
+                outcomes[i] = FILTERED
+            elif after is not event:
+                if after.key != event.key:
+                    self.stored_keys[i] = event.key
+                events[i] = after
 
     @property
     def waiting(self) -> int:
@@ -195,13 +236,14 @@ class Batch:
         # this one. So claims skip the key's events after it until this batch ends. (A WAL
         # batch's held event is not in the table until this batch commits: its key is held.)
         if outcome is HELD or isinstance(outcome, Retry) or self._parks:
-            event = self.events[index] if index < len(self.events) else None
-            if event is not None and event.key is not None:
+            key = self.key(index)
+            if key is not None:
                 locked = self._locked_id(index) if outcome is HELD else None
-                self._holds.add(id(self), event.key, locked=locked)
+                self._holds.add(id(self), key, locked=locked)
                 if isinstance(outcome, Retry):
-                    failure = Failure(event.event_id, self.seq, index, Batch.made, time.monotonic())
-                    self._holds.failed(event.key, failure)
+                    event_id = self.events[index].event_id  # type: ignore[union-attr]
+                    failure = Failure(event_id, self.seq, index, Batch.made, time.monotonic())
+                    self._holds.failed(key, failure)
 
     def _locked_id(self, index: int) -> int | None:
         """The table id of event ``index``, locked by this batch until it ends."""
@@ -252,6 +294,8 @@ class Batch:
         ok_parts: list[int | None] = []
         ok_offsets: list[int | None] = []
         ok_refs: list[str | None] = []
+        ok_filtered: list[str | None] = []
+        filtered = self.filtered
         retry_ids: list[int] = []
         retry_delays: list[float] = []
         retry_errors: list[str] = []
@@ -262,7 +306,7 @@ class Batch:
         outcomes = self.outcomes
         if self._holds is not None and self._holds.failures:
             result.overtaken = self._overtaken()
-        if set(map(type, outcomes)) == {Delivered}:
+        if not filtered and set(map(type, outcomes)) == {Delivered}:
             # The common case, every event delivered: the lists come from map() and one
             # comprehension, not from the per-outcome loop below (a cost per event).
             events = cast("list[ClaimedEvent]", self.events)  # none is corrupt: a corrupt row is dead
@@ -298,6 +342,11 @@ class Batch:
                 ok_parts.append(outcome.partition)
                 ok_offsets.append(outcome.offset)
                 ok_refs.append(outcome.ref)
+                if filtered:
+                    ok_filtered.append(filtered.get(i))
+                    if i in filtered:
+                        tr.filtered[filtered[i]] = tr.filtered.get(filtered[i], 0) + 1
+                        continue
                 tr.delivered += 1
                 if latencies:
                     tr.latencies.append(now - event.created_at)  # type: ignore[union-attr]
@@ -328,7 +377,7 @@ class Batch:
         if retry_delays:
             result.next_retry = min(retry_delays)
         written = Written(
-            archive, ok_ids, ok_parts, ok_offsets, ok_refs,
+            archive, ok_ids, ok_parts, ok_offsets, ok_refs, ok_filtered,
             retry_ids, retry_delays, retry_errors, retry_kinds,
             dead_ids, dead_errors, dead_kinds, result.dead_events,
         )  # fmt: skip
@@ -340,8 +389,14 @@ class Batch:
         found = []
         for i, outcome in enumerate(self.outcomes):
             event = self.events[i]
-            if type(outcome) is Delivered and event is not None and event.key is not None:
-                earlier = self._holds.overtaken(event.key, self.seq, i)
+            key = self.key(i)
+            if (
+                type(outcome) is Delivered
+                and event is not None
+                and key is not None
+                and i not in self.filtered
+            ):
+                earlier = self._holds.overtaken(key, self.seq, i)
                 if earlier is not None:
                     found.append((event.event_id, earlier.event_id))
         return found
@@ -366,6 +421,7 @@ class Batch:
                     # No sink reference at all (Kafka): an empty array, which unnest pads
                     # with NULLs, instead of psycopg dumping a NULL per event in Python.
                     "refs": [] if w.ok_refs.count(None) == len(w.ok_refs) else w.ok_refs,
+                    "filtered": w.ok_filtered,
                 },
             )
             _check_rows(cur.rowcount, len(w.ok_ids), "archive")
@@ -403,6 +459,9 @@ class Batch:
         self.abandoned = True
         with contextlib.suppress(psycopg.Error):  # if the connection is gone, so are the locks
             self.conn.rollback()
+
+
+FILTERED = Delivered()  # the outcome of an event a transform dropped: archived (Batch.filtered)
 
 
 class RolledBack(Exception):
@@ -529,6 +588,7 @@ class WalBatch(Batch):
                     "partitions": int_array(w.ok_parts),
                     "offsets": int_array(w.ok_offsets),
                     "refs": [] if w.ok_refs.count(None) == len(w.ok_refs) else w.ok_refs,
+                    "filtered": w.ok_filtered,
                 },
             )
         rest = [] if len(w.ok_ids) == n else sorted(set(range(n)).difference(w.ok_ids))

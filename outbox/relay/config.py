@@ -18,6 +18,7 @@ from outbox.relay.retry import RetryPolicy
 from outbox.settings import setting
 from outbox.store.hygiene import DEAD_TUPLES_THRESHOLD
 from outbox.store.schema import DEFAULT_SCHEMA, validate_schema
+from outbox.transform import Transforms, parse_transforms
 
 BATCH_SIZE = 2000  # events per claim
 MAX_BATCHES_IN_FLIGHT = 2  # claimed batches awaiting acks at once (one connection each)
@@ -116,6 +117,23 @@ class RelayConfig:
         metavar="GLOB=N",
     )
 
+    transform: list[str] = setting(
+        default_factory=list,
+        help="GLOB=module:function: events whose topic matches GLOB (as routes match; the first "
+        "transform that matches wins) go through the function before routing: called with an "
+        "outbox.Event, it returns the event (changed with dataclasses.replace: a new topic is "
+        "routed anew, a new key is the key the sink gets) or None (dropped, archived as "
+        "filtered); if it raises, the event is a dead letter of kind transform_failed; "
+        "repeatable (in the variable: separated by whitespace)",
+        env="OUTBOX_TRANSFORMS",
+        metavar="GLOB=module:function",
+    )
+
+    @property
+    def transforms(self) -> Transforms:
+        """The ``--transform`` functions, imported."""
+        return parse_transforms(self.transform)
+
     @property
     def limits(self) -> list[Limit]:
         return parse_limits(self.limit)
@@ -128,6 +146,7 @@ class RelayConfig:
         validate_schema(self.schema)
         self.limits  # noqa: B018  (refused at start, naming the option)
         self.weights  # noqa: B018
+        self.transforms  # noqa: B018  (each function imported: refused at start, naming the option)
         if self.ordering not in ORDERINGS:
             raise ConfigError(f"ordering: must be one of {ORDERINGS}, got {self.ordering!r}")
         if self.on_dead not in ON_DEAD:

@@ -69,6 +69,7 @@ class Fleet:
         self._stop = threading.Event()
         self._reload = threading.Event()
         self.metrics = RelayMetrics()
+        self.transforms = config.transforms  # imported once, for every database's relay
         self.relays: dict[Database, Relay] = {}
         self._threads: dict[Database, threading.Thread] = {}
         self._failures: list[tuple[str, BaseException]] = []
@@ -183,7 +184,9 @@ class Fleet:
             self._start(database, outboxes)
 
     def _start(self, database: Database, outboxes: list[Outbox]) -> None:
-        relay = Relay(self.config, self._sink_factory, outboxes, metrics=self.metrics)
+        relay = Relay(
+            self.config, self._sink_factory, outboxes, metrics=self.metrics, transforms=self.transforms
+        )
         name = ", ".join(o.name for o in outboxes[:3]) + (
             f" and {len(outboxes) - 3} more" if len(outboxes) > 3 else ""
         )

@@ -31,7 +31,7 @@ from typing import Any
 import psycopg
 
 from outbox.errors import ConfigError
-from outbox.store.queries import query
+from outbox.store.queries import glob_regex, query
 from outbox.store.schema import FLEET_SCHEMA
 from outbox.store.sessions import Link
 
@@ -127,28 +127,6 @@ def parse_weights(items: list[str]) -> list[tuple[str, int]]:
 def weight_of(weights: list[tuple[str, int]], outbox: str) -> int:
     """The outbox's weight: the first glob matching its name, else 1."""
     return next((n for glob, n in weights if fnmatchcase(outbox, glob)), 1)
-
-
-def glob_regex(glob: str) -> str:
-    """A PostgreSQL regular expression matching what ``fnmatchcase(topic, glob)`` matches."""
-    out = []
-    i = 0
-    while i < len(glob):
-        c = glob[i]
-        if c == "*":
-            out.append(".*")
-        elif c == "?":
-            out.append(".")
-        elif c == "[" and (end := glob.find("]", i + 2 if glob[i + 1 : i + 2] in ("!", "]") else i + 1)) > 0:
-            body = glob[i + 1 : end]
-            if body.startswith("!"):
-                body = "^" + body[1:]
-            out.append("[" + body.replace("\\", "\\\\") + "]")
-            i = end
-        else:
-            out.append(re.escape(c) if not c.isalnum() else c)
-        i += 1
-    return "^(?:" + "".join(out) + ")$"
 
 
 def either(globs: list[str]) -> str | None:

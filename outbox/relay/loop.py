@@ -74,6 +74,7 @@ from outbox.store.hygiene import Hygiene
 from outbox.store.listener import Listener
 from outbox.store.outboxes import DEFAULT_NAME, Outbox
 from outbox.store.sessions import Link, Sessions
+from outbox.transform import Transforms
 
 __all__ = ["OUTBOXES_NOT_SERVED", "Relay", "RelayConfig", "RelayStats"]
 
@@ -114,6 +115,8 @@ class Relay:
     ``outboxes``: the outboxes (schemas) of one database to serve; by default the one of
     ``config.dsn``/``config.schema``, named ``default``. ``metrics``: a registry shared with
     other relays of the process (then the process serves /metrics, not this relay).
+    ``transforms``: the functions loaded once for every relay of the process (by default
+    ``config.transforms``, loaded here).
     """
 
     def __init__(
@@ -123,6 +126,7 @@ class Relay:
         outboxes: Sequence[Outbox] | None = None,
         *,
         metrics: RelayMetrics | None = None,
+        transforms: Transforms | None = None,
     ) -> None:
         self.config = config
         chosen = list(outboxes) if outboxes is not None else [Outbox(DEFAULT_NAME, config.dsn, config.schema)]
@@ -133,6 +137,8 @@ class Relay:
         self.dsn = chosen[0].dsn
         self.sink_factory = sink_factory
         self.sink: Sink | None = None
+        # --transform: each event of a matching topic goes through its function before routing.
+        self.transforms = transforms if transforms is not None else config.transforms
         self.chains: dict[str, KeyChains] = {}  # per outbox, around the sink, where it needs them
         self.stopped = threading.Event()
         self._wakeup = threading.Event()

@@ -47,6 +47,8 @@ class BatchRecorder:
             if r.delivered:
                 metrics.delivered.inc(labels, r.delivered)
                 metrics.latency.observe_many(r.latencies, (lane.name,))
+            for transform, n in r.filtered.items():
+                metrics.filtered.inc((lane.name, topic, transform), n)
             for kind, n in r.errors.items():
                 metrics.errors.inc((*labels, kind), n)
             if r.dead:

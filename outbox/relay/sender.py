@@ -30,6 +30,7 @@ from outbox.sinks.base import ProducesMany, Sink, send_now
 from outbox.sinks.chains import KeyChains
 from outbox.store.queries import query
 from outbox.store.sessions import Link, Sessions
+from outbox.transform import Transforms
 
 GATE_RETRY = 1.0  # seconds before a limit whose tokens could not be taken (an error) tries again
 CAP_RECHECK = 0.05  # seconds before a limit at its in-flight cap looks again (another relay's may end)
@@ -42,6 +43,7 @@ class Host(Protocol):
     link: Link
     membership: Membership
     sink: Sink | None
+    transforms: Transforms
     chains: dict[str, KeyChains]
     stats: RelayStats
     metrics: RelayMetrics
@@ -330,6 +332,8 @@ class BatchSender:
         sink = relay.sink
         assert sink is not None
         ordering = lane.ordering
+        if relay.transforms:  # before routing: a transform may re-route, re-key or drop an event
+            batch.transform(relay.transforms)
         batch.spans = tracing.start_batch(
             batch.events, claim_start, time.time_ns(), partial(_span_shape, sink, lane.name)
         )
@@ -354,7 +358,7 @@ class BatchSender:
             event = events[i]
             if event is None or batch.outcomes[i] is not None:  # corrupt (dead), or held before
                 continue
-            if held and event.key is not None and event.key in held:
+            if held and (key := batch.key(i)) is not None and key in held:
                 batch.hold(i)
                 continue
             outcome = produce(event, partial(batch.settle, i))

@@ -131,3 +131,25 @@ def int_array(values: Iterable[int | None]) -> str:
     if None not in values:  # the common case: map(str) runs in C, a generator per element does not
         return "{" + ",".join(map(str, values)) + "}"
     return "{" + ",".join("NULL" if v is None else str(v) for v in values) + "}"
+
+
+def glob_regex(glob: str) -> str:
+    """A PostgreSQL regular expression matching what ``fnmatchcase(topic, glob)`` matches."""
+    out = []
+    i = 0
+    while i < len(glob):
+        c = glob[i]
+        if c == "*":
+            out.append(".*")
+        elif c == "?":
+            out.append(".")
+        elif c == "[" and (end := glob.find("]", i + 2 if glob[i + 1 : i + 2] in ("!", "]") else i + 1)) > 0:
+            body = glob[i + 1 : end]
+            if body.startswith("!"):
+                body = "^" + body[1:]
+            out.append("[" + body.replace("\\", "\\\\") + "]")
+            i = end
+        else:
+            out.append(re.escape(c) if not c.isalnum() else c)
+        i += 1
+    return "^(?:" + "".join(out) + ")$"

@@ -56,3 +56,15 @@ WHERE ctid = ANY(ARRAY(
 -- name: drop_archive_partition
 -- Drop one day partition of the archive (retention by DROP, not DELETE).
 DROP TABLE {schema}.{partition}
+
+-- name: archive_latest
+-- The latest archived events of the topics matching %(topics)s (a regular expression made from
+-- globs), newest first, as the claim reads an event (`outbox transform test`). Delivered since
+-- %(since)s: the caller widens the window until it has enough, so that the BRIN index on
+-- delivered_at, not a sort of the whole archive, finds them.
+SELECT d.id, d.event_id::text, d.topic, d.key, d.payload, nullif(d.headers, '{{}}'::jsonb)::text,
+       extract(epoch FROM d.created_at)::float8, d.attempts, d.type, d.subject
+FROM {schema}.delivered AS d
+WHERE d.delivered_at >= %(since)s::timestamptz AND d.topic ~ %(topics)s
+ORDER BY d.delivered_at DESC, d.id DESC
+LIMIT %(limit)s

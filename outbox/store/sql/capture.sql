@@ -210,13 +210,14 @@ RETURNING id, event_id::text
 -- server's time per WAL event.
 INSERT INTO {schema}.delivered
     (id, event_id, topic, key, payload, headers, created_at, attempts,
-     sink_partition, sink_offset, sink_ref, type, subject)
+     sink_partition, sink_offset, sink_ref, type, subject, filtered_by)
 SELECT nextval((SELECT pg_get_serial_sequence(format('%%I.events', %(schema)s::text), 'id')::regclass)),
-       e, t, k, p, coalesce(h, '{{}}'::jsonb), to_timestamp(c), 1, sp, so, sr, ty, su
+       e, t, k, p, coalesce(h, '{{}}'::jsonb), to_timestamp(c), 1, sp, so, sr, ty, su, fb
 FROM unnest(%(event_ids)s::text::uuid[], %(topics)b::text[], %(keys)b::bytea[], %(payloads)b::bytea[],
             %(headers)b::jsonb[], %(types)b::text[], %(subjects)b::text[], %(created)s::text::float8[],
-            %(partitions)s::text::integer[], %(offsets)s::text::bigint[], %(refs)s::text[])
-    AS x (e, t, k, p, h, ty, su, c, sp, so, sr)
+            %(partitions)s::text::integer[], %(offsets)s::text::bigint[], %(refs)s::text[],
+            %(filtered)s::text[])
+    AS x (e, t, k, p, h, ty, su, c, sp, so, sr, fb)
 
 -- name: wal_handed_on
 -- The WAL is handed on up to this position (committed with what it handed on): the transactions

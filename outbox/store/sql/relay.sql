@@ -82,21 +82,23 @@ FOR UPDATE OF e SKIP LOCKED
 -- name: archive_delivered
 -- Move acked events to the archive with their sink coordinates, in one statement.
 -- Integer arrays arrive as text literals ('{{1,2,NULL}}'), parsed by PostgreSQL. refs may be
--- empty (a sink without references): unnest pads the shorter arrays with NULLs.
+-- empty (a sink without references), and filtered (what a transform dropped, migration 0022)
+-- nearly always is: unnest pads the shorter arrays with NULLs.
 WITH done AS (
     DELETE FROM {schema}.events AS e
     USING unnest(%(ids)s::text::bigint[], %(partitions)s::text::integer[], %(offsets)s::text::bigint[],
-                 %(refs)s::text[])
-          AS r(id, sink_partition, sink_offset, sink_ref)
+                 %(refs)s::text[], %(filtered)s::text[])
+          AS r(id, sink_partition, sink_offset, sink_ref, filtered_by)
     WHERE e.id = r.id
     RETURNING e.id, e.event_id, e.topic, e.key, e.payload, e.headers, e.created_at,
-              e.attempts + 1 AS attempts, r.sink_partition, r.sink_offset, r.sink_ref, e.type, e.subject
+              e.attempts + 1 AS attempts, r.sink_partition, r.sink_offset, r.sink_ref, e.type, e.subject,
+              r.filtered_by
 )
 INSERT INTO {schema}.delivered
     (id, event_id, topic, key, payload, headers, created_at, attempts,
-     sink_partition, sink_offset, sink_ref, type, subject)
+     sink_partition, sink_offset, sink_ref, type, subject, filtered_by)
 SELECT id, event_id, topic, key, payload, headers, created_at, attempts,
-       sink_partition, sink_offset, sink_ref, type, subject
+       sink_partition, sink_offset, sink_ref, type, subject, filtered_by
 FROM done
 
 -- name: delete_delivered

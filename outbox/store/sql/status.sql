@@ -31,8 +31,8 @@ ORDER BY count(*) DESC, last_error
 LIMIT 10
 
 -- name: status_delivered_last_hour
--- Events archived in the last hour.
-SELECT count(*) FROM {schema}.delivered WHERE delivered_at > now() - interval '1 hour'
+-- Events archived in the last hour, and how many of them a transform dropped (migration 0022).
+SELECT count(*), count(filtered_by) FROM {schema}.delivered WHERE delivered_at > now() - interval '1 hour'
 
 -- name: status_parked_keys
 -- Keys held back by a parked dead letter, with how many events wait behind it.
