@@ -56,3 +56,9 @@ def split(event: Event) -> Event:
         key=event.key + (b"-odd" if n % 2 else b"-even"),
         payload={"order": n},
     )
+
+
+def headers_from_payload(event: Event) -> Event:
+    """Copies headers out of the payload: what a writer puts there reaches the transform's
+    return, so the relay must check it as it checks a writer's own headers."""
+    return dataclasses.replace(event, headers={**event.headers, **json.loads(event.payload)["headers"]})

@@ -21,6 +21,7 @@ TARGETS = {
     "relay_vs_sink_loop": 0.8,  # each sink: relay drain >= 0.8 x its minimal loop
     "console_page_p95_ms": 300.0,  # every console page at the full size (issue 27)
     "wal_vs_table": 1.5,  # WAL capture's drain >= 1.5 x the table relay's (issue 30)
+    "transform_vs_relay": 0.9,  # a no-op transform on every event costs <= 10 % of the drain (issue 60)
     "wal_vs_wal_ceiling": 0.85,  # ... and >= 0.85 x its own minimal loop (issue 59)
     "wal_postgres_cpu_vs_table": 0.6,  # PostgreSQL's CPU per event, WAL / table capture <= 0.6 (59)
     "wal_relay_cpu_vs_table": 1.2,  # the relay's CPU per event, WAL / table capture <= 1.2 (59)
@@ -55,6 +56,7 @@ def _against(value: float, target: str, *, most: bool = False) -> str:
 DRAIN_NAMES = {
     "relay": "outbox relay",
     "relay_unordered": "outbox relay, --ordering none",
+    "relay_transform": "outbox relay, a no-op --transform on every topic",
     "relay_wal": "outbox relay, WAL capture (read from the slot)",
     "relay_no_archive": "outbox relay, --no-archive",
     "relay_wal_no_archive": "outbox relay, WAL capture, --no-archive",
@@ -117,6 +119,13 @@ def drain_markdown(d: dict[str, Any]) -> list[str]:
             extra.append(f"relay / loop on the outbox's tables {case['ratio_relay_to_bare']:.2f}")
         if "ratio_ordered_to_unordered" in case:
             extra.append(f"ordered / unordered {case['ratio_ordered_to_unordered']:.2f}")
+        if "ratio_transform_to_relay" in case:
+            noop = case["ratio_transform_to_relay"]
+            extra.append(
+                f"a no-op transform: **{noop:.2f}** of the relay's events/s "
+                f"{_against(noop, 'transform_vs_relay')}, "
+                f"{case['cpu_ratio_transform_to_relay']:.2f} x its CPU per event"
+            )
         if "ratio_wal_to_table" in case:
             wal = case["ratio_wal_to_table"]
             extra.append(f"WAL capture / table capture **{wal:.2f}** {_against(wal, 'wal_vs_table')}")

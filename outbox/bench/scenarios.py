@@ -39,6 +39,8 @@ from outbox.store.queries import query
 DRAIN_CONTENDERS: dict[str, tuple[str, dict[str, Any]]] = {
     "relay": ("relay", {}),  # this project's relay, its defaults: ordering key, archive on
     "relay_unordered": ("relay", {"ordering": "none"}),
+    # A transform that returns each event unchanged, on every topic: what a transform itself costs
+    "relay_transform": ("relay", {"transform": ["*=outbox.bench.transforms:noop"]}),
     # WAL capture: the same events emitted to the WAL by the same enqueue_many, read from the slot
     "relay_wal": ("relay", {}),
     # Both captures without the archive: how much of PostgreSQL's work per event is the archive's
@@ -80,6 +82,7 @@ DRAIN_CASES = (
             "relay",
             "relay_wal",
             "relay_unordered",
+            "relay_transform",
             "ceiling",
             "ceiling_wal",
             "bare",
@@ -305,6 +308,13 @@ def drain(cfg: BenchConfig) -> dict[str, Any]:
                 summary["ratio_wal_to_wal_ceiling"] = _ratio(
                     c["relay_wal"]["events_per_s_median"], c["ceiling_wal"]["events_per_s_median"]
                 )
+        if "relay_transform" in c:
+            summary["ratio_transform_to_relay"] = _ratio(
+                c["relay_transform"]["events_per_s_median"], relay["events_per_s_median"]
+            )
+            summary["cpu_ratio_transform_to_relay"] = _ratio(
+                c["relay_transform"]["relay_cpu_s_per_1k"], relay["relay_cpu_s_per_1k"]
+            )
         if "relay_unordered" in c:
             summary["ratio_ordered_to_unordered"] = _ratio(
                 relay["events_per_s_median"], c["relay_unordered"]["events_per_s_median"]

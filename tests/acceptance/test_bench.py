@@ -73,7 +73,16 @@ def test_bench_smoke_drain(pg_dsn: str, kafka: str, tmp_path: Path) -> None:
         "faststream_outbox",
     }  # the dev extras hold outbox-relay[bench-peers]
     # WAL capture races too: the suite's server runs with wal_level = logical (scripts/bootstrap).
-    captures = {"relay", "relay_wal", "relay_unordered", "ceiling", "ceiling_wal", "bare", "seeds"}
+    captures = {
+        "relay",
+        "relay_wal",
+        "relay_unordered",
+        "relay_transform",
+        "ceiling",
+        "ceiling_wal",
+        "bare",
+        "seeds",
+    }
     assert set(realistic) == captures | {"relay_no_archive", "relay_wal_no_archive"} | peers
     case = drain["cases"]["realistic"]
     assert case["ratio_wal_to_table"] > 0 and case["ratio_wal_ceiling_to_table"] > 0
@@ -98,6 +107,8 @@ def test_bench_smoke_drain(pg_dsn: str, kafka: str, tmp_path: Path) -> None:
     assert "CPU per event WAL / table capture: the relay" in table and "without the archive" in table
     assert "WAL capture, --no-archive" in table and "start-up excluded" in table
     assert "written and relayed WAL / table capture" in table
+    # Issue 60: what a transform costs, against the relay's own drain in the same run.
+    assert case["ratio_transform_to_relay"] > 0 and "a no-op transform: **" in table
 
 
 @pytest.mark.slow

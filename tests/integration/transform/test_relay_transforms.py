@@ -133,3 +133,28 @@ def test_a_key_sent_under_new_keys_keeps_its_order_through_retries(
         assert order > seen.get(m.key, -1), f"key {m.key!r}: {order} after {seen.get(m.key)}"
         seen[m.key] = order
     assert len(messages) == n
+
+
+def test_what_a_writer_smuggles_through_a_transform_is_checked_like_its_own_headers(
+    pg_dsn: str, schema: str, kafka: str, topic: str
+) -> None:
+    """The attack: a writer cannot set event-id (consumers deduplicate on it) or a header name
+    that ends a line early, but a transform copies headers out of its payload. What the
+    transform returns is checked as enqueue checks a writer: dead letters, nothing forged sent."""
+    smuggled = [{"event-id": "00000000-0000-0000-0000-000000000000"}, {"x\r\nInjected": "1"}, {"ok": "1"}]
+    with psycopg.connect(pg_dsn) as conn:
+        ids = outbox.enqueue_many(
+            conn, [{"topic": topic, "payload": {"headers": h}} for h in smuggled], schema=schema
+        )
+    config = RelayConfig(
+        pg_dsn, schema=schema, poll_interval=0.1, transform=[f"{topic}=tests.transforms:headers_from_payload"]
+    )
+    with running_relay(config, bootstrap=kafka):
+        wait_for(lambda: count(pg_dsn, schema, "events") == 0, timeout=60, what="the drain")
+    with psycopg.connect(pg_dsn) as conn:
+        dead = dict(conn.execute(f'SELECT event_id::text, error FROM "{schema}".dead_letters').fetchall())
+    assert set(dead) == {str(ids[0]), str(ids[1])}
+    assert "'event-id' is set by outbox" in dead[str(ids[0])]
+    assert "must be 1-256 characters of an HTTP token" in dead[str(ids[1])]
+    (message,) = read_topic(kafka, topic, 1)
+    assert message.event_id == str(ids[2]) and message.headers["ok"] == b"1"
