@@ -14,7 +14,7 @@
 -- its to choose (an id given with OVERRIDING SYSTEM VALUE could land before other events).
 REVOKE INSERT ON {schema}.events FROM {writer};
 GRANT USAGE ON SCHEMA {schema} TO {writer};
-GRANT INSERT (event_id, topic, key, payload, headers, type, subject, available_at)
+GRANT INSERT (event_id, topic, key, payload, headers, type, subject, available_at, expires_at)
     ON {schema}.events TO {writer};
 GRANT USAGE ON SEQUENCE {sequence} TO {writer};
 -- The capture mode (table or WAL), read once per connection.

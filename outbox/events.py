@@ -16,7 +16,7 @@ import re
 import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from datetime import timedelta
+from datetime import datetime, timedelta
 from operator import itemgetter
 from typing import Any, NamedTuple
 
@@ -68,6 +68,7 @@ class EncodedEvent:
     delay: float
     type: str | None = None
     subject: str | None = None
+    expires_at: float | None = None  # seconds since the epoch: not sent if claimed at or after it
 
 
 class Unusable(NamedTuple):
@@ -96,14 +97,16 @@ class ClaimedEvent(NamedTuple):
     attempts: int
     type: str | None = None  # enqueue(type=...): the CloudEvents type (the topic when None)
     subject: str | None = None  # enqueue(subject=...): the CloudEvents subject
+    expires_at: float | None = None  # enqueue(expires_at=...), seconds since the epoch
 
 
 # ClaimedEvent's fields as C-level getters, for map() over a batch on the relay's hot path.
 TOPIC_OF, KEY_OF, PAYLOAD_OF, HEADERS_OF = (
     itemgetter(ClaimedEvent._fields.index(name)) for name in ("topic", "key", "payload", "headers")
 )
-EVENT_ID_OF, CREATED_OF, TYPE_OF, SUBJECT_OF = (
-    itemgetter(ClaimedEvent._fields.index(name)) for name in ("event_id", "created_at", "type", "subject")
+EVENT_ID_OF, CREATED_OF, TYPE_OF, SUBJECT_OF, EXPIRES_OF = (
+    itemgetter(ClaimedEvent._fields.index(name))
+    for name in ("event_id", "created_at", "type", "subject", "expires_at")
 )
 
 
@@ -236,6 +239,20 @@ def encode_delay(delay: object) -> float:
     return seconds
 
 
+def encode_expires_at(value: object) -> float | None:
+    """``expires_at``: None, or a timezone-aware datetime (as seconds since the epoch)."""
+    if value is None:
+        return None
+    if not isinstance(value, datetime):
+        raise InvalidEventType(f"expires_at: expected a timezone-aware datetime, got {type(value).__name__}")
+    if value.tzinfo is None or value.utcoffset() is None:
+        raise InvalidEvent(
+            "expires_at: must be timezone-aware (e.g. datetime.now(timezone.utc) + timedelta(minutes=5)); "
+            "a naive datetime's zone would be a guess"
+        )
+    return value.timestamp()
+
+
 def encode_event(
     topic: object,
     payload: object,
@@ -246,6 +263,7 @@ def encode_event(
     trace_headers: Mapping[str, str] | None = None,
     type: object = None,
     subject: object = None,
+    expires_at: object = None,
 ) -> EncodedEvent:
     """Validate and encode one event; raises TypeError/ValueError naming the field."""
     t = encode_topic(topic)
@@ -255,15 +273,18 @@ def encode_event(
     d = encode_delay(delay)
     ty = encode_attribute(type, "type", MAX_TYPE_CHARS)
     su = encode_attribute(subject, "subject", MAX_SUBJECT_CHARS)
+    ex = encode_expires_at(expires_at)
     if is_json and CONTENT_TYPE_HEADER not in h:
         h[CONTENT_TYPE_HEADER] = JSON_CONTENT_TYPE
     if trace_headers:
         for name, value in trace_headers.items():
             h.setdefault(name, value)  # an explicit header from the caller wins
-    return EncodedEvent(uuid.uuid4(), t, k, body, h, d, ty, su)
+    return EncodedEvent(uuid.uuid4(), t, k, body, h, d, ty, su, ex)
 
 
-_ALLOWED_EVENT_FIELDS = frozenset({"topic", "payload", "key", "headers", "delay", "type", "subject"})
+_ALLOWED_EVENT_FIELDS = frozenset(
+    {"topic", "payload", "key", "headers", "delay", "type", "subject", "expires_at"}
+)
 
 
 def encode_event_mapping(
@@ -288,6 +309,7 @@ def encode_event_mapping(
             trace_headers=trace_headers,
             type=event.get("type"),
             subject=event.get("subject"),
+            expires_at=event.get("expires_at"),
         )
     except InvalidEventType as exc:
         raise InvalidEventType(f"events[{index}].{exc}") from None
@@ -378,7 +400,7 @@ def decode_row(row: tuple[Any, ...]) -> ClaimedEvent:
     Raises CorruptEvent naming what is wrong. This runs once per event on the
     relay's hot path: keep it free of needless conversions.
     """
-    id_, event_id, topic, key, payload, headers, created_at, attempts, type_, subject = row
+    id_, event_id, topic, key, payload, headers, created_at, attempts, type_, subject, expires = row
     if not topic or not isinstance(topic, str):
         raise CorruptEvent("topic: empty or NULL")
     if payload is None:
@@ -388,7 +410,19 @@ def decode_row(row: tuple[Any, ...]) -> ClaimedEvent:
     kafka_headers = decode_headers(headers)
     kafka_headers.append((EVENT_ID_HEADER, event_id.encode()))
     # tuple.__new__ directly: a NamedTuple's own __new__ is one more Python call per event.
-    fields = (id_, event_id, topic, key, payload, kafka_headers, created_at, attempts, type_, subject)
+    fields = (
+        id_,
+        event_id,
+        topic,
+        key,
+        payload,
+        kafka_headers,
+        created_at,
+        attempts,
+        type_,
+        subject,
+        expires,
+    )
     return new_claimed(ClaimedEvent, fields)
 
 

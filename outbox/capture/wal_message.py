@@ -2,8 +2,8 @@
 
 Each message's content: its signature (32 bytes), the creation time (epoch seconds, text,
 from the server's clock), a line break, one line of JSON (id, topic, key as hex, type,
-subject), a line break, the headers as one line of JSON, a line break, and the payload's bytes
-as they are.
+subject, and the expiry in epoch seconds if the event has one), a line break, the headers as
+one line of JSON, a line break, and the payload's bytes as they are.
 
 Writers emit through the outbox's ``emit_events`` function (migration 0015), which signs each
 message with HMAC-SHA256 under the outbox's key (``capture_key``, readable by the function's
@@ -20,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
+import math
 import re
 import time
 import uuid
@@ -54,7 +55,15 @@ def encode(ev: EncodedEvent) -> bytes:
     """An event as its WAL message's content, after the creation time the statement adds: a JSON
     array (id, topic, key as hex, type, subject), a line break, the headers as JSON (empty when
     none: JSON escapes line breaks, so neither line holds one), a line break, the payload."""
-    head = [str(ev.event_id), ev.topic, None if ev.key is None else ev.key.hex(), ev.type, ev.subject]
+    head: list[Any] = [
+        str(ev.event_id),
+        ev.topic,
+        None if ev.key is None else ev.key.hex(),
+        ev.type,
+        ev.subject,
+    ]
+    if ev.expires_at is not None:  # a sixth field only then: relays before 0.3 read five
+        head.append(ev.expires_at)
     headers = json.dumps(ev.headers, separators=(",", ":")).encode() if ev.headers else b""
     return json.dumps(head, separators=(",", ":")).encode() + b"\n" + headers + b"\n" + ev.payload
 
@@ -76,7 +85,13 @@ def decode(content: bytes) -> WalRow:
     # Parsed as text by the C scanner: json.loads on bytes first guesses the encoding and
     # decodes with surrogatepass, 5.4 against 1.0 us a message.
     parsed: Any = parse_json(head.decode())
-    event_id, topic, key, type_, subject = parsed
+    event_id, topic, key, type_, subject, *rest = parsed
+    expires = None
+    if rest:
+        (expires,) = rest
+        if expires.__class__ not in (float, int) or not math.isfinite(expires):
+            raise ValueError("expires_at: not a time")
+        expires = float(expires)
     if event_id.__class__ is not str or not _is_uuid_text(event_id):
         raise ValueError("id: not a UUID")
     if topic.__class__ is not str or not 0 < len(topic) <= MAX_TOPIC_CHARS or not _storable(topic):
@@ -93,11 +108,11 @@ def decode(content: bytes) -> WalRow:
     try:
         sent = decode_headers(text)
     except CorruptEvent as exc:  # a signed message's own SQL: kept, never sent
-        unsent: tuple[Any, ...] = (0, event_id, topic, raw_key, payload, [], at, 0, type_, subject)
+        unsent: tuple[Any, ...] = (0, event_id, topic, raw_key, payload, [], at, 0, type_, subject, expires)
         return new_claimed(ClaimedEvent, unsent), Unusable(exc.kind, f"corrupt event row: {exc}")
     sent.append((EVENT_ID_HEADER, event_id.encode()))
     # tuple.__new__ directly: a NamedTuple's own __new__ is one more Python call per event.
-    fields: tuple[Any, ...] = (0, event_id, topic, raw_key, payload, sent, at, 0, type_, subject)
+    fields: tuple[Any, ...] = (0, event_id, topic, raw_key, payload, sent, at, 0, type_, subject, expires)
     return new_claimed(ClaimedEvent, fields), text
 
 
@@ -167,7 +182,19 @@ def unusable_row(kind: str, reason: str, content: bytes) -> WalRow:
     its whole content as the payload (nothing is lost), and why (:class:`Unusable`)."""
     topic = UNSIGNED_TOPIC if kind == UNSIGNED_EVENT else CORRUPT_TOPIC
     why = f"corrupt event row: {reason}" if kind == CORRUPT_EVENT else reason
-    fields: tuple[Any, ...] = (0, str(uuid.uuid4()), topic, None, content, [], time.time(), 0, None, None)
+    fields: tuple[Any, ...] = (
+        0,
+        str(uuid.uuid4()),
+        topic,
+        None,
+        content,
+        [],
+        time.time(),
+        0,
+        None,
+        None,
+        None,
+    )
     return new_claimed(ClaimedEvent, fields), Unusable(kind, why)
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
+from dataclasses import replace
 from typing import Any
 
 from outbox.cli import options
@@ -101,6 +102,12 @@ def _add_selector(parser: argparse.ArgumentParser, confirm_what: str | None = No
 
 def _add_unverified(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
+        "--include-expired",
+        action="store_true",
+        help="also the dead letters that expired (kind expired: claimed at or after their "
+        "expires_at); they go back without their expiry, to be delivered late. Without it they stay",
+    )
+    parser.add_argument(
         "--include-unverified",
         action="store_true",
         help="also the dead letters given by ID that the relay could not verify as events of this "
@@ -132,6 +139,7 @@ def _selector(args: argparse.Namespace) -> dead.Selector:
             until=archive.parse_time(args.until, "--until", now) if args.until else None,
             high_water=args.high_water,
             unverified=unverified,
+            expired=getattr(args, "include_expired", False),
         )
     except ConfigError as exc:
         if str(exc).startswith("--"):
@@ -160,9 +168,14 @@ def cmd_dead_list(args: argparse.Namespace) -> int:
 
 def _chosen(args: argparse.Namespace, verb: str, conn: Any, schema: str) -> list[int] | None:
     """The chosen ids after the dry run / confirmation; None when it was a dry run."""
-    ids = dead.select(conn, schema, _choosing(args))
+    chosen = _choosing(args)
+    ids = dead.select(conn, schema, chosen)
     if not ids:
-        raise NothingMatched("no dead letter matches")
+        left = 0 if chosen.expired else dead.count(conn, schema, replace(chosen, expired=True))
+        raise NothingMatched(
+            "no dead letter matches"
+            + (f" but {left} that expired (--include-expired to redrive them, late)" if left else "")
+        )
     shown = f"{ids[:20]}" + (" ..." if len(ids) > 20 else "")
     if args.dry_run:
         print(f"would {verb} {len(ids)} dead letters: {shown}")

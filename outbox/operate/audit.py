@@ -114,6 +114,8 @@ def command(action: str, selector: dict[str, Any]) -> str:
             parts += ["--high-water", str(selector["high_water"])]
         if action == "redrive" and selector.get("include_unverified"):
             parts.append("--include-unverified")
+        if action == "redrive" and selector.get("include_expired"):
+            parts.append("--include-expired")
     elif action == "replay":
         parts += ["replay", "--since", str(selector["since"]), "--until", str(selector["until"])]
         for name in ("topic", "key", "upto"):

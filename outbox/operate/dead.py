@@ -50,6 +50,9 @@ class Selector:
     # and skipping them is harmless; redriving one puts a stranger's content on the way to a sink,
     # so a redrive takes them only by id, when asked (--include-unverified).
     unverified: bool = False
+    # Also the expired (kind expired): listing and skipping them is harmless; a redrive delivers
+    # one late (without its expiry), so it takes them only when asked (--include-expired).
+    expired: bool = False
 
     @property
     def filtered(self) -> bool:
@@ -61,8 +64,9 @@ class Selector:
             raise ConfigError("selector: give dead letter IDs, --key, --topic, --error-like or --all")
 
     def also_unverified(self) -> Selector:
-        """The same choice, with the dead letters that are no verified event (list, skip)."""
-        return replace(self, unverified=True)
+        """The same choice, with the dead letters that are no verified event, and the expired
+        (list, skip)."""
+        return replace(self, unverified=True, expired=True)
 
     def audited(self) -> dict[str, Any]:
         """The selector as the audit trail keeps it: the filters given, the key as text, times in
@@ -78,6 +82,7 @@ class Selector:
             "high_water": self.high_water,
             "ids": list(self.ids) or None,
             "include_unverified": True if self.unverified else None,
+            "include_expired": True if self.expired else None,
         }
         return {k: v for k, v in chosen.items() if v is not None}
 
@@ -94,6 +99,7 @@ class Selector:
             "high_water": self.high_water,
             "unverified": self.unverified,
             "unverified_kinds": list(UNVERIFIED),
+            "expired": self.expired,
             "after": after,
             "limit": limit,
         }
@@ -147,15 +153,29 @@ def render(rows: list[dict[str, Any]]) -> str:
             f"{r['id']:>10}  {r['topic'][:20]:<20} {str(r['key'])[:20]:<20} "
             f"{'yes' if r['parked'] else 'no':<6} {r['waiting']:>7}  "
             + ("(unverified: --include-unverified to redrive) " if r.get("kind") in UNVERIFIED else "")
+            + ("(expired: --include-expired to redrive) " if r.get("kind") == "expired" else "")
             + r["error"][:80]
         )
     return "\n".join(lines)
 
 
-def redrive(conn: psycopg.Connection[Any], schema: str, ids: list[int], *, unverified: bool = False) -> int:
+def redrive(
+    conn: psycopg.Connection[Any],
+    schema: str,
+    ids: list[int],
+    *,
+    unverified: bool = False,
+    expired: bool = False,
+) -> int:
     """Move dead letters back into the outbox (attempts reset); returns how many moved. Those
-    that are no verified event of this outbox (UNVERIFIED) stay, unless ``unverified``."""
-    params = {"ids": int_array(ids), "unverified": unverified, "unverified_kinds": list(UNVERIFIED)}
+    that are no verified event of this outbox (UNVERIFIED) stay, unless ``unverified``; the
+    expired stay unless ``expired``, and go back without their expiry."""
+    params = {
+        "ids": int_array(ids),
+        "unverified": unverified,
+        "unverified_kinds": list(UNVERIFIED),
+        "expired": expired,
+    }
     return conn.execute(query("dead_redrive", schema), params).rowcount
 
 
@@ -180,7 +200,13 @@ def act(
         conn, schema, action=action, selector=selector, planned=len(ids), via=via, actor=actor
     )
     if action == "redrive":
-        n = redrive(conn, schema, ids, unverified=bool(selector.get("include_unverified")))
+        n = redrive(
+            conn,
+            schema,
+            ids,
+            unverified=bool(selector.get("include_unverified")),
+            expired=bool(selector.get("include_expired")),
+        )
     else:
         n = {"skip": skip}[action](conn, schema, ids)
     audit.done(conn, schema, entry, n)

@@ -19,7 +19,7 @@ def collect(conn: psycopg.Connection[Any], schema: str, store: Store | None = No
     payloads the claim-check ``store`` holds (default: the ``postgres:`` store's table)."""
     row = conn.execute(query("status_counts", schema)).fetchone()
     assert row is not None
-    pending, retrying, dead, delivered, oldest = row
+    pending, retrying, dead, expired, delivered, oldest = row
     by_topic = conn.execute(query("status_by_topic", schema)).fetchall()
     errors = conn.execute(query("status_errors", schema)).fetchall()
     last_hour = conn.execute(query("status_delivered_last_hour", schema)).fetchone()
@@ -34,6 +34,7 @@ def collect(conn: psycopg.Connection[Any], schema: str, store: Store | None = No
         "pending": int(pending),
         "retrying": int(retrying),
         "dead": int(dead),
+        "expired": int(expired),  # of the dead letters: claimed at or after their expires_at
         "delivered": int(delivered),
         "delivered_last_hour": int(last_hour[0]) - int(last_hour[1]) if last_hour else 0,
         "filtered_last_hour": int(last_hour[1]) if last_hour else 0,
@@ -195,7 +196,8 @@ def render(report: dict[str, Any]) -> str:
         f"  pending              {report['pending']}",
         f"  retrying             {report['retrying']}",
         f"  oldest pending age   {'-' if age is None else f'{age:.1f} s'}",
-        f"  dead letters         {report['dead']}",
+        f"  dead letters         {report['dead']}"
+        + (f" ({report['expired']} expired)" if report["expired"] else ""),
         f"  delivered (archive)  {report['delivered']}",
         f"  delivered last hour  {report['delivered_last_hour']}"
         + (f" (and {report['filtered_last_hour']} filtered)" if report["filtered_last_hour"] else ""),

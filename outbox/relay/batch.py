@@ -19,6 +19,7 @@ import contextlib
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from datetime import datetime, timezone
 from operator import itemgetter
 from typing import Any, cast
 
@@ -31,6 +32,7 @@ from outbox.events import (
     CORRUPT_TOPIC,
     CREATED_OF,
     EVENT_ID_OF,
+    EXPIRES_OF,
     KEY_OF,
     PAYLOAD_OF,
     SUBJECT_OF,
@@ -43,14 +45,14 @@ from outbox.events import (
 from outbox.relay.limits import Gate
 from outbox.relay.ordering import Failure, KeyHolds
 from outbox.relay.retry import RetryPolicy, cap_error
-from outbox.sinks.base import CORRUPT_EVENT, HELD, Dead, Delivered, Outcome, Retry
+from outbox.sinks.base import CORRUPT_EVENT, EXPIRED, HELD, Dead, Delivered, Outcome, Retry
 from outbox.store.queries import int_array, query
 from outbox.transform import TRANSFORM_FAILED, Transforms
 from outbox.transform.spec import TransformFailed
 
 # Delivered's fields as C-level getters, for map() over a finished batch.
 _PARTITION, _OFFSET, _REF = (itemgetter(Delivered._fields.index(f)) for f in ("partition", "offset", "ref"))
-_ID, _ATTEMPTS = itemgetter(0), itemgetter(7)  # of a claimed row (claim_batch's columns)
+_ID, _ATTEMPTS, _EXPIRES = itemgetter(0), itemgetter(7), itemgetter(10)  # of a claimed row (claim_batch's)
 _EVENT, _TEXT = itemgetter(0), itemgetter(1)  # of a WalRow
 
 
@@ -130,6 +132,7 @@ class Batch:
         parks: bool = False,
     ) -> None:
         self._start(conn, list(map(_ID, rows)), list(map(_ATTEMPTS, rows)), holds, parks)
+        self.expiring = any(map(_EXPIRES, rows))
         try:
             self.events: list[ClaimedEvent | None] = list(map(decode_row, rows))
         except CorruptEvent:  # at least one: decode row by row, settling each corrupt one
@@ -175,6 +178,7 @@ class Batch:
         # OpenTelemetry "send <topic>" spans of this batch (empty when tracing is off).
         self.spans: dict[str, Any] = {}
         self.corrupt = 0  # rows that could not be decoded (settled as dead at once)
+        self.expiring = False  # some event has an expiry (Batch.expire)
         self.events = []
         # A transform's work: the events it dropped (index -> the transform, their outcome a
         # Delivered), and the keys the events it re-keyed had (index -> the stored key), which
@@ -191,6 +195,19 @@ class Batch:
         if event is None:
             return None
         return self.stored_keys.get(index, event.key) if self.stored_keys else event.key
+
+    def expire(self, now: float) -> None:
+        """Each event not settled yet whose expiry is at or before ``now`` (its claim), dead with
+        the kind ``expired``: not sent, and its key not held (settle)."""
+        events = self.events
+        outcomes = self.outcomes
+        for i, event in enumerate(events):
+            if event is None or outcomes[i] is not None or event.expires_at is None:
+                continue
+            if event.expires_at <= now:
+                at = datetime.fromtimestamp(event.expires_at, timezone.utc).isoformat(timespec="milliseconds")
+                claimed = datetime.fromtimestamp(now, timezone.utc).isoformat(timespec="milliseconds")
+                self.settle(i, Dead(EXPIRED, f"expired at {at}, before it was sent (claimed at {claimed})"))
 
     def transform(self, transforms: Transforms) -> None:
         """Each event not settled yet through the transform of its topic, if any: replaced by
@@ -235,7 +252,7 @@ class Batch:
         # its batch lost its lease), the key's later events were claimed and went out ahead of
         # this one. So claims skip the key's events after it until this batch ends. (A WAL
         # batch's held event is not in the table until this batch commits: its key is held.)
-        if outcome is HELD or isinstance(outcome, Retry) or self._parks:
+        if outcome is HELD or isinstance(outcome, Retry) or (self._parks and not _expired(outcome)):
             key = self.key(index)
             if key is not None:
                 locked = self._locked_id(index) if outcome is HELD else None
@@ -520,6 +537,10 @@ class Shared:
         return results
 
 
+def _expired(outcome: Outcome) -> bool:
+    return type(outcome) is Dead and outcome.kind == EXPIRED
+
+
 def _check_rows(changed: int, expected: int, what: str) -> None:
     if changed != expected:
         raise FencingError(f"{what} changed {changed} rows, expected {expected}: the batch's lease was lost")
@@ -547,6 +568,7 @@ class WalBatch(Batch):
         self.stored: list[ClaimedEvent] = list(map(_EVENT, rows))  # what is kept, all of them
         self.texts: list[str | Unusable | None] = list(map(_TEXT, rows))  # their headers' JSON
         self.events = list(self.stored)
+        self.expiring = any(map(EXPIRES_OF, self.stored))
         if Unusable in set(map(type, self.texts)):  # a message that is no event: dead at once
             for i, text in enumerate(self.texts):
                 if isinstance(text, Unusable):
@@ -630,6 +652,7 @@ class WalBatch(Batch):
             "created": "{" + ",".join(map(repr, map(CREATED_OF, events))) + "}",
             "types": _unless_null(list(map(TYPE_OF, events))),
             "subjects": _unless_null(list(map(SUBJECT_OF, events))),
+            "expires": _unless_null(list(map(EXPIRES_OF, events))),  # wal_to_events only
         }
 
 

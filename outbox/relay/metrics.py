@@ -33,6 +33,11 @@ class RelayMetrics:
         self.dead = Counter(
             "outbox_events_dead_total", "Events moved to dead letters.", ["outbox", "topic", "sink"]
         )
+        self.expired = Counter(
+            "outbox_expired_total",
+            "Events claimed at or after their expires_at: dead-lettered (kind expired), not sent.",
+            ["outbox", "topic"],
+        )
         self.filtered = Counter(
             "outbox_events_filtered_total",
             "Events a transform (--transform) dropped: archived as filtered, not sent.",
@@ -120,9 +125,9 @@ class RelayMetrics:
         )
         self._not_ready_since = 0.0
         self._all: list[Metric] = [
-            self.delivered, self.errors, self.dead, self.filtered, self.latency, self.batch_size,
-            self.leases_lost, self.sinks_replaced, self.partitions_lost, self.key_order_violations,
-            self.pending,
+            self.delivered, self.errors, self.dead, self.expired, self.filtered, self.latency,
+            self.batch_size, self.leases_lost, self.sinks_replaced, self.partitions_lost,
+            self.key_order_violations, self.pending,
             self.oldest_age, self.dead_tuples, self.table_bytes, self.oldest_xmin, self.owned_partitions,
             self.up, self.ready,
             self.not_ready_seconds, self.not_ready, self.wal_lag_bytes, self.wal_lag_seconds, self.wal_active,

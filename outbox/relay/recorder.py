@@ -11,7 +11,7 @@ from outbox.relay.batch import Batch, BatchResult
 from outbox.relay.lanes import Lane, RelayStats
 from outbox.relay.metrics import RelayMetrics
 from outbox.sinks import router
-from outbox.sinks.base import Sink
+from outbox.sinks.base import EXPIRED, Sink
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -53,6 +53,8 @@ class BatchRecorder:
                 metrics.errors.inc((*labels, kind), n)
             if r.dead:
                 metrics.dead.inc(labels, r.dead)
+            if EXPIRED in r.errors:
+                metrics.expired.inc((lane.name, topic), r.errors[EXPIRED])
         for ahead, earlier in result.overtaken:
             # Never expected: the sinks keep a key's failures a suffix of what is in flight
             # (docs/ordering.md). Said per event, as each is a break of the promise.

@@ -332,6 +332,8 @@ class BatchSender:
         sink = relay.sink
         assert sink is not None
         ordering = lane.ordering
+        if batch.expiring:  # before anything else: an expired event is neither sent nor transformed
+            batch.expire(time.time())
         if relay.transforms:  # before routing: a transform may re-route, re-key or drop an event
             batch.transform(relay.transforms)
         batch.spans = tracing.start_batch(

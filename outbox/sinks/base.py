@@ -105,6 +105,7 @@ class OutcomeSlots(Protocol):
 # Kinds the relay itself assigns (sinks add their own).
 CORRUPT_EVENT = "corrupt_event"
 SINK_REPLACED = "sink_replaced"  # in flight when the relay replaced an unhealthy sink, unreported
+EXPIRED = "expired"  # claimed at or after its expires_at: not sent, and its key never parked
 
 # Retry kinds that mean "the sink could not be reached", not "it refused this event": when the
 # sink answers again, events that last failed so are retried at once (LaneUpkeep.sinks_back).

@@ -122,7 +122,16 @@ def outside_transaction(stack: str, how: str) -> OutsideTransaction:
 
 
 def _params(ev: EncodedEvent) -> tuple[Any, ...]:
-    return (ev.event_id, ev.topic, ev.key, ev.payload, Jsonb(ev.headers), ev.type, ev.subject, ev.delay)
+    return (
+        ev.event_id, ev.topic, ev.key, ev.payload, Jsonb(ev.headers), ev.type, ev.subject, ev.delay,
+        ev.expires_at,
+    )  # fmt: skip
+
+
+def _arrays(events: Sequence[EncodedEvent]) -> bool:
+    """Whether ``events`` go as one statement of arrays, not COPY: some have a delay or an expiry
+    (COPY writes neither available_at nor expires_at)."""
+    return any(ev.delay or ev.expires_at is not None for ev in events)
 
 
 COPY_TYPES = ["uuid", "text", "bytea", "bytea", "jsonb", "text", "text"]
@@ -143,7 +152,10 @@ def _headers_json(ev: EncodedEvent) -> str:
 
 def _text_row(ev: EncodedEvent) -> tuple[Any, ...]:
     """An event as ``insert_events_arrays`` takes it, a value per column (psycopg 3, psycopg2)."""
-    return (str(ev.event_id), ev.topic, ev.key, ev.payload, _headers_json(ev), ev.type, ev.subject, ev.delay)
+    return (
+        str(ev.event_id), ev.topic, ev.key, ev.payload, _headers_json(ev), ev.type, ev.subject, ev.delay,
+        ev.expires_at,
+    )  # fmt: skip
 
 
 def _columns(events: Sequence[EncodedEvent]) -> list[list[Any]]:
@@ -152,7 +164,7 @@ def _columns(events: Sequence[EncodedEvent]) -> list[list[Any]]:
 
 
 def _copy_text(events: Sequence[EncodedEvent]) -> str:
-    """Events without delay as ``COPY … FROM STDIN`` text (bytea as hex): psycopg2, asyncpg."""
+    """Events without delay or expiry as ``COPY … FROM STDIN`` text (bytea as hex): psycopg2, asyncpg."""
     buffer = io.StringIO()
     write = buffer.write
     for ev in events:
@@ -224,7 +236,7 @@ class PsycopgWriter:
 
     def insert_many(self, schema: str, events: Sequence[EncodedEvent]) -> None:
         with self.conn.cursor() as cur:
-            if any(ev.delay for ev in events):
+            if _arrays(events):
                 cur.execute(_sql("insert_events_arrays", schema), _columns(events), prepare=False)
                 return
             with cur.copy(_sql("copy_events", schema)) as copy:
@@ -272,7 +284,7 @@ class AsyncPsycopgWriter:
 
     async def insert_many(self, schema: str, events: Sequence[EncodedEvent]) -> None:
         async with self.conn.cursor() as cur:
-            if any(ev.delay for ev in events):
+            if _arrays(events):
                 await cur.execute(_sql("insert_events_arrays", schema), _columns(events), prepare=False)
                 return
             async with cur.copy(_sql("copy_events", schema)) as copy:
@@ -335,7 +347,7 @@ class Psycopg2Writer:
 
     def insert_many(self, schema: str, events: Sequence[EncodedEvent]) -> None:
         with self.conn.cursor() as cur:
-            if any(ev.delay for ev in events):
+            if _arrays(events):
                 cur.execute(_sql("insert_events_arrays", schema), _columns(events))
                 return
             cur.copy_expert(_sql("copy_events_text", schema), io.StringIO(_copy_text(events)))
@@ -394,16 +406,17 @@ class AsyncpgWriter:
             ev.type,
             ev.subject,
             float(ev.delay),
+            ev.expires_at,
         )
 
     async def insert(self, schema: str, ev: EncodedEvent) -> None:
         await (await _unnamed(self.conn, _sql("insert_event_numbered", schema))).fetch(*self._row(ev))
 
     async def insert_many(self, schema: str, events: Sequence[EncodedEvent]) -> None:
-        if any(ev.delay for ev in events):
+        if _arrays(events):
             rows = [
                 (str(e.event_id), e.topic, e.key and e.key.hex(), e.payload.hex(), _headers_json(e), e.type,
-                 e.subject, str(e.delay))
+                 e.subject, str(e.delay), None if e.expires_at is None else repr(e.expires_at))
                 for e in events
             ]  # fmt: skip
             columns = [list(column) for column in zip(*rows, strict=True)]

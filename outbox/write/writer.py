@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import Any
 
 from opentelemetry import trace
@@ -48,6 +48,7 @@ def _encode_one(
     delay: float | timedelta | None,
     type: str | None,
     subject: str | None,
+    expires_at: datetime | None,
 ) -> EncodedEvent:
     return encode_event(
         topic,
@@ -58,6 +59,7 @@ def _encode_one(
         trace_headers=current_trace_headers(),
         type=type,
         subject=subject,
+        expires_at=expires_at,
     )
 
 
@@ -82,6 +84,7 @@ def enqueue(
     delay: float | timedelta | None = None,
     type: str | None = None,
     subject: str | None = None,
+    expires_at: datetime | None = None,
     schema: str | None = None,
 ) -> uuid.UUID:
     """Add one event to the outbox in ``conn``'s current transaction; return its event id.
@@ -95,9 +98,11 @@ def enqueue(
     (compact JSON, header ``content-type: application/json``). ``delay``: seconds
     or a ``timedelta`` before which the event is not delivered. ``type`` / ``subject``:
     the CloudEvents ``type`` (default: the topic) and ``subject`` the relay sends with
-    ``--cloudevents``; stored with the event.
+    ``--cloudevents``; stored with the event. ``expires_at``: a timezone-aware ``datetime``;
+    claimed at or after it, the event is not sent but dead-lettered with the kind ``expired``,
+    which never holds back its key's later events.
     """
-    ev = _encode_one(topic, payload, key, headers, delay, type, subject)
+    ev = _encode_one(topic, payload, key, headers, delay, type, subject, expires_at)
     name = schema_or_default(schema)
     writer = writer_for(conn)
     writer.require_transaction()
@@ -146,11 +151,12 @@ async def enqueue_async(
     delay: float | timedelta | None = None,
     type: str | None = None,
     subject: str | None = None,
+    expires_at: datetime | None = None,
     schema: str | None = None,
 ) -> uuid.UUID:
     """``enqueue`` for a psycopg ``AsyncConnection``/``AsyncCursor``, an asyncpg
     ``Connection`` (also from a pool) or an SQLAlchemy ``AsyncSession``/``AsyncConnection``."""
-    ev = _encode_one(topic, payload, key, headers, delay, type, subject)
+    ev = _encode_one(topic, payload, key, headers, delay, type, subject, expires_at)
     name = schema_or_default(schema)
     writer = await async_writer_for(conn)
     writer.require_transaction()

@@ -27,7 +27,7 @@ def test_explicit_traceparent_wins_over_the_active_context() -> None:
 
 def test_headers_round_trip_byte_exact() -> None:
     raw = {"text": "caf\u00e9", "bin": b"\xff\x00", "utf8-bytes": "\u00e9".encode(), "nul": "a\x00"}
-    row = (1, str(uuid.uuid4()), "t", None, b"p", encode_headers(raw), 1_700_000_000.0, 0, None, None)
+    row = (1, str(uuid.uuid4()), "t", None, b"p", encode_headers(raw), 1_700_000_000.0, 0, None, None, None)
     decoded = dict(decode_row(row).headers)
     assert decoded["text"] == "caf\u00e9".encode()
     assert decoded["bin"] == b"\xff\x00"
@@ -43,7 +43,7 @@ def test_headers_round_trip_byte_exact() -> None:
     "headers", [[1, 2], {"h": 1}, {"h": {"b64": "!!"}}, {"h": {"x": "y"}}, "[1, 2]", '{"h": 1}']
 )
 def test_corrupt_rows_are_named(headers: object) -> None:
-    row = (1, str(uuid.uuid4()), "t", None, b"p", headers, 1_700_000_000.0, 0, None, None)
+    row = (1, str(uuid.uuid4()), "t", None, b"p", headers, 1_700_000_000.0, 0, None, None, None)
     with pytest.raises(CorruptEvent, match="headers"):
         decode_row(row)
 

@@ -195,11 +195,12 @@ GROUP BY key
 -- Events read from the WAL that were not delivered (a failure, a dead letter, or held behind
 -- their key) go into the events table in commit order, where the table's machinery retries,
 -- dead-letters and parks them. Returns each one's new id.
-INSERT INTO {schema}.events (event_id, topic, key, payload, headers, type, subject, created_at)
-SELECT e, t, k, p, coalesce(h, '{{}}'::jsonb), ty, su, to_timestamp(c)
+INSERT INTO {schema}.events (event_id, topic, key, payload, headers, type, subject, created_at, expires_at)
+SELECT e, t, k, p, coalesce(h, '{{}}'::jsonb), ty, su, to_timestamp(c), to_timestamp(ex)
 FROM unnest(%(event_ids)s::text::uuid[], %(topics)b::text[], %(keys)b::bytea[], %(payloads)b::bytea[],
-            %(headers)b::jsonb[], %(types)b::text[], %(subjects)b::text[], %(created)s::text::float8[])
-    WITH ORDINALITY AS x (e, t, k, p, h, ty, su, c, n)
+            %(headers)b::jsonb[], %(types)b::text[], %(subjects)b::text[], %(created)s::text::float8[],
+            %(expires)b::float8[])
+    WITH ORDINALITY AS x (e, t, k, p, h, ty, su, c, ex, n)
 ORDER BY n
 RETURNING id, event_id::text
 

@@ -9,7 +9,8 @@
 -- pattern, an error substring (any case), the fingerprint, a failure-time window, and the
 -- high-water mark (made up to this seq: a console page's); with none, every dead letter. A
 -- message the relay could not verify as an event of this outbox (unsigned_event, corrupt_event:
--- migration 0020) only with %(unverified)s: a redrive takes one only by id, knowingly.
+-- migration 0020) only with %(unverified)s: a redrive takes one only by id, knowingly. An
+-- expired one (migration 0023) only with %(expired)s: a redrive delivers it late only when asked.
 SELECT id FROM {schema}.dead_letters AS d
 WHERE (%(ids)s::text IS NULL OR d.id = ANY(%(ids)s::text::bigint[]))
   AND (%(key)s::bytea IS NULL OR d.key = %(key)s)
@@ -21,6 +22,7 @@ WHERE (%(ids)s::text IS NULL OR d.id = ANY(%(ids)s::text::bigint[]))
   AND (%(until)s::timestamptz IS NULL OR d.failed_at < %(until)s)
   AND (%(high_water)s::bigint IS NULL OR d.seq <= %(high_water)s)
   AND (%(unverified)s::boolean OR d.kind IS NULL OR d.kind <> ALL(%(unverified_kinds)s::text[]))
+  AND (%(expired)s::boolean OR d.kind IS DISTINCT FROM 'expired')
   AND d.id > %(after)s
 ORDER BY d.id
 LIMIT %(limit)s
@@ -38,6 +40,7 @@ WHERE (%(ids)s::text IS NULL OR d.id = ANY(%(ids)s::text::bigint[]))
   AND (%(until)s::timestamptz IS NULL OR d.failed_at < %(until)s)
   AND (%(high_water)s::bigint IS NULL OR d.seq <= %(high_water)s)
   AND (%(unverified)s::boolean OR d.kind IS NULL OR d.kind <> ALL(%(unverified_kinds)s::text[]))
+  AND (%(expired)s::boolean OR d.kind IS DISTINCT FROM 'expired')
 
 -- name: dead_list
 -- Chosen dead letters in detail, with the number of events parked behind each.
@@ -49,18 +52,23 @@ ORDER BY d.id
 
 -- name: dead_redrive
 -- Put dead letters back into events under their original id (the head of their key); one that
--- is no verified event of this outbox (dead_select) only with %(unverified)s.
+-- is no verified event of this outbox (dead_select) only with %(unverified)s, an expired one
+-- (migration 0023) only with %(expired)s, and then without its expiry: it is to be delivered
+-- late, knowingly. Any other keeps its expires_at.
 WITH moved AS (
     DELETE FROM {schema}.dead_letters AS d
     WHERE d.id = ANY(%(ids)s::text::bigint[])
       AND (%(unverified)s::boolean OR d.kind IS NULL OR d.kind <> ALL(%(unverified_kinds)s::text[]))
-    RETURNING d.id, d.event_id, d.topic, d.key, d.payload, d.headers, d.created_at, d.type, d.subject
+      AND (%(expired)s::boolean OR d.kind IS DISTINCT FROM 'expired')
+    RETURNING d.id, d.event_id, d.topic, d.key, d.payload, d.headers, d.created_at, d.type, d.subject,
+              CASE WHEN d.kind = 'expired' THEN NULL ELSE d.expires_at END AS expires_at
 )
 INSERT INTO {schema}.events
-    (id, event_id, topic, key, payload, headers, created_at, available_at, attempts, type, subject)
+    (id, event_id, topic, key, payload, headers, created_at, available_at, attempts, type, subject,
+     expires_at)
 OVERRIDING SYSTEM VALUE
 SELECT id, event_id, topic, key, coalesce(payload, ''::bytea), coalesce(headers, '{{}}'::jsonb),
-       created_at, now(), 0, type, subject
+       created_at, now(), 0, type, subject, expires_at
 FROM moved
 
 -- name: dead_skip

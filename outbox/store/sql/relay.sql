@@ -17,12 +17,14 @@
 -- from a partition held its lock before the lease ran out, so before anyone could take it.
 -- The lease is the relay's membership in the database (outbox_fleet.relays, migration 0018).
 -- event_id comes as text, headers as JSON text (json.loads of a str is 1.6 us/row faster than
--- psycopg's jsonb loader) and empty headers as NULL.
+-- psycopg's jsonb loader) and empty headers as NULL. An expired event (expires_at, migration
+-- 0023) is claimed like any other: the batch dead-letters it (kind expired), so that it leaves.
 -- %(skip_keys)s / %(skip_after)s: while a batch out holds an event of a key locked, untouched,
 -- behind an earlier failure, the key's events after it are skipped (KeyHolds.skip_after): they
 -- wait for it. Nearly always empty.
 SELECT e.id, e.event_id::text, e.topic, e.key, e.payload, nullif(e.headers, '{{}}'::jsonb)::text,
-       extract(epoch FROM e.created_at)::float8, e.attempts, e.type, e.subject
+       extract(epoch FROM e.created_at)::float8, e.attempts, e.type, e.subject,
+       extract(epoch FROM e.expires_at)::float8
 FROM {schema}.events AS e
 WHERE e.available_at <= now()
   AND e.partition = ANY(ARRAY(
@@ -70,7 +72,8 @@ FOR UPDATE OF e SKIP LOCKED
 -- Unordered mode: any available event, plain SKIP LOCKED, maximum parallelism (of the topics
 -- %(only)s names, but those %(skip)s names: limits, as in claim_batch).
 SELECT e.id, e.event_id::text, e.topic, e.key, e.payload, nullif(e.headers, '{{}}'::jsonb)::text,
-       extract(epoch FROM e.created_at)::float8, e.attempts, e.type, e.subject
+       extract(epoch FROM e.created_at)::float8, e.attempts, e.type, e.subject,
+       extract(epoch FROM e.expires_at)::float8
 FROM {schema}.events AS e
 WHERE e.available_at <= now()
   AND (%(only)s::text IS NULL OR e.topic ~ %(only)s::text)
@@ -134,20 +137,22 @@ WHERE e.id = due.id
 
 -- name: dead_letter
 -- Move events that can never be delivered to dead_letters with their reason and its kind
--- (migration 0020); with %(park)s, a keyed dead letter parks the later events of its key.
+-- (migration 0020); with %(park)s, a keyed dead letter parks the later events of its key, but
+-- an expired one (migration 0023): its key's next event goes on.
 WITH dead AS (
     DELETE FROM {schema}.events AS e
     USING unnest(%(ids)s::text::bigint[], %(errors)s::text[], %(kinds)s::text[]) AS r(id, error, kind)
     WHERE e.id = r.id
     RETURNING e.id, e.event_id, e.topic, e.key, e.payload, e.headers, e.created_at,
-              e.attempts + 1 AS attempts, r.error, r.kind, e.first_failed_at, e.type, e.subject
+              e.attempts + 1 AS attempts, r.error, r.kind, e.first_failed_at, e.type, e.subject,
+              e.expires_at
 )
 INSERT INTO {schema}.dead_letters
     (id, event_id, topic, key, payload, headers, created_at, attempts, error, kind,
-     first_failed_at, failed_at, parked, type, subject)
+     first_failed_at, failed_at, parked, type, subject, expires_at)
 SELECT id, event_id, topic, key, payload, headers, created_at, attempts, error, kind,
        coalesce(first_failed_at, clock_timestamp()), clock_timestamp(),
-       %(park)s AND key IS NOT NULL, type, subject
+       %(park)s AND key IS NOT NULL AND kind IS DISTINCT FROM 'expired', type, subject, expires_at
 FROM dead
 
 -- name: ensure_partitions

@@ -4,11 +4,13 @@
 -- value is a bound parameter. Literal braces are doubled.
 
 -- name: status_counts
--- Depth, retrying, dead and delivered counts, and the age of the oldest pending event.
+-- Depth, retrying, dead (and of them expired: migration 0023) and delivered counts, and the age
+-- of the oldest pending event.
 SELECT
     (SELECT count(*) FROM {schema}.events) AS pending,
     (SELECT count(*) FROM {schema}.events WHERE attempts > 0) AS retrying,
     (SELECT count(*) FROM {schema}.dead_letters) AS dead,
+    (SELECT count(*) FROM {schema}.dead_letters WHERE kind = 'expired') AS expired,
     (SELECT count(*) FROM {schema}.delivered) AS delivered,
     (SELECT extract(epoch FROM clock_timestamp() - min(created_at))::float8
        FROM {schema}.events) AS oldest_pending_age_seconds

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import math
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import Any
 
 import psycopg
@@ -62,6 +62,18 @@ BAD_CALLS: list[tuple[str, dict[str, Any], type[Exception], str]] = [
     ),
     ("NaN delay", {"topic": "t", "payload": b"x", "delay": math.nan}, ValueError, "delay"),
     ("delay of wrong type", {"topic": "t", "payload": b"x", "delay": "5"}, TypeError, "delay"),
+    (
+        "naive expires_at",
+        {"topic": "t", "payload": b"x", "expires_at": datetime(2030, 1, 1)},
+        ValueError,
+        "expires_at: must be timezone-aware",
+    ),
+    (
+        "expires_at of wrong type",
+        {"topic": "t", "payload": b"x", "expires_at": 1.7e9},
+        TypeError,
+        "expires_at",
+    ),
 ]
 
 

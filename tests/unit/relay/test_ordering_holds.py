@@ -18,7 +18,8 @@ class _Conn:  # Batch only stores its connection until finish()
 
 def _rows(keys: list[bytes | None]) -> list[tuple[object, ...]]:
     return [
-        (i, str(uuid.uuid4()), "t", k, b"p", None, 1_700_000_000.0, 0, None, None) for i, k in enumerate(keys)
+        (i, str(uuid.uuid4()), "t", k, b"p", None, 1_700_000_000.0, 0, None, None, None)
+        for i, k in enumerate(keys)
     ]
 
 
