@@ -23,6 +23,7 @@ EXTRAS: dict[str, tuple[str, ...]] = {
     "redis": ("redis",),
     "http": ("aiohttp",),
     "aws": ("aiobotocore",),
+    "gcp": ("google.cloud.pubsub_v1",),
     "psycopg2": ("psycopg2",),
     "asyncpg": ("asyncpg",),
     "sqlalchemy": ("sqlalchemy",),

@@ -66,7 +66,10 @@ SCHEMES: dict[str, Scheme] = {
     "kinesis": Scheme(
         "Amazon Kinesis", "aws", "outbox.sinks.aws:KinesisSink", {**_AWS_OPTIONS, "envelope": str}
     ),
+    "pubsub": Scheme("Google Cloud Pub/Sub", "gcp", "outbox.sinks.pubsub:PubSubSink", {"endpoint": str}),
 }
+_PUBSUB_PROJECT = re.compile(r"[a-z][a-z0-9\-]{4,28}[a-z0-9]")
+_PUBSUB_TOPIC = re.compile(r"[A-Za-z][A-Za-z0-9\-_.~+%]{2,254}")
 _HOST_PORT = re.compile(r"^[A-Za-z0-9.\-\[\]:]+:\d{1,5}$")
 
 
@@ -82,7 +85,7 @@ class SinkURL:
     def display(self) -> str:
         if self.scheme == "kafka":  # several host:port pairs: urllib cannot parse it as one host
             return f"kafka://{self.kafka_bootstrap}"
-        if self.scheme in AWS_SCHEMES:  # a name, case kept (hostname lowers it); never a password
+        if self.scheme in AWS_SCHEMES or self.scheme == "pubsub":  # names, case kept; never a password
             query = f"?{self.parts.query}" if self.parts.query else ""
             return f"{self.scheme}://{self.resource}{query}"
         host = self.parts.hostname or ""
@@ -158,6 +161,8 @@ def parse_url(text: str, field: str) -> SinkURL:
                 f"{field}: {url.display!r}: expected {scheme}://NAME, the {SCHEMES[scheme].system} "
                 "name (letters, digits, '-', '_', '.')"
             )
+    if scheme == "pubsub":
+        _check_pubsub(url, field)
     try:
         parts.port  # noqa: B018  (raises on a bad port)
     except ValueError:
@@ -178,6 +183,27 @@ def parse_url(text: str, field: str) -> SinkURL:
             f"{field}: the database of {url.display!r} must be a number, e.g. redis://host:6379/0"
         )
     return url
+
+
+def _check_pubsub(url: SinkURL, field: str) -> None:
+    """ConfigError naming ``field`` unless ``url`` is ``pubsub://PROJECT/TOPIC``."""
+    parts = url.parts
+    if parts.username is not None or parts.password is not None:
+        raise ConfigError(
+            f"{field}: {url.display!r}: credentials never go in the URL; they come from Application "
+            "Default Credentials (GOOGLE_APPLICATION_CREDENTIALS, the metadata server)"
+        )
+    project, topic = parts.netloc, parts.path.strip("/")
+    if (
+        not _PUBSUB_PROJECT.fullmatch(project)
+        or not _PUBSUB_TOPIC.fullmatch(topic)
+        or topic.lower().startswith("goog")
+    ):
+        raise ConfigError(
+            f"{field}: {url.display!r}: expected pubsub://PROJECT/TOPIC (a project id: 6-30 lowercase "
+            "letters, digits and '-'; a topic: 3-255 letters, digits and -_.~+%, starting with a "
+            "letter, not with goog)"
+        )
 
 
 @dataclass(frozen=True)
