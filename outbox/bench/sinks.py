@@ -47,7 +47,9 @@ from outbox.store.queries import query
 
 LOOP_BATCH = 1000
 FLIGHTS = MAX_BATCHES_IN_FLIGHT  # the loop's batches out at once: the relay's default
-QUEUE_BACKED = ("sqs", "sns", "eventbridge")  # read through an SQS queue (SNS and EventBridge: subscribed)
+# Read as they arrive: through an SQS queue (SNS and EventBridge: subscribed), or a Pub/Sub
+# subscription (the emulator keeps what no one acknowledged).
+QUEUE_BACKED = ("sqs", "sns", "eventbridge", "pubsub")
 
 
 # -- the webhook receiver, in its own process ---------------------------------------------
@@ -227,6 +229,8 @@ async def _publisher(scheme: str, url: str) -> Any:
         return xadd, client.aclose
     if scheme in ("sqs", "sns", "eventbridge", "kinesis"):
         return await _aws_publisher(scheme, url)
+    if scheme == "pubsub":
+        return _pubsub_publisher(url)
     import aiohttp
 
     session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=100))
@@ -242,6 +246,39 @@ async def _publisher(scheme: str, url: str) -> Any:
         await asyncio.gather(*(post(row) for row in rows))
 
     return webhooks, session.close
+
+
+def _pubsub_publisher(url: str) -> Any:
+    """The minimal loop on Pub/Sub: Google's publisher, as the relay uses it, with ordering keys
+    (the relay's per-key order needs them; without, the loop would not be sending the same
+    thing), every row of the batch published, then every future awaited. The same message:
+    the payload as data, ``event-id`` and the headers as attributes, the key as ordering key."""
+    from google.cloud import pubsub_v1
+
+    from outbox.sinks.routes import parse_url
+
+    parsed = parse_url(url, "--sinks")
+    path = f"projects/{parsed.parts.netloc}/topics/{parsed.parts.path.strip('/')}"
+    client = pubsub_v1.PublisherClient(
+        publisher_options=pubsub_v1.types.PublisherOptions(enable_message_ordering=True)
+    )
+
+    async def publish(rows: list[Any]) -> None:
+        futures = [
+            client.publish(
+                path,
+                payload,
+                ordering_key=(key or b"").decode(),
+                **_text_headers(str(event_id), None, headers),
+            )
+            for _id, event_id, _topic, key, payload, headers in rows
+        ]
+        await asyncio.gather(*(asyncio.wrap_future(f) for f in futures))
+
+    async def close() -> None:
+        await asyncio.to_thread(client.stop)
+
+    return publish, close
 
 
 async def _aws_publisher(scheme: str, url: str) -> Any:

@@ -31,6 +31,11 @@ def tap_class(sink: str) -> type[SinkTap]:
         from outbox.harness.awstap import AwsTap
 
         return type(f"AwsTap_{url.scheme}", (AwsTap,), {"scheme": url.scheme})
+    if url.scheme == "pubsub":
+        require("gcp", "outbox bench --sinks pubsub://")
+        from outbox.harness.pubsubtap import PubSubTap
+
+        return PubSubTap
     if url.scheme not in taps:
         raise ConfigError(
             "--sink: expected amqp://, nats://, redis://, sqs://, sns://, eventbridge://, kinesis:// "
