@@ -47,6 +47,10 @@ class NotMigrated(ConfigError):
     """The schema lacks the outbox tables, or a migration this version ships."""
 
 
+class SchemaTooNew(NotMigrated):
+    """The schema holds a migration of a newer version than this one: a relay does not serve it."""
+
+
 class MissingExtra(OutboxError, ImportError):
     """An optional feature needs a package that is not installed; the message names the extra."""
 
@@ -113,6 +117,7 @@ __all__ = [
     "OutboxError",
     "OutsideTransaction",
     "RelayFailed",
+    "SchemaTooNew",
     "StoreUnavailable",
     "UnsupportedConnection",
 ]

@@ -12,10 +12,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import psycopg
+
 from outbox.cli import options
 from outbox.cli.common import Common, add_common, connect, dsn_of, schema_of, schema_owners
 from outbox.cli.outboxes import DiscoveryOptions, add_outboxes, choose, is_fleet
-from outbox.errors import ConfigError, MissingExtra, RelayFailed
+from outbox.errors import ConfigError, MissingExtra, RelayFailed, SchemaTooNew
 from outbox.relay.config import RelayConfig
 from outbox.relay.fleet import Fleet, Found
 from outbox.relay.loop import Relay, tune_gc
@@ -29,7 +31,7 @@ from outbox.sinks.make import check_sinks, require_clients, routed
 from outbox.sinks.routes import parse_routes
 from outbox.sinks.signing import parse_secret_envs, parse_secrets
 from outbox.store.dsn import with_net_timeouts
-from outbox.store.migrate import require_migrated
+from outbox.store.migrate import require_known
 from outbox.store.outboxes import database_of
 from outbox.store.pooling import require_own_sessions
 from outbox.store.schema import FLEET_SCHEMA
@@ -268,7 +270,7 @@ def cmd_relay(args: argparse.Namespace) -> int:
         # (With a list of outboxes, one that cannot be served stops only itself: see below.)
         require_own_sessions(config.dsn)
         with connect(args) as conn:
-            require_migrated(conn, config.schema)
+            require_known(conn, config.schema)
             # Its schema and the database's outbox_fleet: code in them runs as the relay.
             require_trusted(conn, [config.schema, FLEET_SCHEMA], schema_owners(args))
 
@@ -314,6 +316,7 @@ def _finder(args: argparse.Namespace) -> Callable[[], Found | None]:
         except ConfigError as exc:  # the file became unreadable or wrong: keep everything as it is
             log.error("the list of outboxes cannot be read, nothing changes: %s", exc)
             return None
+        _refuse_newer(args, chosen, known)
         outboxes = []
         for o in chosen.outboxes:
             if o.database not in pooled:
@@ -337,6 +340,33 @@ def _finder(args: argparse.Namespace) -> Callable[[], Found | None]:
         return Found(outboxes, unreadable={database_of(dsn) for dsn in chosen.unreachable})
 
     return find
+
+
+def _refuse_newer(args: argparse.Namespace, chosen: Any, known: set[tuple[str, str]]) -> None:
+    """Of the outboxes chosen and not served before, those migrated past what this version knows
+    (a newer version's migrate ran) are skipped, each with one line naming the versions; the
+    rest are served. One connection per database; a database that cannot be reached is left to
+    the relay's own handling of it."""
+    by_dsn: dict[str, list[Any]] = {}
+    for o in chosen.outboxes:
+        if (o.dsn, o.schema) not in known:
+            by_dsn.setdefault(o.dsn, []).append(o)
+    refused: set[str] = set()
+    for dsn, outboxes in by_dsn.items():
+        try:
+            with connect(args, dsn) as conn:
+                conn.autocommit = True
+                for o in outboxes:
+                    try:
+                        require_known(conn, o.schema, "schema")
+                    except SchemaTooNew as exc:
+                        chosen.skipped[o.name] = str(exc)
+                        refused.add(o.name)
+                    except (ConfigError, psycopg.Error):  # not migrated, gone: the lane says so
+                        continue
+        except (ConfigError, psycopg.Error):
+            continue
+    chosen.outboxes = [o for o in chosen.outboxes if o.name not in refused]
 
 
 __all__ = ["Common", "KafkaOptions", "cmd_relay", "register", "relay_config"]

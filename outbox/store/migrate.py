@@ -18,7 +18,8 @@ from typing import Any
 import psycopg
 from psycopg import sql
 
-from outbox.errors import ConfigError, NotMigrated
+from outbox._version import __version__
+from outbox.errors import ConfigError, NotMigrated, SchemaTooNew
 from outbox.store import pinning
 from outbox.store.queries import query
 from outbox.store.schema import DEFAULT_SCHEMA, FLEET_SCHEMA, channel_name, validate_name, validate_schema
@@ -154,9 +155,16 @@ def applied_versions(conn: psycopg.Connection[Any], schema: str) -> dict[int, st
     return {int(v): str(c) for v, c in rows}
 
 
-def require_migrated(conn: psycopg.Connection[Any], schema: str, field: str = "--schema") -> None:
+def require_migrated(
+    conn: psycopg.Connection[Any],
+    schema: str,
+    field: str = "--schema",
+    *,
+    applied: dict[int, str] | None = None,
+) -> None:
     """Refuse a schema that lacks any migration this version ships, naming the missing ones."""
-    applied = applied_versions(conn, schema)
+    if applied is None:
+        applied = applied_versions(conn, schema)
     if not applied:
         raise NotMigrated(f"{field}: {schema!r} is not migrated; run `outbox migrate`")
     missing = [f"{m.version:04d}_{m.name}" for m in migrations() if m.version not in applied]
@@ -164,6 +172,22 @@ def require_migrated(conn: psycopg.Connection[Any], schema: str, field: str = "-
         raise NotMigrated(
             f"{field}: {schema!r} lacks migrations {', '.join(missing)}; run `outbox migrate` "
             "before starting this version"
+        )
+
+
+def require_known(conn: psycopg.Connection[Any], schema: str, field: str = "--schema") -> None:
+    """What a relay asks of an outbox it is to serve: every migration this version ships
+    (:func:`require_migrated`), and none it does not know. A newer version's migration may change
+    what this version's statements would do (a column its claims must read): SchemaTooNew,
+    naming both versions, and the relay serves its other outboxes."""
+    applied = applied_versions(conn, schema)
+    require_migrated(conn, schema, field, applied=applied)
+    known = max(m.version for m in migrations())
+    beyond = sorted(v for v in applied if v > known)
+    if beyond:
+        raise SchemaTooNew(
+            f"{field}: {schema!r} is migrated to {beyond[-1]:04d}, past what outbox {__version__} knows "
+            f"({known:04d}): serve it from a relay of the version that migrated it"
         )
 
 

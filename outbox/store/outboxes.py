@@ -27,7 +27,7 @@ from psycopg.conninfo import conninfo_to_dict
 
 from outbox.errors import ConfigError, NotMigrated
 from outbox.store.dsn import SECRET_PARAMS, error_line, redact
-from outbox.store.migrate import require_migrated
+from outbox.store.migrate import require_known
 from outbox.store.queries import query
 from outbox.store.schema import DEFAULT_SCHEMA, FLEET_SCHEMA, validate_schema
 from outbox.store.trust import refusal, untrusted
@@ -176,7 +176,7 @@ def discover(
         try:
             validate_schema(schema, "schema")
             if schema not in known:
-                require_migrated(conn, schema, "schema")
+                require_known(conn, schema, "schema")
             name = validate_outbox_name(prefix + schema, "--schemas")
         except (NotMigrated, ConfigError) as exc:
             skipped[schema] = str(exc)
