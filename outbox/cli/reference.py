@@ -334,7 +334,7 @@ def migrations_page() -> str:
         "`schema_migrations` table; it is idempotent, and `outbox migrate --print` shows the SQL (with",
         "each file's notes) for your own migration tool. A relay refuses, in one line, an outbox",
         "missing a migration it needs: run `outbox migrate` before the new relays start",
-        "([Deploy and upgrade](../deploy.md) says how, release by release).",
+        "([Upgrading](../operations.md#upgrading) says how, release by release).",
         "",
         "*Locks* names the hot tables a migration locks (the writers insert into `events`, the relays",
         "claim from it and archive into `delivered`) and how: while it holds the lock, what it stops",
