@@ -13,7 +13,6 @@ from outbox.errors import CorruptEvent
 from outbox.events import ClaimedEvent, decode_row, key_text
 from outbox.store.queries import glob_regex, query
 from outbox.transform import TRANSFORM_FAILED, Transform
-from outbox.transform.event import to_event
 from outbox.transform.spec import TransformFailed
 
 # Windows of the archive looked in, newest first, until enough events are found (None: all of it).
@@ -99,4 +98,4 @@ def _value(v: str | bytes | None) -> str | None:
     return v.decode("utf-8", "backslashreplace") if isinstance(v, bytes) else v
 
 
-__all__ = ["Trial", "latest", "render", "run", "to_event"]
+__all__ = ["Trial", "latest", "render", "run"]

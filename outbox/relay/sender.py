@@ -15,7 +15,7 @@ import psycopg
 from outbox.events import KEY_OF, ClaimedEvent
 from outbox.observe import tracing
 from outbox.relay import limits
-from outbox.relay.batch import PIPELINE, Batch, Shared, WalBatch
+from outbox.relay.batch import PIPELINE, Batch, Shared
 from outbox.relay.finisher import BatchFinisher
 from outbox.relay.health import RelayHealth
 from outbox.relay.lanes import Lane, RelayStats
@@ -25,6 +25,7 @@ from outbox.relay.metrics import RelayMetrics
 from outbox.relay.pipelined import Picks, Pipelined, claim_again
 from outbox.relay.scheduler import SOLO_AFTER_ERROR, ClaimScheduler
 from outbox.relay.upkeep import LaneUpkeep
+from outbox.relay.wal_batch import WalBatch
 from outbox.sinks import router
 from outbox.sinks.base import ProducesMany, Sink, send_now
 from outbox.sinks.chains import KeyChains

@@ -18,11 +18,11 @@ import psycopg
 from outbox import capture, extras
 from outbox.capture.wal_reader import WAL_READER, WalReader
 from outbox.errors import MissingExtra
-from outbox.relay.batch import WalBatch
 from outbox.relay.finisher import BatchFinisher
 from outbox.relay.lanes import Lane, RelayStats
 from outbox.relay.metrics import RelayMetrics
 from outbox.relay.scheduler import ClaimScheduler
+from outbox.relay.wal_batch import WalBatch
 from outbox.sinks import router
 from outbox.sinks.base import UNREACHABLE_KINDS, Reachable, Sink, keeps_key_order
 from outbox.sinks.chains import KeyChains

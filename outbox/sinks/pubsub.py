@@ -121,9 +121,9 @@ def attributes(event: ClaimedEvent, key_is_ordering_key: bool) -> dict[str, str]
     rest: dict[str, Any] = {}
     for name, raw in items:
         value = _attribute_value(raw)
-        fits = value is not None and _name_ok(name) and name not in out and name != OVERFLOW_ATTRIBUTE
-        if fits and len(out) < MAX_ATTRIBUTES - 1:  # one left for the overflow
-            out[name] = value  # type: ignore[assignment]
+        fits = _name_ok(name) and name not in out and name != OVERFLOW_ATTRIBUTE
+        if value is not None and fits and len(out) < MAX_ATTRIBUTES - 1:  # one left for the overflow
+            out[name] = value
         else:
             rest[name] = _loose(raw)
     if rest:

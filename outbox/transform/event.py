@@ -100,7 +100,7 @@ def from_event(claimed: ClaimedEvent, before: Event, after: object) -> ClaimedEv
     changes: dict[str, Any] = {}
     if after.topic != before.topic:
         changes["topic"] = encode_topic(after.topic)
-    if after.key is not before.key and after.key != before.key:
+    if after.key != before.key:
         changes["key"] = encode_key(after.key)
     if after.payload is not before.payload:
         changes["payload"] = encode_payload(after.payload)[0]

@@ -6,9 +6,10 @@ import uuid
 
 from outbox.capture import Position
 from outbox.events import decode_row
-from outbox.relay.batch import Batch, WalBatch
+from outbox.relay.batch import Batch
 from outbox.relay.ordering import Failure, KeyHolds, fair_share
 from outbox.relay.retry import RetryPolicy
+from outbox.relay.wal_batch import WalBatch
 from outbox.sinks.base import HELD, Dead, Delivered, Retry
 
 
