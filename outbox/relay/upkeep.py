@@ -181,11 +181,15 @@ class LaneUpkeep:
         self.check_lane_capture(lane, now)
 
     def _slotless(self, lane: Lane, now: float) -> bool:
-        """Has the outbox no replication slot and no reader? One look at the database's slots (at
-        most every CAPTURE_CHECK s) says it for every outbox: those need no capture check of their
-        own (a thousand outboxes' first claims were a thousand checks, and the idle relay's
-        periodic ones five transactions a second). An outbox switched to WAL capture has its slot
-        first, and its reader within CAPTURE_CHECK s of the next look."""
+        """Has the outbox no replication slot, no publication and no reader? One look at the
+        database's slots and publications (at most every CAPTURE_CHECK s) says it for every
+        outbox: those need no capture check of their own (a thousand outboxes' first claims were
+        a thousand checks, and the idle relay's periodic ones five transactions a second). An
+        outbox switched to WAL capture has its slot first, and its reader within CAPTURE_CHECK s
+        of the next look. Its publication counts too: a failover to a standby that did not
+        synchronise the slot keeps the publication, and a relay that first looked then took the
+        outbox for table capture (ready, claiming an empty table, the WAL's events never read
+        and nothing said) where its reader says the slot is lost."""
         if lane.wal is not None:
             return False
         if now >= self._slots_until:
@@ -351,12 +355,16 @@ class LaneUpkeep:
 
 
 def _database_slots(schema: str, conn: psycopg.Connection[Any]) -> tuple[str, set[str]]:
-    """The database's name and the names of its replication slots."""
-    rows = conn.execute(query("database_slots", schema)).fetchall()
-    return (str(rows[0][1]) if rows else ""), {str(r[0]) for r in rows}
+    """The database's name and the names of its replication slots and publications."""
+    row = conn.execute(query("database_slots", schema)).fetchone()
+    return (str(row[0]), {*row[1], *row[2]}) if row else ("", set())
 
 
 def _has_slot(schema: str, found: tuple[str, set[str]]) -> bool:
-    """Has ``schema``'s outbox a slot in this database (by either name it may have)?"""
-    database, slots = found
-    return bool(slots) and any(name in slots for name in capture.slot_names(schema, database))
+    """Has ``schema``'s outbox a slot to read in this database (by either name it may have), or
+    its publication: WAL capture with the slot lost, which its reader finds out and says?"""
+    database, names = found
+    return bool(names) and (
+        capture.publication_name(schema) in names
+        or any(name in names for name in capture.slot_names(schema, database))
+    )

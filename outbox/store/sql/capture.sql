@@ -252,9 +252,13 @@ SELECT active, pg_wal_lsn_diff(pg_current_wal_lsn(), confirmed_flush_lsn)::bigin
 FROM pg_replication_slots WHERE slot_name = %(slot)s
 
 -- name: database_slots
--- The replication slots of this database, by name (an outbox with none needs no reader), and the
--- database's name (an outbox's slot is named from it).
-SELECT slot_name, current_database() FROM pg_replication_slots WHERE database = current_database()
+-- The database's name (an outbox's slot is named from it), the names of its replication slots and
+-- of its publications. An outbox with neither its slot nor its publication needs no reader; one
+-- with only its publication lost its slot (a failover to a standby that did not synchronise it:
+-- the publication is in the catalog the standby copied) and must be read, to say so.
+SELECT current_database(),
+       ARRAY(SELECT slot_name::text FROM pg_replication_slots WHERE database = current_database()),
+       ARRAY(SELECT pubname::text FROM pg_publication)
 
 -- name: identify_system
 -- On a replication connection (a command of the replication protocol, not SQL): the server's

@@ -910,6 +910,35 @@ def test_a_slot_that_cannot_be_read_makes_readyz_say_so(wal_dsn: str, wal_schema
     assert f"slot {slot} MISSING" in out.stdout, out.stdout
 
 
+def test_a_relay_started_after_the_slot_was_lost_says_so_and_never_reads_the_table_for_it(
+    wal_dsn: str, wal_schema: str, kafka: str, topic: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The slot gone before the relay starts (a failover to a standby that did not synchronise
+    it, then a relay's restart; or dropped by hand). The relay's first look at the database's
+    slots found none, took the outbox for table capture and said "ready" while the writers'
+    events went to a WAL nobody read (the failover test, when the crash came before the relay's
+    first claim). The outbox's publication is still there: its reader looks, and says the slot
+    is lost, in one line, and /readyz names it."""
+    import logging
+
+    caplog.set_level(logging.INFO, logger="outbox")
+    slot = recorded_slot(wal_dsn, wal_schema)
+    with psycopg.connect(wal_dsn, autocommit=True) as conn:
+        conn.execute("SELECT pg_drop_replication_slot(%s)", (slot,))
+    with psycopg.connect(wal_dsn) as conn:
+        outbox.enqueue(conn, topic, b"emitted with no slot to keep it", schema=wal_schema)
+    with running_relay(RelayConfig(wal_dsn, schema=wal_schema, poll_interval=0.1), bootstrap=kafka) as relay:
+        wait_for(lambda: relay.running.is_set(), timeout=30, what="running")
+        wait_for(lambda: "is lost" in relay.ready()[1], timeout=15, what="not ready: the slot is lost")
+        time.sleep(1)  # a few more looks: it stays so, and says it once
+        ready, why = relay.ready()
+        lane = relay.lanes["default"]
+        assert lane.wal is not None and lane.upkept.capture_mode == "wal"
+    assert not ready and f"outbox default: reading its WAL slot: the WAL slot {slot} is lost" in why, why
+    lost = [r.getMessage() for r in caplog.records if f"the WAL slot {slot} is lost" in r.getMessage()]
+    assert len(lost) == 1 and "delivered: every event committed up to WAL position" in lost[0], lost
+
+
 def test_an_idle_outbox_s_slot_moves_past_traffic_that_is_not_its_own(
     wal_dsn: str, wal_schema: str, kafka: str, topic: str
 ) -> None:
