@@ -160,6 +160,7 @@ def _fs_table(schema: str) -> Any:
 
 
 def fs_fill(dsn: str, schema: str, n: int, label: str) -> None:
+    _quiet()
     from faststream_outbox import OutboxBroker
     from sqlalchemy.ext.asyncio import AsyncSession, create_async_engine
 
@@ -188,6 +189,7 @@ def fs_fill(dsn: str, schema: str, n: int, label: str) -> None:
 
 def fs_contender(spec: ContenderSpec, counter: Synchronized[int], stop: Event) -> None:
     dsn, schema, bootstrap, topic = spec.dsn, spec.schema, spec.bootstrap, spec.topic
+    _quiet()
     from faststream.kafka import KafkaBroker
     from faststream_outbox import OutboxBroker
     from sqlalchemy.ext.asyncio import create_async_engine
