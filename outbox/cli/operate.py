@@ -27,6 +27,7 @@ from outbox.observe.progress import Progress
 from outbox.operate import archive, grants, status
 from outbox.settings import setting
 from outbox.sinks import claim_check
+from outbox.store import lock_wait as locking
 from outbox.store import migrate as migrations
 from outbox.store.dsn import error_line, redact
 from outbox.store.queries import query
@@ -131,6 +132,18 @@ class MigrateOptions:
     drop_slot: bool = setting(
         False, "with --capture table: drop the outbox's replication slot (once no writer emits to the WAL)"
     )
+    lock_timeout: float = setting(
+        locking.LOCK_TIMEOUT,
+        "seconds a migration waits for a table's lock before it lets go and tries again: writers "
+        "queue behind a waiting ALTER TABLE, so at most this long (0: wait as long as it takes)",
+        metavar="SECONDS",
+    )
+    lock_wait: float = setting(
+        locking.LOCK_WAIT,
+        "seconds in all a migration tries for its locks before it fails, naming the oldest open "
+        "transactions (a relay's batch, a long report)",
+        metavar="SECONDS",
+    )
 
 
 def _roles(args: argparse.Namespace) -> migrations.Roles | None:
@@ -145,6 +158,24 @@ def _roles(args: argparse.Namespace) -> migrations.Roles | None:
         )
     except ValueError as exc:
         raise _role_error(exc) from None
+
+
+def _locks(args: argparse.Namespace) -> locking.LockWait:
+    """How migrations wait for their locks (--lock-timeout, --lock-wait); each retry one line."""
+    try:
+        return locking.LockWait(args.lock_timeout, args.lock_wait, waiting=_waiting)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+
+
+def _waiting(what: str, tries: int, waited: float, pause: float) -> None:
+    print(
+        f"{what}: a lock it needs is held (an open transaction on the outbox's tables); let go "
+        f"after {tries} tr{'y' if tries == 1 else 'ies'}, trying again in {pause:.1f} s "
+        f"({waited:.0f} s waited)",
+        file=sys.stderr,
+        flush=True,
+    )
 
 
 def _role_error(exc: ValueError) -> ConfigError:
@@ -186,8 +217,11 @@ def cmd_migrate(args: argparse.Namespace) -> int:
         return 0
     if args.drop_slot and args.capture != "table":
         raise ConfigError("--drop-slot: only with --capture table")
+    locks = _locks(args)
     with connect(args) as conn:
-        applied = migrations.migrate(conn, schema, inbox_only=args.inbox_only, owners=schema_owners(args))
+        applied = migrations.migrate(
+            conn, schema, inbox_only=args.inbox_only, owners=schema_owners(args), locks=locks
+        )
         if roles is not None:
             try:
                 migrations.grant_roles(conn, schema, roles)
@@ -218,6 +252,7 @@ def _migrate_each(args: argparse.Namespace, roles: migrations.Roles | None) -> i
     """Migrate every outbox the options name, one line each; a failure is reported and the others
     go on, and any failure makes the exit code 1. One connection per database."""
     chosen = choose(args, every_schema=True)
+    locks = _locks(args)
     failed = len(chosen.skipped)
     for what, why in chosen.skipped.items():
         print(f"{what}: not migrated: {why}")
@@ -234,7 +269,7 @@ def _migrate_each(args: argparse.Namespace, roles: migrations.Roles | None) -> i
                     used[o.database] = 0
                 used[o.database] += 1
                 applied = migrations.migrate(
-                    conn, o.schema, inbox_only=args.inbox_only, owners=schema_owners(args)
+                    conn, o.schema, inbox_only=args.inbox_only, owners=schema_owners(args), locks=locks
                 )
                 if roles is not None:
                     migrations.grant_roles(conn, o.schema, roles)

@@ -13,6 +13,7 @@ import importlib.resources
 import re
 from collections.abc import Collection
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import psycopg
@@ -21,6 +22,7 @@ from psycopg import sql
 from outbox._version import __version__
 from outbox.errors import ConfigError, NotMigrated, SchemaTooNew
 from outbox.store import pinning
+from outbox.store.lock_wait import LockWait, limited, retrying
 from outbox.store.queries import query
 from outbox.store.schema import DEFAULT_SCHEMA, FLEET_SCHEMA, channel_name, validate_name, validate_schema
 from outbox.store.trust import refusal, require_trusted
@@ -209,31 +211,45 @@ def migrate(
     *,
     inbox_only: bool = False,
     owners: Collection[str] = (),
+    locks: LockWait | None = None,
 ) -> list[Migration]:
     """Apply the migrations ``schema`` lacks; return them. Safe to run again and concurrently.
     ``inbox_only``: only the consumer inbox's (in a consumer's own database); a later full
     migrate applies the rest and skips what is there. ``owners``: the roles trusted to own the
     database's ``outbox_fleet`` (``--schema-owner``; else the migrating role and the database's
-    owner), which a schema another role made first, or may create in, must not become."""
+    owner), which a schema another role made first, or may create in, must not become.
+    ``locks``: how each migration waits for its tables' locks (:mod:`outbox.store.lock_wait`:
+    2 s a try, so that writers never queue long behind it, retried for up to 10 minutes)."""
     validate_schema(schema)
-    applied: list[Migration] = []
-    with conn.transaction():
-        _pin(conn)
-        conn.execute(query("migrate_lock", schema), (_lock_key(schema),))
-        require_trusted(conn, [FLEET_SCHEMA], owners, runs_as=MIGRATOR)
-        conn.execute(_preamble(schema))
-    for m in migrations(inbox_only=inbox_only):
+    policy = locks or LockWait()
+
+    def preamble() -> None:
+        with conn.transaction():
+            _pin(conn)
+            conn.execute(query("migrate_lock", schema), (_lock_key(schema),))
+            require_trusted(conn, [FLEET_SCHEMA], owners, runs_as=MIGRATOR)
+            with limited(conn, policy):
+                conn.execute(_preamble(schema))
+
+    def apply(m: Migration) -> bool:
         with conn.transaction():
             _pin(conn)
             conn.execute(query("migrate_lock", schema), (_lock_key(schema),))
             if _applied_already(m, applied_versions(conn, schema), schema):
-                continue
-            conn.execute(m.render(schema))
+                return False
+            with limited(conn, policy):
+                conn.execute(m.render(schema))
             if m.shares_fleet:  # a schema of that name made meanwhile was adopted: refused, rolled back
                 require_trusted(conn, [FLEET_SCHEMA], owners, runs_as=MIGRATOR)
             conn.execute(_record(schema, m))
-            applied.append(m)
-    return applied
+            return True
+
+    retrying(conn, f"schema {schema}: its migrations table", policy, preamble)
+    return [
+        m
+        for m in migrations(inbox_only=inbox_only)
+        if retrying(conn, f"schema {schema}: migration {m.version:04d}_{m.name}", policy, partial(apply, m))
+    ]
 
 
 def migrate_cursor(

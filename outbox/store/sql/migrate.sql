@@ -114,3 +114,17 @@ WITH s AS (
     WHERE a.privilege_type = 'TRIGGER' AND a.grantee NOT IN (SELECT oid FROM trusted)
 )
 SELECT DISTINCT ON (nspname) nspname, why FROM refused ORDER BY nspname, rank, why
+
+-- name: lock_timeout_set
+-- How long this transaction's statements wait for a lock (outbox.store.lock_wait), set for the
+-- transaction only; the setting before, to set back after a migration inside a caller's own.
+SELECT current_setting('lock_timeout'), set_config('lock_timeout', %(timeout)s, true)
+
+-- name: oldest_transactions
+-- What a migration waited on: the oldest open transactions of the database, other than this
+-- session's (their state and age are visible to the roles that may see them: NULL otherwise).
+SELECT pid, application_name, state, extract(epoch FROM now() - xact_start)::float8
+FROM pg_stat_activity
+WHERE datname = current_database() AND pid <> pg_backend_pid() AND xact_start IS NOT NULL
+ORDER BY xact_start
+LIMIT %(limit)s
