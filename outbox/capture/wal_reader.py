@@ -8,6 +8,7 @@ import logging
 import select
 import threading
 import time
+import traceback
 from collections import deque
 from collections.abc import Callable
 from typing import Any
@@ -164,6 +165,24 @@ class WalReader(threading.Thread):
                 self.reading = False
                 self.condition.fail(scrub(str(exc).strip(), secrets_of(self.dsn)))
                 self._halt.wait(RECONNECT)
+            except Exception as exc:  # a bug, not the network: the thread must not die unseen
+                self.reading = False
+                self._failed_unexpectedly(exc)
+                self._halt.wait(RECONNECT)
+
+    def _failed_unexpectedly(self, exc: Exception) -> None:
+        """An error no clause above expects. A reader thread that died of it left its condition
+        as it was (ready, while nothing was read); so it is a failure like the others, with its
+        traceback once an episode (secrets scrubbed), and the reader tries again."""
+        secrets = secrets_of(self.dsn)
+        if not self.condition.active:
+            log.error(
+                "%sthe WAL reader failed unexpectedly, trying again: %s",
+                self._said,
+                scrub(traceback.format_exc().strip(), secrets),
+                extra={"event": "wal.reader_failed", **self._fields},
+            )
+        self.condition.fail(scrub(f"the reader failed: {type(exc).__name__}: {exc}", secrets), said=True)
 
     def _slot_lost(self, error: str) -> None:
         """The slot is not on the server: after a failover to a standby that did not synchronise

@@ -939,6 +939,43 @@ def test_a_relay_started_after_the_slot_was_lost_says_so_and_never_reads_the_tab
     assert len(lost) == 1 and "delivered: every event committed up to WAL position" in lost[0], lost
 
 
+def test_a_reader_that_fails_unexpectedly_says_so_once_and_reads_on(
+    wal_dsn: str, wal_schema: str, topic: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An error the reader does not expect (here the loop's wake raises, as a bug would) ended
+    its thread: its condition stayed as it was, so /readyz said ready while nothing was read.
+    It is a failure like a lost connection now: one line with the traceback, the condition
+    failed, and the reader reads again (the slot sends the transaction again)."""
+    import logging
+
+    from outbox.capture.wal_reader import WalReader
+
+    caplog.set_level(logging.ERROR, logger="outbox.capture")
+    wakes: list[float] = []
+
+    def wake() -> None:
+        wakes.append(time.monotonic())
+        if len(wakes) == 1:
+            raise RuntimeError("a bug in the loop's wake")
+
+    with psycopg.connect(wal_dsn) as conn:
+        found = capture.state(conn, wal_schema)
+    reader = WalReader(wal_dsn, wal_schema, found, wake)
+    reader.start()
+    try:
+        with psycopg.connect(wal_dsn) as conn:
+            outbox.enqueue(conn, topic, b"read twice", schema=wal_schema)
+        wait_for(lambda: len(wakes) >= 2, timeout=30, what="the transaction read again")
+        assert reader.is_alive() and reader.condition.episodes == 1, reader.condition.last_error
+        assert "the reader failed: RuntimeError: a bug in the loop's wake" in reader.condition.last_error
+        assert reader.queued == 1  # read again once, from the position handed on
+    finally:
+        reader.stop()
+        reader.join(10)
+    said = [r for r in caplog.records if "the WAL reader failed unexpectedly" in r.getMessage()]
+    assert len(said) == 1 and "Traceback" in said[0].getMessage(), [r.getMessage() for r in caplog.records]
+
+
 def test_an_idle_outbox_s_slot_moves_past_traffic_that_is_not_its_own(
     wal_dsn: str, wal_schema: str, kafka: str, topic: str
 ) -> None:
