@@ -50,8 +50,15 @@ class Node:
         self.pg_ctl("-w", "-t", "60", "start")
 
     def crash(self) -> None:
-        """Stop at once, as a crash does: no shutdown checkpoint, nothing more sent."""
-        self.pg_ctl("-m", "immediate", "-w", "stop", check=False)
+        """Stop at once, as a crash does: no shutdown checkpoint, nothing more sent. A server
+        still running after it would be a split brain the test took for a failover (the relay
+        streaming on from the old primary's slot, ready): said at once instead."""
+        stopped = self.pg_ctl("-m", "immediate", "-w", "-t", "60", "stop", check=False)
+        status = self.pg_ctl("status", check=False)
+        if status.returncode != 3:  # pg_ctl status: 3 is "no server running"
+            raise AssertionError(
+                f"the {self.data.name} still runs after an immediate stop: {stopped.stderr.decode(errors='replace')}"
+            )
 
     def stop(self) -> None:
         self.pg_ctl("-m", "fast", "-w", "-t", "30", "stop", check=False)
