@@ -196,7 +196,7 @@ class LaneUpkeep:
             found = self.on_session(lane, "capture check", partial(_database_slots, lane.schema))
             if found is not None:
                 self._slots, self._slots_until = found, now + CAPTURE_CHECK
-        return self._slots is not None and not _has_slot(lane.schema, self._slots)
+        return self._slots is not None and not _reads_wal(lane.schema, self._slots)
 
     def refuse_wal_without_reader(self) -> None:
         """At start: refuse, in one line naming the extra, to serve an outbox that has a WAL slot to
@@ -210,7 +210,7 @@ class LaneUpkeep:
         if slots is None:  # the database did not answer: the loop's capture checks will say so
             return
         for lane in lanes:
-            if _has_slot(lane.schema, slots):
+            if _reads_wal(lane.schema, slots):
                 extras.require("psycopg2", f"outbox {lane.name}: {WAL_READER}")
 
     def check_lane_capture(self, lane: Lane, now: float) -> None:
@@ -360,7 +360,7 @@ def _database_slots(schema: str, conn: psycopg.Connection[Any]) -> tuple[str, se
     return (str(row[0]), {*row[1], *row[2]}) if row else ("", set())
 
 
-def _has_slot(schema: str, found: tuple[str, set[str]]) -> bool:
+def _reads_wal(schema: str, found: tuple[str, set[str]]) -> bool:
     """Has ``schema``'s outbox a slot to read in this database (by either name it may have), or
     its publication: WAL capture with the slot lost, which its reader finds out and says?"""
     database, names = found
