@@ -140,8 +140,8 @@ class MigrateOptions:
     )
     lock_wait: float = setting(
         locking.LOCK_WAIT,
-        "seconds in all a migration tries for its locks before it fails, naming the oldest open "
-        "transactions (a relay's batch, a long report)",
+        "seconds in all a migration tries for its locks before it fails, naming the "
+        "transactions that hold locks on the outbox's tables (a relay's batch, a long report)",
         metavar="SECONDS",
     )
 

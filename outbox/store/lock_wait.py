@@ -5,7 +5,7 @@ whose row locks are held until its sink answers, or a long report), every writer
 that table queues behind the waiting ALTER: the application stops for as long as the oldest
 transaction lasts. So each migration's transaction sets ``lock_timeout``: it waits at most that
 long, lets go (the writers go on), waits a little, and tries again, until ``wait`` has passed.
-Then it fails in one line naming the oldest open transactions, which are what it waited on.
+Then it fails in one line naming the transactions that hold locks on the schema's tables.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from outbox.store.queries import query
 LOCK_TIMEOUT = 2.0  # seconds one try waits for a lock: writers queue behind it at most this long
 LOCK_WAIT = 600.0  # seconds in all before migrate gives up
 PAUSE_MAX = 10.0  # seconds between tries, at most
-SHOWN = 3  # the oldest transactions a failure names
+SHOWN = 3  # the lock holders a failure names
 
 T = TypeVar("T")
 
@@ -59,10 +59,12 @@ class LockWait:
         return min(PAUSE_MAX, 0.5 * 2.0 ** min(tries, 8)) * random.uniform(0.5, 1.0)
 
 
-def retrying(conn: psycopg.Connection[Any], what: str, policy: LockWait, step: Callable[[], T]) -> T:
+def retrying(
+    conn: psycopg.Connection[Any], schema: str, what: str, policy: LockWait, step: Callable[[], T]
+) -> T:
     """``step``'s result: it runs again when it ran out of its lock timeout (its transaction
     rolled back: it applied nothing), after a pause, until ``policy.wait`` has passed; then
-    :class:`LockWaitExpired` names ``what`` and the oldest open transactions."""
+    :class:`LockWaitExpired` names ``what`` and the transactions holding locks in ``schema``."""
     started = policy.clock()
     tries = 0
     while True:
@@ -73,7 +75,7 @@ def retrying(conn: psycopg.Connection[Any], what: str, policy: LockWait, step: C
             waited = policy.clock() - started
             left = policy.wait - waited
             if left <= 0:
-                raise LockWaitExpired(_expired(conn, what, tries, waited, policy)) from None
+                raise LockWaitExpired(_expired(conn, schema, what, tries, policy)) from None
             pause = min(policy.pause(tries), left)
             if policy.waiting is not None:
                 policy.waiting(what, tries, waited, pause)
@@ -94,18 +96,20 @@ def limited(conn: psycopg.Connection[Any], policy: LockWait) -> Iterator[None]:
     conn.execute(query("lock_timeout_set", "public"), {"timeout": before[0] if before else "0"})
 
 
-def _expired(conn: psycopg.Connection[Any], what: str, tries: int, waited: float, policy: LockWait) -> str:
-    """The failure's line: what waited, how long, and on whom (the oldest open transactions)."""
+def _expired(conn: psycopg.Connection[Any], schema: str, what: str, tries: int, policy: LockWait) -> str:
+    """The failure's line: what waited, how long, and on whom (the transactions holding locks on
+    the schema's tables)."""
     try:
         with conn.transaction():  # a savepoint inside a caller's transaction: it goes on as it was
-            rows = conn.execute(query("oldest_transactions", "public"), {"limit": SHOWN}).fetchall()
+            found = conn.execute(query("lock_holders", "public"), {"schema": schema, "limit": SHOWN})
+            rows = found.fetchall()
     except psycopg.Error:
         rows = []
-    held = "; ".join(_transaction(*row) for row in rows) or "none visible to this role"
+    held = "; ".join(_transaction(*row) for row in rows) or "none left"
     return (
         f"{what}: its lock was not free within --lock-wait {policy.wait:g} s ({tries} tries of "
         f"{policy.timeout:g} s; nothing of it applied, and writers waited at most that long a try). "
-        f"The oldest open transactions: {held}. End them, or migrate when they are done"
+        f"Holding locks on schema {schema}'s tables: {held}. End them, or migrate when they are done"
     )
 
 

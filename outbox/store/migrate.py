@@ -244,12 +244,13 @@ def migrate(
             conn.execute(_record(schema, m))
             return True
 
-    retrying(conn, f"schema {schema}: its migrations table", policy, preamble)
-    return [
-        m
-        for m in migrations(inbox_only=inbox_only)
-        if retrying(conn, f"schema {schema}: migration {m.version:04d}_{m.name}", policy, partial(apply, m))
-    ]
+    retrying(conn, schema, f"schema {schema}: its migrations table", policy, preamble)
+    applied: list[Migration] = []
+    for m in migrations(inbox_only=inbox_only):
+        what = f"schema {schema}: migration {m.version:04d}_{m.name}"
+        if retrying(conn, schema, what, policy, partial(apply, m)):
+            applied.append(m)
+    return applied
 
 
 def migrate_cursor(

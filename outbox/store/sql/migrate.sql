@@ -120,11 +120,17 @@ SELECT DISTINCT ON (nspname) nspname, why FROM refused ORDER BY nspname, rank, w
 -- transaction only; the setting before, to set back after a migration inside a caller's own.
 SELECT current_setting('lock_timeout'), set_config('lock_timeout', %(timeout)s, true)
 
--- name: oldest_transactions
--- What a migration waited on: the oldest open transactions of the database, other than this
--- session's (their state and age are visible to the roles that may see them: NULL otherwise).
-SELECT pid, application_name, state, extract(epoch FROM now() - xact_start)::float8
-FROM pg_stat_activity
-WHERE datname = current_database() AND pid <> pg_backend_pid() AND xact_start IS NOT NULL
-ORDER BY xact_start
+-- name: lock_holders
+-- What a migration waited on: the transactions holding a lock on a table of its schema, oldest
+-- first (their state and age are visible to the roles that may see them: NULL otherwise).
+SELECT a.pid, a.application_name, a.state, extract(epoch FROM now() - a.xact_start)::float8
+FROM pg_stat_activity AS a
+WHERE a.datname = current_database() AND a.pid <> pg_backend_pid()
+  AND EXISTS (
+      SELECT FROM pg_locks AS l
+      JOIN pg_class AS c ON c.oid = l.relation
+      JOIN pg_namespace AS n ON n.oid = c.relnamespace
+      WHERE l.pid = a.pid AND l.granted AND n.nspname = %(schema)s
+  )
+ORDER BY a.xact_start NULLS LAST
 LIMIT %(limit)s
