@@ -32,6 +32,8 @@ from outbox.store import migrate as migrations
 from outbox.store.dsn import error_line, redact
 from outbox.store.queries import query
 
+LOCK_WAIT_SUMMARY = 30.0  # seconds between the lines of a migration still waiting for a lock
+
 
 def register(sub: Any) -> None:
     p = sub.add_parser("migrate", help="create or upgrade the outbox tables")
@@ -161,21 +163,39 @@ def _roles(args: argparse.Namespace) -> migrations.Roles | None:
 
 
 def _locks(args: argparse.Namespace) -> locking.LockWait:
-    """How migrations wait for their locks (--lock-timeout, --lock-wait); each retry one line."""
+    """How migrations wait for their locks (--lock-timeout, --lock-wait), said on stderr."""
+    lines = _LockWaitLines(args.lock_timeout)
     try:
-        return locking.LockWait(args.lock_timeout, args.lock_wait, waiting=_waiting)
+        return locking.LockWait(args.lock_timeout, args.lock_wait, waiting=lines.waiting, got=lines.got)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
 
 
-def _waiting(what: str, tries: int, waited: float, pause: float) -> None:
-    print(
-        f"{what}: a lock it needs is held (an open transaction on the outbox's tables); let go "
-        f"after {tries} tr{'y' if tries == 1 else 'ies'}, trying again in {pause:.1f} s "
-        f"({waited:.0f} s waited)",
-        file=sys.stderr,
-        flush=True,
-    )
+class _LockWaitLines:
+    """A migration's wait for a lock on stderr: one line when it starts, one a LOCK_WAIT_SUMMARY
+    while it lasts, one when the lock is got (a line a retry was forty lines in ten minutes)."""
+
+    def __init__(self, timeout: float) -> None:
+        self.timeout = timeout
+        self.said_at = 0.0  # seconds waited when the last line was printed
+
+    def waiting(self, what: str, tries: int, waited: float, pause: float) -> None:
+        if tries == 1:
+            self.said_at = waited
+            _say(
+                f"{what}: a lock it needs is held (an open transaction on the outbox's tables); letting "
+                f"go every {self.timeout:g} s so that writers go on, and trying again until --lock-wait"
+            )
+        elif waited - self.said_at >= LOCK_WAIT_SUMMARY:
+            self.said_at = waited
+            _say(f"{what}: still waiting for its lock after {waited:.0f} s ({tries} tries)")
+
+    def got(self, what: str, tries: int, waited: float) -> None:
+        _say(f"{what}: got its lock after {waited:.0f} s ({tries + 1} tries)")
+
+
+def _say(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
 
 
 def _role_error(exc: ValueError) -> ConfigError:

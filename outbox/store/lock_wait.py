@@ -40,11 +40,13 @@ class LockWaitExpired(OutboxError):
 class LockWait:
     """How a migration waits for its locks: ``timeout`` seconds a try (0: wait as long as it
     takes, the writers behind it), ``wait`` seconds in all; ``waiting`` is told of each retry
-    (what, tries so far, seconds waited, seconds until the next)."""
+    (what, tries so far, seconds waited, seconds until the next), ``got`` of a lock got after
+    retries (what, tries, seconds waited)."""
 
     timeout: float = LOCK_TIMEOUT
     wait: float = LOCK_WAIT
     waiting: Callable[[str, int, float, float], None] | None = None
+    got: Callable[[str, int, float], None] | None = None
     clock: Callable[[], float] = time.monotonic
     sleep: Callable[[float], None] = time.sleep
 
@@ -69,7 +71,7 @@ def retrying(
     tries = 0
     while True:
         try:
-            return step()
+            result = step()
         except psycopg.errors.LockNotAvailable:
             tries += 1
             waited = policy.clock() - started
@@ -80,6 +82,10 @@ def retrying(
             if policy.waiting is not None:
                 policy.waiting(what, tries, waited, pause)
             policy.sleep(pause)
+            continue
+        if tries and policy.got is not None:
+            policy.got(what, tries, policy.clock() - started)
+        return result
 
 
 @contextmanager
