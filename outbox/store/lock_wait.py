@@ -47,8 +47,6 @@ class LockWait:
     wait: float = LOCK_WAIT
     waiting: Callable[[str, int, float, float], None] | None = None
     got: Callable[[str, int, float], None] | None = None
-    clock: Callable[[], float] = time.monotonic
-    sleep: Callable[[float], None] = time.sleep
 
     def __post_init__(self) -> None:
         if self.timeout < 0:
@@ -67,24 +65,24 @@ def retrying(
     """``step``'s result: it runs again when it ran out of its lock timeout (its transaction
     rolled back: it applied nothing), after a pause, until ``policy.wait`` has passed; then
     :class:`LockWaitExpired` names ``what`` and the transactions holding locks in ``schema``."""
-    started = policy.clock()
+    started = time.monotonic()
     tries = 0
     while True:
         try:
             result = step()
         except psycopg.errors.LockNotAvailable:
             tries += 1
-            waited = policy.clock() - started
+            waited = time.monotonic() - started
             left = policy.wait - waited
             if left <= 0:
                 raise LockWaitExpired(_expired(conn, schema, what, tries, policy)) from None
             pause = min(policy.pause(tries), left)
             if policy.waiting is not None:
                 policy.waiting(what, tries, waited, pause)
-            policy.sleep(pause)
+            time.sleep(pause)
             continue
         if tries and policy.got is not None:
-            policy.got(what, tries, policy.clock() - started)
+            policy.got(what, tries, time.monotonic() - started)
         return result
 
 
