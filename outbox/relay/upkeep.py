@@ -364,7 +364,6 @@ def _reads_wal(schema: str, found: tuple[str, set[str]]) -> bool:
     """Has ``schema``'s outbox a slot to read in this database (by either name it may have), or
     its publication: WAL capture with the slot lost, which its reader finds out and says?"""
     database, names = found
-    return bool(names) and (
-        capture.publication_name(schema) in names
-        or any(name in names for name in capture.slot_names(schema, database))
+    return capture.publication_name(schema) in names or any(
+        name in names for name in capture.slot_names(schema, database)
     )
