@@ -96,7 +96,9 @@ class Upkept:
     next_maintenance: float = 0.0  # monotonic time of the next archive partition check
     partitions_missing: bool = False  # the check found a day partition missing: create them
     next_capture: float = 0.0  # monotonic time of the next look at its capture mode
-    capture_mode: str = "table"  # as last read from its capture table
+    # As last read from its capture table; "" until a look has said it: the table is not claimed
+    # before (a WAL outbox switched back to table capture has older events in its slot).
+    capture_mode: str = ""
     sinks_were_down: bool = False  # a sink was down since this lane's last "retry now"
 
 

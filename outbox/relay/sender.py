@@ -71,6 +71,8 @@ class BatchSender:
         if not lane.upkept.next_capture:  # its capture mode first: a slot to read before the table?
             relay.upkeep.before_first_claim(lane, time.monotonic())
         wal = lane.wal
+        if wal is None and not lane.upkept.capture_mode:  # the look failed: the table waits
+            return 0
         if wal is not None:
             # WAL capture: the slot's transactions and the table's events (retries, delayed, held
             # behind a failure) take turns while the table has work: a NOTIFY since its last
@@ -210,6 +212,11 @@ class BatchSender:
         now = time.monotonic()
         if not sessions.available():
             return 0
+        if lane.wal is None and not lane.upkept.capture_mode:  # the outbox's capture look failed
+            relay.upkeep.before_first_claim(lane, now)
+            if not lane.upkept.capture_mode:  # still unknown: the limit's events wait in the table
+                gate.next_try = now + GATE_RETRY
+                return 0
         try:
             granted, wait = limits.take(relay.link.get(), relay.membership.id, lane.schema, gate, most)
         except psycopg.Error as exc:

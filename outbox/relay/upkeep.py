@@ -166,6 +166,7 @@ class LaneUpkeep:
             return
         if self._slotless(lane, now):
             lane.upkept.next_capture = now + random.uniform(0.5, 1.0) * self.capture_every()
+            lane.upkept.capture_mode = "table"
             return
         self.check_lane_capture(lane, now)
 
@@ -174,9 +175,12 @@ class LaneUpkeep:
         return max(CAPTURE_CHECK, len(self.relay.scheduler.rotation) / CAPTURE_CHECKS)
 
     def before_first_claim(self, lane: Lane, now: float) -> None:
-        """An outbox's capture mode before its first claim (a slot to read before the table?)."""
+        """An outbox's capture mode before its first claim (a slot to read before the table?).
+        A look that failed leaves it unknown (``capture_mode`` ""): the table is not claimed,
+        and the next claim looks again."""
         if self._slotless(lane, now):
             lane.upkept.next_capture = now + random.uniform(0.5, 1.0) * self.capture_every()
+            lane.upkept.capture_mode = "table"
             return
         self.check_lane_capture(lane, now)
 
@@ -217,7 +221,11 @@ class LaneUpkeep:
         lane.upkept.next_capture = now + self.capture_every()
         found = self.on_session(lane, "capture check", lambda conn: capture.state(conn, lane.schema))
         if found is None:
-            lane.upkept.next_capture = now + MAINTENANCE_RETRY
+            # Never known (the first look failed): looked at again before the next claim. A relay
+            # that took such an outbox for table capture until a look 10 s later claimed its
+            # table ahead of the older events in its slot, and said it was ready after a failover
+            # that lost the slot.
+            lane.upkept.next_capture = now + MAINTENANCE_RETRY if lane.upkept.capture_mode else 0.0
             return
         lane.upkept.capture_mode = found.mode
         if found.reads_slot and lane.wal is None:

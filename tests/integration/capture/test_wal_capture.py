@@ -852,6 +852,33 @@ def test_switching_back_to_table_with_wal_events_pending_loses_nothing_and_keeps
         )
 
 
+def test_a_relay_whose_first_look_at_the_capture_fails_claims_no_row_until_a_look_succeeds(
+    wal_dsn: str, wal_schema: str, kafka: str, topic: str
+) -> None:
+    """The switch back to table capture (the slot's events older than the table's rows) with the
+    relay's first look at the capture failing: its statement outlives the relay's statement
+    timeout behind a lock. The relay claims nothing of the table until a look succeeds, then
+    reads the slot first. It had taken the outbox for table capture until a look 10 s later,
+    and sent the table's rows of keys a and b ahead of their older events in the slot."""
+    _write_keyed(wal_dsn, wal_schema, topic, ["a", "b"], 5)  # WAL capture
+    _switch(wal_dsn, wal_schema, "table")
+    _write_keyed(wal_dsn, wal_schema, topic, ["a", "b", "c"], 5, start=5)  # table capture
+    config = RelayConfig(wal_dsn, schema=wal_schema, poll_interval=0.1, lease=2.0, delivery_timeout=1.0)
+    with psycopg.connect(wal_dsn) as blocker:
+        blocker.execute(
+            sql.SQL("LOCK TABLE {}.capture IN ACCESS EXCLUSIVE MODE").format(sql.Identifier(wal_schema))
+        )
+        with running_relay(config, bootstrap=kafka) as relay:
+            wait_for(lambda: relay.sessions.database.episodes, timeout=30, what="the capture look to fail")
+            time.sleep(0.5)  # the old relay claimed its table at once
+            assert count(wal_dsn, wal_schema, "delivered") == 0, "rows claimed before the capture was known"
+            blocker.rollback()  # the lock goes: the next look succeeds
+            wait_for(lambda: count(wal_dsn, wal_schema, "delivered") == 25, timeout=30, what="all 25")
+    messages = read_topic(kafka, topic, 25)
+    assert len(first_occurrences(messages)) == 25
+    assert_per_key_order(messages)
+
+
 @pytest.mark.slow  # processes, or a server of its own: the matrices leave it out
 def test_the_demo_runs_in_wal_capture(wal_dsn: str, wal_schema: str, kafka: str) -> None:
     out = subprocess.run(
