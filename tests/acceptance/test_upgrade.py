@@ -10,11 +10,14 @@ import subprocess
 import time
 import uuid
 from collections.abc import Iterator
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 import psycopg
 import pytest
+from psycopg import sql
 
+import outbox
 from outbox.store.migrate import migrate
 from tests.helpers import FAST, ModuleProcess, assert_per_key_order, count, read_topic, wait_for
 from tests.previous_release import Release, build
@@ -110,7 +113,7 @@ def test_a_rolling_upgrade_from_the_previous_release_loses_nothing_and_keeps_key
         with psycopg.connect(pg_dsn, autocommit=True) as conn:
             applied = migrate(conn, schema)
         took = time.monotonic() - started
-        assert [m.version for m in applied] == [19, 20, 21, 22, 23]
+        assert [m.version for m in applied] == [19, 20, 21, 22, 23, 24]
         new_writer = ModuleProcess(*writer, "new-", str(stop))
         new_relay = ModuleProcess(
             "outbox", "relay", "--dsn", pg_dsn, "--schema", schema, "--kafka-bootstrap", kafka, *FAST
@@ -139,5 +142,104 @@ def test_a_rolling_upgrade_from_the_previous_release_loses_nothing_and_keeps_key
     assert len({m.event_id for m in messages}) == written, "an event is missing at the broker"
     assert_per_key_order(messages)
     print(
-        f"migrate 0019-0023 took {took * 1000:.0f} ms; writers: old {said['old'].strip()}, new {said['new'].strip()}"
+        f"migrate 0019-0024 took {took * 1000:.0f} ms; writers: old {said['old'].strip()}, new {said['new'].strip()}"
     )
+
+
+def test_expires_at_written_before_the_relays_are_rolled_is_what_the_docs_say(
+    upgraded: tuple[str, str, str], kafka: str, topic: str, previous: Release
+) -> None:
+    """The order docs/operations.md warns against: this version's writer uses ``expires_at``
+    while a 0.2.0 relay serves. In table capture the 0.2.0 relay ignores the column and delivers
+    the event, expired or not. In WAL capture it reads the message's sixth head field as a
+    corrupt event: a dead letter holding the message, never sent, while the rest flows. 0.2.0
+    inserts it without a kind: migration 0024's trigger gives it corrupt_event."""
+    capture_mode, pg_dsn, schema = upgraded
+    wal = ("--capture", "wal") if capture_mode == "wal" else ()
+    migrated = subprocess.run(
+        previous.command("migrate", "--dsn", pg_dsn, "--schema", schema, *wal),
+        cwd=previous.home, env=previous.env(), capture_output=True, text=True,
+    )  # fmt: skip
+    assert migrated.returncode == 0, migrated.stdout + migrated.stderr
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        migrate(conn, schema)
+    past = datetime.now(timezone.utc) - timedelta(seconds=1)
+    with psycopg.connect(pg_dsn) as conn:
+        plain = [outbox.enqueue(conn, topic, {"seq": 0}, key="a", schema=schema)]
+        expiring = outbox.enqueue(conn, topic, {"seq": 0}, key="x", schema=schema, expires_at=past)
+        plain.append(outbox.enqueue(conn, topic, {"seq": 1}, key="a", schema=schema))
+    old_relay = Old(previous, "relay", "--dsn", pg_dsn, "--schema", schema, "--kafka-bootstrap", kafka, *FAST)
+    try:
+        if capture_mode == "table":
+            wait_for(lambda: count(pg_dsn, schema, "delivered") == 3, timeout=60, what="all three")
+        else:
+            wait_for(
+                lambda: (
+                    count(pg_dsn, schema, "delivered") == 2 and count(pg_dsn, schema, "dead_letters") == 1
+                ),
+                timeout=60,
+                what="two delivered and one dead letter",
+            )
+        assert old_relay.stop() == 0, old_relay.output()
+    finally:
+        old_relay.close()
+    sent = {m.event_id for m in read_topic(kafka, topic, 3 if capture_mode == "table" else 2)}
+    assert {str(e) for e in plain} <= sent
+    if capture_mode == "table":
+        assert str(expiring) in sent and count(pg_dsn, schema, "dead_letters") == 0
+        return
+    assert str(expiring) not in sent
+    with psycopg.connect(pg_dsn) as conn:
+        row = conn.execute(
+            sql.SQL("SELECT kind, error, payload FROM {}.dead_letters").format(sql.Identifier(schema))
+        ).fetchone()
+    assert row is not None
+    kind, error, payload = row
+    assert kind == "corrupt_event", (kind, error)
+    assert str(expiring).encode() in bytes(payload), "the dead letter does not hold the message"
+
+
+@pytest.mark.parametrize("upgraded", ["wal"], indirect=True)
+def test_a_strangers_message_a_0_2_0_relay_dead_letters_is_never_redriven_in_bulk(
+    upgraded: tuple[str, str, str], kafka: str, topic: str, previous: Release
+) -> None:
+    """During a rolling upgrade a 0.2.0 relay dead-letters a stranger's WAL message (any role
+    may emit one under the outbox's prefix) without a kind, which 0.2.0 does not know. Migration
+    0024's trigger gives it its kind, unsigned_event, so this version's bulk redrive leaves it:
+    taken, a catch-all route would deliver the stranger's content."""
+    from outbox.cli import main
+
+    _, pg_dsn, schema = upgraded
+    migrated = subprocess.run(
+        previous.command("migrate", "--dsn", pg_dsn, "--schema", schema, "--capture", "wal"),
+        cwd=previous.home, env=previous.env(), capture_output=True, text=True,
+    )  # fmt: skip
+    assert migrated.returncode == 0, migrated.stdout + migrated.stderr
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        migrate(conn, schema)
+        conn.execute(
+            "SELECT pg_logical_emit_message(true, %s, %s::bytea)",
+            (f"outbox:{schema}", b"a stranger's content"),
+        )
+    with psycopg.connect(pg_dsn) as conn:
+        genuine = outbox.enqueue(conn, topic, {"n": 1}, key="k", schema=schema)
+    old_relay = Old(previous, "relay", "--dsn", pg_dsn, "--schema", schema, "--kafka-bootstrap", kafka, *FAST)
+    try:
+        wait_for(
+            lambda: count(pg_dsn, schema, "delivered") == 1 and count(pg_dsn, schema, "dead_letters") == 1,
+            timeout=60,
+            what="the event delivered and the stranger's message dead-lettered",
+        )
+        assert old_relay.stop() == 0, old_relay.output()
+    finally:
+        old_relay.close()
+    assert [m.event_id for m in read_topic(kafka, topic, 1)] == [str(genuine)]
+    base = ["--dsn", pg_dsn, "--schema", schema]
+    assert main(["dead", "redrive", *base, "--all", "--yes"]) == 1  # nothing it may take
+    assert main(["retry", *base, "--yes"]) == 1
+    assert count(pg_dsn, schema, "events") == 0 and count(pg_dsn, schema, "dead_letters") == 1
+    with psycopg.connect(pg_dsn) as conn:
+        kinds = conn.execute(
+            sql.SQL("SELECT kind FROM {}.dead_letters").format(sql.Identifier(schema))
+        ).fetchall()
+    assert kinds == [("unsigned_event",)]
