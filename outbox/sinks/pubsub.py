@@ -16,6 +16,10 @@ names a regional endpoint (Google's advice for ordering keys: publish a key thro
   ``sha256-<hex>`` of it (the same key, the same ordering key) with the key itself in the
   ``event-key`` attribute. A keyless event has none.
 - Delivered when the publish future resolves; the archive keeps the message id (``sink_ref``).
+- One attempt a publish, within the delivery timeout: with message ordering on, Google's publisher
+  would retry a failed batch for ever (it stretches any retry it is given), and a publisher
+  dropped in an outage published its batch when the service came back, after the relay had sent
+  the same events, and later ones of their keys, again. The relay retries instead.
 
 Per-key order: Google's publisher sends an ordering key's messages in order, and after a
 failed publish it pauses the key: every later publish of it fails until ``resume_publish``. The
@@ -43,8 +47,6 @@ import json
 from typing import Any
 
 from google.api_core import exceptions as gexc
-from google.api_core.retry import Retry as GoogleRetry
-from google.api_core.retry import if_exception_type
 from google.cloud import pubsub_v1
 from google.cloud.pubsub_v1.publisher import exceptions as pexc
 
@@ -67,13 +69,6 @@ DOWN = (
     gexc.ServiceUnavailable,
     gexc.DeadlineExceeded,
     gexc.RetryError,
-)
-TRANSIENT = (
-    gexc.Aborted,
-    gexc.InternalServerError,
-    gexc.ResourceExhausted,
-    gexc.ServiceUnavailable,
-    gexc.Unknown,
 )
 
 
@@ -152,11 +147,6 @@ class PubSubSink(AsyncSink):
         # failures, and not across publishers), and the publishes still waiting.
         self._held: set[str] = set()
         self._inflight: set[asyncio.Task[None]] = set()
-        # The publisher retries what may pass on a second try, briefly: the relay's own retries
-        # (persisted, with backoff) take over after that, and a down service fails fast.
-        self._retry = GoogleRetry(
-            predicate=if_exception_type(*TRANSIENT), initial=0.1, maximum=1.0, timeout=min(5.0, timeout / 2)
-        )
         super().__init__(url, timeout=timeout)
 
     async def connect(self) -> Any:
@@ -224,8 +214,13 @@ class PubSubSink(AsyncSink):
             self._held.discard(key)
             with contextlib.suppress(RuntimeError, ValueError):
                 client.resume_publish(self.path, key)
+        # One attempt, within the delivery timeout (retry=None: no retry is the one setting Google's
+        # publisher leaves alone with message ordering on; it stretches any other to 2**32 s, the
+        # attempt's timeout too). The relay retries, persisted and with backoff. A batch retried
+        # for ever outlived the publisher the sink dropped in an outage, and published its events
+        # when the service came back, after the relay had sent them and later ones again.
         return client.publish(
-            self.path, event.payload, ordering_key=key, retry=self._retry, timeout=self.timeout, **attrs
+            self.path, event.payload, ordering_key=key, retry=None, timeout=self.timeout, **attrs
         )
 
     async def _settle(self, future: Any, event: ClaimedEvent, report: Report) -> None:

@@ -61,6 +61,15 @@ class Old:
         self.log.close()
 
 
+def _old_migrate(previous: Release, dsn: str, schema: str, *args: str) -> None:
+    """The previous release's ``outbox migrate`` of ``schema``."""
+    migrated = subprocess.run(
+        previous.command("migrate", "--dsn", dsn, "--schema", schema, *args),
+        cwd=previous.home, env=previous.env(), capture_output=True, text=True,
+    )  # fmt: skip
+    assert migrated.returncode == 0, migrated.stdout + migrated.stderr
+
+
 @pytest.fixture(params=["table", "wal"])
 def upgraded(request: pytest.FixtureRequest) -> Iterator[tuple[str, str, str]]:
     """(capture mode, DSN, schema): a schema of its own, dropped after (in WAL capture with its
@@ -94,11 +103,7 @@ def test_a_rolling_upgrade_from_the_previous_release_loses_nothing_and_keeps_key
 ) -> None:
     capture_mode, pg_dsn, schema = upgraded
     wal = ("--capture", "wal") if capture_mode == "wal" else ()
-    migrated = subprocess.run(
-        previous.command("migrate", "--dsn", pg_dsn, "--schema", schema, *wal),
-        cwd=previous.home, env=previous.env(), capture_output=True, text=True,
-    )  # fmt: skip
-    assert migrated.returncode == 0, migrated.stdout + migrated.stderr
+    _old_migrate(previous, pg_dsn, schema, *wal)
     stop = tmp_path / "stop"
     writer = ["tests.upgrade_writer", pg_dsn, schema, topic]
     old_writer = Old(previous, *writer[1:], "old-", str(stop), module=writer[0])
@@ -156,11 +161,7 @@ def test_expires_at_written_before_the_relays_are_rolled_is_what_the_docs_say(
     inserts it without a kind: migration 0024's trigger gives it corrupt_event."""
     capture_mode, pg_dsn, schema = upgraded
     wal = ("--capture", "wal") if capture_mode == "wal" else ()
-    migrated = subprocess.run(
-        previous.command("migrate", "--dsn", pg_dsn, "--schema", schema, *wal),
-        cwd=previous.home, env=previous.env(), capture_output=True, text=True,
-    )  # fmt: skip
-    assert migrated.returncode == 0, migrated.stdout + migrated.stderr
+    _old_migrate(previous, pg_dsn, schema, *wal)
     with psycopg.connect(pg_dsn, autocommit=True) as conn:
         migrate(conn, schema)
     past = datetime.now(timezone.utc) - timedelta(seconds=1)
@@ -210,11 +211,7 @@ def test_a_strangers_message_a_0_2_0_relay_dead_letters_is_never_redriven_in_bul
     from outbox.cli import main
 
     _, pg_dsn, schema = upgraded
-    migrated = subprocess.run(
-        previous.command("migrate", "--dsn", pg_dsn, "--schema", schema, "--capture", "wal"),
-        cwd=previous.home, env=previous.env(), capture_output=True, text=True,
-    )  # fmt: skip
-    assert migrated.returncode == 0, migrated.stdout + migrated.stderr
+    _old_migrate(previous, pg_dsn, schema, "--capture", "wal")
     with psycopg.connect(pg_dsn, autocommit=True) as conn:
         migrate(conn, schema)
         conn.execute(

@@ -4,7 +4,10 @@ lost, and what Pub/Sub refuses for good dead-lettered."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import socket
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -188,3 +191,53 @@ def test_what_pubsub_refuses_for_good_is_dead_lettered_and_the_rest_goes_on(
         "googly": "1",
         "bin": {"base64": "/w=="},
     }
+
+
+@contextlib.contextmanager
+def _unreachable(kind: str) -> Iterator[str]:
+    """An address where Pub/Sub does not answer: a port nothing listens on (``refused``), or one
+    that accepts connections and never says a word (``silent``: a network that blackholes)."""
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        port = listener.getsockname()[1]
+        if kind == "silent":
+            listener.listen(16)
+        else:
+            listener.close()
+        yield f"127.0.0.1:{port}"
+
+
+@pytest.mark.parametrize("kind", ["refused", "silent"])
+def test_a_publish_pubsub_does_not_take_ends_with_its_attempt_and_nothing_retries_it_after(
+    kind: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With message ordering on, Google's publisher stretches any retry it is given to 2**32 s,
+    the attempt's timeout too: a batch of a publisher the sink had dropped in an outage went on
+    retrying on a thread of its own, and published its events when the service came back, after
+    the relay had sent them (and later events of their keys) again. The sink's one attempt
+    ends within the delivery timeout, reported to be retried, and no thread is left with it."""
+    from outbox.events import ClaimedEvent
+    from outbox.sinks.base import Retry
+    from outbox.sinks.pubsub import PubSubSink
+    from outbox.sinks.routes import parse_url
+
+    before = set(threading.enumerate())
+
+    def commits() -> list[threading.Thread]:  # the publisher commits each batch on a thread
+        return [
+            t for t in threading.enumerate() if t not in before and t.name == "Thread-CommitBatchPublisher"
+        ]
+
+    with _unreachable(kind) as address:
+        monkeypatch.setenv("PUBSUB_EMULATOR_HOST", address)
+        sink = PubSubSink(parse_url(f"pubsub://{PROJECT}/orders", "route"), timeout=2.0)
+        event = ClaimedEvent(1, str(uuid.uuid4()), "orders", b"k", b"{}", [], time.time(), 0)
+        outcomes: list[Any] = []
+        try:
+            sink.produce(event, outcomes.append)
+            wait_for(lambda: sink.poll(0.1) or outcomes, timeout=15, what="the report")
+            assert isinstance(outcomes[0], Retry), outcomes
+            # The commit gives up within its attempt's timeout (2 s), not at 2**32 s.
+            wait_for(lambda: not commits(), timeout=10, what="the publisher's commit to end")
+        finally:
+            sink.close(1)
