@@ -321,6 +321,10 @@ class AsyncSink:
         if self.condition.active:
             self.condition.ok()
 
+    def quiet_for(self) -> float:
+        """Seconds since the last confirmed send (loop thread)."""
+        return time.monotonic() - self._confirmed_at
+
     def timed_out(self) -> None:
         """A send got no answer in time (loop thread). If nothing at all was confirmed for as
         long, the connection is silent (a blackhole, a half-open connection): drop it and count

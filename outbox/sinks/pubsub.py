@@ -32,9 +32,10 @@ retries a key's earliest event first, so nothing overtakes it.
 
 Errors: a message too large for Pub/Sub (10 MB a request), an invalid argument, invalid
 attributes -> dead. A missing topic, credentials that do not work (permission denied,
-unauthenticated), an unreachable service or emulator -> the sink is down: retried, one line in
-the log, ``/readyz`` says why. A publish to a paused key -> retried (kind
-``ordering_key_paused``).
+unauthenticated), an unreachable service or emulator (refused or unanswered attempts with
+nothing confirmed for a second) -> the sink is down: retried, one line in the log, ``/readyz``
+says why. An attempt refused while others get through -> that event is retried (kind
+``unavailable``). A publish to a paused key -> retried (kind ``ordering_key_paused``).
 """
 
 from __future__ import annotations
@@ -66,10 +67,17 @@ DOWN = (
     gexc.NotFound,  # the topic does not exist
     gexc.PermissionDenied,
     gexc.Unauthenticated,
-    gexc.ServiceUnavailable,
-    gexc.DeadlineExceeded,
-    gexc.RetryError,
 )
+# Failures of an attempt that say the service did not take it: the sink counts as down when
+# nothing got through for QUIET s either (refused connections, an outage), else the event alone
+# is retried (Pub/Sub's passing UNAVAILABLE, which Google's client would have retried at once).
+UNREACHED = (gexc.ServiceUnavailable, gexc.DeadlineExceeded)
+QUIET = 1.0
+# What the publisher fails a batch with when it cancels it, a RuntimeError saying why (its
+# BatchCancellationReason, in a private module): an earlier batch of the key failed (the key is
+# paused), or the publisher was stopped. Any other RuntimeError is unexpected, and said.
+PRIOR_FAILED = "prior ordered message for the same key has failed"
+CLIENT_STOPPED = "publisher client has been stopped"
 
 
 def ordering_key(key: bytes | None) -> tuple[str, bool]:
@@ -247,16 +255,21 @@ class PubSubSink(AsyncSink):
         self.done(report, outcome)
 
     def failure(self, exc: Exception) -> Outcome:
-        if isinstance(exc, pexc.PublishToPausedOrderingKeyException):
+        cancelled = str(exc) if isinstance(exc, RuntimeError) else ""  # a batch the publisher cancelled
+        if isinstance(exc, pexc.PublishToPausedOrderingKeyException) or PRIOR_FAILED in cancelled:
             return Retry(PAUSED, "an earlier event of its key failed; it goes after that one's retry")
+        if CLIENT_STOPPED in cancelled:  # a publisher dropped in an outage
+            return Retry(UNAVAILABLE, f"{self.name}: the publisher was dropped before it sent this")
         if isinstance(exc, pexc.MessageTooLargeError):
             return Dead("message_too_large", f"Pub/Sub refused it: {self.clean(exc)}")
         if isinstance(exc, (gexc.InvalidArgument, gexc.FailedPrecondition)):
             return Dead("invalid_argument", f"Pub/Sub refused it: {self.clean(exc)}")
-        if isinstance(exc, DOWN):
+        if isinstance(exc, DOWN) or (isinstance(exc, UNREACHED) and self.quiet_for() >= QUIET):
             why = "the topic does not exist" if isinstance(exc, gexc.NotFound) else self.clean(exc)
             self.lost(f"{self.path}: {why}")
             return Retry(UNAVAILABLE, f"cannot publish to {self.name}: {why}")
+        if isinstance(exc, UNREACHED):  # others got through just now: this event is retried
+            return Retry(UNAVAILABLE, f"{self.name}: {self.clean(exc)}")
         if isinstance(exc, Refused | Unavailable):
             return super().failure(exc)
         if isinstance(exc, gexc.GoogleAPICallError):

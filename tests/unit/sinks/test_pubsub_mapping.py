@@ -4,6 +4,7 @@ Pub/Sub's limits (which the emulator does not check)."""
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 
@@ -78,3 +79,59 @@ def test_past_the_hundredth_attribute_the_rest_overflow() -> None:
     out = attributes(_event([(f"h{i}", b"v") for i in range(120)]), True)
     assert len(out) == MAX_ATTRIBUTES
     assert len(json.loads(out[OVERFLOW_ATTRIBUTE])) == 120 - (MAX_ATTRIBUTES - 2)
+
+
+def test_an_unreachable_service_is_an_outage_only_when_nothing_got_through_for_a_moment() -> None:
+    """Each publish is one attempt: Pub/Sub's passing UNAVAILABLE among publishes that get
+    through is that event's retry, not an outage (which drops the publisher and fails everything
+    in flight); refused or unanswered attempts with nothing confirmed for QUIET s are one."""
+    from google.api_core import exceptions as gexc
+
+    from outbox.sinks.base import Retry
+    from outbox.sinks.pubsub import QUIET, PubSubSink
+
+    (route,) = parse_routes(["*=pubsub://my-project/orders"], None)
+    sink = PubSubSink(route.url, timeout=2.0)
+    try:
+        sink.confirmed()
+        for exc in (gexc.ServiceUnavailable("try again"), gexc.DeadlineExceeded("slow")):
+            outcome = sink.failure(exc)
+            assert isinstance(outcome, Retry) and outcome.kind == "unavailable", outcome
+            assert not sink.condition.active, "a passing error took the sink down"
+        time.sleep(QUIET)
+        outcome = sink.failure(gexc.ServiceUnavailable("failed to connect to all addresses"))
+        assert isinstance(outcome, Retry) and sink.condition.active
+        assert "failed to connect" in sink.condition.last_error
+        sink.confirmed()
+        assert not sink.condition.active
+        sink.failure(gexc.NotFound("topic"))  # no topic: down at once, whatever got through
+        assert sink.condition.active and "the topic does not exist" in sink.condition.last_error
+    finally:
+        sink.close(1)
+
+
+def test_a_batch_the_publisher_cancelled_is_retried_without_a_warning(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """After a failed publish the publisher cancels the key's later batches, and a stopped one
+    its queued batches, each with a RuntimeError saying why (its own text: this test reads it
+    from google-cloud-pubsub, so that a new wording fails here, not as a warning an event)."""
+    from google.cloud.pubsub_v1.publisher._batch.base import BatchCancellationReason
+
+    from outbox.sinks.base import Retry
+    from outbox.sinks.pubsub import PAUSED, PubSubSink
+
+    (route,) = parse_routes(["*=pubsub://my-project/orders"], None)
+    sink = PubSubSink(route.url, timeout=2.0)
+    try:
+        prior = sink.failure(RuntimeError(BatchCancellationReason.PRIOR_ORDERED_MESSAGE_FAILED.value))
+        stopped = sink.failure(RuntimeError(BatchCancellationReason.CLIENT_STOPPED.value))
+        other = sink.failure(RuntimeError("something else"))
+    finally:
+        sink.close(1)
+    assert isinstance(prior, Retry) and prior.kind == PAUSED
+    assert isinstance(stopped, Retry) and stopped.kind == "unavailable"
+    assert isinstance(other, Retry) and other.kind == "RuntimeError"
+    assert [r.getMessage() for r in caplog.records if r.levelname == "WARNING"] == [
+        "pubsub://my-project/orders: unexpected RuntimeError: something else"
+    ]
