@@ -352,8 +352,7 @@ class Relay:
         whose batches commit in the order read)."""
         out = []
         for lane in lanes:
-            if not lane.upkept.next_capture:
-                self.upkeep.before_first_claim(lane, now)
+            self.upkeep.table_known(lane, now)  # its capture is looked at first, if not yet
             if lane.wal is None and lane.upkept.capture_mode == "table":
                 out.append(lane)
         return out

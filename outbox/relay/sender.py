@@ -68,11 +68,9 @@ class BatchSender:
         """A batch of at most ``limit`` events of ``lane``, sent; how many it had."""
         relay = self.relay
         sessions = relay.sessions
-        if not lane.upkept.next_capture:  # its capture mode first: a slot to read before the table?
-            relay.upkeep.before_first_claim(lane, time.monotonic())
-        wal = lane.wal
-        if wal is None and not lane.upkept.capture_mode:  # the look failed: the table waits
+        if not relay.upkeep.table_known(lane, time.monotonic()):  # a slot to read before the table?
             return 0
+        wal = lane.wal
         if wal is not None:
             # WAL capture: the slot's transactions and the table's events (retries, delayed, held
             # behind a failure) take turns while the table has work: a NOTIFY since its last
@@ -212,11 +210,9 @@ class BatchSender:
         now = time.monotonic()
         if not sessions.available():
             return 0
-        if lane.wal is None and not lane.upkept.capture_mode:  # the outbox's capture look failed
-            relay.upkeep.before_first_claim(lane, now)
-            if not lane.upkept.capture_mode:  # still unknown: the limit's events wait in the table
-                gate.next_try = now + GATE_RETRY
-                return 0
+        if not relay.upkeep.table_known(lane, now):  # the capture look failed: the events wait
+            gate.next_try = now + GATE_RETRY
+            return 0
         try:
             granted, wait = limits.take(relay.link.get(), relay.membership.id, lane.schema, gate, most)
         except psycopg.Error as exc:

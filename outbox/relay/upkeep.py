@@ -156,7 +156,7 @@ class LaneUpkeep:
         """Each outbox's capture mode, every CAPTURE_CHECK s (one outbox a step): a slot to read
         starts its reader; a slot that went (dropped) stops it."""
         rotation = self.relay.scheduler.rotation
-        # (A lane not claimed from yet is looked at before its first claim: before_first_claim.)
+        # (A lane not claimed from yet is looked at before its first claim: table_known.)
         lane = next((x for x in rotation if 0 < x.upkept.next_capture <= now and not x.leaving), None)
         if lane is None:
             self.next_capture_check = min(
@@ -164,20 +164,23 @@ class LaneUpkeep:
                 default=now + CAPTURE_CHECK,
             )
             return
-        if self._slotless(lane, now):
-            lane.upkept.next_capture = now + random.uniform(0.5, 1.0) * self.capture_every()
-            lane.upkept.capture_mode = "table"
-            return
-        self.check_lane_capture(lane, now)
+        self.look_at_capture(lane, now)
 
     def capture_every(self) -> float:
         """Seconds between looks at an outbox's capture mode: CAPTURE_CHECKS a second in all."""
         return max(CAPTURE_CHECK, len(self.relay.scheduler.rotation) / CAPTURE_CHECKS)
 
-    def before_first_claim(self, lane: Lane, now: float) -> None:
-        """An outbox's capture mode before its first claim (a slot to read before the table?).
-        A look that failed leaves it unknown (``capture_mode`` ""): the table is not claimed,
-        and the next claim looks again."""
+    def table_known(self, lane: Lane, now: float) -> bool:
+        """May ``lane``'s table be claimed? Its capture is looked at before its first claim (a
+        slot to read before the table?); a look that failed leaves it unknown (``capture_mode``
+        ""), and the table waits: the next claim looks again."""
+        if not lane.upkept.next_capture:
+            self.look_at_capture(lane, now)
+        return lane.wal is not None or bool(lane.upkept.capture_mode)
+
+    def look_at_capture(self, lane: Lane, now: float) -> None:
+        """One look at an outbox's capture mode: the database's slots and publications say
+        "table" for an outbox that has none; the others are looked at one by one."""
         if self._slotless(lane, now):
             lane.upkept.next_capture = now + random.uniform(0.5, 1.0) * self.capture_every()
             lane.upkept.capture_mode = "table"
