@@ -16,7 +16,7 @@ import re
 import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from datetime import datetime, timedelta
+from datetime import datetime, timedelta, timezone
 from operator import itemgetter
 from typing import Any, NamedTuple
 
@@ -24,8 +24,10 @@ from outbox.errors import ConfigError, CorruptEvent, InvalidEvent, InvalidEventT
 
 # Kafka's own limit for topic names; other sinks accept at least this much.
 MAX_TOPIC_CHARS = 249
-# Keys route events to partitions and order them; a key this large is a bug.
-MAX_KEY_BYTES = 4096
+# Keys route events to partitions and order them; a key this large is a bug. The bound is what the
+# key indexes take (a btree entry holds 2,704 bytes at most, the id beside the key included):
+# a longer key was refused by PostgreSQL when the relay wrote it back (WAL capture), not at enqueue.
+MAX_KEY_BYTES = 2048
 MAX_HEADER_NAME_CHARS = 256
 # CloudEvents type and subject travel as header values (ce_type, ce-subject): printable text.
 MAX_TYPE_CHARS = 255
@@ -46,6 +48,11 @@ RESERVED_HEADERS = frozenset({EVENT_ID_HEADER, KEY_HEADER, CLAIM_CHECK_HEADER})
 # A header name is an RFC 9110 token: what HTTP, NATS and the other sinks' protocols can carry
 # as a name without a space, a colon or a line break ending it early.
 _TOKEN = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
+
+# The times an event may carry (its expiry; its creation time as stored), as seconds since the epoch:
+# what Python's datetime, PostgreSQL's timestamptz and to_timestamp all hold (years 1 to 9999, UTC).
+MIN_TIME = datetime(1, 1, 1, tzinfo=timezone.utc).timestamp()
+MAX_TIME = datetime(9999, 12, 31, 23, 59, 59, tzinfo=timezone.utc).timestamp()
 
 # Header values that are not UTF-8 text (or contain NUL, which jsonb cannot hold)
 # are stored as {"b64": "..."}.
@@ -250,7 +257,23 @@ def encode_expires_at(value: object) -> float | None:
             "expires_at: must be timezone-aware (e.g. datetime.now(timezone.utc) + timedelta(minutes=5)); "
             "a naive datetime's zone would be a guess"
         )
-    return value.timestamp()
+    try:
+        seconds = value.timestamp()
+    except (OverflowError, ValueError):
+        seconds = math.nan
+    if not MIN_TIME <= seconds <= MAX_TIME:
+        raise InvalidEvent(f"expires_at: {value!r} is out of range (years 1 to 9999, in UTC)")
+    return seconds
+
+
+def time_text(seconds: float) -> str:
+    """A time (seconds since the epoch) for people: ISO 8601 when it is one datetime can hold, else
+    as PostgreSQL says it (a stored ``-infinity``) or as the number it is (a year past 9999)."""
+    if MIN_TIME <= seconds <= MAX_TIME:
+        return datetime.fromtimestamp(seconds, timezone.utc).isoformat(timespec="milliseconds")
+    if math.isinf(seconds):
+        return "infinity" if seconds > 0 else "-infinity"
+    return f"{seconds:.6g} s from the epoch (out of datetime's range)"
 
 
 def encode_event(
@@ -407,6 +430,14 @@ def decode_row(row: tuple[Any, ...]) -> ClaimedEvent:
         raise CorruptEvent("payload: NULL")
     if event_id is None:
         raise CorruptEvent("event_id: NULL")
+    if len(topic) > MAX_TOPIC_CHARS:
+        raise CorruptEvent(f"topic: {len(topic)} characters long, at most {MAX_TOPIC_CHARS}")
+    if key is not None and len(key) > MAX_KEY_BYTES:  # a key that compresses fits the index
+        raise CorruptEvent(f"key: {len(key)} bytes long, at most {MAX_KEY_BYTES}")
+    if not MIN_TIME <= created_at <= MAX_TIME:  # a writer with the owner's grants may set it
+        raise CorruptEvent(f"created_at: {time_text(created_at)} is out of range (years 1 to 9999)")
+    if type_ is not None or subject is not None:
+        _check_attributes(type_, subject)
     kafka_headers = decode_headers(headers)
     kafka_headers.append((EVENT_ID_HEADER, event_id.encode()))
     # tuple.__new__ directly: a NamedTuple's own __new__ is one more Python call per event.
@@ -424,6 +455,19 @@ def decode_row(row: tuple[Any, ...]) -> ClaimedEvent:
         expires,
     )
     return new_claimed(ClaimedEvent, fields)
+
+
+def _check_attributes(type_: str | None, subject: str | None) -> None:
+    """CorruptEvent when a stored ``type`` or ``subject`` is one enqueue refuses: they travel as
+    header values (``ce_type``, ``ce-subject``), where a line break would start another header."""
+    for value, field, limit in ((type_, "type", MAX_TYPE_CHARS), (subject, "subject", MAX_SUBJECT_CHARS)):
+        if value is None:
+            continue
+        if not value or len(value) > limit or not value.isprintable():
+            raise CorruptEvent(
+                f"{field}: must be 1 to {limit} characters of printable text (no control characters "
+                "or line breaks)"
+            )
 
 
 new_claimed: Callable[[type[ClaimedEvent], tuple[Any, ...]], ClaimedEvent] = tuple.__new__

@@ -20,7 +20,6 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
-import math
 import re
 import time
 import uuid
@@ -31,7 +30,12 @@ from outbox.errors import CorruptEvent
 from outbox.events import (
     CORRUPT_TOPIC,
     EVENT_ID_HEADER,
+    MAX_KEY_BYTES,
+    MAX_SUBJECT_CHARS,
+    MAX_TIME,
     MAX_TOPIC_CHARS,
+    MAX_TYPE_CHARS,
+    MIN_TIME,
     ClaimedEvent,
     EncodedEvent,
     Unusable,
@@ -41,6 +45,7 @@ from outbox.events import (
 )
 
 SIGNATURE_BYTES = 32  # HMAC-SHA256, before each message's content
+KEPT_BYTES = 64 * 1024  # bytes a dead letter keeps of a message that is no deliverable event
 UNSIGNED_EVENT = "unsigned_event"  # the dead letter's kind of a message that is not signed
 CORRUPT_EVENT = "corrupt_event"  # ... of a signed one that is no event's encoding
 UNSIGNED_TOPIC = "(unsigned)"  # the topic such dead letters are kept under
@@ -89,9 +94,7 @@ def decode(content: bytes) -> WalRow:
     expires = None
     if rest:
         (expires,) = rest
-        if expires.__class__ not in (float, int) or not math.isfinite(expires):
-            raise ValueError("expires_at: not a time")
-        expires = float(expires)
+        expires = _time(expires, "expires_at")
     if event_id.__class__ is not str or not _is_uuid_text(event_id):
         raise ValueError("id: not a UUID")
     if topic.__class__ is not str or not 0 < len(topic) <= MAX_TOPIC_CHARS or not _storable(topic):
@@ -102,18 +105,59 @@ def decode(content: bytes) -> WalRow:
         raise ValueError("subject: not text")
     if b"u0000" in headers and _NUL_ESCAPE.search(headers):  # jsonb refuses; enqueue never writes it
         raise ValueError("headers: a NUL character")
+    if type_ is not None or subject is not None:
+        _check_attributes(type_, subject)
     text = headers.decode() if headers else None
     raw_key = None if key is None else bytes.fromhex(key)
-    at = float(created)
+    if raw_key is not None and len(raw_key) > MAX_KEY_BYTES:
+        raise ValueError(f"key: {len(raw_key)} bytes long, at most {MAX_KEY_BYTES}")
+    at = _time(float(created), "created_at")
     try:
         sent = decode_headers(text)
     except CorruptEvent as exc:  # a signed message's own SQL: kept, never sent
-        unsent: tuple[Any, ...] = (0, event_id, topic, raw_key, payload, [], at, 0, type_, subject, expires)
-        return new_claimed(ClaimedEvent, unsent), Unusable(exc.kind, f"corrupt event row: {exc}")
+        kept, about = bounded(payload)
+        unsent: tuple[Any, ...] = (0, event_id, topic, raw_key, kept, [], at, 0, type_, subject, expires)
+        return new_claimed(ClaimedEvent, unsent), Unusable(exc.kind, f"corrupt event row: {exc}{about}")
     sent.append((EVENT_ID_HEADER, event_id.encode()))
     # tuple.__new__ directly: a NamedTuple's own __new__ is one more Python call per event.
     fields: tuple[Any, ...] = (0, event_id, topic, raw_key, payload, sent, at, 0, type_, subject, expires)
     return new_claimed(ClaimedEvent, fields), text
+
+
+def _time(value: Any, field: str) -> float:
+    """A time in a message (epoch seconds) as a float; ValueError naming ``field`` unless it is
+    a number in the range every reader and PostgreSQL hold (years 1 to 9999)."""
+    if value.__class__ not in (float, int):
+        raise ValueError(f"{field}: not a time (seconds since the epoch)")
+    try:
+        seconds = float(value)
+    except OverflowError:  # an integer of 400 digits
+        raise ValueError(f"{field}: an integer of {len(str(value))} digits is out of range") from None
+    if not MIN_TIME <= seconds <= MAX_TIME:
+        raise ValueError(f"{field}: {seconds:.6g} is out of range (seconds since the epoch, years 1 to 9999)")
+    return seconds
+
+
+def _check_attributes(type_: Any, subject: Any) -> None:
+    """``type`` and ``subject`` as enqueue takes them: None, or printable text within its limit."""
+    for value, field, limit in ((type_, "type", MAX_TYPE_CHARS), (subject, "subject", MAX_SUBJECT_CHARS)):
+        if value is None:
+            continue
+        if value.__class__ is not str or not 0 < len(value) <= limit or not value.isprintable():
+            raise ValueError(f"{field}: not 1 to {limit} characters of printable text")
+        if not _storable(value):
+            raise ValueError(f"{field}: not text PostgreSQL can store")
+
+
+def bounded(content: bytes) -> tuple[bytes, str]:
+    """What a dead letter keeps of a message that is no deliverable event: at most
+    :data:`KEPT_BYTES` of it, and (when that is not all) a note of its length and digest for the
+    reason. A stranger's message may be a gigabyte; kept whole, three of them in one transaction
+    were more than PostgreSQL takes in one statement."""
+    if len(content) <= KEPT_BYTES:
+        return content, ""
+    digest = hashlib.sha256(content).hexdigest()
+    return content[:KEPT_BYTES], f" ({len(content)} bytes, sha256 {digest}; the first {KEPT_BYTES} kept)"
 
 
 def _storable(text: str) -> bool:
@@ -181,13 +225,14 @@ def unusable_row(kind: str, reason: str, content: bytes) -> WalRow:
     new event id (its own may be forged, or no id), without a key (it must not park one), with
     its whole content as the payload (nothing is lost), and why (:class:`Unusable`)."""
     topic = UNSIGNED_TOPIC if kind == UNSIGNED_EVENT else CORRUPT_TOPIC
-    why = f"corrupt event row: {reason}" if kind == CORRUPT_EVENT else reason
+    kept, about = bounded(content)
+    why = (f"corrupt event row: {reason}" if kind == CORRUPT_EVENT else reason) + about
     fields: tuple[Any, ...] = (
         0,
         str(uuid.uuid4()),
         topic,
         None,
-        content,
+        kept,
         [],
         time.time(),
         0,
@@ -215,5 +260,12 @@ def row_of(content: bytes, keys: Keys, prefix: bytes, committed: float) -> WalRo
         return None
     try:
         return decode(body)
-    except (ValueError, KeyError, TypeError, RecursionError) as exc:
-        return unusable_row(CORRUPT_EVENT, f"a signed WAL message that is no outbox event: {exc}", body)
+    except Exception as exc:  # whatever a writer's own bytes make it raise: that message's dead letter
+        why = f"a signed WAL message that is no outbox event: {_said(exc)}"
+        return unusable_row(CORRUPT_EVENT, why, body)
+
+
+def _said(exc: Exception) -> str:
+    """An error of the decoder in a few words (a ValueError names its field; others their type)."""
+    text = str(exc)[:300]
+    return text if isinstance(exc, ValueError) and text else f"{type(exc).__name__}: {text}"

@@ -18,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import time
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
 from operator import itemgetter
 from typing import Any, cast
 
@@ -30,6 +29,7 @@ from outbox.events import (
     TOPIC_OF,
     ClaimedEvent,
     decode_row,
+    time_text,
 )
 from outbox.relay.limits import Gate
 from outbox.relay.ordering import Failure, KeyHolds
@@ -192,10 +192,10 @@ class Batch:
         for i, event in enumerate(events):
             if event is None or outcomes[i] is not None or event.expires_at is None:
                 continue
-            if event.expires_at <= now:
-                at = datetime.fromtimestamp(event.expires_at, timezone.utc).isoformat(timespec="milliseconds")
-                claimed = datetime.fromtimestamp(now, timezone.utc).isoformat(timespec="milliseconds")
-                self.settle(i, Dead(EXPIRED, f"expired at {at}, before it was sent (claimed at {claimed})"))
+            if event.expires_at <= now:  # -infinity too (a writer's own SQL may store it)
+                at, claimed = time_text(event.expires_at), time_text(now)
+                why = f"expires_at {at} passed before it was sent (claimed at {claimed})"
+                self.settle(i, Dead(EXPIRED, why))
 
     def transform(self, transforms: Transforms) -> None:
         """Each event not settled yet through the transform of its topic, if any: replaced by

@@ -4,11 +4,20 @@ from __future__ import annotations
 
 import json
 import uuid
+from datetime import datetime, timedelta, timezone
 
 import pytest
 
 from outbox.errors import CorruptEvent, InvalidEvent, InvalidEventType
-from outbox.events import decode_row, encode_event, encode_event_mapping, encode_headers, key_text
+from outbox.events import (
+    MAX_KEY_BYTES,
+    decode_row,
+    encode_event,
+    encode_event_mapping,
+    encode_headers,
+    key_text,
+    time_text,
+)
 
 
 def test_json_payload_gets_content_type_unless_given() -> None:
@@ -65,3 +74,54 @@ def test_keys_are_shown_as_text_or_hex() -> None:
     assert key_text(None) is None
     assert key_text(b"customer-7") == "customer-7"
     assert key_text(b"\xff\x00") == "0xff00"
+
+
+@pytest.mark.parametrize(
+    "when",
+    [
+        # Stored as 0001-12-31 BC: the relay then ended with "year 0 is out of range" (issue 70).
+        datetime.min.replace(tzinfo=timezone(timedelta(hours=5))),
+        datetime.max.replace(tzinfo=timezone(timedelta(hours=-5))),  # year 10000 in UTC
+    ],
+)
+def test_an_expiry_out_of_the_range_every_reader_holds_is_refused_naming_it(when: datetime) -> None:
+    with pytest.raises(InvalidEvent, match=r"^expires_at: .* out of range"):
+        encode_event("t", b"", expires_at=when)
+    assert encode_event("t", b"", expires_at=datetime(1, 1, 2, tzinfo=timezone.utc)).expires_at is not None
+
+
+def test_a_key_is_refused_past_what_its_indexes_take() -> None:
+    """A btree entry holds 2,704 bytes: a 3,000-byte key (the API allowed 4,096) was refused by
+    PostgreSQL when the relay wrote a WAL event back, and the batch was read and sent again."""
+    assert encode_event("t", b"", key=b"k" * MAX_KEY_BYTES).key == b"k" * MAX_KEY_BYTES
+    with pytest.raises(InvalidEvent, match=r"^key: 2049 bytes long"):
+        encode_event("t", b"", key=b"k" * (MAX_KEY_BYTES + 1))
+
+
+@pytest.mark.parametrize(
+    ("row_change", "field"),
+    [
+        ({4: "t" * 250}, "topic"),  # a writer's own SQL: the claim applies enqueue's limits
+        ({3: b"k" * 2049}, "key"),
+        ({6: float("-inf")}, "created_at"),  # a writer with the owner's grants may set it
+        ({6: 1e300}, "created_at"),
+        ({8: "a\r\nb"}, "type"),
+        ({9: ""}, "subject"),
+    ],
+)
+def test_a_claimed_row_is_held_to_the_limits_enqueue_applies(
+    row_change: dict[int, object], field: str
+) -> None:
+    row: list[object] = [1, str(uuid.uuid4()), "t", None, b"p", None, 1.0, 0, None, None, None]
+    if 4 in row_change:  # the topic is the third column
+        row[2] = row_change.pop(4)
+    for i, value in row_change.items():
+        row[i] = value
+    with pytest.raises(CorruptEvent, match=f"^{field}: "):
+        decode_row(tuple(row))
+
+
+def test_times_are_shown_whatever_their_range() -> None:
+    assert time_text(0.0) == "1970-01-01T00:00:00.000+00:00"
+    assert time_text(float("-inf")) == "-infinity" and time_text(float("inf")) == "infinity"
+    assert "out of datetime's range" in time_text(9.2e12)

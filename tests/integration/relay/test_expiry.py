@@ -78,7 +78,7 @@ def test_what_expires_during_an_outage_is_dead_never_sent_and_parks_nothing(
     for _, kind, parked, error, expires_at in dead:
         assert (kind, parked) == ("expired", False), "an expired event never parks its key"
         assert expires_at is not None
-        assert re.fullmatch(r"expired at \S+, before it was sent \(claimed at \S+\)", error), error
+        assert re.fullmatch(r"expires_at \S+ passed before it was sent \(claimed at \S+\)", error), error
     messages = first_occurrences(read_topic(own_broker.bootstrap, topic, 3))
     assert {m.event_id for m in messages} == {ids["k2_plain"], ids["k3_later"], ids["none_later"]}
     order = [m.event_id for m in messages if m.key == b"k"]

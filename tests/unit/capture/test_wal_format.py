@@ -43,6 +43,20 @@ def test_an_event_survives_its_wal_message_byte_exact() -> None:
         (b'["00000000-0000-4000-8000-000000000000","t",null,5,null]', b"", "type"),
         (b'["00000000-0000-4000-8000-000000000000","t",null,null,null]', b'{"a":"\\u0000"}', "NUL"),
         (b'{"a":1}', b"", "not enough values"),
+        # Issue 70: what PostgreSQL, to_timestamp or datetime cannot hold, named (an integer of 400
+        # digits raised OverflowError, which the decoder did not catch: the reader crashed in a loop).
+        (b'["00000000-0000-4000-8000-000000000000","t",null,null,null,1e300]', b"", "expires_at"),
+        (b'["00000000-0000-4000-8000-000000000000","t",null,null,null,-1e300]', b"", "expires_at"),
+        (
+            b'["00000000-0000-4000-8000-000000000000","t",null,null,null,1' + b"0" * 400 + b"]",
+            b"",
+            "expires_at",
+        ),
+        (b'["00000000-0000-4000-8000-000000000000","t",null,null,null,"soon"]', b"", "expires_at"),
+        (b'["00000000-0000-4000-8000-000000000000","t",null,null,null,true]', b"", "expires_at"),
+        (b'["00000000-0000-4000-8000-000000000000","t","' + b"ab" * 2049 + b'",null,null]', b"", "key: 2049"),
+        (b'["00000000-0000-4000-8000-000000000000","t",null,"a\\r\\nb",null]', b"", "type"),
+        (b'["00000000-0000-4000-8000-000000000000","t",null,null,"' + b"s" * 1025 + b'"]', b"", "subject"),
     ],
 )
 def test_a_signed_message_whose_fields_do_not_parse_is_refused_naming_the_field(
@@ -250,3 +264,19 @@ def test_headers_no_sink_may_send_keep_the_events_fields_and_say_why() -> None:
         assert event.payload == b"payload" and event.headers == []
         assert isinstance(unusable, Unusable) and unusable.kind == "corrupt_event"
         assert unusable.reason.startswith("corrupt event row: ") and why in unusable.reason
+
+
+def test_any_error_of_the_decoder_is_that_messages_dead_letter_kept_as_a_bounded_prefix() -> None:
+    """Whatever a writer's signed bytes make the decoder raise (not only the errors it expects),
+    and whatever a stranger's unsigned message holds, is a row dead-lettered at once: never an
+    exception out of row_of (the reader's thread would read the same message again, for ever).
+    What it keeps is the first KEPT_BYTES, and its reason the whole's length and digest."""
+    huge = b"1\n" + b'["00000000-0000-4000-8000-000000000000","t",null,null,null,1' + b"0" * 400 + b"]\n\n"
+    row = wal_message.row_of(wal_message.sign(KEY, huge), KEYS, b"outbox:a", 0.0)
+    assert row is not None and isinstance(row[1], Unusable)
+    assert row[1].kind == "corrupt_event" and "expires_at" in row[1].reason
+    stranger = b"x" * (wal_message.KEPT_BYTES * 3)
+    row = wal_message.row_of(stranger, KEYS, b"outbox:a", 0.0)
+    assert row is not None and isinstance(row[1], Unusable) and row[1].kind == "unsigned_event"
+    assert row[0].payload == stranger[: wal_message.KEPT_BYTES] and row[0].key is None
+    assert f"{len(stranger)} bytes, sha256 {hashlib.sha256(stranger).hexdigest()}" in row[1].reason
