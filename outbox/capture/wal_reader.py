@@ -179,8 +179,12 @@ class WalReader(threading.Thread):
             log.error(
                 "%sthe WAL reader failed unexpectedly, trying again: %s",
                 self._said,
-                scrub(traceback.format_exc().strip(), secrets),
-                extra={"event": "wal.reader_failed", **self._fields},
+                scrub(f"{type(exc).__name__}: {exc}", secrets),
+                extra={
+                    "event": "wal.reader_failed",
+                    "detail": scrub(traceback.format_exc().strip(), secrets),
+                    **self._fields,
+                },
             )
         self.condition.fail(scrub(f"the reader failed: {type(exc).__name__}: {exc}", secrets), said=True)
 

@@ -28,6 +28,7 @@ import psycopg
 from outbox import __version__
 from outbox.cli.common import BENCH_HELP
 from outbox.errors import OutboxError
+from outbox.escape import escape, escape_lines
 from outbox.store.dsn import scrub, secrets_in_argv, secrets_of
 
 log = logging.getLogger("outbox")
@@ -52,29 +53,54 @@ class Parser(argparse.ArgumentParser):
 _LOG_FIELDS = ("event", "outbox", "batch_age")
 
 
+def _detail(formatter: logging.Formatter, record: logging.LogRecord) -> str | None:
+    """A record's lines beyond its message: its traceback (``exc_info``, or a scrubbed one given
+    as ``extra={"detail": ...}``), or None."""
+    detail = getattr(record, "detail", None)
+    if detail is None and record.exc_info:
+        detail = formatter.formatException(record.exc_info)
+    return None if detail is None else str(detail)
+
+
 class JsonFormatter(logging.Formatter):
+    """One JSON object a line; the message escaped (outbox.escape) as in text lines."""
+
     def format(self, record: logging.LogRecord) -> str:
         entry: dict[str, Any] = {
             "ts": round(record.created, 3),
             "level": record.levelname.lower(),
             "logger": record.name,
-            "msg": record.getMessage(),
+            "msg": escape(record.getMessage()),
         }
         for field in _LOG_FIELDS:
             value = getattr(record, field, None)
             if value is not None:
-                entry[field] = value
-        if record.exc_info:
-            entry["exc"] = self.formatException(record.exc_info)
-        return json.dumps(entry, ensure_ascii=False)
+                entry[field] = escape(value) if isinstance(value, str) else value
+        detail = _detail(self, record)
+        if detail is not None:
+            entry["exc"] = detail
+        return json.dumps(entry, ensure_ascii=True)
+
+
+class TextFormatter(logging.Formatter):
+    """``time level logger: message``, one line a record: the message is escaped (outbox.escape),
+    so that a writer's topic or a receiver's reply with a line break cannot forge a line; a
+    traceback follows on lines of its own, each escaped and indented."""
+
+    def __init__(self) -> None:
+        super().__init__("%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+    def format(self, record: logging.LogRecord) -> str:
+        record.message = escape(record.getMessage())
+        record.asctime = self.formatTime(record, self.datefmt)
+        line = self.formatMessage(record)
+        detail = _detail(self, record)
+        return line if detail is None else line + "\n" + escape_lines(detail.rstrip("\n"))
 
 
 def setup_logging(fmt: str, level: str) -> None:
     handler = logging.StreamHandler(sys.stderr)
-    if fmt == "json":
-        handler.setFormatter(JsonFormatter())
-    else:
-        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    handler.setFormatter(JsonFormatter() if fmt == "json" else TextFormatter())
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
@@ -135,10 +161,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         command: Command = args.run
         return command(args)
     except OutboxError as exc:
-        print(f"outbox: error: {_scrub(str(exc))}", file=sys.stderr)
+        print(f"outbox: error: {escape(_scrub(str(exc)))}", file=sys.stderr)
         return exc.exit_code
     except psycopg.Error as exc:
-        print(f"outbox: database error: {_scrub(str(exc))}", file=sys.stderr)
+        print(f"outbox: database error: {escape(_scrub(str(exc).strip()))}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         return 130

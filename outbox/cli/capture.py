@@ -6,7 +6,7 @@ import argparse
 from typing import Any
 
 from outbox import capture
-from outbox.cli.common import add_common, add_confirm, confirm, connect_outbox, schema_of
+from outbox.cli.common import add_common, add_confirm, confirm, connect_outbox, schema_of, show
 from outbox.operate import archive
 from outbox.store.migrate import require_migrated
 
@@ -37,12 +37,12 @@ def cmd_rotate_key(args: argparse.Namespace) -> int:
         require_migrated(conn, schema)
         conn.commit()
         if args.dry_run:
-            print(f"would rotate the WAL signing key of schema {schema}; the old would verify {args.window}")
+            show(f"would rotate the WAL signing key of schema {schema}; the old would verify {args.window}")
             return 0
         confirm(args, f"rotate the WAL signing key of schema {schema}")
         done = capture.rotate_key(conn, schema, window)
     retired = ", ".join(f"key {i} until {at.isoformat(timespec='seconds')}" for i, at in done.retired)
-    print(f"schema {schema}: key {done.new} signs from now on; still verifying: {retired}")
+    show(f"schema {schema}: key {done.new} signs from now on; still verifying: {retired}")
     if done.dropped:
-        print(f"dropped keys past their window and read past in the WAL: {', '.join(map(str, done.dropped))}")
+        show(f"dropped keys past their window and read past in the WAL: {', '.join(map(str, done.dropped))}")
     return 0

@@ -11,6 +11,7 @@ import psycopg
 
 from outbox.cli import options
 from outbox.errors import Cancelled, ConfigError
+from outbox.escape import escape
 from outbox.events import key_bytes
 from outbox.settings import setting
 from outbox.store import pinning
@@ -120,3 +121,10 @@ def add_confirm(parser: argparse.ArgumentParser, what: str) -> None:
 def key_arg(key: str | None) -> bytes | None:
     """A ``--key`` value: UTF-8 text, or ``0x…`` for bytes."""
     return key_bytes(key, "--key")
+
+
+def show(text: str, *, file: Any = None) -> None:
+    """Print a command's output, each line escaped (:func:`outbox.escape.escape`): what commands
+    show holds writers' topics and keys, receivers' replies and other roles' names, and none of it
+    may reach the operator's terminal as an escape sequence or a line of its own."""
+    print("\n".join(map(escape, text.split("\n"))), file=file or sys.stdout, flush=file is not None)

@@ -20,6 +20,7 @@ from outbox.cli.common import (
     dsn_of,
     schema_of,
     schema_owners,
+    show,
 )
 from outbox.cli.outboxes import add_outboxes, choose, is_fleet
 from outbox.errors import ConfigError, OutboxError
@@ -195,7 +196,7 @@ class _LockWaitLines:
 
 
 def _say(line: str) -> None:
-    print(line, file=sys.stderr, flush=True)
+    show(line, file=sys.stderr)
 
 
 def _role_error(exc: ValueError) -> ConfigError:
@@ -214,10 +215,10 @@ def cmd_check_grants(args: argparse.Namespace) -> int:
             findings = grants.audit(conn, schemas, schema_owners(args))
         where = f"{redact(dsn)}: " if len(by_dsn) > 1 else ""
         for finding in findings:
-            print(where + finding.line())
+            show(where + finding.line())
         found += len(findings)
     if not found:
-        print("no role outside the trusted ones may create where the outbox's sessions resolve names")
+        show("no role outside the trusted ones may create where the outbox's sessions resolve names")
     return 1 if found else 0
 
 
@@ -247,17 +248,17 @@ def cmd_migrate(args: argparse.Namespace) -> int:
                 migrations.grant_roles(conn, schema, roles)
             except ValueError as exc:
                 raise _role_error(exc) from None
-            print(
+            show(
                 f"granted schema {schema} to writer role {roles.writer}, relay role {roles.relay} "
                 f"and console role {roles.console}"
             )
     if applied:
         for m in applied:
-            print(f"applied {m.version:04d}_{m.name} to schema {schema}")
+            show(f"applied {m.version:04d}_{m.name} to schema {schema}")
     else:
-        print(f"schema {schema} is up to date")
+        show(f"schema {schema} is up to date")
     if args.capture is not None:
-        print(_switch(args, dsn_of(args), schema))
+        show(_switch(args, dsn_of(args), schema))
     return 0
 
 
@@ -275,7 +276,7 @@ def _migrate_each(args: argparse.Namespace, roles: migrations.Roles | None) -> i
     locks = _locks(args)
     failed = len(chosen.skipped)
     for what, why in chosen.skipped.items():
-        print(f"{what}: not migrated: {why}")
+        show(f"{what}: not migrated: {why}")
     conns: dict[Any, psycopg.Connection[Any]] = {}
     used: dict[Any, int] = {}  # outboxes migrated on each database's connection
     try:
@@ -299,7 +300,7 @@ def _migrate_each(args: argparse.Namespace, roles: migrations.Roles | None) -> i
                     switched = _switch(args, o.dsn, o.schema)
             except (OutboxError, ValueError, psycopg.Error) as exc:
                 failed += 1
-                print(f"{o.name}: failed: {error_line(exc, o.dsn)}")
+                show(f"{o.name}: failed: {error_line(exc, o.dsn)}")
                 if o.database in conns and not conns[o.database].closed:
                     conns[o.database].rollback()
                 continue
@@ -307,12 +308,12 @@ def _migrate_each(args: argparse.Namespace, roles: migrations.Roles | None) -> i
             if switched:
                 done += f"; {switched.split(': ', 1)[1]}"
             granted = " (roles granted)" if roles is not None else ""
-            print(f"{o.name}: schema {o.schema}: {'applied ' if applied else ''}{done}{granted}")
+            show(f"{o.name}: schema {o.schema}: {'applied ' if applied else ''}{done}{granted}")
     finally:
         for conn in conns.values():
             conn.close()
     total = len(chosen.outboxes) + len(chosen.skipped)
-    print(f"{total - failed} of {total} outboxes migrated" + (f", {failed} failed" if failed else ""))
+    show(f"{total - failed} of {total} outboxes migrated" + (f", {failed} failed" if failed else ""))
     return 1 if failed else 0
 
 
@@ -331,7 +332,7 @@ def cmd_status(args: argparse.Namespace) -> int:
         finally:
             if store is not None:
                 store.close()
-    print(json.dumps(report) if args.json else status.render(report))
+    show(json.dumps(report) if args.json else status.render(report))
     return 0
 
 
@@ -358,7 +359,7 @@ def _status_all(args: argparse.Namespace) -> int:
         for conn in conns.values():
             conn.close()
     rows.sort(key=lambda r: str(r["name"]))
-    print(json.dumps({"outboxes": rows}) if args.json else status.render_summaries(rows))
+    show(json.dumps({"outboxes": rows}) if args.json else status.render_summaries(rows))
     return 1 if any("error" in r for r in rows) else 0
 
 
@@ -368,7 +369,7 @@ def cmd_notify(args: argparse.Namespace) -> int:
         conn.execute(
             query("notify_trigger", schema, keywords={"state": "ENABLE" if args.state == "on" else "DISABLE"})
         )
-    print(f"NOTIFY on insert is {args.state} for schema {schema}")
+    show(f"NOTIFY on insert is {args.state} for schema {schema}")
     return 0
 
 
@@ -388,10 +389,10 @@ def cmd_inbox_prune(args: argparse.Namespace) -> int:
             raise ConfigError(f"--schema: {schema!r} holds no inbox; run `outbox migrate --inbox-only`")
         total = inbox.count_older(conn, age, schema=schema)
         if args.dry_run:
-            print(f"would delete {total} inbox records older than {args.older_than}")
+            show(f"would delete {total} inbox records older than {args.older_than}")
             return 0
         progress = Progress("inbox prune", max(total, 1), " records")
         deleted = inbox.prune(conn, age, schema=schema, progress=progress.update)
         progress.close()
-    print(f"deleted {deleted} inbox records older than {args.older_than}")
+    show(f"deleted {deleted} inbox records older than {args.older_than}")
     return 0

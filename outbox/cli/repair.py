@@ -10,7 +10,7 @@ from dataclasses import replace
 from typing import Any
 
 from outbox.cli import options
-from outbox.cli.common import add_common, add_confirm, confirm, connect_outbox, key_arg, schema_of
+from outbox.cli.common import add_common, add_confirm, confirm, connect_outbox, key_arg, schema_of, show
 from outbox.cli.operate import StoreOption, store_of
 from outbox.errors import ConfigError, NothingMatched
 from outbox.observe.progress import Progress
@@ -162,7 +162,7 @@ def cmd_dead_list(args: argparse.Namespace) -> int:
     with connect_outbox(args) as conn:
         ids = dead.select(conn, schema, _choosing(args))[: args.limit]
         rows = dead.details(conn, schema, ids) if ids else []
-    print(json.dumps(rows) if args.json else dead.render(rows))
+    show(json.dumps(rows) if args.json else dead.render(rows))
     return 0
 
 
@@ -178,7 +178,7 @@ def _chosen(args: argparse.Namespace, verb: str, conn: Any, schema: str) -> list
         )
     shown = f"{ids[:20]}" + (" ..." if len(ids) > 20 else "")
     if args.dry_run:
-        print(f"would {verb} {len(ids)} dead letters: {shown}")
+        show(f"would {verb} {len(ids)} dead letters: {shown}")
         conn.rollback()
         return None
     confirm(args, f"{verb} {len(ids)} dead letters {shown}")
@@ -201,7 +201,7 @@ def cmd_redrive(args: argparse.Namespace) -> int:
     n = _dead_action(args, "redrive")
     if n is None:
         return 0
-    print(
+    show(
         f"redrove {n} dead letters (attempts reset); they are delivered first, "
         "then the events parked behind them"
     )
@@ -212,7 +212,7 @@ def cmd_skip(args: argparse.Namespace) -> int:
     n = _dead_action(args, "skip")
     if n is None:
         return 0
-    print(f"skipped {n} dead letters; the events parked behind them are released")
+    show(f"skipped {n} dead letters; the events parked behind them are released")
     return 0
 
 
@@ -232,7 +232,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
         )
         window = f"{since.isoformat(timespec='seconds')} .. {until.isoformat(timespec='seconds')}"
         if args.dry_run or not n:
-            print(f"would replay {n} archived events delivered {window}")
+            show(f"would replay {n} archived events delivered {window}")
             return 0
         confirm(args, f"replay {n} archived events delivered {window}")
         progress = Progress("replay", n, " ev")
@@ -241,7 +241,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
             upto=upto, progress=progress.update,
         )  # fmt: skip
         progress.close()
-    print(f"queued {done} events again, with new event-ids and header outbox-replay-of")
+    show(f"queued {done} events again, with new event-ids and header outbox-replay-of")
     return 0
 
 
@@ -252,7 +252,7 @@ def cmd_purge(args: argparse.Namespace) -> int:
         parts = archive.purge_plan(conn, schema, cutoff)
         what = f"{len(parts)} archive partitions before {cutoff.date().isoformat()}"
         if args.dry_run:
-            print(
+            show(
                 f"would drop {what}: {', '.join(parts) or '-'} (and older rows of delivered_default, "
                 "and claim-check payloads stored before the cutoff)"
             )
@@ -271,7 +271,7 @@ def cmd_purge(args: argparse.Namespace) -> int:
         payloads = store.purge(cutoff)
     finally:
         store.close()
-    print(
+    show(
         f"dropped {len(parts)} partitions; deleted {deleted} older rows from delivered_default "
         f"and {payloads} claim-check payloads ({store.name})"
     )
@@ -286,5 +286,5 @@ def cmd_audit(args: argparse.Namespace) -> int:
         raise ConfigError(f"--limit: must be >= 1, got {args.limit}")
     with connect_outbox(args) as conn:
         rows = audit.recent(conn, schema_of(args), args.limit)
-    print(json.dumps(rows) if args.json else audit.render(rows))
+    show(json.dumps(rows) if args.json else audit.render(rows))
     return 0

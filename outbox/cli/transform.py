@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from outbox.cli.common import add_common, connect_outbox, schema_of
+from outbox.cli.common import add_common, connect_outbox, schema_of, show
 from outbox.errors import ConfigError
 from outbox.operate import trial
 from outbox.store.migrate import require_migrated
@@ -35,5 +35,5 @@ def cmd_test(args: argparse.Namespace) -> int:
         require_migrated(conn, schema)
         conn.commit()
         events = trial.latest(conn, schema, transform.glob, args.last)
-    print(trial.render(trial.run(transform, events)))
+    show(trial.render(trial.run(transform, events)))
     return 0

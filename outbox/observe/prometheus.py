@@ -8,10 +8,15 @@ import math
 import threading
 from collections.abc import Iterable, Sequence
 
+from outbox.escape import escape
+
 Labels = tuple[str, ...]
 
 
 def _escape(value: str) -> str:
+    """A label value in the text format: control characters as outbox.escape writes them (a topic
+    is a writer's text, and /metrics is read in terminals too), then the format's own escapes."""
+    value = escape(value)
     return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
 
 

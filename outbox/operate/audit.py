@@ -19,6 +19,7 @@ from typing import Any
 
 import psycopg
 
+from outbox.escape import escape
 from outbox.store.queries import query
 
 ACTIONS = ("redrive", "skip", "replay", "purge")
@@ -137,7 +138,7 @@ def render(rows: list[dict[str, Any]]) -> str:
         at = dt.datetime.fromisoformat(r["at"]).strftime("%Y-%m-%d %H:%M:%S")
         n = "-" if r["done"] is None else str(r["done"])
         lines.append(
-            f"{r['id']:>6}  {at:<19}  {r['via']:<7} {r['actor'][:24]:<24} {r['action']:<8} "
-            f"{r['planned']:>8} {n:>8}  {r['command']}"
+            f"{r['id']:>6}  {at:<19}  {r['via']:<7} {escape(r['actor'])[:24]:<24} {r['action']:<8} "
+            f"{r['planned']:>8} {n:>8}  {escape(r['command'])}"
         )
     return "\n".join(lines)

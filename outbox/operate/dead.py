@@ -19,6 +19,7 @@ from typing import Any
 import psycopg
 
 from outbox.errors import ConfigError
+from outbox.escape import escape
 from outbox.events import key_text
 from outbox.operate import audit
 from outbox.store.queries import int_array, query
@@ -150,11 +151,11 @@ def render(rows: list[dict[str, Any]]) -> str:
     lines = [f"{'id':>10}  {'topic':<20} {'key':<20} {'parked':<6} {'waiting':>7}  error"]
     for r in rows:
         lines.append(
-            f"{r['id']:>10}  {r['topic'][:20]:<20} {str(r['key'])[:20]:<20} "
+            f"{r['id']:>10}  {escape(r['topic'])[:20]:<20} {escape(str(r['key']))[:20]:<20} "
             f"{'yes' if r['parked'] else 'no':<6} {r['waiting']:>7}  "
             + ("(unverified: --include-unverified to redrive) " if r.get("kind") in UNVERIFIED else "")
             + ("(expired: --include-expired to redrive) " if r.get("kind") == "expired" else "")
-            + r["error"][:80]
+            + escape(r["error"])[:80]
         )
     return "\n".join(lines)
 

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Any
 import psycopg
 
 from outbox import capture
+from outbox.escape import escape
 from outbox.events import key_text
 from outbox.store.queries import query
 
@@ -217,7 +218,7 @@ def render(report: dict[str, Any]) -> str:
         lines.append("")
         lines.append(f"  {'topic':<40} {'pending':>10} {'oldest (s)':>12}")
         for t in report["pending_by_topic"]:
-            lines.append(f"  {t['topic']:<40} {t['pending']:>10} {t['oldest_age_seconds']:>12.1f}")
+            lines.append(f"  {escape(t['topic']):<40} {t['pending']:>10} {t['oldest_age_seconds']:>12.1f}")
     if report["limits"]:
         lines.append("")
         lines.append(f"  {'limit (--limit)':<40} {'waiting':>10} {'in flight':>10} {'tokens taken':>14}")
@@ -228,14 +229,14 @@ def render(report: dict[str, Any]) -> str:
         lines.append("")
         lines.append("  errors of events awaiting retry:")
         for e in report["top_errors"]:
-            lines.append(f"  {e['events']:>8}  {e['error'][:100]}")
+            lines.append(f"  {e['events']:>8}  {escape(e['error'])[:100]}")
     if report["parked_keys"]:
         lines.append("")
         lines.append("  parked keys (redrive or skip with `outbox dead`):")
         for k in report["parked_keys"]:
             lines.append(
-                f"  key {k['key']!s:<24} topic {k['topic']:<20} dead letter {k['dead_letter_id']}"
-                f"  {k['waiting']} events waiting"
+                f"  key {escape(str(k['key'])):<24} topic {escape(k['topic']):<20} "
+                f"dead letter {k['dead_letter_id']}  {k['waiting']} events waiting"
             )
     lines.append("")
     lines.append(
@@ -243,7 +244,7 @@ def render(report: dict[str, Any]) -> str:
     )
     for r in report["relays"]:
         lines.append(
-            f"  {r['name']:<28} {r['ordering']:<5} {r['readiness'] or '-':<20} "
+            f"  {escape(r['name']):<28} {r['ordering']:<5} {escape(r['readiness'] or '-'):<20} "
             f"{len(r['partitions']):>3} partitions {_ranges(r['partitions'])}"
         )
     return "\n".join(lines)

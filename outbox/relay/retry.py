@@ -12,6 +12,7 @@ import random
 from dataclasses import dataclass
 
 from outbox.errors import ConfigError
+from outbox.escape import escape
 from outbox.settings import setting
 
 MAX_ERROR_CHARS = 2000  # characters of last_error kept on the row
@@ -54,7 +55,10 @@ class RetryPolicy:
 
 
 def cap_error(reason: str) -> str:
-    """The error text as stored on the row: capped, so a huge message cannot bloat the table."""
+    """The error text as stored on the row: escaped (a sink's reply or a writer's field may hold
+    control characters, a NUL PostgreSQL refuses in text, or a line break that would forge a line
+    wherever it is shown) and capped, so a huge message cannot bloat the table."""
+    reason = escape(reason)
     if len(reason) <= MAX_ERROR_CHARS:
         return reason
     suffix = "… (truncated)"
