@@ -62,3 +62,8 @@ def headers_from_payload(event: Event) -> Event:
     """Copies headers out of the payload: what a writer puts there reaches the transform's
     return, so the relay must check it as it checks a writer's own headers."""
     return dataclasses.replace(event, headers={**event.headers, **json.loads(event.payload)["headers"]})
+
+
+def fail_with_payload(event: Event) -> Event:
+    """Fails with the writer's payload as its message: what an exception says is untrusted text."""
+    raise ValueError(event.payload.decode("utf-8", "replace"))
