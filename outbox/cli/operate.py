@@ -46,7 +46,8 @@ def register(sub: Any) -> None:
         help="migrate nothing: list every role outside the trusted ones (--schema-owner, else the "
         "connecting role and the database's owner; superusers) that may CREATE in the database, in "
         "public, in the outbox's schema or in outbox_fleet, or owns a schema named after another "
-        "role, and what it could do with it; exit 1 if there is one",
+        "role, and what it could do with it, and every role but the relay role (--relay-role) that may "
+        "read a WAL signing key; exit 1 if there is one",
     )
     p.add_argument(
         "--inbox-only",
@@ -206,6 +207,7 @@ def _role_error(exc: ValueError) -> ConfigError:
 
 def cmd_check_grants(args: argparse.Namespace) -> int:
     """``migrate --check-grants``: the grants audit of each database the options name."""
+    relay = args.relay_role or migrations.DEFAULT_RELAY_ROLE
     by_dsn: dict[str, list[str]] = {}
     for o in choose(args, every_schema=True).outboxes:
         by_dsn.setdefault(o.dsn, []).append(o.schema)
@@ -213,12 +215,16 @@ def cmd_check_grants(args: argparse.Namespace) -> int:
     for dsn, schemas in by_dsn.items():
         with connect(args, dsn) as conn:
             findings = grants.audit(conn, schemas, schema_owners(args))
+            readers = grants.key_readers(conn, schemas, relay, schema_owners(args))
         where = f"{redact(dsn)}: " if len(by_dsn) > 1 else ""
-        for finding in findings:
-            show(where + finding.line())
-        found += len(findings)
+        for line in [f.line() for f in findings] + [r.line() for r in readers]:
+            show(where + line)
+        found += len(findings) + len(readers)
     if not found:
-        show("no role outside the trusted ones may create where the outbox's sessions resolve names")
+        show(
+            "no role outside the trusted ones may create where the outbox's sessions resolve names, "
+            "and none but the relay role may read a WAL signing key"
+        )
     return 1 if found else 0
 
 

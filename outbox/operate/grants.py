@@ -1,5 +1,5 @@
 """The grants audit (``outbox migrate --check-grants``): who, outside the trusted roles, could put
-code where the project's sessions would run it.
+code where the project's sessions would run it, and who could read WAL capture's signing keys.
 
 Every session the project opens pins its search_path (:mod:`outbox.store.pinning`) and every schema it
 uses is checked for its owner (:mod:`outbox.store.trust`), so these grants no longer let anyone run
@@ -62,6 +62,26 @@ class Finding:
         )
 
 
+@dataclass(frozen=True)
+class KeyReader:
+    """A role outside the trusted ones and the relay role that may read an outbox's WAL signing keys."""
+
+    role: str
+    schema: str
+    reads_all: bool  # through pg_read_all_data (no grant on the table to revoke)
+
+    def line(self) -> str:
+        how = (
+            "as a member of pg_read_all_data (revoke that membership)"
+            if self.reads_all
+            else "(`outbox migrate --roles` revokes it; or REVOKE ALL ON the two tables FROM it)"
+        )
+        return (
+            f"role {self.role} may read the WAL signing keys of outbox {self.schema} (capture_key, "
+            f"capture_keys) {how}: with them it can sign messages the relay delivers as events"
+        )
+
+
 def audit(
     conn: psycopg.Connection[Any], schemas: Collection[str], owners: Collection[str] = ()
 ) -> list[Finding]:
@@ -71,3 +91,15 @@ def audit(
         query("grants_audit", "public"), {"schemas": list(schemas), "owners": list(owners)}
     ).fetchall()
     return [Finding(grantee, place, name) for grantee, place, name in rows]
+
+
+def key_readers(
+    conn: psycopg.Connection[Any], schemas: Collection[str], relay: str, owners: Collection[str] = ()
+) -> list[KeyReader]:
+    """Roles that may read the signing keys of ``schemas``' outboxes in WAL capture, but the trusted
+    ones (as :func:`audit`'s), the relay role ``relay`` and the roles that reach them through it."""
+    rows = conn.execute(
+        query("grants_key_readers", "public"),
+        {"schemas": list(schemas), "owners": list(owners), "relay": relay},
+    ).fetchall()
+    return [KeyReader(role, schema, bool(all_data)) for role, schema, all_data in rows]

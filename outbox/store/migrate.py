@@ -336,6 +336,10 @@ def render_roles(schema: str, roles: Roles) -> list[sql.Composed]:
     """The statements that create (optionally) and grant the two roles, in order."""
     validate_schema(schema)
     out = [_create_role(schema, r) for _, r in roles.all] if roles.create else []
+    # WAL capture's keys: nobody but their owner and the relay role reads them, whatever was
+    # granted since (default privileges, a hand-made GRANT); then roles.sql grants the relay's.
+    revoke = query("revoke_key_readers_body", schema, literals={"relay_name": roles.relay}).as_string()
+    out.append(query("do_block", schema, literals={"body": revoke}))
     for statement in _strip_comments(_roles_text()).split(";"):
         if statement.strip():
             out.append(

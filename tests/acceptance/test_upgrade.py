@@ -18,7 +18,7 @@ import pytest
 from psycopg import sql
 
 import outbox
-from outbox.store.migrate import migrate
+from outbox.store.migrate import migrate, migrations
 from tests.helpers import FAST, ModuleProcess, assert_per_key_order, count, read_topic, wait_for
 from tests.previous_release import Release, build
 
@@ -118,7 +118,7 @@ def test_a_rolling_upgrade_from_the_previous_release_loses_nothing_and_keeps_key
         with psycopg.connect(pg_dsn, autocommit=True) as conn:
             applied = migrate(conn, schema)
         took = time.monotonic() - started
-        assert [m.version for m in applied] == [19, 20, 21, 22, 23, 24]
+        assert [m.version for m in applied] == [m.version for m in migrations() if m.version >= 19]
         new_writer = ModuleProcess(*writer, "new-", str(stop))
         new_relay = ModuleProcess(
             "outbox", "relay", "--dsn", pg_dsn, "--schema", schema, "--kafka-bootstrap", kafka, *FAST
@@ -147,7 +147,7 @@ def test_a_rolling_upgrade_from_the_previous_release_loses_nothing_and_keeps_key
     assert len({m.event_id for m in messages}) == written, "an event is missing at the broker"
     assert_per_key_order(messages)
     print(
-        f"migrate 0019-0024 took {took * 1000:.0f} ms; writers: old {said['old'].strip()}, new {said['new'].strip()}"
+        f"migrate 0019-{applied[-1].version:04d} took {took * 1000:.0f} ms; writers: old {said['old'].strip()}, new {said['new'].strip()}"
     )
 
 

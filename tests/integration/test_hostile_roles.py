@@ -8,7 +8,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import io
 import os
 import time
 import uuid
@@ -22,8 +24,10 @@ from psycopg.conninfo import make_conninfo
 import outbox
 from outbox import capture
 from outbox.capture import wal_message
+from outbox.cli import main
 from outbox.events import encode_event
 from outbox.relay.loop import RelayConfig
+from outbox.store.migrate import migrate
 from tests.helpers import (
     FAST,
     ModuleProcess,
@@ -285,3 +289,99 @@ def test_a_message_outside_any_transaction_holds_no_slot_back_and_is_no_event(
         wait_for(lambda: count(wal_dsn, wal_schema, "delivered") == 2, timeout=30, what="the second event")
     assert count(wal_dsn, wal_schema, "dead_letters") == 0
     assert [m.event_id for m in read_topic(kafka, topic, 2)] == [str(first), str(second)]
+
+
+# -- who reads the WAL signing keys -------------------------------------------------------------
+
+
+def _reads_key(dsn: str, schema: str, table: str) -> bool:
+    with psycopg.connect(dsn) as conn:
+        try:
+            conn.execute(
+                sql.SQL("SELECT key FROM {}.{}").format(sql.Identifier(schema), sql.Identifier(table))
+            )
+        except errors.InsufficientPrivilege:
+            return False
+    return True
+
+
+def _check_grants(dsn: str, schema: str, *extra: str) -> tuple[int, str]:
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        code = main(["migrate", "--dsn", dsn, "--schema", schema, "--check-grants", *extra])
+    return code, out.getvalue()
+
+
+def test_a_role_given_default_privileges_cannot_read_the_signing_key_and_check_grants_names_any_that_can(
+    pg_dsn: str,
+) -> None:
+    """A reporting role given SELECT on future tables (ALTER DEFAULT PRIVILEGES, a common set-up)
+    got SELECT on capture_key and capture_keys when migrate made them, read the key and could sign
+    events the relay delivered; --check-grants said nothing. Now migrate leaves it no table grant
+    on them; a column grant made by hand is named by --check-grants (exit 1) and revoked by
+    --roles; a member of pg_read_all_data, which no REVOKE reaches, is named too."""
+    tag = uuid.uuid4().hex[:8]
+    reporting, reads_all, schema = f"reporting_{tag}", f"reads_all_{tag}", f"k_{tag}"
+    relay_role = f"relay_{tag}"
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        conn.execute(sql.SQL("CREATE ROLE {} LOGIN").format(sql.Identifier(reporting)))
+        conn.execute(
+            sql.SQL("ALTER DEFAULT PRIVILEGES FOR ROLE CURRENT_USER GRANT SELECT ON TABLES TO {}").format(
+                sql.Identifier(reporting)
+            )
+        )
+        has_all = conn.execute("SELECT 1 FROM pg_roles WHERE rolname = 'pg_read_all_data'").fetchone()
+        if has_all:  # PostgreSQL 14+
+            conn.execute(
+                sql.SQL("CREATE ROLE {} LOGIN IN ROLE pg_read_all_data").format(sql.Identifier(reads_all))
+            )
+    reporter = make_conninfo(pg_dsn, user=reporting)
+    try:
+        with psycopg.connect(pg_dsn, autocommit=True) as conn:
+            migrate(conn, schema)
+            conn.execute(
+                sql.SQL("GRANT USAGE ON SCHEMA {} TO {}").format(*map(sql.Identifier, (schema, reporting)))
+            )
+        assert _reads_key(reporter, schema, "events"), "the default privileges hold for other tables"
+        assert not _reads_key(reporter, schema, "capture_key") and not _reads_key(
+            reporter, schema, "capture_keys"
+        )
+        code, said = _check_grants(pg_dsn, schema, "--relay-role", relay_role)
+        assert reporting not in said
+        if has_all:
+            assert (
+                code == 1 and f"role {reads_all} may read the WAL signing keys of outbox {schema}" in said
+            ), said
+            assert "pg_read_all_data" in said
+        with psycopg.connect(pg_dsn, autocommit=True) as conn:
+            conn.execute(
+                sql.SQL("GRANT SELECT (id, key) ON {}.capture_keys TO {}").format(
+                    sql.Identifier(schema), sql.Identifier(reporting)
+                )
+            )
+        assert _reads_key(reporter, schema, "capture_keys")
+        code, said = _check_grants(pg_dsn, schema, "--relay-role", relay_role)
+        assert code == 1 and f"role {reporting} may read the WAL signing keys of outbox {schema}" in said, (
+            said
+        )
+        assert main_ok(["migrate", "--dsn", pg_dsn, "--schema", schema, "--roles", "--relay-role", relay_role,
+                        "--writer-role", f"writer_{tag}", "--console-role", f"console_{tag}"])  # fmt: skip
+        assert not _reads_key(reporter, schema, "capture_keys")
+        code, said = _check_grants(pg_dsn, schema, "--relay-role", relay_role)
+        assert reporting not in said and relay_role not in said, said
+    finally:
+        with psycopg.connect(pg_dsn, autocommit=True) as conn:
+            conn.execute(
+                sql.SQL(
+                    "ALTER DEFAULT PRIVILEGES FOR ROLE CURRENT_USER REVOKE SELECT ON TABLES FROM {}"
+                ).format(sql.Identifier(reporting))
+            )
+            conn.execute(sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(sql.Identifier(schema)))
+            for role in (reporting, reads_all, relay_role, f"writer_{tag}", f"console_{tag}"):
+                if conn.execute("SELECT 1 FROM pg_roles WHERE rolname = %s", (role,)).fetchone():
+                    conn.execute(sql.SQL("DROP OWNED BY {}").format(sql.Identifier(role)))
+                    conn.execute(sql.SQL("DROP ROLE {}").format(sql.Identifier(role)))
+
+
+def main_ok(argv: list[str]) -> bool:
+    return main(argv) == 0

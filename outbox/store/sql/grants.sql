@@ -46,3 +46,34 @@ SELECT pg_get_userbyid(n.nspowner), 'named', n.nspname
 FROM pg_namespace AS n JOIN pg_roles AS r ON r.rolname = n.nspname
 WHERE n.nspowner <> r.oid AND n.nspowner NOT IN (SELECT oid FROM trusted)
 ORDER BY 2, 3, 1 NULLS FIRST
+
+-- name: grants_key_readers
+-- Who, outside the trusted roles and the relay role (and the roles that reach the keys through
+-- it), may read WAL capture's signing keys in these schemas (capture_key, capture_keys): a key
+-- reader can sign messages the relay delivers as events. Table and column grants, default
+-- privileges and pg_read_all_data all count (has_column_privilege sees each). Predefined roles
+-- (pg_*) stand for their members, who are listed. Trusted: as grants_audit's CTE.
+WITH trusted AS (
+    SELECT oid FROM pg_roles
+    WHERE rolsuper
+       OR (cardinality(%(owners)s::text[]) > 0 AND rolname = ANY(%(owners)s::text[]))
+       OR (cardinality(%(owners)s::text[]) = 0 AND (rolname = current_user OR oid = (
+              SELECT datdba FROM pg_database WHERE datname = current_database())))
+), relay AS (
+    SELECT oid FROM pg_roles WHERE rolname = %(relay)s
+), keys AS (
+    SELECT n.nspname, c.oid AS tab, c.relowner
+    FROM pg_namespace AS n JOIN pg_class AS c ON c.relnamespace = n.oid
+    WHERE n.nspname = ANY(%(schemas)s::text[]) AND c.relname IN ('capture_key', 'capture_keys')
+      AND c.relkind = 'r'
+)
+SELECT DISTINCT r.rolname, k.nspname,
+       EXISTS (SELECT 1 FROM pg_roles AS p  -- PostgreSQL 14+
+               WHERE p.rolname = 'pg_read_all_data' AND pg_has_role(r.oid, p.oid, 'USAGE')) AS reads_all
+FROM keys AS k CROSS JOIN pg_roles AS r
+WHERE r.rolname !~ '^pg_'
+  AND r.oid NOT IN (SELECT oid FROM trusted)
+  AND r.oid <> k.relowner
+  AND NOT EXISTS (SELECT 1 FROM relay WHERE pg_has_role(r.oid, relay.oid, 'USAGE'))
+  AND has_column_privilege(r.oid, k.tab, 'key', 'SELECT')
+ORDER BY 2, 1

@@ -41,6 +41,39 @@ DO {body}
 -- Create a NOLOGIN role unless it exists (a do_block body; the role is an identifier).
 BEGIN CREATE ROLE {role} NOLOGIN; EXCEPTION WHEN duplicate_object THEN NULL; END
 
+-- name: revoke_key_readers_body
+-- WAL capture's signing keys (capture_key, capture_keys) are readable by their owner and the
+-- relay role alone: every other grantee's privileges on them go, table and columns (REVOKE ALL on
+-- a table revokes its column grants too). A reporting role given SELECT on the schema's future
+-- tables by ALTER DEFAULT PRIVILEGES read the key and signed events the relay delivered (issue 70).
+-- A do_block body: {relay_name} is the relay role as a literal.
+DECLARE
+    g record;
+BEGIN
+    FOR g IN
+        SELECT DISTINCT c.oid::regclass::text AS tab, a.grantee
+        FROM pg_catalog.pg_class AS c
+        CROSS JOIN LATERAL pg_catalog.aclexplode(c.relacl) AS a
+        WHERE c.oid IN (pg_catalog.to_regclass(pg_catalog.format('%I.capture_key', {schema_name}::text)),
+                        pg_catalog.to_regclass(pg_catalog.format('%I.capture_keys', {schema_name}::text)))
+          AND a.grantee <> c.relowner
+        UNION
+        SELECT DISTINCT c.oid::regclass::text, a.grantee
+        FROM pg_catalog.pg_class AS c
+        JOIN pg_catalog.pg_attribute AS t ON t.attrelid = c.oid AND t.attacl IS NOT NULL
+        CROSS JOIN LATERAL pg_catalog.aclexplode(t.attacl) AS a
+        WHERE c.oid IN (pg_catalog.to_regclass(pg_catalog.format('%I.capture_key', {schema_name}::text)),
+                        pg_catalog.to_regclass(pg_catalog.format('%I.capture_keys', {schema_name}::text)))
+          AND a.grantee <> c.relowner
+    LOOP
+        CONTINUE WHEN g.grantee <> 0
+            AND pg_catalog.pg_get_userbyid(g.grantee) OPERATOR(pg_catalog.=) {relay_name}::text;
+        EXECUTE pg_catalog.format('REVOKE ALL ON TABLE %s FROM %s', g.tab,
+            CASE WHEN g.grantee = 0 THEN 'PUBLIC'
+                 ELSE pg_catalog.quote_ident(pg_catalog.pg_get_userbyid(g.grantee)) END);
+    END LOOP;
+END
+
 -- name: grant_maintain
 -- PostgreSQL 17+: MAINTAIN lets the relay VACUUM its hot table without owning it.
 GRANT MAINTAIN ON {schema}.events TO {relay}

@@ -37,6 +37,7 @@ def test_every_named_query_binds_its_placeholders() -> None:
             "checksum": "c",
             "body": "b",
             "statement": "s",
+            "relay_name": "r",
             "since": "a",
             "until": "b",
         },
