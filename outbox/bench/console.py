@@ -34,6 +34,7 @@ from outbox.bench.measure import percentiles
 from outbox.extras import require
 from outbox.harness.embedded import free_port
 from outbox.observe.progress import Progress
+from outbox.store.dsn import for_child
 from outbox.store.migrate import migrate
 from outbox.store.queries import query
 
@@ -164,9 +165,11 @@ def _ask(http_conn: http.client.HTTPConnection, r: Request) -> float:
 
 
 def _serve(dsn: str, schema: str, port: int) -> subprocess.Popen[bytes]:
+    dsn, secret = for_child(dsn)
     proc = subprocess.Popen(
         [sys.executable, "-m", "outbox", "console", "--dsn", dsn, "--schema", schema, "--port", str(port)],
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env={**os.environ, "OUTBOX_CONSOLE_PASSWORD": ""},
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+        env={**os.environ, **secret, "OUTBOX_CONSOLE_PASSWORD": ""},
     )  # fmt: skip
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:

@@ -35,6 +35,7 @@ from outbox.bench.measure import middle_rate
 from outbox.harness.infra import create_topic
 from outbox.harness.sinktaps import Clocked
 from outbox.observe.progress import Progress
+from outbox.store.dsn import for_child
 from outbox.store.migrate import migrate
 from outbox.store.queries import query
 
@@ -65,10 +66,11 @@ def _fill(cfg: BenchConfig, schema: str, topic: str, n: int, keys: str) -> None:
 
 
 def _relay(cfg: BenchConfig, schema: str, *args: str) -> subprocess.Popen[bytes]:
-    env_args = ["--dsn", cfg.dsn, "--schema", schema, *args, "--log-level", "warning"]
+    dsn, secret = for_child(cfg.dsn)
+    env_args = ["--dsn", dsn, "--schema", schema, *args, "--log-level", "warning"]
     return subprocess.Popen(
         [sys.executable, "-m", "outbox", "relay", *env_args],
-        env={**_env(), "OUTBOX_WEBHOOK_SECRET": SECRET},
+        env={**_env(), **secret, "OUTBOX_WEBHOOK_SECRET": SECRET},
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )

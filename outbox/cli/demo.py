@@ -45,6 +45,11 @@ def register(sub: Any) -> None:
         "dev",
         help="a throwaway PostgreSQL and Kafka-protocol broker on localhost for the quickstart, "
         "until Ctrl-C (outbox-relay[embedded]; no Docker)",
+        description="A throwaway PostgreSQL and Kafka-protocol broker on localhost for the quickstart, "
+        "until Ctrl-C, which stops both and deletes their data. PostgreSQL asks every client for a "
+        "password generated at start (scram-sha-256), printed in the DATABASE_URL line; the broker "
+        "(Tansu) has no authentication at all: any user of this machine may read and write its "
+        "topics while it runs, so put nothing there that other local users must not see.",
     )
     add_logs(p)
     options.add(p, DevOptions)

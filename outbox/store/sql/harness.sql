@@ -69,3 +69,12 @@ SHOW server_version
 -- name: harness_create_database
 -- `outbox dev`: the quickstart's database, on the embedded server.
 CREATE DATABASE {database}
+
+-- name: harness_set_password
+-- The embedded PostgreSQL's superuser gets a password of its own (generated for each server);
+-- connections then need it: scram-sha-256 (harness.embedded writes pg_hba.conf).
+ALTER ROLE CURRENT_USER PASSWORD {password}
+
+-- name: harness_hba_file
+-- Where the embedded server reads its client authentication rules.
+SELECT current_setting('hba_file')

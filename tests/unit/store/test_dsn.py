@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from psycopg.conninfo import conninfo_to_dict
 
-from outbox.store.dsn import redact, scrub, secrets_in_argv, secrets_of, with_net_timeouts
+from outbox.store.dsn import for_child, redact, scrub, secrets_in_argv, secrets_of, with_net_timeouts
 
 
 @pytest.mark.parametrize(
@@ -60,3 +60,11 @@ def test_net_timeouts_are_added_where_the_dsn_is_silent_and_its_own_win() -> Non
     assert (
         conninfo_to_dict(with_net_timeouts("", 20))["tcp_user_timeout"] == "20000"
     )  # libpq's PG* still apply
+
+
+def test_a_child_process_gets_the_password_in_its_environment_not_on_its_command_line() -> None:
+    """A command line is readable by every local user (ps): the embedded servers' generated
+    password goes to the bench's relays and consoles as PGPASSWORD."""
+    dsn, env = for_child("host=/tmp/pg user=postgres dbname=postgres password=s3cret")
+    assert "s3cret" not in dsn and env == {"PGPASSWORD": "s3cret"}
+    assert for_child("host=h dbname=d") == ("host=h dbname=d", {})

@@ -38,6 +38,7 @@ def test_every_named_query_binds_its_placeholders() -> None:
             "body": "b",
             "statement": "s",
             "relay_name": "r",
+            "password": "p",
             "since": "a",
             "until": "b",
         },
