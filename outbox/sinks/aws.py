@@ -73,7 +73,7 @@ from botocore.exceptions import (
 from outbox.errors import ConfigError
 from outbox.events import EVENT_ID_HEADER, ClaimedEvent
 from outbox.sinks.aio import AsyncSink, Item, Refused, Unavailable, as_bytes
-from outbox.sinks.base import Dead, Delivered, Outcome, Retry
+from outbox.sinks.base import DIGEST_PREFIX, Dead, Delivered, Outcome, Retry, key_digest
 from outbox.sinks.routes import SinkURL
 
 MAX_ATTRIBUTES = 10  # SQS and SNS: message attributes per message
@@ -143,12 +143,13 @@ def attribute_name_ok(name: str) -> bool:
 
 
 def fifo_id(raw: bytes) -> str:
-    """A FIFO group id for a key: the key itself when SQS takes it, else a digest of it (the
-    same key always maps to the same group, so its order holds)."""
+    """A FIFO group id for a key: the key itself when SQS takes it (and it does not look like a
+    digest), else a digest of it (the same key always maps to the same group, so its order
+    holds, and no other key's text names that group)."""
     text = raw.decode("utf-8", "replace")
-    if _FIFO_ID.match(text) and text.encode("utf-8") == raw:
+    if _FIFO_ID.match(text) and text.encode("utf-8") == raw and not text.startswith(DIGEST_PREFIX):
         return text
-    return "sha256-" + hashlib.sha256(raw).hexdigest()
+    return key_digest(raw)
 
 
 def _loose(raw: bytes) -> Any:

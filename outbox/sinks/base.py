@@ -39,6 +39,7 @@ after a full batch it lets the client batch. Wrappers and the router pass it on.
 
 from __future__ import annotations
 
+import hashlib
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -201,6 +202,17 @@ class Signals(Protocol):
     """Sets ``wake`` when reports are ready (an asyncio sink): a router shares one among them."""
 
     wake: threading.Event
+
+
+DIGEST_PREFIX = "sha256-"  # a key's digest, where a sink cannot take the key as a name
+
+
+def key_digest(key: bytes) -> str:
+    """``key`` as a name where a sink cannot take it itself (a Pub/Sub ordering key, an SQS FIFO
+    group id): ``sha256-<hex>``. A sink that uses a text key as itself digests every key that starts
+    with :data:`DIGEST_PREFIX` too: otherwise one writer's text key ``sha256-<hex>`` named another's
+    binary key's group, and a failure of one held back the other's events."""
+    return DIGEST_PREFIX + hashlib.sha256(key).hexdigest()
 
 
 def send_now(sink: Sink) -> None:

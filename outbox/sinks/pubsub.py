@@ -12,9 +12,10 @@ names a regional endpoint (Google's advice for ordering keys: publish a key thro
   attribute ``outbox-headers`` (a JSON object, values as text or ``{"base64": …}``), as the SQS
   sink does; if that attribute itself would be over 1,024 bytes, the event is a dead letter
   (``invalid_attributes``): Pub/Sub would refuse it for good.
-- Ordering key: the event's key, when it is UTF-8 text of at most 1,024 bytes; else
-  ``sha256-<hex>`` of it (the same key, the same ordering key) with the key itself in the
-  ``event-key`` attribute. A keyless event has none.
+- Ordering key: the event's key, when it is UTF-8 text of at most 1,024 bytes that does not
+  start with ``sha256-``; else ``sha256-<hex>`` of it (the same key, the same ordering key; no
+  text key can name another key's digest) with the key itself in the ``event-key`` attribute
+  when it fits there (else the digest alone stands for it). A keyless event has none.
 - Delivered when the publish future resolves; the archive keeps the message id (``sink_ref``).
 - One attempt a publish, within the delivery timeout: with message ordering on, Google's publisher
   would retry a failed batch for ever (it stretches any retry it is given), and a publisher
@@ -43,7 +44,6 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
-import hashlib
 import json
 from typing import Any
 
@@ -53,7 +53,7 @@ from google.cloud.pubsub_v1.publisher import exceptions as pexc
 
 from outbox.events import EVENT_ID_HEADER, KEY_HEADER, ClaimedEvent
 from outbox.sinks.aio import UNAVAILABLE, AsyncSink, Item, Refused, Unavailable, as_bytes, cancel_unfinished
-from outbox.sinks.base import Dead, Delivered, Outcome, Report, Retry
+from outbox.sinks.base import DIGEST_PREFIX, Dead, Delivered, Outcome, Report, Retry, key_digest
 from outbox.sinks.routes import SinkURL
 
 MAX_ATTRIBUTES = 100
@@ -81,16 +81,17 @@ CLIENT_STOPPED = "publisher client has been stopped"
 
 
 def ordering_key(key: bytes | None) -> tuple[str, bool]:
-    """The ordering key for an event key, and whether it is the key itself (else a digest)."""
+    """The ordering key for an event key, and whether it is the key itself (else its digest: a
+    key that is no UTF-8 text, over 1,024 bytes, or that looks like a digest itself)."""
     if key is None:
         return "", True
     try:
         text = key.decode("utf-8")
     except UnicodeDecodeError:
         text = ""
-    if text and len(key) <= MAX_ORDERING_KEY_BYTES:
+    if text and len(key) <= MAX_ORDERING_KEY_BYTES and not text.startswith(DIGEST_PREFIX):
         return text, True
-    return "sha256-" + hashlib.sha256(key).hexdigest(), False
+    return key_digest(key), False
 
 
 def _attribute_value(raw: bytes) -> str | None:
@@ -115,10 +116,18 @@ def _loose(raw: bytes) -> Any:
 
 
 def attributes(event: ClaimedEvent, key_is_ordering_key: bool) -> dict[str, str]:
-    """The message's attributes (see the module's docstring); Refused when they cannot fit."""
-    items: list[tuple[str, bytes]] = [(EVENT_ID_HEADER, event.event_id.encode())]
+    """The message's attributes (see the module's docstring); Refused when they cannot fit. A key
+    sent as its digest goes in ``event-key`` when it fits there; when it does not, the ordering
+    key (the digest) stands for it alone: a key too long for an attribute is no reason to refuse
+    an event enqueue took."""
     if not key_is_ordering_key and event.key is not None:
-        items.append((KEY_HEADER, event.key))
+        with contextlib.suppress(Refused):
+            return _attributes(event, [(KEY_HEADER, event.key)])
+    return _attributes(event, [])
+
+
+def _attributes(event: ClaimedEvent, key: list[tuple[str, bytes]]) -> dict[str, str]:
+    items: list[tuple[str, bytes]] = [(EVENT_ID_HEADER, event.event_id.encode()), *key]
     items += [(n, as_bytes(v)) for n, v in event.headers if n != EVENT_ID_HEADER]
     out: dict[str, str] = {}
     rest: dict[str, Any] = {}

@@ -19,6 +19,7 @@ import pytest
 import outbox
 from outbox.relay.config import RelayConfig
 from outbox.sinks.make import routed
+from outbox.sinks.pubsub import ordering_key
 from outbox.sinks.routes import parse_routes
 from tests.helpers import count, running_relay, wait_for
 from tests.pubsub_emulator import PROJECT, Emulator, Reader, Received
@@ -169,10 +170,14 @@ def test_what_pubsub_refuses_for_good_is_dead_lettered_and_the_rest_goes_on(
             conn, "orders", b"{}", key=b"\xff\xfe", headers={"googly": "1", "bin": b"\xff"}, schema=schema
         )
         long = outbox.enqueue(conn, "orders", b"{}", key="long", headers={"long": "v" * 2000}, schema=schema)
+        # Issue 70: a text key too long for an ordering key or an attribute was always dead-lettered
+        # (enqueue takes 2,048 bytes); and a text key shaped like another key's digest.
+        long_key = outbox.enqueue(conn, "orders", b"{}", key="L" * 2000, schema=schema)
+        lookalike = outbox.enqueue(conn, "orders", b"{}", key=ordering_key(b"\xff\xfe")[0], schema=schema)
     try:
         with running_relay(config, _sink(pubsub_topic, config)):
             wait_for(lambda: count(pg_dsn, schema, "events") == 0, timeout=60, what="the drain")
-        received = reader.wait(len(ok) + 1)
+        received = reader.wait(len(ok) + 3)
     finally:
         reader.close()
     with psycopg.connect(pg_dsn) as conn:
@@ -183,7 +188,11 @@ def test_what_pubsub_refuses_for_good_is_dead_lettered_and_the_rest_goes_on(
         str(long): "invalid_attributes",
     }
     by_id = {m.event_id: m for m in received}
-    assert set(by_id) == {*ok, str(odd)}
+    assert set(by_id) == {*ok, str(odd), str(long_key), str(lookalike)}
+    assert by_id[str(long_key)].ordering_key == ordering_key(b"L" * 2000)[0]
+    assert "event-key" not in by_id[str(long_key)].attributes, "the digest alone stands for it"
+    assert by_id[str(lookalike)].ordering_key != by_id[str(odd)].ordering_key
+    assert by_id[str(lookalike)].attributes["event-key"] == ordering_key(b"\xff\xfe")[0]
     message = by_id[str(odd)]
     assert message.ordering_key.startswith("sha256-")  # not UTF-8: a digest, the key kept beside
     assert json.loads(message.attributes["outbox-headers"]) == {

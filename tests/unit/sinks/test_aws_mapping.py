@@ -77,6 +77,8 @@ def test_sqs_text_fifo_ids_and_xray_headers() -> None:
         and aws.sqs_text(b"\xff") is None
     )
     assert aws.fifo_id(b"order-42") == "order-42"
+    lookalike = aws.fifo_id(b"\xff").encode()  # a text key shaped like another key's group: digested
+    assert aws.fifo_id(lookalike) != lookalike.decode() and aws.fifo_id(lookalike).startswith("sha256-")
     assert aws.fifo_id("ü".encode()).startswith("sha256-") and aws.fifo_id(b"x" * 200) == aws.fifo_id(
         b"x" * 200
     )

@@ -56,6 +56,23 @@ def test_the_ordering_key_is_the_key_or_a_digest_of_it() -> None:
     assert long.startswith("sha256-") and not itself and ordering_key(b"k" * 1025)[0] == long
 
 
+def test_no_text_key_names_another_keys_digest() -> None:
+    """A writer's text key ``sha256-<hex>`` was its own ordering key, the very one another writer's
+    binary key got as its digest: a failure of one paused the other's events (issue 70)."""
+    binary = ordering_key(b"\xff\xfe")[0]
+    lookalike, itself = ordering_key(binary.encode())
+    assert lookalike != binary and not itself and lookalike.startswith("sha256-")
+
+
+def test_a_key_too_long_for_an_attribute_is_sent_as_its_digest_alone() -> None:
+    event = _event([("tenant", b"acme")], key=b"L" * 2000)
+    _, itself = ordering_key(event.key)
+    out = attributes(event, itself)
+    assert "event-key" not in out and OVERFLOW_ATTRIBUTE not in out and out["tenant"] == "acme"
+    short = attributes(_event([], key=b"\xfe"), False)  # one that fits still goes with it
+    assert json.loads(short[OVERFLOW_ATTRIBUTE]) == {"event-key": {"base64": "/g=="}}
+
+
 def test_headers_pubsub_cannot_take_go_into_one_json_attribute() -> None:
     event = _event(
         [("tenant", b"acme"), ("goog-x", b"1"), ("bin", b"\xff"), ("n" * 300, b"v"), ("big", b"v" * 1025)],
