@@ -12,6 +12,7 @@ from outbox.capture.mode import (
     ROTATION_WINDOW,
     CaptureState,
     Rotation,
+    check_window,
     prefix_of,
     publication_name,
     rotate_key,
@@ -24,6 +25,6 @@ from outbox.capture.pgoutput import PG_EPOCH, Decoder, Piece, Position, lsn_int,
 
 __all__ = [
     "FAILOVER_SERVER", "MIN_SERVER", "MODES", "PG_EPOCH", "ROTATION_WINDOW", "CaptureState", "Decoder",
-    "Piece", "Position", "Rotation", "lsn_int", "lsn_text", "prefix_of", "publication_name", "rotate_key",
-    "slot_name", "slot_names", "state", "switch",
+    "Piece", "Position", "Rotation", "check_window", "lsn_int", "lsn_text", "prefix_of", "publication_name",
+    "rotate_key", "slot_name", "slot_names", "state", "switch",
 ]  # fmt: skip

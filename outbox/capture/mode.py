@@ -179,6 +179,12 @@ def switch(conn: psycopg.Connection[Any], schema: str, mode: str, *, drop_slot: 
 
 
 ROTATION_WINDOW = 3600.0  # seconds, by default, the old key verifies what commits after a rotation
+# seconds at least: a reader that reads a transaction before the rotation's message, and one that
+# starts after the rotation and judges it by its commit time, must judge it alike; a window of 0 s
+# refused, on a restart, what a writer signed while the rotation committed, which the live reader
+# had delivered (issue 70). A minute covers any rotation's own transaction and a writer's in flight.
+MIN_ROTATION_WINDOW = 60.0
+KEY_DROP_MARGIN = 1.0  # seconds after a key's window before the WAL's end counts as past it
 
 
 @dataclass(frozen=True)
@@ -191,24 +197,33 @@ class Rotation:
     dropped: list[int]
 
 
+def check_window(window: float) -> None:
+    """ConfigError unless ``window`` is one a rotation may take (:data:`MIN_ROTATION_WINDOW`)."""
+    if not window >= MIN_ROTATION_WINDOW:
+        raise ConfigError(
+            f"--window: must be at least {MIN_ROTATION_WINDOW:g} seconds (a writer that read the old key "
+            f"just before the rotation commits within it), got {window:g}"
+        )
+
+
 def rotate_key(conn: psycopg.Connection[Any], schema: str, window: float = ROTATION_WINDOW) -> Rotation:
     """Rotate the outbox's WAL signing key, in one transaction: a new key signs from the commit
     on; the one before verifies what commits within ``window`` seconds, then nothing; a message
     of the rotation, signed with the old key, tells every reader to read the keys again (in WAL
-    order, before anything the new key signs). Keys retired earlier whose window ended and whose
-    rotation the slot has been read past are dropped."""
-    if not window >= 0:
-        raise ConfigError(f"--window: must be >= 0 seconds, got {window}")
+    order, before anything the new key signs). Keys retired earlier are dropped once the slot is
+    confirmed past every message they could have signed (``passed_lsn``, migration 0026)."""
+    check_window(window)
     with conn.transaction():
         row = conn.execute(query("capture_key_add", schema)).fetchone()
         assert row is not None
         new, old = int(row[0]), int(row[1])
         conn.execute(query("capture_key_rotated", schema), {"new": new, "old": old})
-        retired = [(int(i), at) for i, at in conn.execute(
-            query("capture_key_retire", schema), {"new": new, "window": float(window)}
-        ).fetchall()]  # fmt: skip
         conn.execute(query("capture_key_current", schema), {"new": new})
+        conn.execute(query("capture_keys_passed", schema), {"margin": KEY_DROP_MARGIN})
         dropped = [int(i) for (i,) in conn.execute(
             query("capture_keys_drop", schema), {"slot": state(conn, schema).slot}
+        ).fetchall()]  # fmt: skip
+        retired = [(int(i), at) for i, at in conn.execute(
+            query("capture_key_retire", schema), {"new": new, "window": float(window)}
         ).fetchall()]  # fmt: skip
     return Rotation(new, retired, sorted(dropped))

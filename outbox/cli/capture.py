@@ -24,7 +24,7 @@ def register(sub: Any) -> None:
         "--window",
         default="1h",
         help="how long the old key still verifies what commits, e.g. 15m, 1h (writers that read it "
-        "just before the rotation commit within it) [default: 1h]",
+        "just before the rotation commit within it; at least 60s) [default: 1h]",
     )
     add_confirm(r, "the rotation")
     r.set_defaults(run=cmd_rotate_key)
@@ -33,6 +33,7 @@ def register(sub: Any) -> None:
 def cmd_rotate_key(args: argparse.Namespace) -> int:
     schema = schema_of(args)
     window = archive.parse_duration(args.window, "--window").total_seconds()
+    capture.check_window(window)
     with connect_outbox(args) as conn:
         require_migrated(conn, schema)
         conn.commit()
@@ -44,5 +45,5 @@ def cmd_rotate_key(args: argparse.Namespace) -> int:
     retired = ", ".join(f"key {i} until {at.isoformat(timespec='seconds')}" for i, at in done.retired)
     show(f"schema {schema}: key {done.new} signs from now on; still verifying: {retired}")
     if done.dropped:
-        show(f"dropped keys past their window and read past in the WAL: {', '.join(map(str, done.dropped))}")
+        show(f"dropped keys the slot has read past every message of: {', '.join(map(str, done.dropped))}")
     return 0

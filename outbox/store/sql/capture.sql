@@ -141,9 +141,10 @@ FROM {schema}.capture_keys,
 WHERE id = %(old)s
 
 -- name: capture_key_retire
--- The keys before the new one verify what commits within the window, then nothing more.
+-- The keys before the new one verify what commits within the window, then nothing more. The
+-- window runs from the rotation's last statement (clock_timestamp, not the transaction's start).
 UPDATE {schema}.capture_keys
-SET retire_at = now() + %(window)s * interval '1 second', retired_lsn = pg_current_wal_lsn()
+SET retire_at = clock_timestamp() + %(window)s * interval '1 second', retired_lsn = pg_current_wal_lsn()
 WHERE id < %(new)s AND retire_at IS NULL
 RETURNING id, retire_at
 
@@ -152,13 +153,19 @@ RETURNING id, retire_at
 UPDATE {schema}.capture_key AS c SET key = n.key, ipad = n.ipad, opad = n.opad
 FROM {schema}.capture_keys AS n WHERE n.id = %(new)s
 
+-- name: capture_keys_passed
+-- Retired keys whose window ended (a second ago: a commit's time is taken just before its record
+-- is written) get the WAL's end now: nothing they verify commits past it (migration 0026). The
+-- insert position: a commit not yet written out (synchronous_commit off) is before it too.
+UPDATE {schema}.capture_keys SET passed_lsn = pg_current_wal_insert_lsn()
+WHERE retire_at < clock_timestamp() - %(margin)s * interval '1 second' AND passed_lsn IS NULL
+
 -- name: capture_keys_drop
--- Retired keys past their window, once the outbox's slot has been read past their rotation:
--- nothing in the WAL can need them. Returns their ids.
+-- Retired keys once the outbox's slot is confirmed past every message they could have signed
+-- (passed_lsn): nothing in the WAL can need them. Returns their ids.
 DELETE FROM {schema}.capture_keys
-WHERE retire_at < now()
-  AND retired_lsn <= coalesce((SELECT confirmed_flush_lsn FROM pg_replication_slots WHERE slot_name = %(slot)s),
-                              pg_current_wal_lsn())
+WHERE passed_lsn <= coalesce((SELECT confirmed_flush_lsn FROM pg_replication_slots WHERE slot_name = %(slot)s),
+                             pg_current_wal_lsn())
 RETURNING id
 
 -- name: wal_table_quiet

@@ -1163,22 +1163,47 @@ def test_an_outbox_at_0013_keeps_its_handed_on_position_through_0014(pg_dsn: str
             conn.execute(sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(sql.Identifier(name)))
 
 
+def _keys(dsn: str, schema: str) -> list[bytes]:
+    with psycopg.connect(dsn) as conn:
+        rows = conn.execute(
+            sql.SQL("SELECT key FROM {}.capture_keys ORDER BY id").format(sql.Identifier(schema))
+        ).fetchall()
+    return [bytes(k) for (k,) in rows]
+
+
+def _window_ended(dsn: str, schema: str, key: bytes) -> None:
+    """As if ``key``'s window of a minute had ended now (the test cannot wait a minute), and a
+    second (KEY_DROP_MARGIN) had passed since: what committed until now is within it."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute(
+            sql.SQL("UPDATE {}.capture_keys SET retire_at = clock_timestamp() WHERE key = %s").format(
+                sql.Identifier(schema)
+            ),
+            (key,),
+        )
+    time.sleep(capture.mode.KEY_DROP_MARGIN + 0.1)
+
+
+def _slot_caught_up(dsn: str, schema: str) -> bool:
+    with psycopg.connect(dsn) as conn:
+        row = conn.execute(
+            "SELECT confirmed_flush_lsn >= pg_current_wal_lsn() FROM pg_replication_slots WHERE slot_name = %s",
+            (capture.state(conn, schema).slot,),
+        ).fetchone()
+    return bool(row and row[0])
+
+
 def test_a_rotated_key_signs_from_the_rotation_and_the_old_one_only_within_its_window(
     wal_dsn: str, wal_schema: str, kafka: str, topic: str
 ) -> None:
     """``outbox capture rotate-key``: the running relay's reader reads the keys again at the
     rotation's message (no restart), the new key's events are delivered, and a message signed
     with the old key is delivered only if it commits within the window: after it, a leaked key
-    signs nothing that is delivered. A later rotation drops keys past their window."""
+    signs nothing that is delivered. A later rotation drops a key once the slot is past every
+    message it could have signed. A window under a minute is refused (issue 70: with 0 s, a live
+    reader and a restarted one judged a writer's message of the rotation's instant differently)."""
     from outbox.capture.wal_message import sign
     from outbox.cli import main
-
-    def keys() -> list[bytes]:
-        with psycopg.connect(wal_dsn) as conn:
-            rows = conn.execute(
-                sql.SQL("SELECT key FROM {}.capture_keys ORDER BY id").format(sql.Identifier(wal_schema))
-            ).fetchall()
-        return [bytes(k) for (k,) in rows]
 
     def forge(key: bytes, n: int) -> None:
         """What a holder of ``key`` can emit: an event of its own, signed with it."""
@@ -1190,27 +1215,67 @@ def test_a_rotated_key_signs_from_the_rotation_and_the_old_one_only_within_its_w
                          (capture.prefix_of(wal_schema), sign(key, content)))  # fmt: skip
 
     rotate = ["capture", "rotate-key", "--dsn", wal_dsn, "--schema", wal_schema, "--yes"]
+    assert main([*rotate, "--window", "0s"]) == 2 and len(_keys(wal_dsn, wal_schema)) == 1
     with running_relay(RelayConfig(wal_dsn, schema=wal_schema, poll_interval=0.1), bootstrap=kafka):
         with psycopg.connect(wal_dsn) as conn:
             outbox.enqueue(conn, topic, {"n": 1}, key="k", schema=wal_schema)
         wait_for(lambda: count(wal_dsn, wal_schema, "delivered") == 1, timeout=30, what="the first event")
-        (first,) = keys()
-        assert main([*rotate, "--window", "0s"]) == 0  # the old key retired at once: it leaked
-        forge(first, 1)
+        (first,) = _keys(wal_dsn, wal_schema)
+        assert main([*rotate, "--window", "1m"]) == 0
+        forge(first, 1)  # within the window: verified, as a writer's late commit would be
         with psycopg.connect(wal_dsn) as conn:
             outbox.enqueue(conn, topic, {"n": 2}, key="k", schema=wal_schema)
-        wait_for(lambda: count(wal_dsn, wal_schema, "delivered") == 2, timeout=30, what="the new key's event")
+        wait_for(lambda: count(wal_dsn, wal_schema, "delivered") == 3, timeout=30, what="the window's events")
+        _window_ended(wal_dsn, wal_schema, first)
+        assert main([*rotate, "--window", "1h"]) == 0  # its message: the reader reads the keys again
+        forge(first, 2)  # after the window: the first key leaked, and signs nothing delivered
         wait_for(
             lambda: count(wal_dsn, wal_schema, "dead_letters") == 1, timeout=30, what="the forgery refused"
         )
-        _, second = keys()
-        assert main([*rotate, "--window", "1h"]) == 0  # a planned rotation: writers may lag a little
-        forge(second, 3)  # within the window: verified, as a writer's late commit would be
-        wait_for(lambda: count(wal_dsn, wal_schema, "delivered") == 3, timeout=30, what="the window's event")
-        assert main(rotate) == 0
-        assert len(keys()) == 3  # the first, past its window and read past in the WAL, was dropped
-    payloads = sorted(m.value.decode() for m in read_topic(kafka, topic, 3))
-    assert payloads == ['{"forged":3}', '{"n":1}', '{"n":2}']
+        second = _keys(wal_dsn, wal_schema)[1]
+        forge(second, 3)  # the second's window (1 h) runs
+        wait_for(lambda: count(wal_dsn, wal_schema, "delivered") == 4, timeout=30, what="the second's event")
+        assert len(_keys(wal_dsn, wal_schema)) == 3  # the first is kept until the slot is past it
+        wait_for(lambda: _slot_caught_up(wal_dsn, wal_schema), timeout=30, what="the slot confirmed")
+        assert main([*rotate, "--window", "1h"]) == 0
+        assert first not in _keys(wal_dsn, wal_schema) and len(_keys(wal_dsn, wal_schema)) == 3
+    payloads = sorted(m.value.decode() for m in read_topic(kafka, topic, 4))
+    assert payloads == ['{"forged":1}', '{"forged":3}', '{"n":1}', '{"n":2}']
+
+
+def test_a_retired_key_is_kept_while_a_lagging_slot_still_needs_it(
+    wal_dsn: str, wal_schema: str, kafka: str, topic: str
+) -> None:
+    """A writer signs with the old key just before a rotation and commits just after it, within
+    the window. The relay confirmed the rotation, then stopped: its slot lags behind the writer's
+    commit. The window ends and the next rotation ran: it dropped the old key (the slot had been
+    read past the rotation), and the relay, back, dead-lettered the writer's event as unsigned
+    (issue 70). Now a key goes only once the slot is past every message it could have signed."""
+    config = RelayConfig(wal_dsn, schema=wal_schema, poll_interval=0.1)
+    with running_relay(config, bootstrap=kafka):
+        with psycopg.connect(wal_dsn) as conn:
+            outbox.enqueue(conn, topic, {"n": 1}, schema=wal_schema)
+        wait_for(lambda: count(wal_dsn, wal_schema, "delivered") == 1, timeout=30, what="the first event")
+        (first,) = _keys(wal_dsn, wal_schema)
+        writer = psycopg.connect(wal_dsn)
+        late = outbox.enqueue(writer, topic, {"n": "late"}, schema=wal_schema)  # signed with the first key
+        with psycopg.connect(wal_dsn, autocommit=True) as conn:
+            capture.rotate_key(conn, wal_schema, window=60)
+        wait_for(lambda: _slot_caught_up(wal_dsn, wal_schema), timeout=30, what="the rotation confirmed")
+    writer.commit()  # within the window, after the rotation; the relay is not reading
+    writer.close()
+    _window_ended(wal_dsn, wal_schema, first)
+    with psycopg.connect(wal_dsn, autocommit=True) as conn:
+        assert capture.rotate_key(conn, wal_schema, window=60).dropped == []
+    assert first in _keys(wal_dsn, wal_schema)
+    with running_relay(config, bootstrap=kafka):
+        wait_for(lambda: count(wal_dsn, wal_schema, "delivered") == 2, timeout=30, what="the late event")
+        assert count(wal_dsn, wal_schema, "dead_letters") == 0
+        wait_for(lambda: _slot_caught_up(wal_dsn, wal_schema), timeout=30, what="the slot past it")
+        with psycopg.connect(wal_dsn, autocommit=True) as conn:
+            dropped = capture.rotate_key(conn, wal_schema, window=60).dropped
+    assert len(dropped) == 1 and first not in _keys(wal_dsn, wal_schema)
+    assert str(late) in {m.event_id for m in read_topic(kafka, topic, 2)}
 
 
 def test_outboxes_of_one_schema_name_in_two_databases_each_read_a_slot_of_their_own(

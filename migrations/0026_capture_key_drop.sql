@@ -1,0 +1,11 @@
+-- outbox 0026: a retired WAL signing key is dropped only once the slot is past every message it
+-- could have signed (issue 70).
+--
+-- A key verifies what commits before its retire_at (a rotation's window). It was dropped at the
+-- next rotation once the window had ended and the slot had been read past the rotation itself
+-- (retired_lsn); but a writer that signed with it just before the rotation commits after that,
+-- within the window, and a slot lagging behind that commit still had to verify it: the relay
+-- dead-lettered the writer's event as unsigned. passed_lsn is the WAL's end at a time after the
+-- window ended (set by the first rotation that finds it ended): nothing the key verifies commits
+-- past it, and the key goes once the slot is confirmed past it.
+ALTER TABLE {schema}.capture_keys ADD COLUMN passed_lsn pg_lsn;
