@@ -86,10 +86,15 @@ def decode(content: bytes) -> WalRow:
     event's encoding: an id that is not a UUID, a topic that is not text a topic may be, and so
     on. Headers no sink may send (not a JSON object of strings, a name enqueue refuses) make it a
     corrupt event that keeps its fields, dead-lettered at once."""
-    created, head, headers, payload = content.split(b"\n", 3)
-    # Parsed as text by the C scanner: json.loads on bytes first guesses the encoding and
-    # decodes with surrogatepass, 5.4 against 1.0 us a message.
-    parsed: Any = parse_json(head.decode())
+    try:
+        created, head, headers, payload = content.split(b"\n", 3)
+        # Parsed as text by the C scanner: json.loads on bytes first guesses the encoding and
+        # decodes with surrogatepass, 5.4 against 1.0 us a message.
+        parsed: Any = parse_json(head.decode())
+    except ValueError as exc:  # its reason names what it is not (a writer's own bytes)
+        raise ValueError(f"head: not an event's encoding (a line of JSON after its time): {exc}") from None
+    if parsed.__class__ is not list or not 5 <= len(parsed) <= 6:
+        raise ValueError("head: not a JSON array of 5 or 6 fields (id, topic, key, type, subject, expiry)")
     event_id, topic, key, type_, subject, *rest = parsed
     expires = None
     if rest:
@@ -107,8 +112,14 @@ def decode(content: bytes) -> WalRow:
         raise ValueError("headers: a NUL character")
     if type_ is not None or subject is not None:
         _check_attributes(type_, subject)
-    text = headers.decode() if headers else None
-    raw_key = None if key is None else bytes.fromhex(key)
+    try:
+        text = headers.decode() if headers else None
+    except UnicodeDecodeError:
+        raise ValueError("headers: not UTF-8") from None
+    try:
+        raw_key = None if key is None else bytes.fromhex(key)
+    except (TypeError, ValueError):
+        raise ValueError("key: not hex text") from None
     if raw_key is not None and len(raw_key) > MAX_KEY_BYTES:
         raise ValueError(f"key: {len(raw_key)} bytes long, at most {MAX_KEY_BYTES}")
     at = _time(float(created), "created_at")

@@ -39,10 +39,11 @@ def test_an_event_survives_its_wal_message_byte_exact() -> None:
         (b'["00000000-0000-4000-8000-000000000000","a\\u0000b",null,null,null]', b"", "topic"),
         (b'["00000000-0000-4000-8000-000000000000","\\ud800",null,null,null]', b"", "topic"),
         (b'["00000000-0000-4000-8000-000000000000",7,null,null,null]', b"", "topic"),
-        (b'["00000000-0000-4000-8000-000000000000","t","zz",null,null]', b"", "non-hexadecimal"),
+        (b'["00000000-0000-4000-8000-000000000000","t","zz",null,null]', b"", "key: not hex"),
         (b'["00000000-0000-4000-8000-000000000000","t",null,5,null]', b"", "type"),
         (b'["00000000-0000-4000-8000-000000000000","t",null,null,null]', b'{"a":"\\u0000"}', "NUL"),
-        (b'{"a":1}', b"", "not enough values"),
+        (b'{"a":1}', b"", "head: not a JSON array"),
+        (b"not json", b"", "head: not an event's encoding"),
         # Issue 70: what PostgreSQL, to_timestamp or datetime cannot hold, named (an integer of 400
         # digits raised OverflowError, which the decoder did not catch: the reader crashed in a loop).
         (b'["00000000-0000-4000-8000-000000000000","t",null,null,null,1e300]', b"", "expires_at"),
