@@ -104,11 +104,11 @@ def retry_after(value: str | None) -> float | None:
     if not value:
         return None
     value = value.strip()
-    if value.isdigit():
+    if value.isascii() and value.isdigit():  # "²" and "٣" are digits to str.isdigit, not to float()
         return float(value)
     try:
         return max(0.0, parsedate_to_datetime(value).timestamp() - time.time())
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):  # a receiver's header: anything at all
         return None
 
 

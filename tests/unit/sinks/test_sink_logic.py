@@ -52,6 +52,10 @@ def test_retry_after_takes_seconds_or_a_date() -> None:
     later = retry_after(formatdate(time.time() + 30, usegmt=True))
     assert later is not None and 25 < later <= 30
     assert retry_after(formatdate(time.time() - 30, usegmt=True)) == 0.0
+    # A receiver's header is anything: "²" is a digit to str.isdigit and no number to float(), which
+    # made a 503 a dead letter (client_rejected): found by the input fuzzer (tests/fuzz).
+    for odd in ("\u00b2", "\u0663", "-1", "1e9", "nan", "Wed, 21 Oct 99999 07:28:00 GMT", "9" * 400):
+        assert retry_after(odd) is None or retry_after(odd) == float("9" * 400), odd
 
 
 def test_text_headers_carry_the_key_and_refuse_what_is_not_one_line_of_utf8() -> None:
