@@ -13,6 +13,7 @@ import json
 import json.scanner
 import math
 import re
+import time
 import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -243,6 +244,8 @@ def encode_delay(delay: object) -> float:
         raise InvalidEvent(f"delay: must be a finite number of seconds, got {seconds}")
     if seconds < 0:
         raise InvalidEvent(f"delay: must not be negative, got {seconds}")
+    if seconds > MAX_TIME - time.time():  # PostgreSQL refused now() + delay: "timestamp out of range"
+        raise InvalidEvent(f"delay: {seconds:g} seconds from now is past the year 9999")
     return seconds
 
 

@@ -75,6 +75,8 @@ def _good_key(key: object) -> bool:
     if isinstance(key, bytes):
         return key.startswith(b"good-")
     return isinstance(key, str) and key.startswith("good-")
+
+
 wild_payloads = st.one_of(st.binary(max_size=120), wild_text, json_values)
 # Times as PostgreSQL takes them in SQL: the ends of timestamptz's range and past Python's.
 SQL_TIMES = (

@@ -62,8 +62,10 @@ class ScriptedReceiver:
 
         def serve() -> None:
             asyncio.set_event_loop(self._loop)
-            server = self._loop.run_until_complete(asyncio.start_server(self._connection, "127.0.0.1", 0))
-            self.port = int(server.sockets[0].getsockname()[1])
+            self._server = self._loop.run_until_complete(
+                asyncio.start_server(self._connection, "127.0.0.1", 0)
+            )
+            self.port = int(self._server.sockets[0].getsockname()[1])
             ready.set()
             self._loop.run_forever()
 
@@ -105,5 +107,11 @@ class ScriptedReceiver:
             writer.close()
 
     def close(self) -> None:
-        self._loop.call_soon_threadsafe(self._loop.stop)
+        async def stop() -> None:
+            self._server.close()
+            await self._server.wait_closed()
+            self._loop.stop()
+
+        asyncio.run_coroutine_threadsafe(stop(), self._loop)
         self._thread.join(5)
+        self._loop.close()

@@ -4,11 +4,11 @@ events, to the real relay serving a table outbox and a WAL outbox (:mod:`tests.f
 checker (:mod:`tests.fuzz.checker`) judges each round. The counterpart of the schedule explorer:
 that one searches schedules, this one inputs.
 
-CI plays a fixed budget (``OUTBOX_FUZZ_EXAMPLES`` rounds, 30 by default, the same ones every run:
+CI plays a fixed budget (``OUTBOX_TEST_FUZZ_EXAMPLES`` rounds, 30 by default, the same ones every run:
 derandomized) after every regression case below. A longer search, random and remembering what
 failed (Hypothesis's database, .hypothesis/):
 
-    OUTBOX_FUZZ_EXAMPLES=2000 OUTBOX_FUZZ_RANDOM=1 .venv/bin/python -m pytest tests/fuzz -p no:xdist
+    OUTBOX_TEST_FUZZ_EXAMPLES=2000 OUTBOX_TEST_FUZZ_RANDOM=1 .venv/bin/python -m pytest tests/fuzz -p no:xdist
 
 Every round that ever failed stays below as an ``@example``, with what it found.
 """
@@ -36,8 +36,8 @@ from tests.fuzz.doors import HOOK, POOL, Input, rounds
 from tests.fuzz.receiver import Reply
 from tests.fuzz.world import World
 
-EXAMPLES = int(os.environ.get("OUTBOX_FUZZ_EXAMPLES", "30"))
-RANDOM = os.environ.get("OUTBOX_FUZZ_RANDOM") == "1"
+EXAMPLES = int(os.environ.get("OUTBOX_TEST_FUZZ_EXAMPLES", "30"))
+RANDOM = os.environ.get("OUTBOX_TEST_FUZZ_RANDOM") == "1"
 
 
 def _good(door: str, outbox: str, n: int) -> Input:
@@ -88,6 +88,9 @@ REGRESSIONS: list[tuple[str, list[Input]]] = [
             Reply(503, b"X", ((b"retry-after", b"\xc2\xb2"),), b"busy"),
             Reply(400, b"Bad\x1b[2J", (), b"no\x00\r\n2026-12-06 12:00:00,000 ERROR outbox.relay: forged\x1b]0;t\x07")]}),
         _good("api", "table", 6)]),
+    ("the fuzzer: a delay of 9.2e12 s, accepted by enqueue, refused by PostgreSQL naming no field",
+     [Input("api", "table", {"events": [{"topic": POOL[0], "payload": b"", "delay": 9222521454154.0}]}),
+      _good("api", "table", 8)]),
     ("5: a transform's exception message with escape sequences", [
         Input("transform", "wal", {"directive": {"raise": "boom\r\n\x1b[2Jforged"}}),
         Input("transform", "table", {"directive": {"return": {"headers": {"event-id": "forged", "a\r\nb": "c"}}}}),
@@ -149,7 +152,7 @@ def test_no_input_ends_stalls_or_loops_the_relay_and_each_bad_one_is_its_own_dea
     assert world.stop() == 0, world.new_log()[-3000:]
     summary = {"rounds": len(world.rounds), "inputs": sum(played.values()), "by_door": dict(played)}
     print(f"fuzzer: {json.dumps(summary)}")  # the closing notes' figures (pytest -s)
-    if report := os.environ.get("OUTBOX_FUZZ_REPORT"):
+    if report := os.environ.get("OUTBOX_TEST_FUZZ_REPORT"):
         Path(report).write_text(json.dumps(summary))
 
 

@@ -125,3 +125,11 @@ def test_times_are_shown_whatever_their_range() -> None:
     assert time_text(0.0) == "1970-01-01T00:00:00.000+00:00"
     assert time_text(float("-inf")) == "-infinity" and time_text(float("inf")) == "infinity"
     assert "out of datetime's range" in time_text(9.2e12)
+
+
+def test_a_delay_past_the_year_9999_is_refused_naming_it() -> None:
+    """now() + 9.2e12 s: PostgreSQL refused the insert ("timestamp out of range"), an error that
+    named no field; found by the input fuzzer (tests/fuzz)."""
+    with pytest.raises(InvalidEvent, match=r"^delay: .* past the year 9999"):
+        encode_event("t", b"", delay=9222521454154.0)
+    assert encode_event("t", b"", delay=86400.0 * 365 * 100).delay > 0
