@@ -237,7 +237,10 @@ def encode_delay(delay: object) -> float:
     if isinstance(delay, timedelta):
         seconds = delay.total_seconds()
     elif isinstance(delay, (int, float)) and not isinstance(delay, bool):
-        seconds = float(delay)
+        try:
+            seconds = float(delay)
+        except OverflowError:  # an int of 400 digits
+            raise InvalidEvent("delay: an integer too large for seconds") from None
     else:
         raise InvalidEventType(f"delay: expected seconds (float) or timedelta, got {type(delay).__name__}")
     if math.isnan(seconds) or math.isinf(seconds):

@@ -132,4 +132,6 @@ def test_a_delay_past_the_year_9999_is_refused_naming_it() -> None:
     named no field; found by the input fuzzer (tests/fuzz)."""
     with pytest.raises(InvalidEvent, match=r"^delay: .* past the year 9999"):
         encode_event("t", b"", delay=9222521454154.0)
+    with pytest.raises(InvalidEvent, match=r"^delay: an integer too large"):  # float() overflowed
+        encode_event("t", b"", delay=10**400)
     assert encode_event("t", b"", delay=86400.0 * 365 * 100).delay > 0
