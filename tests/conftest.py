@@ -226,7 +226,7 @@ def aws_env(monkeypatch: pytest.MonkeyPatch) -> dict[str, str]:
 
 
 # Modules whose tests each take tens of seconds (real processes, fault scenarios, bench races).
-LONG_MODULES = ("test_faults.py", "test_bench.py", "test_multi_relay.py", "test_process.py")
+LONG_MODULES = ("test_faults.py", "test_bench.py", "test_multi_relay.py", "test_process.py", "test_inputs.py")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

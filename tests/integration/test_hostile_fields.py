@@ -233,3 +233,40 @@ def test_a_strangers_huge_messages_are_kept_as_a_bounded_prefix(
     finally:
         with psycopg.connect(wal_dsn, autocommit=True) as conn:
             conn.execute(sql.SQL("DROP ROLE {}").format(sql.Identifier(name)))
+
+
+def test_a_delivered_wal_event_the_archive_refuses_is_archived_without_the_field_refused(
+    wal_dsn: str, wal_schema: str, kafka: str, topic: str
+) -> None:
+    """Every event of the batch delivered (its archive, position and commit go in one round trip,
+    pipelined) and the archive refuses one row (a CHECK of the operator's on its topic): the batch
+    was read and sent again without end. Now the row is archived without the field refused, said
+    in one log line; every event is sent once and the slot moves on."""
+    refused = f"{topic}.refused"
+    with psycopg.connect(wal_dsn, autocommit=True) as conn:
+        conn.execute(
+            sql.SQL("ALTER TABLE {}.delivered ADD CONSTRAINT refused CHECK (topic <> {})").format(
+                sql.Identifier(wal_schema), sql.Literal(refused)
+            )
+        )
+    with psycopg.connect(wal_dsn) as conn:
+        ids = [
+            str(outbox.enqueue(conn, t, b"x", key="k", schema=wal_schema)) for t in (topic, refused, topic)
+        ]
+        end = conn.execute("SELECT pg_current_wal_lsn()").fetchone()[0]  # type: ignore[index]
+    with _relay(wal_dsn, kafka, wal_schema) as relay:
+        wait_for(lambda: count(wal_dsn, wal_schema, "delivered") == 3, timeout=30, what="the archive")
+        wait_for(lambda: _confirmed_past(wal_dsn, wal_schema, end), timeout=30, what="the slot past them")
+        time.sleep(1)  # a batch read again would be sent again meanwhile
+        assert relay.proc.poll() is None, relay.output()
+        said = relay.output()
+    got = read_topic(kafka, topic, 2) + read_topic(kafka, refused, 1)
+    assert sorted(m.event_id for m in got) == sorted(ids), "sent once each"
+    assert f"event {ids[1]} was delivered; PostgreSQL refused its topic in the archive" in said, said
+    with psycopg.connect(wal_dsn) as conn:
+        topics = dict(
+            conn.execute(
+                sql.SQL("SELECT event_id::text, topic FROM {}.delivered").format(sql.Identifier(wal_schema))
+            ).fetchall()
+        )
+    assert topics == {ids[0]: topic, ids[1]: "(corrupt)", ids[2]: topic}
