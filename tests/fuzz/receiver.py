@@ -10,9 +10,12 @@ Python's ``HTTPStatus`` knows, and a well-formed response only.
 from __future__ import annotations
 
 import asyncio
+import re
 import threading
 from collections import Counter
 from dataclasses import dataclass, field
+
+_CONTROL = re.compile(rb"[\x00-\x08\x0a-\x1f\x7f]")
 
 
 @dataclass(frozen=True)
@@ -28,7 +31,10 @@ class Reply:
 
     @property
     def accepts(self) -> bool:
-        return not self.hang_up and 200 <= self.status < 300
+        """A 2xx the sender can read as one: a status line or header holding a control character
+        (a NUL, a lone CR) is no HTTP response at all to it, only a broken connection."""
+        raw = self.phrase + b"".join(n + v for n, v in self.headers)
+        return not self.hang_up and 200 <= self.status < 300 and not _CONTROL.search(raw)
 
     def wire(self) -> bytes:
         head = [b"HTTP/1.1 %d %s" % (self.status, self.phrase), b"content-length: %d" % len(self.body)]

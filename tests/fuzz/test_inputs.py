@@ -93,6 +93,9 @@ REGRESSIONS: list[tuple[str, list[Input]]] = [
       _good("api", "table", 8)]),
     ("the fuzzer: a delay of 10**400 raised OverflowError, naming no field",
      [Input("api", "table", {"events": [{"topic": POOL[0], "payload": b"", "delay": 10**400}]}), _good("api", "table", 9)]),
+    ("the checker's: a 200 with a NUL in a header is no answer the relay can read (retried, then dead)",
+     [Input("reply", "table", {"payload": b"", "key": None, "replies": [Reply(200, b"X", ((b"x-reply", b"\x00"),))]}),
+      _good("api", "table", 10)]),
     ("5: a transform's exception message with escape sequences", [
         Input("transform", "wal", {"directive": {"raise": "boom\r\n\x1b[2Jforged"}}),
         Input("transform", "table", {"directive": {"return": {"headers": {"event-id": "forged", "a\r\nb": "c"}}}}),
