@@ -18,6 +18,7 @@ from collections.abc import Iterator
 
 import psycopg
 import pytest
+from psycopg import sql
 
 import outbox
 from outbox.escape import escape
@@ -88,6 +89,17 @@ def test_no_command_and_no_log_line_shows_a_writers_or_a_receivers_text_raw(
     for line in filter(None, log.split("\n")):
         assert LINE_START.match(line), f"a line the relay did not start: {line!r}"
 
+    # Another role's name is untrusted text too: one that may create in the database is named by
+    # --check-grants.
+    hostile_role = f"r{TITLE}{CLEAR}"
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        conn.execute(sql.SQL("CREATE ROLE {}").format(sql.Identifier(hostile_role)))
+        database = conn.execute("SELECT current_database()").fetchone()[0]  # type: ignore[index]
+        conn.execute(
+            sql.SQL("GRANT CREATE ON DATABASE {} TO {}").format(
+                *map(sql.Identifier, (database, hostile_role))
+            )
+        )
     common = ["--dsn", pg_dsn, "--schema", schema]
     commands: list[list[str]] = [
         ["status", *common],
@@ -103,12 +115,19 @@ def test_no_command_and_no_log_line_shows_a_writers_or_a_receivers_text_raw(
         ["transform", "test", "*=tests.transforms:noop", *common, "--last", "10"],
         ["audit", *common],
         ["dead", "list", *common, "--topic", f"t{TITLE}"],  # an operator's own argument echoed
+        ["migrate", *common, "--check-grants"],
     ]
     shown = []
-    for args in commands:
-        out = _outbox(args)
-        shown.append(out)
-        assert not _clean(out), (args, _clean(out))
+    try:
+        for args in commands:
+            out = _outbox(args)
+            shown.append(out)
+            assert not _clean(out), (args, _clean(out))
+    finally:
+        with psycopg.connect(pg_dsn, autocommit=True) as conn:
+            conn.execute(sql.SQL("DROP OWNED BY {}").format(sql.Identifier(hostile_role)))
+            conn.execute(sql.SQL("DROP ROLE {}").format(sql.Identifier(hostile_role)))
     dead_list, status = shown[3], shown[0]
+    assert "r\\x1b]0;pwned\\x07" in shown[-1], shown[-1]
     assert "t\\x1b]0;pwned\\x07" in dead_list and "k\\x1b[2J" in dead_list, dead_list
     assert "busy\\x0d\\x0a2026-12-06" in status, status  # the retry's error, one line
