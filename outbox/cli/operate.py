@@ -214,12 +214,11 @@ def cmd_check_grants(args: argparse.Namespace) -> int:
     found = 0
     for dsn, schemas in by_dsn.items():
         with connect(args, dsn) as conn:
-            findings = grants.audit(conn, schemas, schema_owners(args))
-            readers = grants.key_readers(conn, schemas, relay, schema_owners(args))
+            findings = grants.audit(conn, schemas, schema_owners(args), relay)
         where = f"{redact(dsn)}: " if len(by_dsn) > 1 else ""
-        for line in [f.line() for f in findings] + [r.line() for r in readers]:
-            show(where + line)
-        found += len(findings) + len(readers)
+        for finding in findings:
+            show(where + finding.line())
+        found += len(findings)
     if not found:
         show(
             "no role outside the trusted ones may create where the outbox's sessions resolve names, "

@@ -17,6 +17,7 @@ from typing import Any
 
 import psycopg
 
+from outbox.store.migrate import DEFAULT_RELAY_ROLE
 from outbox.store.queries import query
 from outbox.store.schema import FLEET_SCHEMA
 
@@ -24,7 +25,7 @@ from outbox.store.schema import FLEET_SCHEMA
 @dataclass(frozen=True)
 class Finding:
     grantee: str | None  # None: PUBLIC, every role
-    place: str  # database | schema | named
+    place: str  # database | schema | named | key | key_all_data
     name: str
 
     @property
@@ -38,6 +39,16 @@ class Finding:
                 f"{self.who} may CREATE in database {self.name}: it can make a schema named after "
                 'another role (first on that role\'s default search_path, "$user"), there plant '
                 "overloads that beat pg_catalog's, or make outbox_fleet before the project does"
+            )
+        if self.place in ("key", "key_all_data"):
+            how = (
+                "as a member of pg_read_all_data (revoke that membership)"
+                if self.place == "key_all_data"
+                else "(`outbox migrate --roles` revokes it; or REVOKE ALL ON the two tables FROM it)"
+            )
+            return (
+                f"{self.who} may read the WAL signing keys of outbox {self.name} (capture_key, "
+                f"capture_keys) {how}: with them it can sign messages the relay delivers as events"
             )
         if self.place == "named":
             return (
@@ -62,44 +73,16 @@ class Finding:
         )
 
 
-@dataclass(frozen=True)
-class KeyReader:
-    """A role outside the trusted ones and the relay role that may read an outbox's WAL signing keys."""
-
-    role: str
-    schema: str
-    reads_all: bool  # through pg_read_all_data (no grant on the table to revoke)
-
-    def line(self) -> str:
-        how = (
-            "as a member of pg_read_all_data (revoke that membership)"
-            if self.reads_all
-            else "(`outbox migrate --roles` revokes it; or REVOKE ALL ON the two tables FROM it)"
-        )
-        return (
-            f"role {self.role} may read the WAL signing keys of outbox {self.schema} (capture_key, "
-            f"capture_keys) {how}: with them it can sign messages the relay delivers as events"
-        )
-
-
 def audit(
-    conn: psycopg.Connection[Any], schemas: Collection[str], owners: Collection[str] = ()
+    conn: psycopg.Connection[Any],
+    schemas: Collection[str],
+    owners: Collection[str] = (),
+    relay: str = DEFAULT_RELAY_ROLE,
 ) -> list[Finding]:
     """Grants to roles outside the trusted ones (``owners``, else the connecting role and the
-    database's owner; superusers always) on the database, public, ``schemas`` and outbox_fleet."""
+    database's owner; superusers always) on the database, public, ``schemas`` and outbox_fleet;
+    and the roles but ``relay`` (and the roles in it) that may read ``schemas``' signing keys."""
     rows = conn.execute(
-        query("grants_audit", "public"), {"schemas": list(schemas), "owners": list(owners)}
+        query("grants_audit", "public"), {"schemas": list(schemas), "owners": list(owners), "relay": relay}
     ).fetchall()
     return [Finding(grantee, place, name) for grantee, place, name in rows]
-
-
-def key_readers(
-    conn: psycopg.Connection[Any], schemas: Collection[str], relay: str, owners: Collection[str] = ()
-) -> list[KeyReader]:
-    """Roles that may read the signing keys of ``schemas``' outboxes in WAL capture, but the trusted
-    ones (as :func:`audit`'s), the relay role ``relay`` and the roles that reach them through it."""
-    rows = conn.execute(
-        query("grants_key_readers", "public"),
-        {"schemas": list(schemas), "owners": list(owners), "relay": relay},
-    ).fetchall()
-    return [KeyReader(role, schema, bool(all_data)) for role, schema, all_data in rows]

@@ -294,6 +294,8 @@ def test_the_grants_audit_names_every_role_that_may_create_where_sessions_resolv
                 "--schema",
                 "victim",
                 "--check-grants",
+                "--relay-role",  # the role granted the signing key: it may read it
+                f"r_{database.attacker}",
             ],
             capture_output=True,
             text=True,
