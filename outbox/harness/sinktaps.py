@@ -240,6 +240,21 @@ class Request:
     method: str = "POST"
 
 
+async def read_request(reader: asyncio.StreamReader) -> Request:
+    """One HTTP/1.1 request off ``reader``: its line, its headers (names in lower case) and its
+    Content-Length body. IncompleteReadError when the peer is gone."""
+    head = await reader.readuntil(b"\r\n\r\n")
+    lines = head.decode("latin-1").split("\r\n")
+    method, path = lines[0].split(" ")[:2]
+    headers = {}
+    for line in lines[1:]:
+        if ":" in line:
+            name, value = line.split(":", 1)
+            headers[name.strip().lower()] = value.strip()
+    body = await reader.readexactly(int(headers.get("content-length", "0")))
+    return Request(path, headers, body, method)
+
+
 @dataclass
 class Receiver:
     """A webhook receiver on a free loopback port. ``respond(request) -> (status, headers, body)``
@@ -274,16 +289,7 @@ class Receiver:
     async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
             while True:
-                head = await reader.readuntil(b"\r\n\r\n")
-                lines = head.decode("latin-1").split("\r\n")
-                method, path = lines[0].split(" ")[:2]
-                headers = {}
-                for line in lines[1:]:
-                    if ":" in line:
-                        name, value = line.split(":", 1)
-                        headers[name.strip().lower()] = value.strip()
-                body = await reader.readexactly(int(headers.get("content-length", "0")))
-                request = Request(path, headers, body, method)
+                request = await read_request(reader)
                 if self.keep:
                     with self.lock:
                         self.requests.append(request)

@@ -168,15 +168,20 @@ def _same(bad: Bad, inp: Input, row: tuple[str, str, str, bytes | None, bytes]) 
 
 
 def _replied(bad: Bad, world: World, inp: Input, event_id: str, state: str) -> None:
-    """An event to the scripted receiver: delivered iff the receiver accepted it, once."""
+    """An event to the scripted receiver: delivered only if the receiver answered a 2xx (once, if
+    every 2xx was well-formed), with the payload as written; dead only if no well-formed 2xx."""
     with world.receiver.lock:
         accepted = [a for a in world.receiver.accepted if a.event_id == event_id]
-    if state == "delivered" and len(accepted) != 1:
-        bad("delivered once", f"{inp.brief()}: delivered, the receiver accepted it {len(accepted)} times")
-    if state == "delivered" and accepted and accepted[0].body != inp.fields["payload"]:
-        bad("delivered as written", f"{inp.brief()}: the receiver got {accepted[0].body!r}")
-    if state == "dead" and accepted:
-        bad("delivered once", f"{inp.brief()}: dead-lettered, yet the receiver accepted it")
+    clean = [a for a in accepted if a.clean]
+    if state == "delivered" and (not accepted or len(clean) > 1):
+        bad(
+            "delivered once",
+            f"{inp.brief()}: delivered; the receiver answered {len(accepted)} 2xx, {len(clean)} clean",
+        )
+    if state == "delivered" and any(a.request.body != inp.fields["payload"] for a in accepted):
+        bad("delivered as written", f"{inp.brief()}: the receiver got {[a.request.body for a in accepted]!r}")
+    if state == "dead" and clean:
+        bad("delivered once", f"{inp.brief()}: dead-lettered, yet the receiver accepted it with a clean 2xx")
 
 
 def _accounted(bad: Bad, inp: Input, states: dict, rows: dict, r: Round, world: World) -> None:

@@ -15,6 +15,8 @@ import threading
 from collections import Counter
 from dataclasses import dataclass, field
 
+from outbox.harness.sinktaps import Request, read_request
+
 _CONTROL = re.compile(rb"[\x00-\x08\x0a-\x1f\x7f]")
 
 
@@ -31,10 +33,14 @@ class Reply:
 
     @property
     def accepts(self) -> bool:
-        """A 2xx the sender can read as one: a status line or header holding a control character
-        (a NUL, a lone CR) is no HTTP response at all to it, only a broken connection."""
-        raw = self.phrase + b"".join(n + v for n, v in self.headers)
-        return not self.hang_up and 200 <= self.status < 300 and not _CONTROL.search(raw)
+        return not self.hang_up and 200 <= self.status < 300
+
+    @property
+    def clean(self) -> bool:
+        """Well-formed: a status line or header holding a control character (a NUL, a lone CR)
+        may be no HTTP response at all to the sender (aiohttp refuses one in a header, and takes
+        one in the reason phrase), so its 2xx may or may not count as delivered."""
+        return not _CONTROL.search(self.phrase + b"".join(n + v for n, v in self.headers))
 
     def wire(self) -> bytes:
         head = [b"HTTP/1.1 %d %s" % (self.status, self.phrase), b"content-length: %d" % len(self.body)]
@@ -47,9 +53,8 @@ class Received:
     """A request the receiver answered with a 2xx: what the event delivered looks like."""
 
     event_id: str
-    path: str
-    headers: dict[str, str]
-    body: bytes
+    request: Request
+    clean: bool  # a well-formed response (Reply.clean)
 
 
 @dataclass
@@ -89,22 +94,14 @@ class ScriptedReceiver:
     async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
             while True:
-                head = await reader.readuntil(b"\r\n\r\n")
-                lines = head.decode("latin-1").split("\r\n")
-                path = lines[0].split(" ")[1] if " " in lines[0] else ""
-                headers = {}
-                for line in lines[1:]:
-                    if ":" in line:
-                        name, value = line.split(":", 1)
-                        headers[name.strip().lower()] = value.strip()
-                body = await reader.readexactly(int(headers.get("content-length", "0")))
-                event_id = headers.get("event-id", "")
+                request = await read_request(reader)
+                event_id = request.headers.get("event-id", "")
                 reply = self._answer(event_id)
                 if reply.hang_up:
                     break
                 if reply.accepts:
                     with self.lock:
-                        self.accepted.append(Received(event_id, path, headers, body))
+                        self.accepted.append(Received(event_id, request, reply.clean))
                 writer.write(reply.wire())
                 await writer.drain()
         except (asyncio.IncompleteReadError, ConnectionError, asyncio.LimitOverrunError, ValueError):

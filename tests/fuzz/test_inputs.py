@@ -96,6 +96,9 @@ REGRESSIONS: list[tuple[str, list[Input]]] = [
     ("the checker's: a 200 with a NUL in a header is no answer the relay can read (retried, then dead)",
      [Input("reply", "table", {"payload": b"", "key": None, "replies": [Reply(200, b"X", ((b"x-reply", b"\x00"),))]}),
       _good("api", "table", 10)]),
+    ("the checker's: a 200 with a NUL in its reason phrase is a 200 to aiohttp",
+     [Input("reply", "table", {"payload": b"", "key": None, "replies": [Reply(200, b"\x00", (), b"0" * 40)]}),
+      _good("api", "table", 11)]),
     ("5: a transform's exception message with escape sequences", [
         Input("transform", "wal", {"directive": {"raise": "boom\r\n\x1b[2Jforged"}}),
         Input("transform", "table", {"directive": {"return": {"headers": {"event-id": "forged", "a\r\nb": "c"}}}}),
