@@ -13,7 +13,6 @@ from outbox.events import encode_event
 from outbox.relay import wal_batch
 from outbox.relay.wal_batch import NEUTRAL_FIELDS, WalBatch
 
-
 LATER = datetime(2999, 1, 1, tzinfo=timezone.utc)
 
 
