@@ -39,7 +39,10 @@ class Reply:
     def clean(self) -> bool:
         """Well-formed: a status line or header holding a control character (a NUL, a lone CR)
         may be no HTTP response at all to the sender (aiohttp refuses one in a header, and takes
-        one in the reason phrase), so its 2xx may or may not count as delivered."""
+        one in the reason phrase), so its 2xx may or may not count as delivered. So is a 204 with a
+        body, which HTTP forbids: the sender reads the body as the next response's status line."""
+        if self.body and self.status in (204, 304):
+            return False
         return not _CONTROL.search(self.phrase + b"".join(n + v for n, v in self.headers))
 
     def wire(self) -> bytes:
