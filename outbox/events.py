@@ -443,7 +443,7 @@ def decode_row(row: tuple[Any, ...]) -> ClaimedEvent:
     if not MIN_TIME <= created_at <= MAX_TIME:  # a writer with the owner's grants may set it
         raise CorruptEvent(f"created_at: {time_text(created_at)} is out of range (years 1 to 9999)")
     if type_ is not None or subject is not None:
-        _check_attributes(type_, subject)
+        check_attributes(type_, subject)
     kafka_headers = decode_headers(headers)
     kafka_headers.append((EVENT_ID_HEADER, event_id.encode()))
     # tuple.__new__ directly: a NamedTuple's own __new__ is one more Python call per event.
@@ -463,13 +463,14 @@ def decode_row(row: tuple[Any, ...]) -> ClaimedEvent:
     return new_claimed(ClaimedEvent, fields)
 
 
-def _check_attributes(type_: str | None, subject: str | None) -> None:
-    """CorruptEvent when a stored ``type`` or ``subject`` is one enqueue refuses: they travel as
-    header values (``ce_type``, ``ce-subject``), where a line break would start another header."""
+def check_attributes(type_: object, subject: object) -> None:
+    """CorruptEvent when a stored ``type`` or ``subject`` (a row's, a WAL message's) is one enqueue
+    refuses: they travel as header values (``ce_type``, ``ce-subject``), where a line break would
+    start another header."""
     for value, field, limit in ((type_, "type", MAX_TYPE_CHARS), (subject, "subject", MAX_SUBJECT_CHARS)):
         if value is None:
             continue
-        if not value or len(value) > limit or not value.isprintable():
+        if value.__class__ is not str or not 0 < len(value) <= limit or not value.isprintable():
             raise CorruptEvent(
                 f"{field}: must be 1 to {limit} characters of printable text (no control characters "
                 "or line breaks)"

@@ -31,14 +31,13 @@ from outbox.events import (
     CORRUPT_TOPIC,
     EVENT_ID_HEADER,
     MAX_KEY_BYTES,
-    MAX_SUBJECT_CHARS,
     MAX_TIME,
     MAX_TOPIC_CHARS,
-    MAX_TYPE_CHARS,
     MIN_TIME,
     ClaimedEvent,
     EncodedEvent,
     Unusable,
+    check_attributes,
     decode_headers,
     new_claimed,
     parse_json,
@@ -111,7 +110,7 @@ def decode(content: bytes) -> WalRow:
     if b"u0000" in headers and _NUL_ESCAPE.search(headers):  # jsonb refuses; enqueue never writes it
         raise ValueError("headers: a NUL character")
     if type_ is not None or subject is not None:
-        _check_attributes(type_, subject)
+        check_attributes(type_, subject)
     try:
         text = headers.decode() if headers else None
     except UnicodeDecodeError:
@@ -147,17 +146,6 @@ def _time(value: Any, field: str) -> float:
     if not MIN_TIME <= seconds <= MAX_TIME:
         raise ValueError(f"{field}: {seconds:.6g} is out of range (seconds since the epoch, years 1 to 9999)")
     return seconds
-
-
-def _check_attributes(type_: Any, subject: Any) -> None:
-    """``type`` and ``subject`` as enqueue takes them: None, or printable text within its limit."""
-    for value, field, limit in ((type_, "type", MAX_TYPE_CHARS), (subject, "subject", MAX_SUBJECT_CHARS)):
-        if value is None:
-            continue
-        if value.__class__ is not str or not 0 < len(value) <= limit or not value.isprintable():
-            raise ValueError(f"{field}: not 1 to {limit} characters of printable text")
-        if not _storable(value):
-            raise ValueError(f"{field}: not text PostgreSQL can store")
 
 
 def bounded(content: bytes) -> tuple[bytes, str]:
