@@ -12,7 +12,7 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import psycopg
@@ -1184,13 +1184,23 @@ def _window_ended(dsn: str, schema: str, key: bytes) -> None:
     time.sleep(capture.mode.KEY_DROP_MARGIN + 0.1)
 
 
-def _slot_caught_up(dsn: str, schema: str) -> bool:
+def _slot_caught_up(dsn: str, schema: str) -> Callable[[], bool]:
+    """A condition: the slot is confirmed past where the WAL ends now (everything written so far,
+    ours included). A fixed mark: beside other tests on the server the WAL's end moves on, and a
+    slot that must reach wherever it is now never does."""
     with psycopg.connect(dsn) as conn:
-        row = conn.execute(
-            "SELECT confirmed_flush_lsn >= pg_current_wal_lsn() FROM pg_replication_slots WHERE slot_name = %s",
-            (capture.state(conn, schema).slot,),
-        ).fetchone()
-    return bool(row and row[0])
+        mark = conn.execute("SELECT pg_current_wal_insert_lsn()").fetchone()[0]  # type: ignore[index]
+        slot = capture.state(conn, schema).slot
+
+    def past() -> bool:
+        with psycopg.connect(dsn) as conn:
+            row = conn.execute(
+                "SELECT confirmed_flush_lsn >= %s::pg_lsn FROM pg_replication_slots WHERE slot_name = %s",
+                (mark, slot),
+            ).fetchone()
+        return bool(row and row[0])
+
+    return past
 
 
 def test_a_rotated_key_signs_from_the_rotation_and_the_old_one_only_within_its_window(
@@ -1236,7 +1246,7 @@ def test_a_rotated_key_signs_from_the_rotation_and_the_old_one_only_within_its_w
         forge(second, 3)  # the second's window (1 h) runs
         wait_for(lambda: count(wal_dsn, wal_schema, "delivered") == 4, timeout=30, what="the second's event")
         assert len(_keys(wal_dsn, wal_schema)) == 3  # the first is kept until the slot is past it
-        wait_for(lambda: _slot_caught_up(wal_dsn, wal_schema), timeout=30, what="the slot confirmed")
+        wait_for(_slot_caught_up(wal_dsn, wal_schema), timeout=30, what="the slot confirmed")
         assert main([*rotate, "--window", "1h"]) == 0
         assert first not in _keys(wal_dsn, wal_schema) and len(_keys(wal_dsn, wal_schema)) == 3
     payloads = sorted(m.value.decode() for m in read_topic(kafka, topic, 4))
@@ -1261,7 +1271,7 @@ def test_a_retired_key_is_kept_while_a_lagging_slot_still_needs_it(
         late = outbox.enqueue(writer, topic, {"n": "late"}, schema=wal_schema)  # signed with the first key
         with psycopg.connect(wal_dsn, autocommit=True) as conn:
             capture.rotate_key(conn, wal_schema, window=60)
-        wait_for(lambda: _slot_caught_up(wal_dsn, wal_schema), timeout=30, what="the rotation confirmed")
+        wait_for(_slot_caught_up(wal_dsn, wal_schema), timeout=30, what="the rotation confirmed")
     writer.commit()  # within the window, after the rotation; the relay is not reading
     writer.close()
     _window_ended(wal_dsn, wal_schema, first)
@@ -1271,7 +1281,7 @@ def test_a_retired_key_is_kept_while_a_lagging_slot_still_needs_it(
     with running_relay(config, bootstrap=kafka):
         wait_for(lambda: count(wal_dsn, wal_schema, "delivered") == 2, timeout=30, what="the late event")
         assert count(wal_dsn, wal_schema, "dead_letters") == 0
-        wait_for(lambda: _slot_caught_up(wal_dsn, wal_schema), timeout=30, what="the slot past it")
+        wait_for(_slot_caught_up(wal_dsn, wal_schema), timeout=30, what="the slot past it")
         with psycopg.connect(wal_dsn, autocommit=True) as conn:
             dropped = capture.rotate_key(conn, wal_schema, window=60).dropped
     assert len(dropped) == 1 and first not in _keys(wal_dsn, wal_schema)
