@@ -199,7 +199,7 @@ def _confirmed_past(dsn: str, schema: str, lsn: str) -> bool:
 def test_a_strangers_huge_messages_are_kept_as_a_bounded_prefix(
     wal_dsn: str, wal_schema: str, kafka: str, topic: str
 ) -> None:
-    """A role that may only log in emits three 40 MB messages in one transaction (the finding was
+    """A role that may only log in emits three 2 MB messages in one transaction (the finding was
     three of 380 MB: each kept whole as its dead letter's payload, bound as one array over the
     1 GB PostgreSQL takes in a message). Each dead letter keeps the first 64 KiB, and its reason
     the length and digest of the whole; the writer's event after them is delivered."""
@@ -207,7 +207,7 @@ def test_a_strangers_huge_messages_are_kept_as_a_bounded_prefix(
     with psycopg.connect(wal_dsn, autocommit=True) as conn:
         conn.execute(sql.SQL("CREATE ROLE {} LOGIN").format(sql.Identifier(name)))
     try:
-        big = [bytes([i]) * (40 * 2**20) for i in range(1, 4)]
+        big = [bytes([i]) * (2 * 2**20) for i in range(1, 4)]
         with psycopg.connect(make_conninfo(wal_dsn, user=name)) as conn:
             for message in big:
                 conn.execute(
