@@ -19,8 +19,9 @@ class BenchConfig:
         "drain: seconds the hand-written loop (one event a transaction) races (it is slow)",
     )
     peer_seconds: float = setting(30.0, "drain: seconds each Python peer races (outbox-relay[bench-peers])")
-    rates: list[int] = setting(default_factory=lambda: [1000, 5000, 20000], help="steady: events/s")
-    steady_seconds: float = setting(30.0, "steady: seconds per rate")
+    rates: list[int] = setting(default_factory=lambda: [200, 500, 1000], help="steady: events/s")
+    steady_seconds: float = setting(30.0, "steady: seconds per rate and contender")
+    steady_repeat: int = setting(3, "steady: runs per rate of the relay and of the minimal loop, interleaved")
     writer_iterations: int = setting(2000, "writer: business transactions with and without enqueue")
     enqueue_many_repeats: int = setting(30, "writer: enqueue_many(1000) calls")
     soak_minutes: float = setting(10.0, "soak: minutes")
@@ -90,6 +91,7 @@ SMOKE = {
     "peer_seconds": 1.5,
     "rates": [200],
     "steady_seconds": 3.0,
+    "steady_repeat": 1,
     "writer_iterations": 100,
     "enqueue_many_repeats": 3,
     "soak_minutes": 0.05,

@@ -22,6 +22,11 @@ stops when the parent sets ``stop``.
   finisher thread (one: in order), while the next are read and produced; the slot is
   confirmed up to the last transaction read whole when the stream pauses. No ordering,
   retries, telemetry or exact resume: what reading the WAL can do at most here.
+- ``steady_loop``: the minimal loop at steady load, the steady scenario's reference. LISTEN on
+  the outbox's channel; claim up to 2,000 with SKIP LOCKED; produce each with its headers and
+  ``event-id`` (``acks=all``), flush, archive with the relay's own statement, COMMIT; when the
+  claim finds nothing, wait for a NOTIFY. One batch at a time: at a steady rate a batch is a
+  handful of events, and a second one out would only wait behind the first.
 - ``seeds``: the loop most teams start with. One row per transaction: claim,
   mark the lease, publish, flush, delete.
 - ``txoutbox`` / ``faststream``: the Python peers (:mod:`outbox.bench.peers`).
@@ -48,6 +53,7 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from functools import partial
 from itertools import repeat
 from multiprocessing.sharedctypes import Synchronized
 from multiprocessing.synchronize import Event
@@ -66,9 +72,11 @@ from outbox.sinks.base import Delivered, Outcome, OutcomeSlots, Report, Settle, 
 from outbox.sinks.kafka import KafkaSink, produce_each
 from outbox.store.outboxes import Outbox
 from outbox.store.queries import query
+from outbox.store.schema import channel_name
 
 BARE_BATCH = BATCH_SIZE  # rows per batch of the minimal loops: the relay's default claim
 IDLE_WAIT = 0.005  # seconds a baseline sleeps when it finds nothing to do
+STEADY_IDLE_WAIT = 0.5  # seconds the steady loop waits for a NOTIFY before it claims again
 REPORT_WAIT = 0.001  # seconds a minimal loop waits for a delivery report when it can do nothing else
 FLIGHTS = MAX_BATCHES_IN_FLIGHT  # batches a minimal loop has out at once, as the relay by default
 PRODUCER_CONFIG = {"enable.idempotence": True, "acks": "all", "linger.ms": 5}
@@ -78,14 +86,16 @@ PARENT_CHECK = 0.5  # seconds between a contender's looks at whether the bench i
 
 @dataclass
 class ContenderSpec:
-    kind: str  # relay | ceiling | ceiling_wal | bare | seeds | txoutbox | faststream | sink_relay | sink_loop
+    # relay | steady_loop | ceiling | ceiling_wal | bare | seeds | txoutbox | faststream | sink_relay
+    # | sink_loop
+    kind: str
     dsn: str
     schema: str
     bootstrap: str
     relay_options: dict[str, Any] = field(default_factory=dict)
     sink_url: str = ""  # sink_relay / sink_loop: the route URL (outbox.bench.sinks)
     topic: str = ""  # faststream: the Kafka topic its publisher writes to
-    ack_log: str | None = None  # steady scenario: where the relay writes event-id -> ack time
+    ack_log: str | None = None  # steady scenario: where a contender writes event-id -> ack time
     ack_sample: bool = False  # keep the ack times of a sixteenth of the events (ack_sampled)
     schemas: list[str] = field(default_factory=list)  # tenants: every outbox one relay serves
     # The child's entry for the contenders defined above this module (peers, sinks); spawned
@@ -142,6 +152,8 @@ def run_contender(spec: ContenderSpec, counter: Synchronized[int], stop: Event) 
         _loop(spec, "ceiling_claim", "ceiling_archive", counter, stop)
     elif spec.kind == "ceiling_wal":
         _wal_loop(spec, counter, stop)
+    elif spec.kind == "steady_loop":
+        _steady_loop(spec, counter, stop)
     else:
         raise ValueError(f"contender: unknown kind {spec.kind!r}")
 
@@ -378,6 +390,54 @@ def _loop(
         pipe.close()
         for conn in conns:
             conn.close()
+
+
+def _steady_loop(spec: ContenderSpec, counter: Synchronized[int], stop: Event) -> None:
+    """The minimal loop at steady load (``steady_loop``): see the module's docstring."""
+    producer = Producer({"bootstrap.servers": spec.bootstrap, **PRODUCER_CONFIG})
+    claim = query("bare_claim", spec.schema)
+    archive = query("archive_delivered", spec.schema)
+    acks: list[tuple[str, float]] = []
+    coordinates: dict[int, tuple[int, int]] = {}  # the batch's index -> partition, offset
+
+    def acked(index: int, event_id: str, err: Any, msg: Any) -> None:
+        if err is None:
+            acks.append((event_id, time.time()))
+            coordinates[index] = (msg.partition(), msg.offset())
+
+    moved = 0
+    with psycopg.connect(spec.dsn, autocommit=True) as listen, psycopg.connect(spec.dsn) as conn:
+        listen.execute(query("listen_events", "public", identifiers={"channel": channel_name(spec.schema)}))
+        while not stop.is_set():
+            rows = conn.execute(claim, {"limit": BARE_BATCH}).fetchall()
+            if not rows:
+                conn.rollback()
+                # A NOTIFY sent while the claim ran waits on the connection: seen at once.
+                for _ in listen.notifies(timeout=STEADY_IDLE_WAIT, stop_after=1):
+                    pass
+                continue
+            coordinates.clear()
+            for index, (_, event_id, topic, key, payload, headers) in enumerate(rows):
+                producer.produce(
+                    topic, payload, key, on_delivery=partial(acked, index, event_id),
+                    headers=_kafka_headers(event_id, headers),
+                )  # fmt: skip
+            producer.flush()
+            if len(coordinates) < len(rows):  # a send failed: its events stay for the next claim
+                conn.rollback()
+                continue
+            ids = [row[0] for row in rows]
+            partitions = [coordinates[i][0] for i in range(len(rows))]
+            offsets = [coordinates[i][1] for i in range(len(rows))]
+            conn.execute(
+                archive,
+                {"ids": ids, "partitions": partitions, "offsets": offsets, "refs": [], "filtered": []},
+            )
+            conn.commit()
+            moved += len(rows)
+            counter.value = moved
+    if spec.ack_log is not None:
+        Path(spec.ack_log).write_text(json.dumps(acks))
 
 
 def _wal_loop(spec: ContenderSpec, counter: Synchronized[int], stop: Event) -> None:

@@ -70,11 +70,45 @@ DRAIN_NAMES = {
 }
 
 
+def _contender(run: dict[str, Any]) -> str:
+    return "minimal loop" if run.get("contender") == "steady_loop" else "relay"
+
+
+def steady_compared_markdown(compared: list[dict[str, Any]]) -> list[str]:
+    """The relay against the minimal loop, per rate: medians over the repeats, and their ratios."""
+    if not any("ratio" in row for row in compared):
+        return []
+    lines = [
+        "The relay (table capture) against the minimal loop with archive, commit→ack, medians of "
+        "the runs; ms. Ratios are relay / loop (lower is better).",
+        "",
+        "| rate | relay p50 / p99 | relay WAL p50 / p99 | loop p50 / p99 | ratio p50 / p99 | "
+        "CPU relay / loop (core) | CPU ratio |",
+        "| ---: | --- | --- | --- | --- | --- | ---: |",
+    ]
+    for row in compared:
+        if "ratio" not in row:
+            continue
+        relay, loop, ratio = row["relay"], row["loop"], row["ratio"]
+        wal = row.get("relay_wal")
+        shown_wal = f"{_ms(wal['p50'])} / {_ms(wal['p99'])}" if wal else "-"
+        lines.append(
+            f"| {row['rate']:,}/s | {_ms(relay['p50'])} / {_ms(relay['p99'])} | {shown_wal} | "
+            f"{_ms(loop['p50'])} / {_ms(loop['p99'])} | **{ratio['p50']} / {ratio['p99']}** | "
+            f"{_share(relay['cpu_share'])} / {_share(loop['cpu_share'])} | {ratio['cpu_share']} |"
+        )
+    return [*lines, ""]
+
+
+def _share(value: float | None) -> str:
+    return "-" if value is None else f"{100 * value:.0f} %"
+
+
 def _wakeup(run: dict[str, Any]) -> str:
     """How a steady run's relay learnt of new events: NOTIFY, a 50 ms poll, or the WAL stream."""
     if run.get("capture") == "wal":
         return "WAL capture (streamed)"
-    return "on" if run["notify"] else "off (poll 50 ms)"
+    return "NOTIFY" if run["notify"] else "poll 50 ms (no NOTIFY)"
 
 
 def later_run(name: str, d: dict[str, Any]) -> list[str]:
@@ -211,19 +245,21 @@ def markdown(results: dict[str, Any]) -> str:
             f"**Steady** writers commit an order + its event per transaction for "
             f"{s['steady']['seconds_per_rate']:.0f} s per rate; latency in ms.",
             "",
-            "| target rate | NOTIFY | achieved | commit→ack p50 / p95 / p99 / max | "
-            "commit→consumer p50 / p99 | kept up |",
-            "| ---: | --- | ---: | --- | --- | --- |",
+            "| contender | target rate | wake-up | achieved | commit→ack p50 / p95 / p99 / max | "
+            "commit→consumer p50 / p99 | CPU (core) | kept up |",
+            "| --- | ---: | --- | ---: | --- | --- | ---: | --- |",
         ]
         for r in s["steady"]["runs"]:
             a, c = r["commit_to_ack_ms"], r["commit_to_consumer_ms"]
+            cpu = r.get("cpu_share")
             lines.append(
-                f"| {r['target_rate']:,}/s | {_wakeup(r)} | "
+                f"| {_contender(r)} | {r['target_rate']:,}/s | {_wakeup(r)} | "
                 f"{r['achieved_write_rate']:,.0f}/s | {_ms(a['p50'])} / {_ms(a['p95'])} / "
                 f"{_ms(a['p99'])} / {_ms(a['max'])} | {_ms(c['p50'])} / {_ms(c['p99'])} | "
-                f"{'yes' if r['kept_up'] else 'no'} |"
+                f"{'-' if cpu is None else f'{100 * cpu:.0f} %'} | {'yes' if r['kept_up'] else 'no'} |"
             )
         lines.append("")
+        lines += steady_compared_markdown(s["steady"].get("compared", []))
     if "writer" in s:
         w = s["writer"]
         lines += [
@@ -580,7 +616,7 @@ def plots(results: dict[str, Any], out: Path) -> list[str]:
             if not xs:
                 continue
             ys = [(i + 1) / len(xs) for i in range(len(xs))]
-            label = f"{r['target_rate']:,}/s, " + (
+            label = f"{_contender(r)} {r['target_rate']:,}/s, " + (
                 "WAL capture" if r.get("capture") == "wal" else f"NOTIFY {'on' if r['notify'] else 'off'}"
             )
             ax.plot(xs, ys, label=label)

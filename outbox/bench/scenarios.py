@@ -21,7 +21,7 @@ from outbox.bench.config import BenchConfig
 from outbox.bench.console import console as console  # the console scenario, run by name too
 from outbox.bench.contenders import ContenderSpec
 from outbox.bench.limits import limits as limits  # the limits scenario: --limit and --weight
-from outbox.bench.measure import median, middle_rate, percentiles, race
+from outbox.bench.measure import Race, median, middle_rate, percentiles, race
 from outbox.bench.sinks import sinks as sinks  # the sinks scenario, run by name like the others
 from outbox.bench.snapshot import snapshot as snapshot  # the held snapshot, table and WAL capture
 from outbox.bench.tenants import tenants as tenants  # the tenants scenario: many outboxes, one relay
@@ -345,8 +345,14 @@ def drain(cfg: BenchConfig) -> dict[str, Any]:
 # -- steady -----------------------------------------------------------------------------
 
 
-def steady_once(cfg: BenchConfig, rate: int, notify: bool, capture_mode: str = "table") -> dict[str, Any]:
-    label = f"steady {rate}/s notify={'on' if notify else 'off'}" + (" WAL" if capture_mode == "wal" else "")
+def steady_once(
+    cfg: BenchConfig, rate: int, notify: bool, capture_mode: str = "table", contender: str = "relay"
+) -> dict[str, Any]:
+    """One contender at ``rate`` events/s for ``steady_seconds``: when each event was committed,
+    acknowledged by the broker and received by a consumer."""
+    label = f"steady {rate}/s {contender} notify={'on' if notify else 'off'}" + (
+        " WAL" if capture_mode == "wal" else ""
+    )
     with Workspace(cfg.dsn, cfg.bootstrap, "steady") as ws, tempfile.TemporaryDirectory() as tmp:
         if capture_mode == "wal":
             ws.capture_wal()  # the writers' events are messages read from the slot: no NOTIFY
@@ -357,7 +363,7 @@ def steady_once(cfg: BenchConfig, rate: int, notify: bool, capture_mode: str = "
         if not notify:
             with psycopg.connect(cfg.dsn, autocommit=True) as conn:
                 conn.execute(query("notify_trigger", ws.schema, keywords={"state": "DISABLE"}))
-        spec = ws.spec("relay", **options)
+        spec = ws.spec("relay", **options) if contender == "relay" else ws.spec(contender)
         spec.ack_log = ack_log
         receipts = Tap(cfg.bootstrap, ws.topic, fetch_wait_ms=10)
         receipts.start()
@@ -367,13 +373,13 @@ def steady_once(cfg: BenchConfig, rate: int, notify: bool, capture_mode: str = "
         started: list[float] = []
 
         def on_sample(elapsed: float, _moved: int) -> None:
-            if not started and elapsed >= 1.5:  # let the relay connect first
+            if not started and elapsed >= 1.5:  # let the contender connect first
                 started.append(elapsed)
                 writers.start()
 
         def caught_up(_elapsed: float, moved: int) -> bool:
             # The writers' time box counts from their own start (slow to spawn on a loaded
-            # machine): the relay runs until they are done and it has moved what they wrote.
+            # machine): the contender runs until they are done and it has moved what they wrote.
             return bool(started) and not writers.alive() and moved >= writers.written
 
         result = race(
@@ -398,6 +404,7 @@ def steady_once(cfg: BenchConfig, rate: int, notify: bool, capture_mode: str = "
     acked_share = len(to_ack) / max(len(commits), 1)
     ack_p = percentiles(to_ack)
     return {
+        "contender": contender,
         "target_rate": rate,
         "notify": notify,
         "capture": capture_mode,
@@ -408,6 +415,8 @@ def steady_once(cfg: BenchConfig, rate: int, notify: bool, capture_mode: str = "
         "consumed": len(to_consumer),
         "commit_to_ack_ms": ack_p,
         "commit_to_consumer_ms": percentiles(to_consumer),
+        # The contender's CPU while events moved, as a share of one core.
+        "cpu_share": cpu_share(result),
         # Kept up: every committed event acked, and the tail stayed bounded.
         "kept_up": acked_share >= 0.999 and (ack_p["p99"] or 0) < 1000,
         "relay_moved": result.moved,
@@ -415,12 +424,69 @@ def steady_once(cfg: BenchConfig, rate: int, notify: bool, capture_mode: str = "
     }
 
 
+def cpu_share(result: Race) -> float | None:
+    """The contenders' CPU from their first event moved to the end, as a share of one core."""
+    first = next((t for t, moved in result.series if moved > 0), None)
+    if first is None or result.elapsed_s <= first:
+        return None
+    return round(result.relay_cpu_moving_s / (result.elapsed_s - first), 4)
+
+
 def steady(cfg: BenchConfig) -> dict[str, Any]:
-    out = [steady_once(cfg, rate, notify=True) for rate in cfg.rates]
+    """Each rate: the relay and the minimal loop (``steady_loop``) in turn, ``steady_repeat``
+    times, the order alternating; then the relay without NOTIFY, and in WAL capture."""
+    out: list[dict[str, Any]] = []
+    for rate in cfg.rates:
+        for i in range(cfg.steady_repeat):
+            pair = ("relay", "steady_loop") if i % 2 == 0 else ("steady_loop", "relay")
+            out += [steady_once(cfg, rate, notify=True, contender=c) for c in pair]
     out.append(steady_once(cfg, cfg.rates[0], notify=False))
-    if wal_capable(cfg.dsn):  # and each rate in WAL capture (issue 30), the same run
-        out += [steady_once(cfg, rate, notify=True, capture_mode="wal") for rate in cfg.rates]
-    return {"runs": out, "seconds_per_rate": cfg.steady_seconds}
+    if wal_capable(cfg.dsn):  # and each rate in WAL capture, the same run
+        for rate in cfg.rates:
+            out += [steady_once(cfg, rate, notify=True, capture_mode="wal") for _ in range(cfg.steady_repeat)]
+    return {"runs": out, "seconds_per_rate": cfg.steady_seconds, "compared": steady_compared(out)}
+
+
+def steady_compared(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per rate: the medians over repeats of each contender's commit -> ack p50 and p99 and its
+    CPU, and the relay's (table and WAL capture, NOTIFY on) against the minimal loop's."""
+    out = []
+    for rate in sorted({r["target_rate"] for r in runs}):
+        row: dict[str, Any] = {"rate": rate}
+        for name, contender, capture in (
+            ("relay", "relay", "table"), ("relay_wal", "relay", "wal"), ("loop", "steady_loop", "table")
+        ):  # fmt: skip
+            wanted = (rate, contender, capture, True)
+            mine = [
+                r for r in runs if (r["target_rate"], r["contender"], r["capture"], r["notify"]) == wanted
+            ]
+            if not mine:
+                continue
+            row[name] = {
+                "p50": _median([r["commit_to_ack_ms"]["p50"] for r in mine]),
+                "p99": _median([r["commit_to_ack_ms"]["p99"] for r in mine]),
+                "consumer_p50": _median([r["commit_to_consumer_ms"]["p50"] for r in mine]),
+                "consumer_p99": _median([r["commit_to_consumer_ms"]["p99"] for r in mine]),
+                "cpu_share": _median([r["cpu_share"] for r in mine]),
+                "runs": len(mine),
+            }
+        if "relay" in row and "loop" in row:
+            row["ratio"] = {
+                k: _known_ratio(row["relay"][k], row["loop"][k]) for k in ("p50", "p99", "cpu_share")
+            }
+        if "relay" in row and "relay_wal" in row:
+            row["wal_to_table_p50"] = _known_ratio(row["relay_wal"]["p50"], row["relay"]["p50"])
+        out.append(row)
+    return out
+
+
+def _median(values: list[float | None]) -> float | None:
+    known = [v for v in values if v is not None]
+    return round(median(known), 3) if known else None
+
+
+def _known_ratio(a: float | None, b: float | None) -> float | None:
+    return None if a is None or b is None else _ratio(a, b, 2)
 
 
 # -- writer overhead: outbox/bench/writers.py (every stack) ------------------------------

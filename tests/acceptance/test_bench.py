@@ -117,8 +117,15 @@ def test_bench_smoke_steady_writer_and_tenants(pg_dsn: str, kafka: str, tmp_path
     for run in results["scenarios"]["steady"]["runs"]:
         assert run["acked"] == run["written"] > 0, "steady: an event was not acked"
         assert run["consumed"] == run["written"], "steady: an event was not consumed"
-    assert [r["capture"] for r in results["scenarios"]["steady"]["runs"]] == ["table", "table", "wal"]
-    assert "| WAL capture (streamed) |" in table
+    steady = results["scenarios"]["steady"]
+    assert [(r["contender"], r["capture"], r["notify"]) for r in steady["runs"]] == [
+        ("relay", "table", True), ("steady_loop", "table", True), ("relay", "table", False), ("relay", "wal", True)
+    ]  # fmt: skip
+    (compared,) = steady["compared"]
+    assert compared["rate"] == 200 and compared["ratio"]["p50"] > 0 and compared["wal_to_table_p50"] > 0
+    assert all(r["cpu_share"] > 0 for r in steady["runs"]), "steady: a contender's CPU was not measured"
+    assert "| WAL capture (streamed) |" in table and "| minimal loop | 200/s | NOTIFY |" in table
+    assert "against the minimal loop with archive" in table
     writer = results["scenarios"]["writer"]
     assert writer["stacks"], "writer: no stack measured"
     assert set(writer["stacks_wal"]) == set(writer["stacks"]), "writer: WAL capture not measured per stack"
