@@ -53,6 +53,8 @@ class Host(Protocol):
     @property
     def metrics_on(self) -> bool: ...
 
+    def wake(self) -> None: ...
+
 
 class _NotHandedOn(Exception):
     """A WAL batch's finisher gave up: the batch read before it did not commit."""
@@ -71,6 +73,10 @@ class BatchFinisher:
         # Batches on a finisher, with the time each was handed over (recorded once done).
         # A shared transaction's batches have one future, whose result maps each one to its own.
         self.finishing: dict[Batch, tuple[Future[Any], int]] = {}
+
+    def _woken(self, _future: Future[Any]) -> None:
+        """A batch was finished (its thread): the loop records it and frees its slot now."""
+        self.relay.wake()
 
     def sent(self, lane: Lane, batch: Batch) -> None:
         """``batch`` is out: its outcomes will come through ``batch.settle``."""
@@ -128,6 +134,7 @@ class BatchFinisher:
             future = self._pool.submit(self._statements, lane, batch)
         else:
             future = self._pool.submit(self._finish_after, *earlier, lane, batch)
+        future.add_done_callback(self._woken)
         self.finishing[batch] = (future, ack_start)
 
     def _hand_over_shared(self, shared: Shared) -> None:
@@ -136,6 +143,7 @@ class BatchFinisher:
         shared.handed = True
         ack_start = time.time_ns()
         future = self._pool.submit(self._shared_statements, shared)
+        future.add_done_callback(self._woken)
         for _, batch in shared.members:
             self.finishing[batch] = (future, ack_start)
 

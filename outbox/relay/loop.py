@@ -34,8 +34,11 @@ budget (``max_connections``) are open.
 
 Threads: the loop owns the lanes. The listener's thread (NOTIFY) and each WAL reader's thread
 only set a lane's ``woken``/``table_news`` flags and wake the loop (:meth:`Relay.wake`); the
-finisher's threads run a batch's statements and hand the result back as a future the loop reads;
-the health server's thread reads copies.
+finisher's threads run a batch's statements and hand the result back as a future the loop reads,
+and wake it; a sink that signals (Kafka's report thread, the asyncio sinks' loops) sets the same
+wake-up when reports are ready, so the loop waits in one place for all of them, and each step
+starts by serving what the sink reported. A sink that does not signal is polled in slices, as
+before. The health server's thread reads copies.
 """
 
 from __future__ import annotations
@@ -67,7 +70,7 @@ from outbox.relay.roster import Roster
 from outbox.relay.scheduler import ClaimScheduler
 from outbox.relay.sender import BatchSender
 from outbox.relay.upkeep import LaneUpkeep
-from outbox.sinks.base import Sink
+from outbox.sinks.base import Sink, wake_of
 from outbox.sinks.chains import KeyChains
 from outbox.store.dsn import with_net_timeouts
 from outbox.store.hygiene import Hygiene
@@ -141,7 +144,11 @@ class Relay:
         self.transforms = transforms if transforms is not None else config.transforms
         self.chains: dict[str, KeyChains] = {}  # per outbox, around the sink, where it needs them
         self.stopped = threading.Event()
+        # The loop's one wait: NOTIFY, WAL reads, finished batches, serve/stop, and the reports of
+        # a sink that signals (then it is that sink's own wake-up: see use_sink).
         self._wakeup = threading.Event()
+        self._signalled = False  # the sink sets _wakeup when reports are ready
+        self._empty_until = 0.0  # no claim before this, but after a report (see _step)
         # Every connection of the relay notices a dead peer within net_timeout seconds.
         self._dsn = with_net_timeouts(self.dsn, config.net_timeout)
         self.finisher = BatchFinisher(self)
@@ -204,6 +211,14 @@ class Relay:
     def wake(self) -> None:
         """Wake the loop (any thread): a lane has news."""
         self._wakeup.set()
+
+    def use_sink(self, sink: Sink) -> None:
+        """Deliver through ``sink`` from now on; wait on its wake-up if it signals its reports."""
+        self.sink = sink
+        wake = wake_of(sink)
+        self._signalled = wake is not None
+        self._wakeup = wake if wake is not None else threading.Event()
+        self._wakeup.set()  # a wake-up set on the one before is not lost: look once more
 
     def wal_read(self, lane: Lane) -> None:
         """A lane's WAL reader queued a transaction (its thread)."""
@@ -271,8 +286,13 @@ class Relay:
 
     def _step(self) -> None:
         finisher = self.finisher
+        signalled = self._signalled and self.sink is not None
+        if signalled:
+            self._wakeup.clear()  # first: news that comes while this step looks sets it again
+            self.sink.poll(0)  # type: ignore[union-attr]
         waiting = finisher.waiting()
-        if waiting != self._waiting:  # a sink reported (or a batch came or went)
+        reported = waiting != self._waiting
+        if reported:  # a sink reported (or a batch came or went)
             self._waiting = waiting
             self.health.sink_progress = time.monotonic()
         if self.roster.changed:
@@ -290,6 +310,8 @@ class Relay:
             return
         free = self.sessions.available()
         chosen = scheduler.next_claim(now, free)
+        if chosen is not None and now < self._empty_until and not reported:
+            chosen = None  # a claim came back empty behind batches in flight: wait for a report first
         gate = chosen.gate_due(now, self.config.max_batches_in_flight) if chosen is not None else None
         if chosen is not None and gate is not None:
             self.sender.claim_gate(chosen, gate, scheduler.batch_limit(chosen, now))
@@ -303,21 +325,33 @@ class Relay:
                 claimed = self.sender.claim_and_send(chosen, limit)
                 self._claimed(chosen, limit, claimed)
             if claimed == 0 and chosen.in_flight:
-                # Serve the reports of the batches in flight before the next claim: when every
-                # pending key waits behind them (after an outage) and writers keep notifying,
-                # claims come back empty one after another, and without this the loop would
-                # never read the reports that finish those batches (until their lease ran out).
-                assert self.sink is not None
-                self.sink.poll(REPORT_WAIT)
+                # When every pending key waits behind the batches in flight (after an outage) and
+                # writers keep notifying, claims come back empty one after another: the next one
+                # waits for a report (or REPORT_WAIT), not for each NOTIFY.
+                if signalled:
+                    self._empty_until = time.monotonic() + REPORT_WAIT
+                else:
+                    assert self.sink is not None
+                    self.sink.poll(REPORT_WAIT)
         elif finisher.busy:
             assert self.sink is not None
-            # A batch on the finisher frees its slot when the loop next looks: look again soon.
-            full = not finisher.finishing and not scheduler.slot_free(now, self.sessions.available())
-            self.sink.poll(REPORT_WAIT_FULL if full else REPORT_WAIT)
+            if signalled:
+                # Reports, finished batches and NOTIFY all wake the loop; the timeout is the next
+                # deadline, at most REPORT_WAIT_FULL (the sink's health is looked at each step).
+                wait = scheduler.idle_wait(now, self.upkeep.next_maintenance_check)
+                if self._empty_until > now:
+                    wait = min(wait, self._empty_until - now)
+                if not scheduler.woken():
+                    self._wakeup.wait(min(wait, REPORT_WAIT_FULL))
+            else:
+                # A batch on the finisher frees its slot when the loop next looks: look again soon.
+                full = not finisher.finishing and not scheduler.slot_free(now, self.sessions.available())
+                self.sink.poll(REPORT_WAIT_FULL if full else REPORT_WAIT)
         else:
             # Idle: sleep until the next poll, NOTIFY, or the next heartbeat (a long
             # poll interval must not let the ownership leases lapse).
-            self._wakeup.clear()
+            if not signalled:
+                self._wakeup.clear()
             if not scheduler.woken():
                 self._wakeup.wait(scheduler.idle_wait(now, self.upkeep.next_maintenance_check))
 
@@ -395,7 +429,7 @@ class Relay:
         if config.notify:
             self.listener = Listener(self._dsn, self.stopped)
         self.chains = {}
-        self.sink = self.sink_factory()
+        self.use_sink(self.sink_factory())
         self.roster.start()
         self.upkeep.refuse_wal_without_reader()
         if config.vacuum:

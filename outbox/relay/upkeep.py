@@ -56,6 +56,8 @@ class Host(Protocol):
 
     def wal_read(self, lane: Lane) -> None: ...
 
+    def use_sink(self, sink: Sink) -> None: ...
+
 
 class LaneUpkeep:
     def __init__(self, relay: Host) -> None:
@@ -290,7 +292,7 @@ class LaneUpkeep:
             relay.sink.close(0)
             relay.finisher.settle_unreported()
             self.sinks_were_down()
-        relay.sink = relay.sink_factory()
+        relay.use_sink(relay.sink_factory())
         relay.chains = {}
         for lane in relay.scheduler.rotation:
             self.chain(lane)

@@ -199,7 +199,8 @@ class Shaped(Protocol):
 
 @runtime_checkable
 class Signals(Protocol):
-    """Sets ``wake`` when reports are ready (an asyncio sink): a router shares one among them."""
+    """Sets ``wake`` when reports are ready (Kafka's and the asyncio sinks): a router shares one
+    among them, and the relay waits on it with the rest of its news."""
 
     wake: threading.Event
 
@@ -223,6 +224,16 @@ def send_now(sink: Sink) -> None:
 
 def keeps_key_order(sink: object) -> bool:
     return not isinstance(sink, KeyOrder) or bool(sink.keeps_key_order)
+
+
+def wake_of(sink: Sink) -> threading.Event | None:
+    """The event ``sink`` sets whenever reports are ready, or None: a sink that must be polled for
+    them (a user's own, or a wrapper that holds reports back in its own ``poll``)."""
+    while isinstance(sink, SinkWrapper):
+        if type(sink).poll is not SinkWrapper.poll:
+            return None
+        sink = sink.inner
+    return sink.wake if isinstance(sink, Signals) else None
 
 
 class SinkWrapper:

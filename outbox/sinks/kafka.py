@@ -15,6 +15,13 @@ Errors are classified once, here: refused for good -> :class:`Dead`, a fatal
 producer error -> the sink reports itself unhealthy and the relay recreates it,
 anything else -> :class:`Retry`. The error kind is librdkafka's error name.
 
+Delivery reports are served on a thread of the sink's own, which waits in librdkafka's poll with
+the GIL released: the relay's loop never waits in a poll slice of the client's. A delivery of a
+batch sent whole (``produce_many``) is stored straight into its slot there; every other report
+is queued for :meth:`KafkaSink.poll`, which the relay's loop calls, and :attr:`KafkaSink.wake`
+is set when there are new ones (the relay waits on it, with NOTIFY and its other news).
+``send_now`` asks that thread to flush (librdkafka's only way past the linger) and returns.
+
 A broker outage is one :class:`~outbox.observe.conditions.Condition`: librdkafka's
 connection failures (its log lines and error callbacks, several per second
 per broker while it is down) become one line when it starts, a summary a
@@ -85,8 +92,12 @@ DEFAULT_CONFIG: dict[str, Any] = {
 }
 
 UNASSIGNED = -1  # librdkafka's RD_KAFKA_PARTITION_UA: the partitioner picks by key
-BUFFER_FULL_WAIT = 0.05  # seconds between polls while the client's queue is full
-SEND_NOW_WAIT = 0.005  # seconds send_now() may wait (serving reports); it returns at the ack
+BUFFER_FULL_WAIT = 0.005  # seconds between tries while the client's queue is full
+SEND_NOW_WAIT = 0.005  # seconds a flush that send_now() asks for may last (it ends at the ack)
+# Seconds the report thread waits in librdkafka's poll at a time while messages are out: a flush
+# that send_now() asks for meanwhile starts within this.
+REPORT_SLICE = 0.001
+IDLE_WAIT = 0.5  # seconds the report thread sleeps with nothing out (then serves client errors)
 PROBE_TIMEOUT = 0.5  # seconds a metadata request may take when probing brokers counted down
 
 # Secret-bearing librdkafka settings: never logged.
@@ -283,6 +294,46 @@ class KafkaSink:
         self._producer = Producer(
             {**self.config, "error_cb": self._on_error, "logger": _ClientLog(self.broker)}
         )
+        # Reports for the loop's thread (poll), and deliveries stored straight into their slots:
+        # both written by the report thread only, read by the loop's.
+        self.wake = threading.Event()  # set when reports are ready (Signals; a Router shares one)
+        self._posted: deque[tuple[Report, Outcome]] = deque()
+        self._stored = 0
+        self._stored_seen = 0  # loop thread
+        self._work = threading.Event()  # messages to serve, or a flush asked: wakes the report thread
+        self._flush_asked = False
+        self._closing = False
+        self._reporter = threading.Thread(
+            target=self._serve_reports, name="outbox-kafka-reports", daemon=True
+        )
+        self._reporter.start()
+
+    # -- the report thread --------------------------------------------------------------
+
+    def _serve_reports(self) -> None:
+        """Serve delivery reports (and the client's errors and log lines) until closed: flush when
+        asked, poll in slices while messages are out, else sleep until something is produced."""
+        producer = self._producer
+        while not self._closing:
+            try:
+                if self._flush_asked:
+                    self._flush_asked = False
+                    producer.flush(SEND_NOW_WAIT)
+                elif len(producer):
+                    producer.poll(REPORT_SLICE)
+                else:
+                    self._work.clear()  # first: a produce or a flush asked after this sets it again
+                    if not self._flush_asked and not len(producer):
+                        self._work.wait(IDLE_WAIT)
+                    producer.poll(0)
+            except KafkaException as exc:  # a fatal error surfaces here too (e.g. UNKNOWN_PRODUCER_ID)
+                self._raised(exc)
+            if (self._posted or self._stored != self._stored_seen) and not self.wake.is_set():
+                self.wake.set()
+
+    def _post(self, report: Report, outcome: Outcome) -> None:
+        """A report for the loop's thread (report thread)."""
+        self._posted.append((report, outcome))
 
     def _on_error(self, err: KafkaError) -> None:
         if producer_lost(err):
@@ -304,8 +355,9 @@ class KafkaSink:
                     f"invalid topic name {event.topic!r}: Kafka allows 1-249 of [a-zA-Z0-9._-]",
                 )
             self._topics_ok.add(event.topic)
-        # partial (C) rather than a closure per message: this is the hot path.
-        sent = [time.monotonic(), 1.0]
+        # partial (C) rather than a closure per message: this is the hot path. [sent at, messages,
+        # reports]: the loop's thread writes the first two, the report thread the third.
+        sent = [time.monotonic(), 1.0, 0.0]
         on_delivery = partial(self._on_delivery, sent, report)
         while True:
             try:
@@ -318,8 +370,9 @@ class KafkaSink:
                 self._sent.append(sent)
                 return None
             except BufferError:
-                # The client's queue is full: serve delivery reports, then try again.
-                self._producer.poll(BUFFER_FULL_WAIT)
+                # The client's queue is full: the report thread serves reports; try again.
+                self._work.set()
+                time.sleep(BUFFER_FULL_WAIT)
             except KafkaException as exc:
                 if exc.args[0].fatal():
                     self._raised(exc)
@@ -349,7 +402,7 @@ class KafkaSink:
             if not all(map(_legal_topic, new)):
                 return 0  # produce() refuses the illegal name, event by event
             self._topics_ok.update(new)
-        sent = [time.monotonic(), 0.0]
+        sent = [time.monotonic(), 0.0, 0.0]
         report = partial(self._on_delivery_at, sent, outcomes, settle)
         queued = produce_each(
             self._producer.produce,
@@ -359,8 +412,8 @@ class KafkaSink:
             map(partial, repeat(report), range(len(events))),
             map(HEADERS_OF, events),
         )
-        if queued:  # no report is served before the next poll: counted from here
-            sent[1] += queued
+        if queued:
+            sent[1] = queued
             self._sent.append(sent)
         return queued
 
@@ -373,70 +426,102 @@ class KafkaSink:
         err: KafkaError | None,
         msg: Any,
     ) -> None:
-        """A delivery report of :meth:`produce_many`: the common case in one call."""
-        sent[1] -= 1
+        """A delivery report of :meth:`produce_many` (report thread): a delivery is stored in its
+        slot there and then, in one call; anything else goes to the loop's thread."""
+        sent[2] += 1
         if err is None:
             if self._failing_since:
                 self._failing_since = 0.0
             if self.broker.since is not None:
                 self.broker.ok()
             outcomes[index] = _new_delivered(Delivered, (msg.partition(), msg.offset(), None))
+            self._stored += 1
         else:
-            self._failed(partial(settle, index), err)
+            self._post(partial(settle, index), self._failed(err))
 
     def _on_delivery(self, sent: list[float], report: Report, err: KafkaError | None, msg: Any) -> None:
-        sent[1] -= 1
+        """A delivery report of :meth:`produce` (report thread): for the loop's thread."""
+        sent[2] += 1
         if err is None:
             self._failing_since = 0.0
             if self.broker.since is not None:
                 self.broker.ok()
-            report(_new_delivered(Delivered, (msg.partition(), msg.offset(), None)))
+            self._post(report, _new_delivered(Delivered, (msg.partition(), msg.offset(), None)))
         else:
-            self._failed(report, err)
+            self._post(report, self._failed(err))
 
-    def _failed(self, report: Report, err: KafkaError) -> None:
-        """A delivery report with an error: its outcome."""
+    def _failed(self, err: KafkaError) -> Outcome:
+        """The outcome of a delivery report with an error."""
         outcome = classify(err)
         lost = producer_lost(err)
         if isinstance(outcome, Dead) and not lost:
             # Refused for good: its own error, also when the producer is lost (a retry would meet
             # it again with every replacement).
-            report(outcome)
-        elif lost or self._fatal is not None:
+            return outcome
+        if lost or self._fatal is not None:
             # A lost producer's reports, its purged messages' included, all say the same: retried
             # as soon as its replacement answers, not after a backoff.
             self._lose(err)
-            report(Retry(PRODUCER_FAILED, f"producer failed: {self._fatal}"))
-        else:
-            assert isinstance(outcome, Retry)
-            if not self._failing_since:
-                self._failing_since = time.monotonic()
-            self._last_failure = outcome.reason
-            report(outcome)
+            return Retry(PRODUCER_FAILED, f"producer failed: {self._fatal}")
+        assert isinstance(outcome, Retry)
+        if not self._failing_since:
+            self._failing_since = time.monotonic()
+        self._last_failure = outcome.reason
+        return outcome
 
     def poll(self, timeout: float) -> int:
-        try:
-            return int(self._producer.poll(timeout))
-        except KafkaException as exc:  # a fatal error surfaces here too (e.g. UNKNOWN_PRODUCER_ID)
-            self._raised(exc)
-            return 0
+        """Serve the reports the report thread queued (waiting at most ``timeout`` for one);
+        how many reports came in since the last call, deliveries stored in their slots included.
+        It also wakes the report thread for what was produced since."""
+        self._work.set()
+        if timeout > 0:
+            if not self._posted and self._stored == self._stored_seen:
+                self.wake.wait(timeout)
+            # Before serving: a report queued after this sets it again. With timeout 0 a Router or
+            # the relay is polling (either clears its shared wake-up itself, before it looks).
+            self.wake.clear()
+        return self._serve()
+
+    def _serve(self) -> int:
+        posted = self._posted
+        served = 0
+        while posted:
+            report, outcome = posted.popleft()
+            report(outcome)
+            served += 1
+        stored = self._stored
+        served += stored - self._stored_seen
+        self._stored_seen = stored
+        return served
 
     def send_now(self) -> None:
         """Send what is queued without waiting out ``linger.ms`` (the relay calls this after a
         batch that was not full: no backlog behind it to batch with, so waiting only adds latency).
 
         librdkafka has no call for this but ``flush()``, which makes every broker thread treat
-        the linger as expired while it runs; it runs here for :data:`SEND_NOW_WAIT` at most
-        (long enough for the broker threads to wake), serving delivery reports meanwhile.
+        the linger as expired while it runs: the report thread runs it, for :data:`SEND_NOW_WAIT`
+        at most (long enough for the broker threads to wake), and this returns at once.
         """
-        self.flush(SEND_NOW_WAIT)
+        self._flush_asked = True
+        self._work.set()
 
     def flush(self, timeout: float) -> int:
-        try:
-            return int(self._producer.flush(timeout))
-        except KafkaException as exc:
-            self._raised(exc)
-            return len(self._producer)
+        """Wait up to ``timeout`` for every report, serving them; how many messages are still out."""
+        deadline = time.monotonic() + timeout
+        while True:
+            if not self._reporter.is_alive():  # closed: this thread serves them
+                try:
+                    self._producer.flush(max(0.0, deadline - time.monotonic()))
+                except KafkaException as exc:
+                    self._raised(exc)
+                self._serve()
+                return len(self._producer)
+            left = len(self._producer)  # read first: its reports are queued before it reaches 0
+            self._serve()
+            if not left or time.monotonic() >= deadline:
+                return left
+            self.send_now()
+            time.sleep(min(REPORT_SLICE, max(0.0, deadline - time.monotonic())))
 
     def _raised(self, exc: KafkaException) -> None:
         err = exc.args[0] if exc.args and isinstance(exc.args[0], KafkaError) else None
@@ -478,7 +563,7 @@ class KafkaSink:
         message without a report is past the deadline. The loop asks every step, /readyz too."""
         with self._deadline_lock:
             sent = self._sent
-            while sent and sent[0][1] <= 0:
+            while sent and sent[0][2] >= sent[0][1]:
                 sent.popleft()
             if sent and self._fatal is None:
                 waited = time.monotonic() - sent[0][0]
@@ -496,8 +581,16 @@ class KafkaSink:
         return self._fatal is None
 
     def close(self, timeout: float) -> None:
+        """Stop the report thread, then flush within ``timeout`` on this thread."""
+        self._closing = True
+        self._work.set()
+        self._reporter.join()
         remaining = self.flush(timeout)
         if remaining:
             log.warning("closing kafka producer with %d messages unacknowledged", remaining)
             self._producer.purge()
-            self.poll(0)
+            try:
+                self._producer.poll(0)
+            except KafkaException as exc:
+                self._raised(exc)
+            self._serve()

@@ -67,7 +67,7 @@ class Router:
 
     def __init__(self, routes: list[Route], make: Callable[[SinkURL], Sink]) -> None:
         self._routes = routes
-        self.wake = threading.Event()  # shared by the sinks that signal their reports
+        self._wake = threading.Event()  # shared by the sinks that signal their reports
         by_url: dict[str, Sink] = {}
         for route in routes:
             if route.url.text in by_url:
@@ -75,14 +75,16 @@ class Router:
             sink = make(route.url)
             inner = unwrap(sink)
             if isinstance(inner, Signals):
-                inner.wake = self.wake
+                inner.wake = self._wake
             by_url[route.url.text] = sink
         self._sink_of_url = by_url
         self.sinks = list(by_url.values())
         self._signalled = [
-            s for s in self.sinks if isinstance(inner := unwrap(s), Signals) and inner.wake is self.wake
+            s for s in self.sinks if isinstance(inner := unwrap(s), Signals) and inner.wake is self._wake
         ]
         self._others = [s for s in self.sinks if s not in self._signalled]
+        if not self._others:  # it signals (Signals) only when every sink of it does
+            self.wake = self._wake
         self._by_topic: dict[str, Sink | None] = {}  # topic -> its sink, learnt on first sight
         # id(sink) -> whether it keeps the order of a key's events in flight (Kafka), for key chains
         self._keeps = {id(s): keeps_key_order(unwrap(s)) for s in self.sinks}
@@ -126,7 +128,7 @@ class Router:
             return self.sinks[0].poll(timeout) or 0
         deadline = time.monotonic() + timeout
         while True:
-            self.wake.clear()  # first: a report queued while the sinks are polled sets it again
+            self._wake.clear()  # first: a report queued while the sinks are polled sets it again
             served = sum(sink.poll(0) or 0 for sink in self.sinks)
             left = deadline - time.monotonic()
             if served or left <= 0:
@@ -134,7 +136,7 @@ class Router:
             if self._others:  # a sink that serves its reports only inside poll (Kafka)
                 self._others[0].poll(min(left, SLICE))
             else:  # every sink signals the shared wake-up
-                self.wake.wait(left)
+                self._wake.wait(left)
 
     def send_now(self) -> None:
         for sink in self.sinks:

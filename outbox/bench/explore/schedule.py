@@ -95,6 +95,9 @@ class Schedule:
     # at the same steps: their batches share transactions with its own), their events delivered
     # at once by the sink; each checked for every event archived once.
     twins: int = 0
+    # The sink signals its reports (as Kafka's and the asyncio sinks do: the relay waits on its
+    # wake-up with the rest of its news), or only answers when polled (a user's own sink).
+    signals: bool = False
     slow_keys: tuple[SlowKeys, ...] = ()
     freezes: tuple[Freeze, ...] = ()
     faults: tuple[Fault, ...] = ()
@@ -143,7 +146,8 @@ class Schedule:
             f"{self.max_attempts} attempts",
             f"  writer      {self.events} events over {self.write_for:g} s, {self.keys} keys "
             f"(skew {self.skew:g}), up to {self.txn_size} a transaction, {self.rollback:.0%} rolled back",
-            f"  sink        {self.sink_order}, {self.concurrency or 'unlimited'} at a time, "
+            f"  sink        {self.sink_order}, {'signals' if self.signals else 'polled'}, "
+            f"{self.concurrency or 'unlimited'} at a time, "
             f"latency {self.latency_ms:g} ms (sigma {self.spread:g}), "
             f"slow {self.slow:.0%}, failing {self.fail:.0%}, refusing {self.refuse:.0%} until "
             f"{self.refuse_until:g} s, late acks {self.late:.0%}",
@@ -260,6 +264,7 @@ def draw(seed: int) -> Schedule:
     schedule = replace(schedule, slow_keys=tuple(sorted(slow_keys, key=lambda w: w.at)))
     # Drawn apart, last: every seed's other draws are what they were before twins existed.
     schedule = replace(schedule, twins=random.Random(f"{seed}/twins").choice((0, 1, 2, 2)))
+    schedule = replace(schedule, signals=random.Random(f"{seed}/signals").random() < 0.5)
     # A key's events go one at a time: fewer events, until the busiest key's would be sent in
     # SERIAL_BUDGET seconds (else no run drains, and every schedule fails the same way).
     while schedule.events > 50 and schedule.serial_seconds() > SERIAL_BUDGET:

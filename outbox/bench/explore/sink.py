@@ -9,6 +9,9 @@ timeout for the relay; the receiver may still get the event afterwards (a slow a
 relay gave up). What the receiver gets is written to the journal when the event is sent, with
 the time it gets it, so a relay killed meanwhile loses none of it, as a real receiver would not.
 
+With ``signals`` (a seed's bit), a thread of the sink sets its ``wake`` when the next answer is
+due, as Kafka's report thread does; else the relay finds answers only by polling.
+
 Sends go through at most ``concurrency`` slots (a client's worker pool): the rest queue, and
 the delivery timeout counts from the hand-over, queue included. ``chained`` sends are
 concurrent (the relay chains a key's events, as for webhooks); ``ordered`` ones go through a
@@ -25,6 +28,7 @@ import json
 import math
 import os
 import random
+import threading
 import time
 from typing import Any
 
@@ -55,6 +59,26 @@ class ScriptedSink:
         self._queues: dict[bytes, tuple[float, bool]] = {}  # ordered: key -> (last answer at, failed)
         self._unreported: dict[bytes, int] = {}  # ordered: key -> its failures not reported yet
         self._slots: list[float] = [0.0] * schedule.concurrency  # when each send slot is free again
+        self._closed = False
+        if schedule.signals:
+            self.wake = threading.Event()  # Signals: set when an answer is due
+            self._pushed = threading.Event()  # an answer was scheduled: the waker looks again
+            threading.Thread(target=self._wake_when_due, name="scripted-sink-waker", daemon=True).start()
+
+    def _wake_when_due(self) -> None:
+        """Set ``wake`` when the earliest scheduled answer is due (its thread)."""
+        while not self._closed:
+            self._pushed.clear()  # first: an answer scheduled after this sets it again
+            try:
+                due = self._pending[0][0]
+            except IndexError:
+                due = None
+            now = time.time()
+            if due is not None and due <= now:
+                self.wake.set()
+                self._pushed.wait(0.001)  # until the relay takes it (or another is scheduled)
+            else:
+                self._pushed.wait(None if due is None else due - now)
 
     @property
     def t0(self) -> float:
@@ -126,6 +150,8 @@ class ScriptedSink:
             failing = event.key
             self._unreported[failing] = self._unreported.get(failing, 0) + 1
         heapq.heappush(self._pending, (replied, next(self._seq), report, outcome, failing))
+        if self.schedule.signals:
+            self._pushed.set()
         return None
 
     def poll(self, timeout: float) -> int:
@@ -158,6 +184,9 @@ class ScriptedSink:
     def close(self, timeout: float) -> None:
         self.flush(timeout)
         self._pending.clear()
+        self._closed = True
+        if self.schedule.signals:
+            self._pushed.set()
 
     def _journal(self, record: dict[str, Any]) -> None:
         record["relay"] = self.relay

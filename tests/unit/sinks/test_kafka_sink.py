@@ -93,12 +93,15 @@ def test_a_fenced_producer_is_unhealthy_at_once_and_its_events_retry_as_unreacha
         assert sink.healthy()
         reports: list[object] = []
         for _ in range(3):
-            sink._on_delivery([0.0, 1.0], reports.append, KafkaError(code), None)
+            sink._on_delivery([0.0, 1.0, 0.0], reports.append, KafkaError(code), None)
+        assert not reports, "a report reaches the relay only through poll(), on its own thread"
+        assert sink.poll(0) == 3
         assert not sink.healthy() and "producer failed" in (sink.trouble() or "")
         assert all(isinstance(r, Retry) and r.kind in UNREACHABLE_KINDS for r in reports), reports
         assert len([r for r in caplog.records if "producer lost" in r.getMessage()]) == 1
     finally:
         sink._producer.purge()
+        sink.close(0)
 
 
 def test_an_ordinary_retry_keeps_the_producer() -> None:
@@ -106,8 +109,12 @@ def test_an_ordinary_retry_keeps_the_producer() -> None:
 
     sink = KafkaSink("127.0.0.1:9", delivery_timeout=5.0)
     reports: list[object] = []
-    sink._on_delivery([0.0, 1.0], reports.append, KafkaError(KafkaError._MSG_TIMED_OUT), None)
-    assert sink.healthy() and isinstance(reports[0], Retry)
+    try:
+        sink._on_delivery([0.0, 1.0, 0.0], reports.append, KafkaError(KafkaError._MSG_TIMED_OUT), None)
+        sink.poll(0)
+        assert sink.healthy() and isinstance(reports[0], Retry)
+    finally:
+        sink.close(0)
 
 
 def test_a_refusal_for_good_keeps_its_own_error_through_a_lost_producer() -> None:
@@ -119,12 +126,14 @@ def test_a_refusal_for_good_keeps_its_own_error_through_a_lost_producer() -> Non
     sink = KafkaSink("127.0.0.1:9", delivery_timeout=5.0)
     try:
         reports: list[object] = []
-        sink._on_delivery([0.0, 1.0], reports.append, KafkaError(KafkaError.PRODUCER_FENCED), None)
-        sink._on_delivery([0.0, 1.0], reports.append, KafkaError(KafkaError.MSG_SIZE_TOO_LARGE), None)
-        sink._on_delivery([0.0, 1.0], reports.append, KafkaError(KafkaError._PURGE_QUEUE), None)
+        sink._on_delivery([0.0, 1.0, 0.0], reports.append, KafkaError(KafkaError.PRODUCER_FENCED), None)
+        sink._on_delivery([0.0, 1.0, 0.0], reports.append, KafkaError(KafkaError.MSG_SIZE_TOO_LARGE), None)
+        sink._on_delivery([0.0, 1.0, 0.0], reports.append, KafkaError(KafkaError._PURGE_QUEUE), None)
+        sink.poll(0)
         fenced, refused, purged = reports
         assert isinstance(fenced, Retry) and fenced.kind == "producer_failed"
         assert isinstance(refused, Dead) and refused.kind == "MSG_SIZE_TOO_LARGE"
         assert isinstance(purged, Retry) and purged.kind == "producer_failed"
     finally:
         sink._producer.purge()
+        sink.close(0)
