@@ -336,13 +336,14 @@ class Relay:
         elif finisher.busy:
             assert self.sink is not None
             if signalled:
-                # Reports, finished batches and NOTIFY all wake the loop; the timeout is the next
-                # deadline, at most REPORT_WAIT_FULL (the sink's health is looked at each step).
+                # Reports, finished batches and NOTIFY all wake the loop; else the next deadline,
+                # at most REPORT_WAIT_FULL (the sink's health is looked at each step). One that is
+                # due already (a woken lane, a poll) waits for a slot, which only news can free.
                 wait = scheduler.idle_wait(now, self.upkeep.next_maintenance_check)
+                wait = min(wait, REPORT_WAIT_FULL) if wait > 0 else REPORT_WAIT_FULL
                 if self._empty_until > now:
                     wait = min(wait, self._empty_until - now)
-                if not scheduler.woken():
-                    self._wakeup.wait(min(wait, REPORT_WAIT_FULL))
+                self._wakeup.wait(wait)
             else:
                 # A batch on the finisher frees its slot when the loop next looks: look again soon.
                 full = not finisher.finishing and not scheduler.slot_free(now, self.sessions.available())

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 
 from outbox.errors import ConfigError
 from outbox.events import ClaimedEvent
-from outbox.sinks.base import Dead, Delivered, Outcome, Report, Sink
-from outbox.sinks.router import NO_ROUTE, SLICE, Router
+from outbox.sinks.base import Dead, Delivered, Outcome, Report, Sink, SinkWrapper, wake_of
+from outbox.sinks.router import NO_ROUTE, SLICE, Router, unwrap
 from outbox.sinks.routes import parse_route, parse_routes, route_for
 
 
@@ -105,3 +107,36 @@ def test_a_lone_sink_is_polled_with_the_whole_timeout() -> None:
     router = Router(parse_routes([], "k:1"), lambda url: only)
     router.poll(0.05)
     assert only.polled == [0.05]
+
+
+class _Signalling(_Recording):
+    """A stand-in sink that sets ``wake`` when its reports are ready (as Kafka's does)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.wake = threading.Event()
+
+
+class _Holding(SinkWrapper):
+    """A wrapper that holds reports back in its own poll: the relay must poll it."""
+
+    def poll(self, timeout: float) -> int | None:
+        return self.inner.poll(timeout)
+
+
+def test_the_relay_waits_on_a_sink_s_wake_up_only_where_every_report_sets_it() -> None:
+    """wake_of: the event the relay's loop waits on instead of polling in slices. A sink that
+    polls (a user's own), a router with one such sink, or a wrapper with a poll of its own would
+    leave reports unseen until a timeout: the relay polls them."""
+    plain, signalling = _Recording(), _Signalling()
+    assert wake_of(plain) is None
+    assert wake_of(signalling) is signalling.wake
+    assert wake_of(SinkWrapper(signalling)) is signalling.wake  # passes reports straight through
+    assert wake_of(_Holding(signalling)) is None
+    both = [parse_route(f"{t}=kafka://h:{i}") for i, t in enumerate(("a", "b"), 1)]
+    sinks = iter([_Signalling(), _Signalling()])
+    router = Router(both, lambda _url: next(sinks))
+    shared = wake_of(router)
+    assert shared is not None and all(unwrap(s).wake is shared for s in router.sinks)
+    mixed = iter([_Signalling(), _Recording()])
+    assert wake_of(Router(both, lambda _url: next(mixed))) is None
