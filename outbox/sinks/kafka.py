@@ -301,6 +301,7 @@ class KafkaSink:
         self._stored = 0
         self._stored_seen = 0  # loop thread
         self._work = threading.Event()  # messages to serve, or a flush asked: wakes the report thread
+        self._produced = False  # something was queued since the report thread was last woken
         self._flush_asked = False
         self._closing = False
         self._reporter = threading.Thread(
@@ -368,6 +369,7 @@ class KafkaSink:
                     event.topic, event.payload, event.key, UNASSIGNED, on_delivery, None, 0, event.headers
                 )
                 self._sent.append(sent)
+                self._produced = True
                 return None
             except BufferError:
                 # The client's queue is full: the report thread serves reports; try again.
@@ -415,6 +417,7 @@ class KafkaSink:
         if queued:
             sent[1] = queued
             self._sent.append(sent)
+            self._produced = True
         return queued
 
     def _on_delivery_at(
@@ -472,8 +475,11 @@ class KafkaSink:
     def poll(self, timeout: float) -> int:
         """Serve the reports the report thread queued (waiting at most ``timeout`` for one);
         how many reports came in since the last call, deliveries stored in their slots included.
-        It also wakes the report thread for what was produced since."""
-        self._work.set()
+        It also wakes the report thread for what was produced since (only then: each wake-up is
+        a thread switch, and the loop polls at every step)."""
+        if self._produced:
+            self._produced = False
+            self._work.set()
         if timeout > 0:
             if not self._posted and self._stored == self._stored_seen:
                 self.wake.wait(timeout)

@@ -18,6 +18,7 @@ import re
 from collections.abc import Hashable, Iterable, Mapping
 
 from psycopg import sql
+from psycopg.abc import AdaptContext
 
 from outbox.store.schema import channel_name, validate_schema
 
@@ -79,7 +80,7 @@ def query(
     keywords: Mapping[str, str] | None = None,
     identifiers: Mapping[str, str] | None = None,
     literals: Mapping[str, Hashable] | None = None,
-) -> sql.Composed:
+) -> Statement:
     """The named statement with ``{schema}`` bound to ``schema`` as an identifier.
 
     ``keywords`` fill placeholders with fixed SQL words chosen by our own code
@@ -99,6 +100,29 @@ def _items(mapping: Mapping[str, Hashable] | None) -> tuple[tuple[str, Hashable]
     return tuple(sorted(mapping.items())) if mapping else ()
 
 
+class Statement(sql.Composed):
+    """A named statement that keeps its bytes once rendered for a connection's encoding and string
+    quoting: psycopg renders a ``Composed`` again at every execute (every identifier and literal
+    quoted by libpq), a tenth of the relay's CPU at a steady 200 events/s."""
+
+    def __init__(self, composed: sql.Composed) -> None:
+        super().__init__(list(composed))
+        self._rendered: dict[tuple[str, bytes | None], bytes] = {}
+
+    def as_bytes(self, context: AdaptContext | None = None) -> bytes:
+        conn = context.connection if context is not None else None
+        pgconn = conn.pgconn if conn is not None else None
+        how = (
+            (pgconn._encoding, pgconn.parameter_status(b"standard_conforming_strings"))
+            if pgconn is not None
+            else ("utf-8", None)
+        )
+        done = self._rendered.get(how)
+        if done is None:
+            done = self._rendered[how] = super().as_bytes(context)
+        return done
+
+
 @functools.lru_cache(maxsize=512)
 def _query(
     name: str,
@@ -106,7 +130,7 @@ def _query(
     keywords: tuple[tuple[str, Hashable], ...],
     identifiers: tuple[tuple[str, Hashable], ...],
     literals: tuple[tuple[str, Hashable], ...],
-) -> sql.Composed:
+) -> Statement:
     validate_schema(schema)
     parts: dict[str, sql.Composable] = {
         "schema": sql.Identifier(schema),
@@ -116,7 +140,7 @@ def _query(
     parts.update((k, sql.SQL(str(v))) for k, v in keywords)
     parts.update((k, sql.Identifier(str(v))) for k, v in identifiers)
     parts.update((k, sql.Literal(v)) for k, v in literals)
-    return sql.SQL(raw(name)).format(**parts)
+    return Statement(sql.SQL(raw(name)).format(**parts))
 
 
 def int_array(values: Iterable[int | None]) -> str:

@@ -109,3 +109,17 @@ def test_the_grants_audit_trusts_exactly_whom_the_schema_check_trusts() -> None:
         return " ".join(text[start : text.index("), ", start)].split())
 
     assert trusted("grants_audit") == trusted("untrusted_schemas")
+
+
+def test_a_statement_is_rendered_once_per_encoding_and_as_psycopg_renders_it() -> None:
+    from psycopg import sql
+
+    statement = queries.query("claim_batch", "my schema")
+    plain = sql.SQL(queries.raw("claim_batch")).format(
+        schema=sql.Identifier("my schema"),
+        schema_name=sql.Literal("my schema"),
+        channel=sql.Literal("my schema_events"),
+    )
+    assert statement.as_bytes(None) == plain.as_bytes(None)
+    assert statement.as_bytes(None) is statement.as_bytes(None)  # kept, not rendered again
+    assert statement.as_string(None) == plain.as_string(None)
