@@ -91,20 +91,10 @@ GC_THRESHOLD = 50_000  # allocations between collections of the youngest generat
 
 def tune_gc() -> None:
     """Set the garbage collector for a process that runs the relay (``outbox relay``, and every
-    contender of ``outbox bench``, so that ratios compare like with like).
-
-    A relay keeps thousands of events in flight (two batches of 2,000 by default), each
-    with its headers, callbacks and the client's futures. With Python's default threshold
-    the young generation is collected every 700 allocations, and every collection walks
-    the in-flight objects that survived the previous ones: with an asyncio client that
-    was a third of the relay's CPU (measured: RabbitMQ 4,500 -> 5,800 events/s, webhooks
-    2,400 -> 5,800). Every claimed batch allocates about ten tracked objects per event
-    (its event, headers, callbacks and outcomes) that all live until the batch is
-    acknowledged, so a threshold below a batch's worth still collects once or twice per
-    batch: at 10,000 a Kafka drain of 300,000 events ran 300 collections, 0.6 s of CPU,
-    a seventh of the relay's. At 50,000 it runs two. Cyclic garbage waits a little longer
-    for collection (a few MB at most). An application that embeds :class:`Relay` keeps its
-    own setting unless it calls this.
+    contender of ``outbox bench``, so that ratios compare like with like): the young generation
+    every GC_THRESHOLD allocations, more than a batch in flight allocates, since each collection
+    walks every object in flight (docs/decisions/0002-finishing-and-sharing.md has the numbers).
+    An application that embeds :class:`Relay` keeps its own setting unless it calls this.
     """
     _, older, oldest = gc.get_threshold()
     gc.set_threshold(GC_THRESHOLD, older, oldest)

@@ -225,11 +225,9 @@ class ClaimScheduler:
         """A full batch, unless another outbox of this relay is quiet but active (it found work
         within the last CONTENDED seconds, and no backlog: its last claim was not full): then at
         most FAIR_BATCH, so that the loop's turns stay short and the quiet outbox's event does
-        not wait behind this one's long claim, produce and archive. Measured (bench tenants, a
-        quiet outbox at 10 events/s beside a 1M backlog, commit -> ack): p99 135 ms, max 910 ms
-        behind 1,000-event claims; p99 58 ms, max 88-123 ms behind 500, the busy drain 13.0k vs
-        14.2k events/s. Outboxes that all have a backlog keep full batches: none of them waits
-        for a single event."""
+        not wait behind this one's long claim, produce and archive (docs/decisions/
+        0003-many-outboxes.md has the measurements). Outboxes that all have a backlog keep full
+        batches: none of them waits for a single event."""
         if lane.pace.fresh:
             lane.pace.fresh = False
             lane.pace.cap = self.first_cap()

@@ -374,9 +374,8 @@ class BatchSender:
         if not flush:  # one of several batches sent together: the caller sends them
             return len(batch)
         # (WAL capture: a batch cut short by a transaction's end is no sign of an idle outbox
-        # while the reader holds a full batch more. Anything waiting was too broad: at 1,000
-        # single-event transactions a second one nearly always waits, and every batch then
-        # lingered: commit -> ack p50 12.8 ms against 5 with this.)
+        # while the reader holds a full batch more; "anything waiting" was too broad, as
+        # docs/decisions/0004-wal-capture.md says.)
         if len(batch) < limit and not (lane.wal is not None and lane.wal.queued >= limit):
             # No backlog behind this batch, nothing to batch it with: send it without waiting
             # out the client's linger (Kafka). A full batch lingers, and batches on the wire.
