@@ -852,6 +852,8 @@ def test_switching_back_to_table_with_wal_events_pending_loses_nothing_and_keeps
         )
 
 
+# The relay's own logic, the same on every server: the version matrix leaves it out (slow).
+@pytest.mark.slow
 def test_a_relay_whose_first_look_at_the_capture_fails_claims_no_row_until_a_look_succeeds(
     wal_dsn: str, wal_schema: str, kafka: str, topic: str
 ) -> None:
@@ -937,6 +939,8 @@ def test_a_slot_that_cannot_be_read_makes_readyz_say_so(wal_dsn: str, wal_schema
     assert f"slot {slot} MISSING" in out.stdout, out.stdout
 
 
+# The relay's own logic, the same on every server: the version matrix leaves it out (slow).
+@pytest.mark.slow
 def test_a_relay_started_after_the_slot_was_lost_says_so_and_never_reads_the_table_for_it(
     wal_dsn: str, wal_schema: str, kafka: str, topic: str, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -1253,6 +1257,8 @@ def test_a_rotated_key_signs_from_the_rotation_and_the_old_one_only_within_its_w
     assert payloads == ['{"forged":1}', '{"forged":3}', '{"n":1}', '{"n":2}']
 
 
+# The relay's own logic, the same on every server: the version matrix leaves it out (slow).
+@pytest.mark.slow
 def test_a_retired_key_is_kept_while_a_lagging_slot_still_needs_it(
     wal_dsn: str, wal_schema: str, kafka: str, topic: str
 ) -> None:
@@ -1288,6 +1294,8 @@ def test_a_retired_key_is_kept_while_a_lagging_slot_still_needs_it(
     assert str(late) in {m.event_id for m in read_topic(kafka, topic, 2)}
 
 
+# The relay's own logic, the same on every server: the version matrix leaves it out (slow).
+@pytest.mark.slow
 def test_outboxes_of_one_schema_name_in_two_databases_each_read_a_slot_of_their_own(
     wal_dsn: str, kafka: str, topic: str
 ) -> None:
