@@ -48,10 +48,10 @@ from confluent_kafka import KafkaError, KafkaException
 # traceparent header, which would overwrite the one the event was written with.
 from confluent_kafka.cimpl import Producer
 
-from outbox.errors import ConfigError
 from outbox.events import HEADERS_OF, KEY_OF, PAYLOAD_OF, TOPIC_OF, ClaimedEvent
 from outbox.observe.conditions import Condition
 from outbox.sinks.base import Dead, Delivered, Outcome, OutcomeSlots, Report, Retry, Settle
+from outbox.sinks.kafka_config import build_config
 
 log = logging.getLogger("outbox.kafka")
 
@@ -71,26 +71,6 @@ PERMANENT_ERRORS = frozenset(
     }
 )
 
-# Settings the relay's guarantees depend on; a user may not weaken them. Gapless: an error that
-# would leave a gap in a partition's messages is fatal (the producer is replaced), not skipped.
-REQUIRED_CONFIG = {"enable.idempotence": "true", "acks": "all", "enable.gapless.guarantee": "true"}
-# librdkafka never times a message out (0: never): the sink's deadline does (KafkaSink.healthy).
-TIMEOUT_KEYS = ("message.timeout.ms", "delivery.timeout.ms")
-
-DEFAULT_CONFIG: dict[str, Any] = {
-    # Milliseconds a partition's messages wait to be sent together. Only under a backlog: after
-    # a batch that was not full the relay calls send_now(), which skips the wait.
-    "linger.ms": 5,
-    "batch.num.messages": 10000,
-    "queue.buffering.max.messages": 500000,
-    "queue.buffering.max.kbytes": 1048576,
-    # A silent broker (a blackhole, a half-open connection) is an error in 10 s, not 60:
-    # librdkafka then reports the broker down and the relay's readiness follows.
-    "socket.timeout.ms": 10000,
-    "socket.keepalive.enable": True,
-    "socket.connection.setup.timeout.ms": 10000,
-}
-
 UNASSIGNED = -1  # librdkafka's RD_KAFKA_PARTITION_UA: the partitioner picks by key
 BUFFER_FULL_WAIT = 0.005  # seconds between tries while the client's queue is full
 SEND_NOW_WAIT = 0.005  # seconds a flush that send_now() asks for may last (it ends at the ack)
@@ -100,18 +80,6 @@ REPORT_SLICE = 0.001
 IDLE_WAIT = 0.5  # seconds the report thread sleeps with nothing out (then serves client errors)
 PROBE_TIMEOUT = 0.5  # seconds a metadata request may take when probing brokers counted down
 
-# Secret-bearing librdkafka settings: never logged.
-SECRET_KEYS = frozenset(
-    {
-        "sasl.password",
-        "sasl.oauthbearer.client.secret",
-        "ssl.key.password",
-        "ssl.keystore.password",
-        "ssl.key.pem",
-        "ssl_key",
-    }
-)
-
 
 def classify(err: KafkaError) -> Retry | Dead:
     """The outcome a failed produce or delivery report stands for; its kind is the error's name."""
@@ -120,37 +88,6 @@ def classify(err: KafkaError) -> Retry | Dead:
     if err.code() in PERMANENT_ERRORS:
         return Dead(kind, reason)
     return Retry(kind, reason)
-
-
-def build_config(
-    bootstrap: str, overrides: Mapping[str, Any] | None, delivery_timeout: float
-) -> dict[str, Any]:
-    """Producer configuration: defaults < user overrides < what the guarantees require."""
-    config: dict[str, Any] = dict(DEFAULT_CONFIG)
-    config.update(overrides or {})
-    for key in TIMEOUT_KEYS:
-        if key in config and str(config[key]) != "0":
-            raise ConfigError(
-                f"kafka config {key}: must be 0 (never); the relay times deliveries out itself "
-                f"(OUTBOX_DELIVERY_TIMEOUT, {delivery_timeout:g} s), in order; got {config[key]!r}"
-            )
-        config.pop(key, None)
-    config["message.timeout.ms"] = 0
-    for key, required in REQUIRED_CONFIG.items():
-        value = str(config.get(key, required)).lower()
-        if value != required:
-            raise ConfigError(
-                f"kafka config {key}: must be {required!r} for at-least-once, "
-                f"ordered delivery; got {config[key]!r}"
-            )
-        config[key] = required
-    config["bootstrap.servers"] = bootstrap
-    return config
-
-
-def redacted(config: Mapping[str, Any]) -> dict[str, Any]:
-    """``config`` with secret values masked, for logs."""
-    return {k: ("***" if k in SECRET_KEYS or "password" in k else v) for k, v in config.items()}
 
 
 # librdkafka log facilities that report a broker connection failing.

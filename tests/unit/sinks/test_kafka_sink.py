@@ -10,7 +10,8 @@ from confluent_kafka import KafkaError
 from outbox.errors import ConfigError
 from outbox.observe.conditions import Condition
 from outbox.sinks.base import Dead, Retry
-from outbox.sinks.kafka import _ClientLog, build_config, classify, redacted
+from outbox.sinks.kafka import _ClientLog, classify
+from outbox.sinks.kafka_config import build_config, redacted
 
 
 def test_kafka_errors_are_classified_with_their_kind() -> None:
