@@ -219,7 +219,25 @@ class Ordering:
         # Does a dead letter hold back its key's later events (ordered mode, --on-dead park)?
         self.parks = self.ordered and on_dead == "park"
         self.holds = KeyHolds(horizon=max(lease, batch_lease))
-        self._claim = "claim_batch" if self.ordered else "claim_batch_unordered"
+        claim, limits = (
+            ("claim_batch", "claim_limits_ordered")
+            if self.ordered
+            else ("claim_batch_unordered", "claim_limits")
+        )
+        # By (limited, skipping): a claim leaves out the clauses it does not need, so that
+        # PostgreSQL runs a plan it cached, not one made for each claim (decision 0001).
+        self._claims = {
+            (limited, skipping): query(
+                claim,
+                schema,
+                fragments={
+                    "limits": limits if limited else None,
+                    "skips": "claim_skips" if skipping else None,
+                },
+            )
+            for limited in (False, True)
+            for skipping in (False, True)
+        }
         self.link = member.link  # the heartbeat's connection, shared with the database's other outboxes
         self._next = 0.0
         self._next_forget = 0.0
@@ -264,7 +282,7 @@ class Ordering:
             "only": only,
             "skip": skip,
         }
-        return cur.execute(query(self._claim, self.schema), params)
+        return cur.execute(self._claims[only is not None or skip is not None, bool(keys)], params)
 
     @property
     def interval(self) -> float:

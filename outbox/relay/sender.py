@@ -150,7 +150,7 @@ class BatchSender:
             self._send(lane, batch, claims.claim_start, limit, flush=False)
             short = short or len(rows) < limit
         if not shared.members:
-            sessions.roll_back(conn)
+            sessions.end(conn)
             return counts
         sink = relay.sink
         assert sink is not None
@@ -261,10 +261,10 @@ class BatchSender:
         try:
             rows = lane.ordering.claim(conn, limit, only, skip)
             if not rows:
-                conn.rollback()
+                conn.commit()  # not rollback(): that drops the prepared claim (Sessions.end)
         except psycopg.OperationalError as exc:
             # Connection gone, server restarting, session ended (also between an
-            # empty claim and its rollback): nothing was claimed that will not be
+            # empty claim and its commit): nothing was claimed that will not be
             # claimed again.
             sessions.lost(conn, f"claim failed: {sessions.clean(exc)}")
             return None

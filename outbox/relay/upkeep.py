@@ -128,7 +128,9 @@ class LaneUpkeep:
             return
         except psycopg.Error:
             missing = {x.schema for x in due}
-        sessions.roll_back(conn)
+            sessions.roll_back(conn)
+        else:
+            sessions.end(conn)
         for x in due:
             if x.schema in missing:
                 x.upkept.partitions_missing = True

@@ -80,12 +80,15 @@ def query(
     keywords: Mapping[str, str] | None = None,
     identifiers: Mapping[str, str] | None = None,
     literals: Mapping[str, Hashable] | None = None,
+    fragments: Mapping[str, str | None] | None = None,
 ) -> Statement:
     """The named statement with ``{schema}`` bound to ``schema`` as an identifier.
 
     ``keywords`` fill placeholders with fixed SQL words chosen by our own code
     (``state="ENABLE"``), never with user input; ``identifiers`` with names
     quoted as identifiers (inside ``schema``); ``literals`` with quoted values.
+    ``fragments`` fill placeholders with another named block's text (None: nothing), before the
+    rest is bound: a clause that only some executions need stays out of the others' plans.
     """
     return _query(
         name,
@@ -93,6 +96,7 @@ def query(
         _items(keywords),
         _items(identifiers),
         _items(literals),
+        _items(fragments),
     )
 
 
@@ -130,8 +134,12 @@ def _query(
     keywords: tuple[tuple[str, Hashable], ...],
     identifiers: tuple[tuple[str, Hashable], ...],
     literals: tuple[tuple[str, Hashable], ...],
+    fragments: tuple[tuple[str, Hashable], ...] = (),
 ) -> Statement:
     validate_schema(schema)
+    text = raw(name)
+    for placeholder, block in fragments:
+        text = text.replace("{" + placeholder + "}", raw(str(block)) if block else "")
     parts: dict[str, sql.Composable] = {
         "schema": sql.Identifier(schema),
         "schema_name": sql.Literal(schema),
@@ -140,7 +148,7 @@ def _query(
     parts.update((k, sql.SQL(str(v))) for k, v in keywords)
     parts.update((k, sql.Identifier(str(v))) for k, v in identifiers)
     parts.update((k, sql.Literal(v)) for k, v in literals)
-    return Statement(sql.SQL(raw(name)).format(**parts))
+    return Statement(sql.SQL(text).format(**parts))
 
 
 def int_array(values: Iterable[int | None]) -> str:

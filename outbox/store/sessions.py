@@ -146,6 +146,18 @@ class Sessions:
         else:
             self._forget(conn)
 
+    def end(self, conn: psycopg.Connection[Any]) -> None:
+        """End a transaction that wrote nothing (a claim that found no rows, a read) and give the
+        session back. A COMMIT, not a ROLLBACK: psycopg forgets the session's prepared statements
+        at every rollback (and deallocates them in one more round trip), and an idle relay would
+        plan each claim anew. One that cannot end is discarded."""
+        try:
+            conn.commit()
+        except psycopg.Error:
+            self.discard(conn)
+            return
+        self.give_back(conn)
+
     def roll_back(self, conn: psycopg.Connection[Any]) -> None:
         """End the session's transaction and give it back; one that cannot is discarded."""
         try:

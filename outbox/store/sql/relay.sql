@@ -13,15 +13,16 @@
 -- Each partition claimed from is also locked, shared, for the transaction (an advisory lock on
 -- the partitions table's oid and the partition): a relay that takes the partition over claims
 -- nothing from it until no batch holds that lock (acquire_partitions, unfence_partitions).
--- The lock is taken first and the lease checked after it, on the clock: a batch that claims
--- from a partition held its lock before the lease ran out, so before anyone could take it.
+-- The lock is taken first and the lease checked after it, on the clock, partition by partition
+-- (a join, not a subquery: PostgreSQL runs an uncorrelated subquery once, at its first use, so
+-- after the first partition's lock but before the others'): a batch that claims from a
+-- partition held its lock before the lease ran out, so before anyone could take it.
 -- The lease is the relay's membership in the database (outbox_fleet.relays, migration 0018).
 -- event_id comes as text, headers as JSON text (json.loads of a str is 1.6 us/row faster than
 -- psycopg's jsonb loader) and empty headers as NULL. An expired event (expires_at, migration
 -- 0023) is claimed like any other: the batch dead-letters it (kind expired), so that it leaves.
--- %(skip_keys)s / %(skip_after)s: while a batch out holds an event of a key locked, untouched,
--- behind an earlier failure, the key's events after it are skipped (KeyHolds.skip_after): they
--- wait for it. Nearly always empty.
+-- {skips}: while a batch out holds an event of a key locked, untouched, behind an earlier
+-- failure, the key's events after it are skipped (claim_skips). Nearly never.
 SELECT e.id, e.event_id::text, e.topic, e.key, e.payload, nullif(e.headers, '{{}}'::jsonb)::text,
        extract(epoch FROM e.created_at)::float8, e.attempts, e.type, e.subject,
        extract(epoch FROM e.expires_at)::float8
@@ -29,11 +30,11 @@ FROM {schema}.events AS e
 WHERE e.available_at <= now()
   AND e.partition = ANY(ARRAY(
         SELECT p.partition FROM {schema}.partitions AS p
-        WHERE CASE WHEN p.owner = %(owner)s AND NOT p.releasing
-                        AND (p.fenced_until IS NULL OR p.fenced_until <= now())
+        JOIN outbox_fleet.relays AS f ON f.id = p.owner
+        WHERE p.owner = %(owner)s
+          AND CASE WHEN NOT p.releasing AND (p.fenced_until IS NULL OR p.fenced_until <= now())
                    THEN pg_try_advisory_xact_lock_shared(p.tableoid::integer, p.partition)
-                        AND (SELECT f.expires_at FROM outbox_fleet.relays AS f WHERE f.id = %(owner)s)
-                            > clock_timestamp()
+                        AND f.expires_at > clock_timestamp()
                    ELSE false END))
   -- Each per-key check is guarded by a one-time test (an init plan): when no
   -- event is retrying / no key is parked, the common case, no row pays a probe.
@@ -49,13 +50,27 @@ WHERE e.available_at <= now()
        OR NOT EXISTS (
             SELECT 1 FROM {schema}.dead_letters AS d
             WHERE d.parked AND d.key = e.key AND d.id < e.id))
-  AND (cardinality(%(skip_keys)s::bytea[]) = 0 OR NOT EXISTS (
+  {skips}
+  {limits}
+ORDER BY e.id
+LIMIT %(limit)s
+FOR UPDATE OF e SKIP LOCKED
+
+-- name: claim_skips
+-- claim_batch's {skips} when a batch out holds an event of a key locked, untouched, behind an
+-- earlier failure: %(skip_keys)s / %(skip_after)s, the key's events after it are skipped
+-- (KeyHolds.skip_after), and wait for it. A fragment for the reason claim_limits_ordered is.
+  AND NOT EXISTS (
             SELECT 1 FROM unnest(%(skip_keys)s::bytea[], %(skip_after)s::bigint[]) AS s(key, after)
-            WHERE s.key = e.key AND e.id > s.after))
-  -- Limits (--limit): %(only)s, the topics of the one limit this claim is for; %(skip)s, those
-  -- it leaves (every limit's, or the earlier limits'). A limited topic's events wait in the
-  -- table, and so, in key order, do the later events of their keys; a limited claim takes an
-  -- event only when no earlier event of its key, of any other topic, is still pending.
+            WHERE s.key = e.key AND e.id > s.after)
+
+-- name: claim_limits_ordered
+-- claim_batch's {limits} when the relay has limits (--limit): %(only)s, the topics of the one
+-- limit this claim is for; %(skip)s, those it leaves (every limit's, or the earlier limits'). A
+-- limited topic's events wait in the table, and so, in key order, do the later events of their
+-- keys; a limited claim takes an event only when no earlier event of its key, of any other
+-- topic, is still pending. A fragment, not a clause of every claim: "%(only)s IS NULL OR ..."
+-- kept PostgreSQL from caching a generic plan, and every claim was planned anew (decision 0001).
   AND (%(only)s::text IS NULL OR e.topic ~ %(only)s::text)
   AND (%(skip)s::text IS NULL OR e.topic !~ %(skip)s::text)
   AND (%(skip)s::text IS NULL OR e.key IS NULL OR NOT EXISTS (
@@ -64,23 +79,24 @@ WHERE e.available_at <= now()
   AND (%(only)s::text IS NULL OR e.key IS NULL OR NOT EXISTS (
             SELECT 1 FROM {schema}.events AS w
             WHERE w.key = e.key AND w.id < e.id AND w.topic !~ %(only)s::text))
-ORDER BY e.id
-LIMIT %(limit)s
-FOR UPDATE OF e SKIP LOCKED
 
 -- name: claim_batch_unordered
--- Unordered mode: any available event, plain SKIP LOCKED, maximum parallelism (of the topics
--- %(only)s names, but those %(skip)s names: limits, as in claim_batch).
+-- Unordered mode: any available event, plain SKIP LOCKED, maximum parallelism ({limits}: of the
+-- topics %(only)s names, but those %(skip)s names, as in claim_batch).
 SELECT e.id, e.event_id::text, e.topic, e.key, e.payload, nullif(e.headers, '{{}}'::jsonb)::text,
        extract(epoch FROM e.created_at)::float8, e.attempts, e.type, e.subject,
        extract(epoch FROM e.expires_at)::float8
 FROM {schema}.events AS e
 WHERE e.available_at <= now()
-  AND (%(only)s::text IS NULL OR e.topic ~ %(only)s::text)
-  AND (%(skip)s::text IS NULL OR e.topic !~ %(skip)s::text)
+  {limits}
 ORDER BY e.id
 LIMIT %(limit)s
 FOR UPDATE OF e SKIP LOCKED
+
+-- name: claim_limits
+-- claim_batch_unordered's {limits} when the relay has limits (--limit).
+  AND (%(only)s::text IS NULL OR e.topic ~ %(only)s::text)
+  AND (%(skip)s::text IS NULL OR e.topic !~ %(skip)s::text)
 
 -- name: archive_delivered
 -- Move acked events to the archive with their sink coordinates, in one statement.

@@ -135,7 +135,13 @@ def test_idle_relay_keeps_heartbeating_with_a_long_poll_interval(
 
 
 def _ordering(
-    pg_dsn: str, schema: str, name: str, lease: float, batch_lease: float = 30.0, **connect: Any
+    pg_dsn: str,
+    schema: str,
+    name: str,
+    lease: float,
+    batch_lease: float = 30.0,
+    ordering: str = "key",
+    **connect: Any,
 ) -> Any:
     """An outbox's ordering with a membership of its own (one relay's view of one outbox)."""
     from outbox.relay.membership import Membership
@@ -147,7 +153,7 @@ def _ordering(
     )
     return Ordering(
         member=member, schema=schema, name=name, lease=lease, batch_lease=batch_lease,
-        ordering="key", on_dead="park",
+        ordering=ordering, on_dead="park",
     )  # fmt: skip
 
 

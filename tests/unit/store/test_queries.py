@@ -23,6 +23,7 @@ def test_int_arrays_as_literals() -> None:
 def test_every_named_query_binds_its_placeholders() -> None:
     fillers = {
         "keywords": {"state": "ENABLE"},
+        "fragments": {"limits": "claim_limits", "skips": "claim_skips"},
         "identifiers": {
             "partition": "delivered_p20260101",
             "role": "r",
@@ -114,8 +115,8 @@ def test_the_grants_audit_trusts_exactly_whom_the_schema_check_trusts() -> None:
 def test_a_statement_is_rendered_once_per_encoding_and_as_psycopg_renders_it() -> None:
     from psycopg import sql
 
-    statement = queries.query("claim_batch", "my schema")
-    plain = sql.SQL(queries.raw("claim_batch")).format(
+    statement = queries.query("archive_delivered", "my schema")
+    plain = sql.SQL(queries.raw("archive_delivered")).format(
         schema=sql.Identifier("my schema"),
         schema_name=sql.Literal("my schema"),
         channel=sql.Literal("my schema_events"),
