@@ -106,15 +106,18 @@ class ClaimedEvent(NamedTuple):
     type: str | None = None  # enqueue(type=...): the CloudEvents type (the topic when None)
     subject: str | None = None  # enqueue(subject=...): the CloudEvents subject
     expires_at: float | None = None  # enqueue(expires_at=...), seconds since the epoch
+    # When its transaction committed (epoch seconds), where PostgreSQL says: WAL capture always,
+    # table capture with track_commit_timestamp on (a first attempt's). The latency's start.
+    committed_at: float | None = None
 
 
 # ClaimedEvent's fields as C-level getters, for map() over a batch on the relay's hot path.
 TOPIC_OF, KEY_OF, PAYLOAD_OF, HEADERS_OF = (
     itemgetter(ClaimedEvent._fields.index(name)) for name in ("topic", "key", "payload", "headers")
 )
-EVENT_ID_OF, CREATED_OF, TYPE_OF, SUBJECT_OF, EXPIRES_OF = (
+EVENT_ID_OF, CREATED_OF, TYPE_OF, SUBJECT_OF, EXPIRES_OF, COMMITTED_OF = (
     itemgetter(ClaimedEvent._fields.index(name))
-    for name in ("event_id", "created_at", "type", "subject", "expires_at")
+    for name in ("event_id", "created_at", "type", "subject", "expires_at", "committed_at")
 )
 
 
@@ -429,7 +432,9 @@ def decode_row(row: tuple[Any, ...]) -> ClaimedEvent:
     Raises CorruptEvent naming what is wrong. This runs once per event on the
     relay's hot path: keep it free of needless conversions.
     """
-    id_, event_id, topic, key, payload, headers, created_at, attempts, type_, subject, expires = row
+    id_, event_id, topic, key, payload, headers, created_at, attempts, type_, subject, expires, committed = (
+        row
+    )
     if not topic or not isinstance(topic, str):
         raise CorruptEvent("topic: empty or NULL")
     if payload is None:
@@ -459,6 +464,7 @@ def decode_row(row: tuple[Any, ...]) -> ClaimedEvent:
         type_,
         subject,
         expires,
+        committed,
     )
     return new_claimed(ClaimedEvent, fields)
 

@@ -119,9 +119,13 @@ class Server:
     """One throwaway server of a major version: start(), stop() (a database outage), start()
     again (the same data), remove()."""
 
-    def __init__(self, major: str, *, wal_level: str = "logical") -> None:
-        """``wal_level``: logical by default (WAL capture's tests read a slot)."""
+    def __init__(
+        self, major: str, *, wal_level: str = "logical", settings: dict[str, str] | None = None
+    ) -> None:
+        """``wal_level``: logical by default (WAL capture's tests read a slot); ``settings``: more
+        of the server's (``-c name=value``)."""
         self.wal_level = wal_level
+        self.settings = settings or {}
         self.version = latest(major)
         self.root = fetch(self.version)
         self.bin = self.root / "native" / "bin"
@@ -157,7 +161,8 @@ class Server:
         as_postgres(
             [str(self.bin / "pg_ctl"), "-D", str(self.data), "-l", str(self.work / "log"), "-w", "-o",
              f"-p {self.port} -k {self.work} -h 127.0.0.1 -c max_connections=200 -c fsync=off "
-             f"-c wal_level={self.wal_level} -c max_replication_slots=50 -c max_wal_senders=50", "start"],
+             f"-c wal_level={self.wal_level} -c max_replication_slots=50 -c max_wal_senders=50"
+             + "".join(f" -c {name}={value}" for name, value in self.settings.items()), "start"],
             env=self.env,
             check=True,
             stdout=subprocess.DEVNULL,

@@ -79,12 +79,13 @@ def encode(ev: EncodedEvent) -> bytes:
 WalRow = tuple[ClaimedEvent, "str | Unusable | None"]
 
 
-def decode(content: bytes) -> WalRow:
+def decode(content: bytes, committed: float | None = None) -> WalRow:
     """A message's content (after its signature) as the event it carries, decoded once (the
-    relay's loop takes it as it is). Raises ValueError (or TypeError) if it is not an outbox
-    event's encoding: an id that is not a UUID, a topic that is not text a topic may be, and so
-    on. Headers no sink may send (not a JSON object of strings, a name enqueue refuses) make it a
-    corrupt event that keeps its fields, dead-lettered at once."""
+    relay's loop takes it as it is); ``committed``: when its transaction committed (epoch).
+    Raises ValueError (or TypeError) if it is not an outbox event's encoding: an id that is not a
+    UUID, a topic that is not text a topic may be, and so on. Headers no sink may send (not a
+    JSON object of strings, a name enqueue refuses) make it a corrupt event that keeps its
+    fields, dead-lettered at once."""
     try:
         created, head, headers, payload = content.split(b"\n", 3)
         # Parsed as text by the C scanner: json.loads on bytes first guesses the encoding and
@@ -126,11 +127,37 @@ def decode(content: bytes) -> WalRow:
         sent = decode_headers(text)
     except CorruptEvent as exc:  # a signed message's own SQL: kept, never sent
         kept, about = bounded(payload)
-        unsent: tuple[Any, ...] = (0, event_id, topic, raw_key, kept, [], at, 0, type_, subject, expires)
+        unsent: tuple[Any, ...] = (
+            0,
+            event_id,
+            topic,
+            raw_key,
+            kept,
+            [],
+            at,
+            0,
+            type_,
+            subject,
+            expires,
+            committed,
+        )
         return new_claimed(ClaimedEvent, unsent), Unusable(exc.kind, f"corrupt event row: {exc}{about}")
     sent.append((EVENT_ID_HEADER, event_id.encode()))
     # tuple.__new__ directly: a NamedTuple's own __new__ is one more Python call per event.
-    fields: tuple[Any, ...] = (0, event_id, topic, raw_key, payload, sent, at, 0, type_, subject, expires)
+    fields: tuple[Any, ...] = (
+        0,
+        event_id,
+        topic,
+        raw_key,
+        payload,
+        sent,
+        at,
+        0,
+        type_,
+        subject,
+        expires,
+        committed,
+    )
     return new_claimed(ClaimedEvent, fields), text
 
 
@@ -238,6 +265,7 @@ def unusable_row(kind: str, reason: str, content: bytes) -> WalRow:
         None,
         None,
         None,
+        None,
     )
     return new_claimed(ClaimedEvent, fields), Unusable(kind, why)
 
@@ -258,7 +286,7 @@ def row_of(content: bytes, keys: Keys, prefix: bytes, committed: float) -> WalRo
     if body.startswith(ROTATED):
         return None
     try:
-        return decode(body)
+        return decode(body, committed)
     except Exception as exc:  # whatever a writer's own bytes make it raise: that message's dead letter
         why = f"a signed WAL message that is no outbox event: {_said(exc)}"
         return unusable_row(CORRUPT_EVENT, why, body)

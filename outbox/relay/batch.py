@@ -25,6 +25,7 @@ import psycopg
 
 from outbox.errors import CorruptEvent, FencingError
 from outbox.events import (
+    COMMITTED_OF,
     CORRUPT_TOPIC,
     TOPIC_OF,
     ClaimedEvent,
@@ -58,8 +59,18 @@ class TopicResult:
     retried: int = 0
     dead: int = 0
     errors: dict[str, int] = field(default_factory=dict)  # error kind -> failed attempts
-    # Seconds from creation to ack, per delivery; only when asked for (metrics are on).
-    latencies: list[float] = field(default_factory=list)
+    # Seconds to the ack per delivery, from the commit where PostgreSQL keeps it (ClaimedEvent.
+    # committed_at), else from the creation; only when asked for (metrics are on).
+    latencies: list[float] = field(default_factory=list)  # from the creation
+    commit_latencies: list[float] = field(default_factory=list)  # from the commit
+
+
+def _latency(result: TopicResult, event: ClaimedEvent, now: float) -> None:
+    """One delivery's latency, from its commit where known, else from its creation."""
+    if event.committed_at is not None:
+        result.commit_latencies.append(now - event.committed_at)
+    else:
+        result.latencies.append(now - event.created_at)
 
 
 @dataclass(slots=True)
@@ -324,7 +335,12 @@ class Batch:
             if len(names) == 1:
                 only = topics[names.pop()] = TopicResult(delivered=len(events))
                 if latencies:
-                    only.latencies = [now - e.created_at for e in events]
+                    committed = list(map(COMMITTED_OF, events))
+                    if None not in committed:  # WAL capture, or a table's first attempts
+                        only.commit_latencies = [now - c for c in committed]
+                    else:
+                        for e in events:
+                            _latency(only, e, now)
             else:
                 for e in events:
                     tr = topics.get(e.topic)
@@ -332,7 +348,7 @@ class Batch:
                         tr = topics[e.topic] = TopicResult()
                     tr.delivered += 1
                     if latencies:
-                        tr.latencies.append(now - e.created_at)
+                        _latency(tr, e, now)
             outcomes = []  # nothing left for the loop below
         for i, outcome in enumerate(outcomes):
             if outcome is None or outcome is HELD:  # held: left pending, untouched
@@ -354,7 +370,7 @@ class Batch:
                         continue
                 tr.delivered += 1
                 if latencies:
-                    tr.latencies.append(now - event.created_at)  # type: ignore[union-attr]
+                    _latency(tr, event, now)  # type: ignore[arg-type]
                 continue
             assert isinstance(outcome, (Retry, Dead))
             tr.errors[outcome.kind] = tr.errors.get(outcome.kind, 0) + 1

@@ -45,9 +45,10 @@ class RelayMetrics:
         )
         self.latency = Histogram(
             "outbox_delivery_latency_seconds",
-            "Event creation to broker acknowledgement.",
+            "Commit (since=commit: WAL capture, or track_commit_timestamp on) or creation "
+            "(since=created: a retry, or the commit time not kept) to broker acknowledgement.",
             LATENCY_BUCKETS,
-            ["outbox"],
+            ["outbox", "since"],
         )
         self.batch_size = Histogram(
             "outbox_batch_size", "Events per claimed batch.", BATCH_BUCKETS, ["outbox"]

@@ -46,7 +46,10 @@ class BatchRecorder:
             labels = (lane.name, topic, "none" if sink is None else router.name_of(sink, topic))
             if r.delivered:
                 metrics.delivered.inc(labels, r.delivered)
-                metrics.latency.observe_many(r.latencies, (lane.name,))
+                if r.commit_latencies:
+                    metrics.latency.observe_many(r.commit_latencies, (lane.name, "commit"))
+                if r.latencies:
+                    metrics.latency.observe_many(r.latencies, (lane.name, "created"))
             for transform, n in r.filtered.items():
                 metrics.filtered.inc((lane.name, topic, transform), n)
             for kind, n in r.errors.items():

@@ -36,7 +36,20 @@ def test_explicit_traceparent_wins_over_the_active_context() -> None:
 
 def test_headers_round_trip_byte_exact() -> None:
     raw = {"text": "caf\u00e9", "bin": b"\xff\x00", "utf8-bytes": "\u00e9".encode(), "nul": "a\x00"}
-    row = (1, str(uuid.uuid4()), "t", None, b"p", encode_headers(raw), 1_700_000_000.0, 0, None, None, None)
+    row = (
+        1,
+        str(uuid.uuid4()),
+        "t",
+        None,
+        b"p",
+        encode_headers(raw),
+        1_700_000_000.0,
+        0,
+        None,
+        None,
+        None,
+        None,
+    )
     decoded = dict(decode_row(row).headers)
     assert decoded["text"] == "caf\u00e9".encode()
     assert decoded["bin"] == b"\xff\x00"
@@ -52,7 +65,7 @@ def test_headers_round_trip_byte_exact() -> None:
     "headers", [[1, 2], {"h": 1}, {"h": {"b64": "!!"}}, {"h": {"x": "y"}}, "[1, 2]", '{"h": 1}']
 )
 def test_corrupt_rows_are_named(headers: object) -> None:
-    row = (1, str(uuid.uuid4()), "t", None, b"p", headers, 1_700_000_000.0, 0, None, None, None)
+    row = (1, str(uuid.uuid4()), "t", None, b"p", headers, 1_700_000_000.0, 0, None, None, None, None)
     with pytest.raises(CorruptEvent, match="headers"):
         decode_row(row)
 
@@ -112,7 +125,7 @@ def test_a_key_is_refused_past_what_its_indexes_take() -> None:
 def test_a_claimed_row_is_held_to_the_limits_enqueue_applies(
     row_change: dict[int, object], field: str
 ) -> None:
-    row: list[object] = [1, str(uuid.uuid4()), "t", None, b"p", None, 1.0, 0, None, None, None]
+    row: list[object] = [1, str(uuid.uuid4()), "t", None, b"p", None, 1.0, 0, None, None, None, None]
     if 4 in row_change:  # the topic is the third column
         row[2] = row_change.pop(4)
     for i, value in row_change.items():

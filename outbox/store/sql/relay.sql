@@ -21,11 +21,16 @@
 -- event_id comes as text, headers as JSON text (json.loads of a str is 1.6 us/row faster than
 -- psycopg's jsonb loader) and empty headers as NULL. An expired event (expires_at, migration
 -- 0023) is claimed like any other: the batch dead-letters it (kind expired), so that it leaves.
+-- The last column is when the row's transaction committed, the latency's start, where PostgreSQL
+-- keeps it (track_commit_timestamp on) and it is the writer's (a first attempt: a retry's update
+-- is the row's newest transaction).
 -- {skips}: while a batch out holds an event of a key locked, untouched, behind an earlier
 -- failure, the key's events after it are skipped (claim_skips). Nearly never.
 SELECT e.id, e.event_id::text, e.topic, e.key, e.payload, nullif(e.headers, '{{}}'::jsonb)::text,
        extract(epoch FROM e.created_at)::float8, e.attempts, e.type, e.subject,
-       extract(epoch FROM e.expires_at)::float8
+       extract(epoch FROM e.expires_at)::float8,
+       CASE WHEN e.attempts = 0 AND (SELECT current_setting('track_commit_timestamp')::bool)
+            THEN extract(epoch FROM pg_xact_commit_timestamp(e.xmin))::float8 END
 FROM {schema}.events AS e
 WHERE e.available_at <= now()
   AND e.partition = ANY(ARRAY(
@@ -85,7 +90,9 @@ FOR UPDATE OF e SKIP LOCKED
 -- topics %(only)s names, but those %(skip)s names, as in claim_batch).
 SELECT e.id, e.event_id::text, e.topic, e.key, e.payload, nullif(e.headers, '{{}}'::jsonb)::text,
        extract(epoch FROM e.created_at)::float8, e.attempts, e.type, e.subject,
-       extract(epoch FROM e.expires_at)::float8
+       extract(epoch FROM e.expires_at)::float8,
+       CASE WHEN e.attempts = 0 AND (SELECT current_setting('track_commit_timestamp')::bool)
+            THEN extract(epoch FROM pg_xact_commit_timestamp(e.xmin))::float8 END
 FROM {schema}.events AS e
 WHERE e.available_at <= now()
   {limits}

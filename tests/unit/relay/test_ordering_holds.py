@@ -19,7 +19,7 @@ class _Conn:  # Batch only stores its connection until finish()
 
 def _rows(keys: list[bytes | None]) -> list[tuple[object, ...]]:
     return [
-        (i, str(uuid.uuid4()), "t", k, b"p", None, 1_700_000_000.0, 0, None, None, None)
+        (i, str(uuid.uuid4()), "t", k, b"p", None, 1_700_000_000.0, 0, None, None, None, None)
         for i, k in enumerate(keys)
     ]
 
