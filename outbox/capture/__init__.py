@@ -2,8 +2,9 @@
 
 ``mode``: an outbox's capture mode, its slot and publication, switching and the signing key's
 rotation; ``wal_message``: one message's format and signature; ``pgoutput``: the stream decoded;
-``wal_reader``: the thread that streams a slot. This face hands on ``mode``'s names (and the
-decoder's), as ``outbox.capture`` has always offered them."""
+``wal_reader``: the thread that streams a slot; ``write_back``: a WAL batch's commit, its events
+stored once their sink answered and the position they reach handed on. This face hands on
+``mode``'s names (and the decoder's), as ``outbox.capture`` has always offered them."""
 
 from outbox.capture.mode import (
     FAILOVER_SERVER,

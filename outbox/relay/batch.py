@@ -36,7 +36,8 @@ from outbox.relay.limits import Gate
 from outbox.relay.ordering import Failure, KeyHolds
 from outbox.relay.retry import RetryPolicy, cap_error
 from outbox.sinks.base import CORRUPT_EVENT, EXPIRED, HELD, Dead, Delivered, Outcome, Retry
-from outbox.store.queries import int_array, query
+from outbox.store import finishing
+from outbox.store.finishing import Written
 from outbox.transform import TRANSFORM_FAILED, Transforms
 from outbox.transform.spec import TransformFailed
 
@@ -95,26 +96,6 @@ class BatchResult:
     @property
     def dead(self) -> int:
         return sum(t.dead for t in self.topics.values())
-
-
-@dataclass
-class Written:
-    """A finished batch's outcomes, as lists of ids (and what goes with them) per statement."""
-
-    archive: bool
-    ok_ids: list[int]
-    ok_parts: list[int | None]
-    ok_offsets: list[int | None]
-    ok_refs: list[str | None]
-    ok_filtered: list[str | None]  # the transform that dropped each (empty: none was dropped)
-    retry_ids: list[int]
-    retry_delays: list[float]
-    retry_errors: list[str]
-    retry_kinds: list[str]
-    dead_ids: list[int]
-    dead_errors: list[str]
-    dead_kinds: list[str]
-    dead_events: list[tuple[int, str]]
 
 
 class Batch:
@@ -430,50 +411,7 @@ class Batch:
 
     def _write(self, schema: str, w: Written) -> None:
         """The outcomes' statements, in the batch's transaction (committed by ``finish``)."""
-        conn = self.conn
-        if w.ok_ids:
-            name = "archive_delivered" if w.archive else "delete_delivered"
-            cur = conn.execute(
-                query(name, schema),
-                {
-                    "ids": int_array(w.ok_ids),
-                    "partitions": int_array(w.ok_parts),
-                    "offsets": int_array(w.ok_offsets),
-                    # No sink reference at all (Kafka): an empty array, which unnest pads
-                    # with NULLs, instead of psycopg dumping a NULL per event in Python.
-                    "refs": [] if w.ok_refs.count(None) == len(w.ok_refs) else w.ok_refs,
-                    "filtered": w.ok_filtered,
-                },
-            )
-            _check_rows(cur.rowcount, len(w.ok_ids), "archive")
-        self._failed(schema, w, w.retry_ids, w.dead_ids)
-
-    def _failed(self, schema: str, w: Written, retry_ids: list[int], dead_ids: list[int]) -> None:
-        """The failed attempts (``retry_ids``: backoff persisted) and the dead letters (``dead_ids``,
-        parking their keys with --on-dead park), by their rows' ids."""
-        conn = self.conn
-        if retry_ids:
-            cur = conn.execute(
-                query("schedule_retry", schema),
-                {
-                    "ids": int_array(retry_ids),
-                    "delays": w.retry_delays,
-                    "errors": w.retry_errors,
-                    "kinds": w.retry_kinds,
-                },
-            )
-            _check_rows(cur.rowcount, len(retry_ids), "retry")
-        if dead_ids:
-            cur = conn.execute(
-                query("dead_letter", schema),
-                {
-                    "ids": int_array(dead_ids),
-                    "errors": w.dead_errors,
-                    "kinds": w.dead_kinds,
-                    "park": self._parks,
-                },
-            )
-            _check_rows(cur.rowcount, len(dead_ids), "dead-letter")
+        finishing.write(self.conn, schema, w, parks=self._parks)
 
     def release(self) -> None:
         """Give the batch up: roll back so its events can be claimed again at once."""
@@ -543,8 +481,3 @@ class Shared:
 
 def _expired(outcome: Outcome) -> bool:
     return type(outcome) is Dead and outcome.kind == EXPIRED
-
-
-def _check_rows(changed: int, expected: int, what: str) -> None:
-    if changed != expected:
-        raise FencingError(f"{what} changed {changed} rows, expected {expected}: the batch's lease was lost")
