@@ -69,7 +69,7 @@ from outbox.relay.recorder import BatchRecorder
 from outbox.relay.roster import Roster
 from outbox.relay.scheduler import ClaimScheduler
 from outbox.relay.sender import BatchSender
-from outbox.relay.upkeep import LaneUpkeep
+from outbox.relay.upkeep import Chores, LaneUpkeep
 from outbox.sinks.base import Sink, wake_of
 from outbox.sinks.chains import KeyChains
 from outbox.store.dsn import with_net_timeouts
@@ -159,7 +159,6 @@ class Relay:
         self.scheduler = ClaimScheduler(config, beats)
         self.roster = Roster(self, chosen, beats)
         self.sender = BatchSender(self)
-        self.upkeep = LaneUpkeep(self)
         self.health = RelayHealth(self)
         self.listener: Listener | None = None
         self._hygiene: Hygiene | None = None
@@ -168,6 +167,10 @@ class Relay:
         self._shared_metrics = metrics is not None
         self.metrics = metrics if metrics is not None else RelayMetrics()
         self.recorder = BatchRecorder(self.stats, self.metrics, lambda: self.metrics_on)
+        self.upkeep = LaneUpkeep(
+            self, Chores(self.sessions, self.lane_error), self.scheduler, self.finisher, self.stats,
+            self.metrics, self.wal_read,
+        )  # fmt: skip
         self.http: HealthServer | None = None
         self.gauges: DatabaseGauges | None = None
         self._waiting = 0  # events in flight awaiting a report, at the last loop step
@@ -289,7 +292,7 @@ class Relay:
             self.roster.apply()
         finisher.finish_complete()
         if self.sink is None or not self.sink.healthy():
-            self.upkeep.replace_sink()
+            self.upkeep.sinks.replace_sink()
         self.roster.heartbeats_due()
         now = time.monotonic()
         self.upkeep.due(now)
@@ -306,7 +309,7 @@ class Relay:
         if chosen is not None and gate is not None:
             self.sender.claim_gate(chosen, gate, scheduler.batch_limit(chosen, now))
         elif chosen is not None:
-            group = self._shareable([chosen, *scheduler.companions(chosen, now)], now)
+            group = self._shareable([chosen, *scheduler.companions(chosen, now)])
             limit = self._claiming(chosen, now)
             if len(group) > 1 and group[0] is chosen:
                 picks = [(chosen, limit)] + [(c, self._claiming(c, now, companion=True)) for c in group[1:]]
@@ -329,7 +332,7 @@ class Relay:
                 # Reports, finished batches and NOTIFY all wake the loop; else the next deadline,
                 # at most REPORT_WAIT_FULL (the sink's health is looked at each step). One that is
                 # due already (a woken lane, a poll) waits for a slot, which only news can free.
-                wait = scheduler.idle_wait(now, self.upkeep.next_maintenance_check)
+                wait = scheduler.idle_wait(now, self.upkeep.next_at())
                 wait = min(wait, REPORT_WAIT_FULL) if wait > 0 else REPORT_WAIT_FULL
                 if self._empty_until > now:
                     wait = min(wait, self._empty_until - now)
@@ -344,7 +347,7 @@ class Relay:
             if not signalled:
                 self._wakeup.clear()
             if not scheduler.woken():
-                self._wakeup.wait(scheduler.idle_wait(now, self.upkeep.next_maintenance_check))
+                self._wakeup.wait(scheduler.idle_wait(now, self.upkeep.next_at()))
 
     def _claim_shared(self, picks: Picks) -> int:
         """The claims of ``picks`` in one transaction, sent now or (the sender's ``ahead``) during
@@ -363,7 +366,7 @@ class Relay:
         order and with the limits the step would give them."""
         now = time.monotonic()
         lanes = self.scheduler.ahead(now, self.sessions.available())
-        group = self._shareable(lanes, now)
+        group = self._shareable(lanes)
         if not group or group[0] is not lanes[0]:
             return []
         lead, *others = group
@@ -371,16 +374,10 @@ class Relay:
             (c, self._claiming(c, now, companion=True)) for c in others
         ]
 
-    def _shareable(self, lanes: list[Lane], now: float) -> list[Lane]:
+    def _shareable(self, lanes: list[Lane]) -> list[Lane]:
         """Those of ``lanes`` that may claim in a shared transaction: outboxes whose events are in
-        their table (capture mode known: the first claim's check, done here if due; no WAL reader,
-        whose batches commit in the order read)."""
-        out = []
-        for lane in lanes:
-            self.upkeep.table_known(lane, now)  # its capture is looked at first, if not yet
-            if lane.wal is None and lane.upkept.capture_mode == "table":
-                out.append(lane)
-        return out
+        their table (capture mode known; no WAL reader, whose batches commit in the order read)."""
+        return [lane for lane in lanes if lane.wal is None and lane.upkept.capture_mode == "table"]
 
     def _claiming(self, lane: Lane, now: float, companion: bool = False) -> int:
         """``lane`` claims now: what woke it is taken, and its claim's limit returned."""
@@ -422,7 +419,7 @@ class Relay:
         self.chains = {}
         self.use_sink(self.sink_factory())
         self.roster.start()
-        self.upkeep.refuse_wal_without_reader()
+        self.upkeep.capture.refuse_wal_without_reader()
         if config.vacuum:
             self._hygiene = Hygiene(
                 self._dsn, lambda: [lane.schema for lane in self.scheduler.rotation], self.stopped,
@@ -468,7 +465,7 @@ class Relay:
             self.sink = None
         # No batch holds locks any more: hand the partitions over at once.
         for lane in rotation:
-            self.upkeep.stop_reader(lane)
+            self.upkeep.capture.stop_reader(lane)
             lane.ordering.release_all()
         self.membership.leave()
         self.link.close()

@@ -140,8 +140,9 @@ class Roster:
         self.lanes[o.name] = lane
         relay.scheduler.add(lane)
         self.beats.schedule(lane)
+        relay.upkeep.capture.joined(lane)
         if relay.sink is not None:
-            relay.upkeep.chain(lane)
+            relay.upkeep.sinks.chain(lane)
         if relay.listener is not None:
             relay.listener.watch(channel_name(o.schema), partial(self.notified, lane))
         if relay.running.is_set():
@@ -160,7 +161,7 @@ class Roster:
         """Lanes that left and have nothing in flight hand their partitions over and go."""
         relay = self.relay
         for lane in [x for x in relay.scheduler.rotation if x.leaving and not x.in_flight and not x.claiming]:
-            relay.upkeep.stop_reader(lane)
+            relay.upkeep.capture.stop_reader(lane)
             lane.ordering.release_all()
             relay.scheduler.remove(lane)
             self.beats.forget(lane)
@@ -203,7 +204,7 @@ class Roster:
             relay.sink.poll(0)
         if member_due:
             self.beat()
-            relay.upkeep.sinks_back()
+            relay.upkeep.sinks.sinks_back()
         try:
             for lane in due:
                 if not lane.claiming:  # (else at the next step, its claim read: it owns what it claimed)

@@ -68,7 +68,7 @@ class BatchSender:
         """A batch of at most ``limit`` events of ``lane``, sent; how many it had."""
         relay = self.relay
         sessions = relay.sessions
-        if not relay.upkeep.table_known(lane, time.monotonic()):  # a slot to read before the table?
+        if not relay.upkeep.capture.table_known(lane):  # a slot to read before the table?
             return 0
         wal = lane.wal
         if wal is not None:
@@ -210,7 +210,7 @@ class BatchSender:
         now = time.monotonic()
         if not sessions.available():
             return 0
-        if not relay.upkeep.table_known(lane, now):  # the capture look failed: the events wait
+        if not relay.upkeep.capture.table_known(lane):  # the capture look failed: the events wait
             gate.next_try = now + GATE_RETRY
             return 0
         try:

@@ -99,7 +99,8 @@ def routed(
     webhook_secrets_for: list[tuple[str, list[bytes]]] | None = None,
 ) -> Callable[[], Sink]:
     """The relay's sink factory for ``routes``: a Router over one sink per URL. The relay adds
-    each outbox's key chains where its ordering needs them (:meth:`~outbox.relay.upkeep.LaneUpkeep.chain`).
+    each outbox's key chains where its ordering needs them
+    (:meth:`~outbox.relay.upkeep.sinks.SinkUpkeep.chain`).
     With ``cloudevents_source``, each sink adds the CloudEvents attributes
     (:mod:`outbox.sinks.cloudevents`); with ``claim_check`` (a store and a size), payloads over
     the size go to the store (:mod:`outbox.sinks.claim_check`)."""

@@ -204,7 +204,7 @@ def test_a_relay_starting_over_many_outboxes_looks_at_each_once_and_creates_only
     1,000 transactions in the middle of their first drain. Their archive's day partitions are
     asked about in one statement, and only the outbox missing one gets the call that creates it.
     A database of its own: another relay's coming or going makes every outbox be looked at."""
-    import outbox.relay.upkeep
+    import outbox.relay.upkeep.partitions
 
     boxes = _migrated(second_db, prefix, 20)
     gap = boxes[3]
@@ -212,13 +212,13 @@ def test_a_relay_starting_over_many_outboxes_looks_at_each_once_and_creates_only
     with psycopg.connect(second_db, autocommit=True) as conn:
         conn.execute(sql.SQL("DROP TABLE {}.{}").format(sql.Identifier(gap.schema), sql.Identifier(tomorrow)))
     asked: list[tuple[str, str]] = []
-    named = outbox.relay.upkeep.query
+    named = outbox.relay.upkeep.partitions.query
 
     def recorded(name: str, schema: str, **kw: Any) -> Any:
         asked.append((name, schema))
         return named(name, schema, **kw)
 
-    monkeypatch.setattr(outbox.relay.upkeep, "query", recorded)
+    monkeypatch.setattr(outbox.relay.upkeep.partitions, "query", recorded)
     with running_relay(_config(second_db), bootstrap=kafka, outboxes=boxes) as relay:
         wait_for(relay.running.is_set, timeout=30, what="the relay started")
 

@@ -1,0 +1,113 @@
+"""outbox.relay.upkeep.capture.CaptureWatch's first looks at an outbox's capture, and the sender's
+claim that waits for them: pure logic over the lanes, with sessions that answer (or do not) as
+told."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, cast
+
+from outbox.relay.config import RelayConfig
+from outbox.relay.lanes import Beats, Lane
+from outbox.relay.scheduler import ClaimScheduler
+from outbox.relay.sender import BatchSender
+from outbox.relay.upkeep import CaptureWatch, Chores
+from outbox.store.outboxes import Outbox
+
+
+@dataclass
+class _Ordering:
+    due_at: float = 1e9
+
+
+class _Conn:
+    """A session that answers the database-wide look at slots and publications: none."""
+
+    def __init__(self, asked: list[str]) -> None:
+        self.asked = asked
+
+    def execute(self, statement: Any, params: Any = None) -> _Conn:
+        self.asked.append("database_slots")
+        return self
+
+    def fetchone(self) -> tuple[str, list[str], list[str]]:
+        return ("db", [], [])
+
+    def commit(self) -> None:
+        pass
+
+
+@dataclass
+class _Sessions:
+    up: bool = True  # does the database answer?
+    taken: int = 0
+    asked: list[str] = field(default_factory=list)
+
+    def take(self) -> _Conn | None:
+        self.taken += 1
+        return _Conn(self.asked) if self.up else None
+
+    def give_back(self, conn: Any) -> None:
+        pass
+
+
+@dataclass
+class _Upkeep:
+    capture: CaptureWatch
+
+
+@dataclass
+class _Relay:
+    """What BatchSender uses of the relay, for this path."""
+
+    sessions: _Sessions
+    scheduler: ClaimScheduler
+    upkeep: _Upkeep
+
+
+def _never(*args: Any) -> None:
+    raise AssertionError(f"not expected here: {args}")
+
+
+def _relay(lanes: int, up: bool = True) -> tuple[_Relay, list[Lane]]:
+    scheduler = ClaimScheduler(RelayConfig("postgresql://unused"), Beats())
+    sessions = _Sessions(up=up)
+    watch = CaptureWatch(Chores(cast(Any, sessions), _never), scheduler.rotation, _never)
+    relay = _Relay(sessions, scheduler, _Upkeep(watch))
+    made = []
+    for i in range(lanes):
+        lane = Lane(Outbox(f"o{i}", "postgresql://unused", f"o{i}"), cast(Any, _Ordering()))
+        scheduler.add(lane)
+        watch.joined(lane)
+        made.append(lane)
+    return relay, made
+
+
+def test_outboxes_that_joined_are_looked_at_before_the_steps_claims_in_one_statement() -> None:
+    relay, lanes = _relay(50)
+    assert not any(CaptureWatch.table_known(lane) for lane in lanes)  # not claimed before a look
+    relay.upkeep.capture.due(100.0)
+    assert all(lane.upkept.capture_mode == "table" and lane.wal is None for lane in lanes)
+    assert relay.sessions.asked == ["database_slots"]  # one look for every outbox without a slot
+    assert all(CaptureWatch.table_known(lane) for lane in lanes)
+    relay.upkeep.capture.due(101.0)
+    assert relay.sessions.asked == ["database_slots"]  # looked at once
+
+
+def test_a_first_look_that_fails_leaves_the_table_unclaimed_and_is_tried_again_next_step() -> None:
+    relay, lanes = _relay(50, up=False)
+    relay.upkeep.capture.due(100.0)
+    assert relay.sessions.taken == 1  # the pass stops at the first failure, not 50 tries a step
+    assert not any(CaptureWatch.table_known(lane) for lane in lanes)
+    relay.sessions.up = True
+    relay.upkeep.capture.due(100.5)
+    assert all(CaptureWatch.table_known(lane) for lane in lanes)
+
+
+def test_a_claim_of_an_outbox_not_looked_at_takes_no_session_and_starts_nothing() -> None:
+    """The claim path only asks whether the look was done: the look (and a WAL reader it may
+    start) is the upkeep's, in its own part of the step."""
+    relay, (lane,) = _relay(1, up=True)
+    sender = BatchSender(cast(Any, relay))
+    assert sender.claim_and_send(lane, 100) == 0
+    assert relay.sessions.taken == 0 and lane.wal is None and not lane.upkept.capture_mode
