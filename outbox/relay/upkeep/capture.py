@@ -94,13 +94,25 @@ class CaptureWatch:
     def _look(self, lane: Lane, now: float) -> None:
         """One look at an outbox's capture mode: the database's slots and publications say
         "table" for an outbox that has none; the others are looked at one by one."""
-        if self._slotless(lane, now):
+        slotless = self._slotless(lane, now)
+        if slotless is None:  # the database did not answer (or no session was free)
+            self._failed(lane, now)
+        elif slotless:
             lane.upkept.next_capture = now + random.uniform(0.5, 1.0) * self._every()
             lane.upkept.capture_mode = "table"
-            return
-        self._look_at_slot(lane, now)
+        else:
+            self._look_at_slot(lane, now)
 
-    def _slotless(self, lane: Lane, now: float) -> bool:
+    def _failed(self, lane: Lane, now: float) -> None:
+        """A look that failed. Never known (the first look failed): looked at again before the
+        next claim. A relay that took such an outbox for table capture until a look 10 s later
+        claimed its table ahead of the older events in its slot, and said it was ready after a
+        failover that lost the slot."""
+        lane.upkept.next_capture = now + LOOK_RETRY if lane.upkept.capture_mode else 0.0
+        if not lane.upkept.next_capture:
+            self._unlooked[lane] = None
+
+    def _slotless(self, lane: Lane, now: float) -> bool | None:
         """Has the outbox no replication slot, no publication and no reader? One look at the
         database's slots and publications (at most every CAPTURE_CHECK s) says it for every
         outbox: those need no capture check of their own (a thousand outboxes' first claims were
@@ -109,13 +121,15 @@ class CaptureWatch:
         of the next look. Its publication counts too: a failover to a standby that did not
         synchronise the slot keeps the publication, and a relay that first looked then took the
         outbox for table capture (ready, claiming an empty table, the WAL's events never read
-        and nothing said) where its reader says the slot is lost."""
+        and nothing said) where its reader says the slot is lost. None when it cannot be said
+        (the look failed)."""
         if lane.wal is not None:
             return False
         if now >= self._slots_until:
             found = self.chores.on_session(lane, "capture check", partial(_database_slots, lane.schema))
-            if found is not None:
-                self._slots, self._slots_until = found, now + CAPTURE_CHECK
+            if found is None:
+                return None
+            self._slots, self._slots_until = found, now + CAPTURE_CHECK
         return self._slots is not None and not _reads_wal(lane.schema, self._slots)
 
     def refuse_wal_without_reader(self) -> None:
@@ -137,13 +151,7 @@ class CaptureWatch:
         lane.upkept.next_capture = now + self._every()
         found = self.chores.on_session(lane, "capture check", lambda conn: capture.state(conn, lane.schema))
         if found is None:
-            # Never known (the first look failed): looked at again before the next claim. A relay
-            # that took such an outbox for table capture until a look 10 s later claimed its
-            # table ahead of the older events in its slot, and said it was ready after a failover
-            # that lost the slot.
-            lane.upkept.next_capture = now + LOOK_RETRY if lane.upkept.capture_mode else 0.0
-            if not lane.upkept.next_capture:
-                self._unlooked[lane] = None
+            self._failed(lane, now)
             return
         lane.upkept.capture_mode = found.mode
         if found.reads_slot and lane.wal is None:
