@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Protocol
+from typing import Any
 
 import psycopg
 
@@ -39,23 +40,6 @@ log = logging.getLogger("outbox.relay")
 RETRY_MARGIN = 0.05
 
 
-class Host(Protocol):
-    """What the finisher uses of the relay."""
-
-    config: RelayConfig
-    sessions: Sessions
-    link: Link
-    membership: Membership
-    sink: Sink | None
-    scheduler: ClaimScheduler
-    recorder: BatchRecorder
-
-    @property
-    def metrics_on(self) -> bool: ...
-
-    def wake(self) -> None: ...
-
-
 class _NotHandedOn(Exception):
     """A WAL batch's finisher gave up: the batch read before it did not commit."""
 
@@ -64,19 +48,41 @@ class BatchFinisher:
     """The batches in flight of every lane (``busy``: the lanes with some, in the order they
     became so, which is what the loop's every step looks at), and those being finished."""
 
-    def __init__(self, relay: Host) -> None:
-        self.relay = relay
+    def __init__(
+        self,
+        config: RelayConfig,
+        sessions: Sessions,
+        link: Link,
+        membership: Membership,
+        scheduler: ClaimScheduler,
+        recorder: BatchRecorder,
+        *,
+        sink: Callable[[], Sink | None],
+        metrics_on: Callable[[], bool],
+        wake: Callable[[], None],
+    ) -> None:
+        """``sink``: the relay's sink now (it is replaced when unhealthy); ``metrics_on``: whether
+        a finish lists its latencies; ``wake``: the loop's wake-up, called as a finish is done."""
+        self.config = config
+        self.sessions = sessions
+        self.link = link
+        self.membership = membership
+        self.scheduler = scheduler
+        self.recorder = recorder
+        self._sink = sink
+        self._metrics_on = metrics_on
+        self._wake = wake
         self.busy: dict[Lane, None] = {}
         # A finisher per session of the budget (each batch has a session of its own): one
         # outbox's finish that waits (a lock on its archive) holds up no other outbox's.
-        self._pool = ThreadPoolExecutor(relay.config.max_connections, thread_name_prefix="outbox-finish")
+        self._pool = ThreadPoolExecutor(config.max_connections, thread_name_prefix="outbox-finish")
         # Batches on a finisher, with the time each was handed over (recorded once done).
         # A shared transaction's batches have one future, whose result maps each one to its own.
         self.finishing: dict[Batch, tuple[Future[Any], int]] = {}
 
     def _woken(self, _future: Future[Any]) -> None:
         """A batch was finished (its thread): the loop records it and frees its slot now."""
-        self.relay.wake()
+        self._wake()
 
     def sent(self, lane: Lane, batch: Batch) -> None:
         """``batch`` is out: its outcomes will come through ``batch.settle``."""
@@ -126,8 +132,7 @@ class BatchFinisher:
         self, lane: Lane, batch: Batch, earlier: tuple[WalBatch, Future[BatchResult]] | None = None
     ) -> None:
         """Finish ``batch`` on a finisher thread: its statements and commit, a round trip the
-        loop does not wait for. The next batch is produced meanwhile; the server's work of
-        archiving one batch (about 20 ms for 1,000 events) was the loop's own wait before.
+        loop does not wait for. The next batch is produced meanwhile (decision 0002).
         ``earlier``: the WAL batch read before it, to wait for (see _finish_after)."""
         ack_start = time.time_ns()
         if earlier is None:
@@ -148,17 +153,17 @@ class BatchFinisher:
             self.finishing[batch] = (future, ack_start)
 
     def _shared_statements(self, shared: Shared) -> dict[Batch, BatchResult | Exception]:
-        config = self.relay.config
-        return shared.finish(config.retry, archive=config.archive, latencies=self.relay.metrics_on)
+        config = self.config
+        return shared.finish(config.retry, archive=config.archive, latencies=self._metrics_on())
 
     def _statements(self, lane: Lane, batch: Batch) -> BatchResult:
         """The batch's statements and commit (on a finisher, or on the loop)."""
-        config = self.relay.config
+        config = self.config
         return batch.finish(
             lane.schema,
             config.retry,
             archive=config.archive,
-            latencies=self.relay.metrics_on,  # for the latency histogram only
+            latencies=self._metrics_on(),  # for the latency histogram only
         )
 
     def _finish_after(
@@ -206,7 +211,7 @@ class BatchFinisher:
                 return
             shared.handed = True
             results = self._shared_statements(shared)
-            lanes = {b: each for each in self.relay.scheduler.rotation for b in each.in_flight}
+            lanes = {b: each for each in self.scheduler.rotation for b in each.in_flight}
             for _, member in shared.members:
                 self._outcome(lanes[member], member, results[member], ack_start)
             return
@@ -222,7 +227,7 @@ class BatchFinisher:
         an unreachable sink, and every batch is finished here, not rolled back, so that what was
         delivered is archived once (the key holds its later events: per-key order)."""
         unreported = Retry(SINK_REPLACED, "the sink's client was replaced before it reported")
-        flights = [(each, b) for each in self.relay.scheduler.rotation for b in each.in_flight]
+        flights = [(each, b) for each in self.scheduler.rotation for b in each.in_flight]
         for _, batch in flights:
             for i, outcome in enumerate(batch.outcomes):
                 if outcome is None:
@@ -231,15 +236,14 @@ class BatchFinisher:
             self.finish_here(lane, batch)
 
     def _outcome(self, lane: Lane, batch: Batch, outcome: BatchResult | Exception, ack_start: int) -> None:
-        relay = self.relay
-        recorder = relay.recorder
+        recorder = self.recorder
         if isinstance(outcome, FencingError):
             recorder.lease_lost(lane, batch, str(outcome), ack_start)
             self.done(lane, batch)  # fenced: its partition was taken over, nothing about the sink
             return
         if isinstance(outcome, (psycopg.Error, RolledBack)):
             exc = outcome
-            sessions = relay.sessions
+            sessions = self.sessions
             if isinstance(exc, psycopg.Error) and (batch.conn.closed or batch.conn.broken):
                 # The lease ran out (idle_in_transaction_session_timeout ended the
                 # session) or the connection broke: the ack did not commit.
@@ -247,7 +251,7 @@ class BatchFinisher:
                 sessions.discard(batch.conn)
                 # The lease ran out (not a server restart or a dropped connection): too slow.
                 now = time.monotonic()
-                relay.scheduler.pace(lane, batch, now - batch.claimed_at >= relay.config.lease, now)
+                self.scheduler.pace(lane, batch, now - batch.claimed_at >= self.config.lease, now)
             else:  # the statement failed on a live connection: a bug or a schema change
                 if batch.shared is not None:  # each claims alone for a while: the error is one's own
                     lane.solo_until = time.monotonic() + SOLO_AFTER_ERROR
@@ -270,11 +274,11 @@ class BatchFinisher:
         if result.next_retry is not None:  # claim again when it comes due, not at the next poll
             lane.retry_at = min(lane.retry_at, time.monotonic() + result.next_retry + RETRY_MARGIN)
         self.done(lane, batch)
-        recorder.record(lane, batch, result, ack_start, relay.sink)
+        recorder.record(lane, batch, result, ack_start, self._sink())
         if result.delivered:  # a batch that only failed says nothing about the sink's pace
             # (A batch of a shared transaction: when its own events had settled, not when the
             # slowest member's had: a slow outbox does not make the others' claims smaller.)
-            relay.scheduler.pace(lane, batch, False, batch.settled_at or time.monotonic())
+            self.scheduler.pace(lane, batch, False, batch.settled_at or time.monotonic())
 
     def done(self, lane: Lane, batch: Batch) -> None:
         """The one place a batch leaves the loop: its session back to the pool, its key holds
@@ -293,14 +297,13 @@ class BatchFinisher:
                 waiting = self.finishing.pop(later, None)
                 if waiting is not None:  # its finisher waited for this one: it gives up, unwritten
                     waiting[0].exception()
-                self.relay.recorder.end_spans(later, time.time_ns(), "released")
+                self.recorder.end_spans(later, time.time_ns(), "released")
                 later.release()
                 self._leave(lane, later)
 
     def _leave(self, lane: Lane, batch: Batch) -> None:
-        relay = self.relay
         if batch.gate is not None:
-            limits.finished(relay.link, relay.membership.id, lane.schema, batch.gate, len(batch))
+            limits.finished(self.link, self.membership.id, lane.schema, batch.gate, len(batch))
         lane.in_flight.remove(batch)
         lane.ordering.holds.release(id(batch))
         shared = batch.shared
@@ -308,11 +311,10 @@ class BatchFinisher:
             shared.left -= 1
             if shared.left == 0:
                 # Its batches and it refer to each other: a cycle only the garbage collector
-                # frees, when it runs. Their rows stayed in memory until then (peak RSS 186 MB
-                # against 67 in a drain of 1,000 outboxes).
+                # frees, when it runs, and their rows stayed in memory until then (decision 0002).
                 shared.members.clear()
         if shared is None or shared.left == 0:  # a shared session goes back with its last batch
-            self.relay.sessions.give_back(batch.conn)
+            self.sessions.give_back(batch.conn)
         if not lane.in_flight:
             self.busy.pop(lane, None)
 
@@ -325,23 +327,23 @@ class BatchFinisher:
         flight are released (they cannot commit now) and the reader reads again once the
         database is back, from the position last committed."""
         self.await_all()
-        for lane in self.relay.scheduler.rotation:
+        for lane in self.scheduler.rotation:
             if lane.wal is None:
                 continue
             first = next((b for b in lane.in_flight if isinstance(b, WalBatch)), None)
             if first is None:
                 lane.wal.rewind()  # what it queued, and its stream
                 continue
-            self.relay.recorder.end_spans(first, time.time_ns(), "released")
+            self.recorder.end_spans(first, time.time_ns(), "released")
             first.release()
             self.done(lane, first)  # rewinds the reader, releases the WAL batches read after it
 
     def release_all(self, why: str) -> None:
         """Roll back every in-flight batch: their events can be claimed again at once."""
         self.await_all()
-        for lane in self.relay.scheduler.rotation:
+        for lane in self.scheduler.rotation:
             for batch in list(lane.in_flight):
-                self.relay.recorder.end_spans(batch, time.time_ns(), "released")
+                self.recorder.end_spans(batch, time.time_ns(), "released")
                 batch.release()
                 self.done(lane, batch)
         if why:

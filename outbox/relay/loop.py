@@ -141,13 +141,12 @@ class Relay:
         self._empty_until = 0.0  # no claim before this, but after a report (see _step)
         # Every connection of the relay notices a dead peer within net_timeout seconds.
         self._dsn = with_net_timeouts(self.dsn, config.net_timeout)
-        self.finisher = BatchFinisher(self)
         self.sessions = Sessions(
             self._dsn,
             lease=config.lease,
             stop=self.stopped,
             limit=config.max_connections,
-            unreachable=self.finisher.let_go_of_the_wal,
+            unreachable=self._unreachable,
         )
         # The outboxes' heartbeats share one connection, outside the sessions' budget.
         self.link = Link(partial(self.sessions.connect, pooled=False))
@@ -167,6 +166,10 @@ class Relay:
         self._shared_metrics = metrics is not None
         self.metrics = metrics if metrics is not None else RelayMetrics()
         self.recorder = BatchRecorder(self.stats, self.metrics, lambda: self.metrics_on)
+        self.finisher = BatchFinisher(
+            config, self.sessions, self.link, self.membership, self.scheduler, self.recorder,
+            sink=lambda: self.sink, metrics_on=lambda: self.metrics_on, wake=self.wake,
+        )  # fmt: skip
         self.upkeep = LaneUpkeep(
             self, Chores(self.sessions, self.lane_error), self.scheduler, self.finisher, self.stats,
             self.metrics, self.wal_read,
@@ -200,6 +203,10 @@ class Relay:
         """Ask the loop to stop claiming and shut down gracefully. Thread/signal safe."""
         self.stopped.set()
         self._wakeup.set()
+
+    def _unreachable(self) -> None:
+        """The database cannot be reached: WAL capture's readers let go (BatchFinisher)."""
+        self.finisher.let_go_of_the_wal()
 
     def wake(self) -> None:
         """Wake the loop (any thread): a lane has news."""

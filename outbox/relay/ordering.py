@@ -271,7 +271,7 @@ class Ordering:
         """The claim's statement, executed: its rows are the cursor's (in pipeline mode, once the
         pipeline is synced: several outboxes' claims in one round trip)."""
         # Binary results: the same Python types for these columns, without hex-decoding the
-        # payloads or parsing numbers from text (fetch of 2,000 realistic rows 2.7 -> 1.2 ms).
+        # payloads or parsing numbers from text (decision 0001).
         cur = conn.cursor(binary=True)
         keys, ids = self.holds.skip_after()
         params = {

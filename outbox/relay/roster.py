@@ -183,7 +183,7 @@ class Roster:
     def wal_read(self, lane: Lane) -> None:
         """The WAL reader queued a transaction (its thread): send it at the next step. Not a sign
         of rows in the table: marking the table due here made every other WAL batch wait for an
-        empty claim of it (a round trip, and commit -> ack p50 6.6 ms against 4.2 for the table)."""
+        empty claim of it (decision 0004)."""
         lane.wake.read()
         self.relay.wake()
 

@@ -76,7 +76,7 @@ class BatchSender:
             # behind a failure) take turns while the table has work: a NOTIFY since its last
             # claim (every insert into events sends one), a full last claim, or its poll timer.
             # An empty claim every other batch was a round trip per WAL batch for nothing
-            # (8 % of the loop's time in a drain). WAL batches go out pipelined like claimed
+            # (decision 0004). WAL batches go out pipelined like claimed
             # ones, and finish in the order they were read (BatchFinisher.finish_complete).
             lane.table.turn = not lane.table.turn
             table_due = lane.table.due or time.monotonic() >= lane.table.next_claim

@@ -1,0 +1,109 @@
+"""outbox.relay.finisher.BatchFinisher: the one place a batch leaves the loop, built from its
+collaborators alone, with a session that answers as scripted (no database)."""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Any, cast
+
+from outbox.relay.batch import Batch
+from outbox.relay.config import RelayConfig
+from outbox.relay.finisher import BatchFinisher
+from outbox.relay.lanes import Beats, Lane, RelayStats
+from outbox.relay.metrics import RelayMetrics
+from outbox.relay.ordering import Ordering
+from outbox.relay.recorder import BatchRecorder
+from outbox.relay.scheduler import ClaimScheduler
+from outbox.sinks.base import Delivered
+from outbox.store.outboxes import Outbox
+
+
+@dataclass
+class _Conn:
+    """A batch's session: each statement changes ``rowcount`` rows (fewer than the batch holds
+    when its lease was lost)."""
+
+    rowcount: int
+    statements: int = 0
+    commits: int = 0
+    rollbacks: int = 0
+    closed: bool = False
+    broken: bool = False
+
+    def execute(self, statement: Any, params: Any = None) -> _Conn:
+        self.statements += 1
+        return self
+
+    def commit(self) -> None:
+        self.commits += 1
+
+    def rollback(self) -> None:
+        self.rollbacks += 1
+
+
+@dataclass
+class _Sessions:
+    back: list[Any] = field(default_factory=list)
+
+    def give_back(self, conn: Any) -> None:
+        self.back.append(conn)
+
+
+def _row(i: int, key: bytes) -> tuple[Any, ...]:
+    return (i, str(uuid.uuid4()), "t", key, b"p", None, 1_700_000_000.0, 0, None, None, None, None)
+
+
+def _finisher(sessions: _Sessions) -> tuple[BatchFinisher, BatchRecorder, Lane]:
+    config = RelayConfig("postgresql://unused")
+    scheduler = ClaimScheduler(config, Beats())
+    recorder = BatchRecorder(RelayStats(), RelayMetrics(), lambda: True)
+    member = SimpleNamespace(id=uuid.uuid4(), link=None)
+    ordering = Ordering(
+        member=cast(Any, member), schema="s", name="r", lease=30.0, batch_lease=30.0, ordering="key",
+        on_dead="park",
+    )  # fmt: skip
+    lane = Lane(Outbox("o", "postgresql://unused", "s"), ordering)
+    scheduler.add(lane)
+    finisher = BatchFinisher(
+        config, cast(Any, sessions), cast(Any, None), cast(Any, member), scheduler, recorder,
+        sink=lambda: None, metrics_on=lambda: True, wake=lambda: None,
+    )  # fmt: skip
+    return finisher, recorder, lane
+
+
+def _sent(finisher: BatchFinisher, lane: Lane, conn: _Conn) -> Batch:
+    batch = Batch(cast(Any, conn), [_row(1, b"a"), _row(2, b"b")], holds=lane.ordering.holds)
+    lane.ordering.holds.add(id(batch), b"a")  # a key this batch holds (as a failure would)
+    finisher.sent(lane, batch)
+    for i in range(len(batch)):
+        batch.settle(i, Delivered())
+    return batch
+
+
+def test_a_finished_batch_commits_and_leaves_in_one_place() -> None:
+    sessions = _Sessions()
+    finisher, recorder, lane = _finisher(sessions)
+    conn = _Conn(rowcount=2)
+    _sent(finisher, lane, conn)
+    assert finisher.busy == {lane: None} and lane.ordering.holds.keys == {b"a": 1}
+    finisher.finish_here(lane, lane.in_flight[0])
+    assert (conn.statements, conn.commits) == (1, 1)  # the archive, then the commit
+    assert sessions.back == [conn] and not lane.in_flight and not finisher.busy
+    assert not lane.ordering.holds.keys  # every key hold released
+    assert recorder.stats.delivered == 2 and recorder.stats.leases_lost == 0
+
+
+def test_a_batch_whose_lease_was_lost_commits_nothing_and_still_leaves_in_one_place() -> None:
+    """Its archive changed fewer rows than it holds (another relay took its events): refused
+    before the commit, counted as a lease lost, and the batch leaves as any other does."""
+    sessions = _Sessions()
+    finisher, recorder, lane = _finisher(sessions)
+    conn = _Conn(rowcount=1)
+    _sent(finisher, lane, conn)
+    finisher.finish_here(lane, lane.in_flight[0])
+    assert (conn.commits, conn.rollbacks) == (0, 1)
+    assert sessions.back == [conn] and not lane.in_flight and not finisher.busy
+    assert not lane.ordering.holds.keys
+    assert recorder.stats.delivered == 0 and recorder.stats.leases_lost == 1
