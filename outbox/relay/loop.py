@@ -69,7 +69,7 @@ from outbox.relay.recorder import BatchRecorder
 from outbox.relay.roster import Roster
 from outbox.relay.scheduler import ClaimScheduler
 from outbox.relay.sender import BatchSender
-from outbox.relay.upkeep import Chores, LaneUpkeep
+from outbox.relay.upkeep import ArchivePartitions, CaptureWatch, Chores, LaneUpkeep, SinkUpkeep
 from outbox.sinks.base import Sink, wake_of
 from outbox.sinks.chains import KeyChains
 from outbox.store.dsn import with_net_timeouts
@@ -170,10 +170,12 @@ class Relay:
             config, self.sessions, self.link, self.membership, self.scheduler, self.recorder,
             sink=lambda: self.sink, metrics_on=lambda: self.metrics_on, wake=self.wake,
         )  # fmt: skip
+        chores = Chores(self.sessions, self.lane_error)
         self.upkeep = LaneUpkeep(
-            self, Chores(self.sessions, self.lane_error), self.scheduler, self.finisher, self.stats,
-            self.metrics, self.wal_read,
-        )  # fmt: skip
+            CaptureWatch(chores, self.scheduler.rotation, self.wal_read),
+            ArchivePartitions(chores, self.scheduler.rotation),
+            SinkUpkeep(self, chores, self.scheduler, self.finisher, self.stats, self.metrics),
+        )
         self.http: HealthServer | None = None
         self.gauges: DatabaseGauges | None = None
         self._waiting = 0  # events in flight awaiting a report, at the last loop step

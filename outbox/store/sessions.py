@@ -151,17 +151,15 @@ class Sessions:
         session back. A COMMIT, not a ROLLBACK: psycopg forgets the session's prepared statements
         at every rollback (and deallocates them in one more round trip), and an idle relay would
         plan each claim anew. One that cannot end is discarded."""
-        try:
-            conn.commit()
-        except psycopg.Error:
-            self.discard(conn)
-            return
-        self.give_back(conn)
+        self._end(conn, conn.commit)
 
     def roll_back(self, conn: psycopg.Connection[Any]) -> None:
         """End the session's transaction and give it back; one that cannot is discarded."""
+        self._end(conn, conn.rollback)
+
+    def _end(self, conn: psycopg.Connection[Any], how: Callable[[], None]) -> None:
         try:
-            conn.rollback()
+            how()
         except psycopg.Error:
             self.discard(conn)
             return

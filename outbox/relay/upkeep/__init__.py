@@ -12,16 +12,10 @@ Each gets what it uses in its constructor; their statements run through
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
-from outbox.relay.finisher import BatchFinisher
-from outbox.relay.lanes import Lane, RelayStats
-from outbox.relay.metrics import RelayMetrics
-from outbox.relay.scheduler import ClaimScheduler
 from outbox.relay.upkeep.capture import CaptureWatch
 from outbox.relay.upkeep.chores import Chores
 from outbox.relay.upkeep.partitions import ArchivePartitions
-from outbox.relay.upkeep.sinks import Host, SinkUpkeep
+from outbox.relay.upkeep.sinks import SinkUpkeep
 
 __all__ = ["ArchivePartitions", "CaptureWatch", "Chores", "LaneUpkeep", "SinkUpkeep"]
 
@@ -30,19 +24,10 @@ class LaneUpkeep:
     """The services, in the order a step runs them: the capture's first looks before anything
     (a table is not claimed before), the partitions, the outage's retries."""
 
-    def __init__(
-        self,
-        relay: Host,
-        chores: Chores,
-        scheduler: ClaimScheduler,
-        finisher: BatchFinisher,
-        stats: RelayStats,
-        metrics: RelayMetrics,
-        wal_read: Callable[[Lane], None],
-    ) -> None:
-        self.capture = CaptureWatch(chores, scheduler.rotation, wal_read)
-        self.partitions = ArchivePartitions(chores, scheduler.rotation)
-        self.sinks = SinkUpkeep(relay, chores, scheduler, finisher, stats, metrics)
+    def __init__(self, capture: CaptureWatch, partitions: ArchivePartitions, sinks: SinkUpkeep) -> None:
+        self.capture = capture
+        self.partitions = partitions
+        self.sinks = sinks
 
     def due(self, now: float) -> None:
         self.capture.due(now)
