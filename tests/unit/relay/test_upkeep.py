@@ -111,3 +111,58 @@ def test_a_claim_of_an_outbox_not_looked_at_takes_no_session_and_starts_nothing(
     sender = BatchSender(cast(Any, relay))
     assert sender.claim_and_send(lane, 100) == 0
     assert relay.sessions.taken == 0 and lane.wal is None and not lane.upkept.capture_mode
+
+
+class _PartitionsConn:
+    """Answers the look at every due outbox's day partitions: ``missing`` lack one."""
+
+    def __init__(self, missing: set[str], asked: list[str]) -> None:
+        self.missing = missing
+        self.asked = asked
+        self._rows: list[tuple[str]] = []
+
+    def execute(self, statement: Any, params: Any = None) -> _PartitionsConn:
+        if params is not None and "schemas" in params:
+            self.asked.append("partitions_missing")
+            self._rows = [(s,) for s in params["schemas"] if s in self.missing]
+        else:
+            self.asked.append("ensure_partitions")
+        return self
+
+    def fetchall(self) -> list[tuple[str]]:
+        return self._rows
+
+    def commit(self) -> None:
+        pass
+
+
+@dataclass
+class _PartitionSessions:
+    missing: set[str]
+    asked: list[str] = field(default_factory=list)
+
+    def take(self) -> _PartitionsConn:
+        return _PartitionsConn(self.missing, self.asked)
+
+    def give_back(self, conn: Any) -> None:
+        pass
+
+    def end(self, conn: Any) -> None:
+        pass
+
+
+def test_the_archive_partitions_of_every_due_outbox_are_asked_about_at_once_and_made_only_where_missing() -> (
+    None
+):
+    from outbox.relay.upkeep import ArchivePartitions
+    from outbox.relay.upkeep.partitions import PARTITION_MAINTENANCE
+
+    scheduler = ClaimScheduler(RelayConfig("postgresql://unused"), Beats())
+    for i in range(20):
+        scheduler.add(Lane(Outbox(f"o{i}", "postgresql://unused", f"o{i}"), cast(Any, _Ordering())))
+    sessions = _PartitionSessions(missing={"o3", "o7"})
+    partitions = ArchivePartitions(Chores(cast(Any, sessions), _never), scheduler.rotation)
+    for step in range(5):
+        partitions.due(100.0 + step)
+    assert sessions.asked == ["partitions_missing", "ensure_partitions", "ensure_partitions"]
+    assert partitions.next_at() == 100.0 + PARTITION_MAINTENANCE  # the next hourly check
