@@ -29,15 +29,12 @@ from outbox.relay.config import RelayConfig
 from outbox.relay.lanes import Lane
 from outbox.relay.membership import Membership
 from outbox.relay.recorder import BatchRecorder
-from outbox.relay.scheduler import SOLO_AFTER_ERROR, ClaimScheduler
+from outbox.relay.scheduler import ClaimScheduler
 from outbox.relay.wal_batch import WalBatch
 from outbox.sinks.base import SINK_REPLACED, Retry, Sink
 from outbox.store.sessions import Link, Sessions
 
 log = logging.getLogger("outbox.relay")
-
-# Seconds after a retry's due time that its outbox is claimed from (the server's clock set it).
-RETRY_MARGIN = 0.05
 
 
 class _NotHandedOn(Exception):
@@ -254,7 +251,7 @@ class BatchFinisher:
                 self.scheduler.pace(lane, batch, now - batch.claimed_at >= self.config.lease, now)
             else:  # the statement failed on a live connection: a bug or a schema change
                 if batch.shared is not None:  # each claims alone for a while: the error is one's own
-                    lane.solo_until = time.monotonic() + SOLO_AFTER_ERROR
+                    self.scheduler.alone(lane, time.monotonic())
                 log.error(
                     "ack of %d events failed, they stay pending: %s",
                     len(batch),
@@ -272,7 +269,7 @@ class BatchFinisher:
         assert isinstance(outcome, BatchResult)
         result = outcome
         if result.next_retry is not None:  # claim again when it comes due, not at the next poll
-            lane.retry_at = min(lane.retry_at, time.monotonic() + result.next_retry + RETRY_MARGIN)
+            self.scheduler.retry_due_in(lane, result.next_retry)
         self.done(lane, batch)
         recorder.record(lane, batch, result, ack_start, self._sink())
         if result.delivered:  # a batch that only failed says nothing about the sink's pace

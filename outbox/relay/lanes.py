@@ -104,35 +104,37 @@ class Upkept:
 
 @dataclass(eq=False)
 class Lane:
-    """One outbox's state in a relay. The loop's thread owns it, but for :class:`Wake`."""
+    """One outbox's state in a relay. The loop's thread owns it, but for :class:`Wake`; each field
+    is one part's to write, named above it (tests/unit/relay/test_shape.py keeps it so)."""
 
     outbox: Outbox
     ordering: Ordering
-    in_flight: list[Batch] = field(default_factory=list)  # BatchSender adds, BatchFinisher removes
-    wake: Wake = field(default_factory=Wake)
-    # ClaimScheduler's
+    in_flight: list[Batch] = field(default_factory=list)  # BatchFinisher's (sent, done)
+    wake: Wake = field(default_factory=Wake)  # its methods' (other threads), and the loop's
+    # ClaimScheduler's: when it claims
     more_work: bool = True  # a full batch came back: claim again without waiting
     next_poll: float = 0.0  # monotonic time of the next poll without a NOTIFY
     retry_at: float = math.inf  # monotonic time the soonest retry this relay scheduled comes due
-    paused_until: float = 0.0  # after an error of this outbox's own
     solo_until: float = 0.0  # claims alone (not in a shared transaction) until then: after an error
-    leaving: bool = False  # no longer served: finish what is in flight, hand over, go
-    claiming: bool = False  # its claim is sent, its rows not read yet (outbox.pipelined)
-    last_work: float = 0.0  # monotonic time its last claim found events
     pace: Pace = field(default_factory=Pace)
+    served: float = 0.0  # the events claimed for its shares (--weight)
+    paused_until: float = 0.0  # the lane's own (pause): after an error of this outbox's own
+    # Roster's: what it serves, and how
+    leaving: bool = False  # no longer served: finish what is in flight, hand over, go
+    gates: list[Gate] = field(default_factory=list)  # a gate per limit (--limit)
+    skip: str | None = None  # the topics the lane's other claims leave (None: none)
+    weight: int = 1  # its shares (--weight)
+    # The pipelined claims' (outbox.pipelined)
+    claiming: bool = False  # its claim is sent, its rows not read yet
+    # BatchSender's
+    last_work: float = 0.0  # monotonic time its last claim found events
+    table: TableTurns = field(default_factory=TableTurns)  # WAL capture: the table's turns
     # BatchRecorder's (read by RelayHealth)
     failing_since: float = 0.0  # since when every finished batch only failed (0: one delivered)
-    # WAL capture
-    wal: WalReader | None = None  # the reader of the outbox's slot
-    table: TableTurns = field(default_factory=TableTurns)
-    upkept: Upkept = field(default_factory=Upkept)
     stats: RelayStats = field(default_factory=RelayStats)
-    # Limits (--limit): a gate per limit, and the topics the lane's other claims leave (None: none)
-    gates: list[Gate] = field(default_factory=list)
-    skip: str | None = None
-    # Weights (--weight): its shares, and the events claimed for them (ClaimScheduler's turns)
-    weight: int = 1
-    served: float = 0.0
+    # The upkeep's: the WAL reader of the outbox's slot (CaptureWatch), its checks' times
+    wal: WalReader | None = None
+    upkept: Upkept = field(default_factory=Upkept)
     trouble: Condition = field(init=False)  # this outbox's own problem (schema gone, not migrated)
     delivery: Condition = field(init=False)  # retries batch after batch: one problem, not a line each
 
@@ -157,10 +159,10 @@ class Lane:
     def schema(self) -> str:
         return self.outbox.schema
 
-    def pause(self, error: str) -> None:
-        """An error of this outbox's own: say so (once per episode) and rest a while."""
+    def pause(self, error: str, rest: float = LANE_PAUSE) -> None:
+        """An error of this outbox's own: say so (once per episode) and rest ``rest`` seconds."""
         self.trouble.fail(error)
-        self.paused_until = time.monotonic() + LANE_PAUSE
+        self.paused_until = time.monotonic() + rest
 
     def may_claim(self, now: float, per_lane: int) -> bool:
         """Could a claim of this lane run now (a free slot of its own, not paused, not leaving)?

@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import gc
 import logging
-import math
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -325,7 +324,7 @@ class Relay:
                 claimed = self._claim_shared(picks)
             else:
                 claimed = self.sender.claim_and_send(chosen, limit)
-                self._claimed(chosen, limit, claimed)
+                scheduler.claimed(chosen, limit, claimed)
             if claimed == 0 and chosen.in_flight:
                 # When every pending key waits behind the batches in flight (after an outage) and
                 # writers keep notifying, claims come back empty one after another: the next one
@@ -364,10 +363,10 @@ class Relay:
         counts = self.sender.claim_shared(picks, self._next_claims)
         if counts is None:  # failed: each claims again soon (alone, after an outbox's error)
             for lane, _ in picks:
-                lane.more_work = True
+                self.scheduler.claim_again(lane)
             return -1
         for (lane, most), count in zip(picks, counts, strict=True):
-            self._claimed(lane, most, count)
+            self.scheduler.claimed(lane, most, count)
         return sum(counts)
 
     def _next_claims(self) -> Picks:
@@ -395,21 +394,11 @@ class Relay:
                 g.pending = True
         if lane.wake.table_news:  # WAL capture: rows were inserted into its events table
             lane.wake.table_news = False
-            lane.table.due = True
+            self.sender.table_news(lane)
         lane.wake.woken = False  # a NOTIFY arriving during the claim sets it again
-        if now >= lane.retry_at:  # this claim looks for the retry that came due
-            lane.retry_at = math.inf
         scheduler = self.scheduler
+        scheduler.taking(lane, now)
         return scheduler.companion_limit(lane, now) if companion else scheduler.batch_limit(lane, now)
-
-    def _claimed(self, lane: Lane, limit: int, claimed: int) -> None:
-        """``lane``'s claim of at most ``limit`` took ``claimed`` events."""
-        scheduler = self.scheduler
-        scheduler.served(lane, claimed)
-        # A full batch means there is probably more: claim again without waiting.
-        lane.more_work = claimed == limit or (lane.wal is not None and lane.wal.waiting)
-        if not lane.more_work:
-            lane.next_poll = time.monotonic() + scheduler.jittered_poll()
 
     # -- start and stop ---------------------------------------------------------
 

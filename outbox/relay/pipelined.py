@@ -25,13 +25,6 @@ from outbox.relay.lanes import Lane
 Picks = list[tuple[Lane, int]]  # each outbox and its claim's limit
 
 
-def claim_again(picks: Picks) -> None:
-    """Claims that came to nothing (not sent, or given up unread): each outbox claims again at the
-    next step, its events pending as they were."""
-    for lane, _ in picks:
-        lane.more_work = True
-
-
 class Pipelined:
     """The claims of ``picks`` on ``conn``: :meth:`send`, then :meth:`rows` (or :meth:`close`)."""
 

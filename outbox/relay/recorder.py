@@ -28,6 +28,16 @@ class BatchRecorder:
         self.metrics = metrics
         self.metrics_on = metrics_on
 
+    def claim(self, lane: Lane) -> None:
+        """A claim of ``lane`` went through (or a WAL batch was taken), empty or not."""
+        self.stats.claims += 1
+        lane.stats.claims += 1
+
+    def sending(self, lane: Lane, events: int) -> None:
+        """A batch of ``events`` of ``lane`` goes to the sink."""
+        self.stats.claimed += events
+        lane.stats.claimed += events
+
     def record(
         self, lane: Lane, batch: Batch, result: BatchResult, ack_start: int, sink: Sink | None
     ) -> None:

@@ -17,6 +17,7 @@ import itertools
 import logging
 import math
 import random
+import time
 from itertools import islice
 from operator import attrgetter
 
@@ -39,6 +40,8 @@ MIN_CLAIM = 10
 # fast (a slow start): a sink slower than a --batch-size batch per lease is found on a small
 # batch, not by a full one that outlives its lease and is sent again.
 START_CLAIM = 100
+# Seconds after a retry's due time that its outbox is claimed from (the server's clock set it).
+RETRY_MARGIN = 0.05
 SOLO_AFTER_ERROR = 60.0  # seconds the outboxes of a shared transaction that failed each claim alone
 CONTENDED = 1.0  # seconds since another outbox last found work, for the relay to count as shared
 # Seconds between looks for a quiet but active outbox (batch_limit): a quiet one's first event may
@@ -195,6 +198,39 @@ class ClaimScheduler:
         """A claim of ``lane`` took ``events``: its share used, for its weight. A lane that was
         idle starts at the clock (the least served backlog's), not with credit for its idle time."""
         lane.served = max(lane.served, self.clock) + events / lane.weight
+
+    # The lane's claim timing is this module's to write: the other parts say what happened.
+
+    def taking(self, lane: Lane, now: float) -> None:
+        """``lane`` claims now: the claim looks for the retry that came due, if one did."""
+        if now >= lane.retry_at:
+            lane.retry_at = math.inf
+
+    def claimed(self, lane: Lane, limit: int, claimed: int) -> None:
+        """``lane``'s claim of at most ``limit`` took ``claimed`` events."""
+        self.served(lane, claimed)
+        # A full batch means there is probably more: claim again without waiting.
+        lane.more_work = claimed == limit or (lane.wal is not None and lane.wal.waiting)
+        if not lane.more_work:
+            lane.next_poll = time.monotonic() + self.jittered_poll()
+
+    @staticmethod
+    def claim_again(lane: Lane) -> None:
+        """A claim that came to nothing (not sent, failed, or given up unread): ``lane`` claims
+        again at the next step, its events pending as they were."""
+        lane.more_work = True
+
+    @staticmethod
+    def retry_due_in(lane: Lane, seconds: float) -> None:
+        """A retry ``lane``'s batch scheduled comes due in ``seconds``: claim again then, not at
+        the next poll (a little after: the server's clock set it)."""
+        lane.retry_at = min(lane.retry_at, time.monotonic() + seconds + RETRY_MARGIN)
+
+    @staticmethod
+    def alone(lane: Lane, now: float) -> None:
+        """A shared transaction of ``lane`` failed: it claims alone a while, where an error is its
+        own."""
+        lane.solo_until = now + SOLO_AFTER_ERROR
 
     def idle_wait(self, now: float, maintenance_at: float) -> float:
         """Seconds the loop may sleep: until the next poll, heartbeat, limit's tokens or upkeep

@@ -22,8 +22,9 @@ from outbox.relay.lanes import Lane, RelayStats
 from outbox.relay.limits import Gate
 from outbox.relay.membership import Membership
 from outbox.relay.metrics import RelayMetrics
-from outbox.relay.pipelined import Picks, Pipelined, claim_again
-from outbox.relay.scheduler import SOLO_AFTER_ERROR, ClaimScheduler
+from outbox.relay.pipelined import Picks, Pipelined
+from outbox.relay.recorder import BatchRecorder
+from outbox.relay.scheduler import ClaimScheduler
 from outbox.relay.upkeep import LaneUpkeep
 from outbox.relay.wal_batch import WalBatch
 from outbox.sinks import router
@@ -48,6 +49,7 @@ class Host(Protocol):
     chains: dict[str, KeyChains]
     stats: RelayStats
     metrics: RelayMetrics
+    recorder: BatchRecorder
     scheduler: ClaimScheduler
     finisher: BatchFinisher
     upkeep: LaneUpkeep
@@ -169,7 +171,7 @@ class BatchSender:
             if self._sent(claims):
                 self.ahead = claims
                 return
-        claim_again(picks)  # stopping while reconnecting, or the claims failed
+        self._claim_again(picks)  # stopping while reconnecting, or the claims failed
 
     def _sent(self, claims: Pipelined) -> bool:
         try:
@@ -188,8 +190,17 @@ class BatchSender:
         # away): which one, each one's claim alone says, in its own lane.
         now = time.monotonic()
         for lane, _ in claims.picks:
-            lane.solo_until = now + SOLO_AFTER_ERROR
+            self.relay.scheduler.alone(lane, now)
         sessions.roll_back(claims.conn)
+
+    def _claim_again(self, picks: Picks) -> None:
+        for lane, _ in picks:
+            self.relay.scheduler.claim_again(lane)
+
+    def table_news(self, lane: Lane) -> None:
+        """WAL capture: rows were inserted into ``lane``'s events table: its table takes its next
+        turn (see claim_and_send)."""
+        lane.table.due = True
 
     def give_up_ahead(self) -> None:
         """Claims sent ahead, not read (the relay stops, or lost its connection): rolled back, their
@@ -198,7 +209,7 @@ class BatchSender:
         if claims is None:
             return
         claims.close()
-        claim_again(claims.picks)
+        self._claim_again(claims.picks)
         self.relay.sessions.roll_back(claims.conn)
 
     def claim_gate(self, lane: Lane, gate: Gate, most: int) -> int:
@@ -282,8 +293,7 @@ class BatchSender:
         relay.sessions.database.ok()
         lane.trouble.ok()
         relay.health.loop_progress = time.monotonic()
-        relay.stats.claims += 1
-        lane.stats.claims += 1
+        relay.recorder.claim(lane)
         if rows:
             lane.last_work = time.monotonic()
 
@@ -326,8 +336,7 @@ class BatchSender:
                 if event is not None and waiting.get(event.key, math.inf) <= event.created_at:
                     batch.hold(i)
         relay.health.loop_progress = lane.last_work = time.monotonic()
-        relay.stats.claims += 1
-        lane.stats.claims += 1
+        relay.recorder.claim(lane)
         return self._send(lane, batch, claim_start, limit)
 
     def _send(self, lane: Lane, batch: Batch, claim_start: int, limit: int, flush: bool = True) -> int:
@@ -343,8 +352,7 @@ class BatchSender:
         batch.spans = tracing.start_batch(
             batch.events, claim_start, time.time_ns(), partial(_span_shape, sink, lane.name)
         )
-        relay.stats.claimed += len(batch)
-        lane.stats.claimed += len(batch)
+        relay.recorder.sending(lane, len(batch))
         if relay.metrics_on:
             relay.metrics.batch_size.observe(len(batch), (lane.name,))
         # Per-key order: once an event of key K fails (in this batch or in one

@@ -158,8 +158,7 @@ class CaptureWatch:
             if extras.missing("psycopg2"):  # switched to WAL capture since the relay started
                 # Its table may not be claimed before the slot is read (the slot's events came
                 # first): the outbox rests until a relay with the reader's client serves it.
-                lane.pause(str(MissingExtra(WAL_READER, "psycopg2")))
-                lane.paused_until = math.inf
+                lane.pause(str(MissingExtra(WAL_READER, "psycopg2")), rest=math.inf)
                 return
             lane.wal = WalReader(
                 lane.outbox.dsn,
