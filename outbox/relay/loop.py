@@ -173,7 +173,17 @@ class Relay:
         self.upkeep = LaneUpkeep(
             CaptureWatch(chores, self.scheduler.rotation, self.wal_read),
             ArchivePartitions(chores, self.scheduler.rotation),
-            SinkUpkeep(self, chores, self.scheduler, self.finisher, self.stats, self.metrics),
+            SinkUpkeep(
+                chores,
+                self.scheduler,
+                self.finisher,
+                self.stats,
+                self.metrics,
+                sink=lambda: self.sink,
+                make=self.sink_factory,
+                use=self.use_sink,
+                chains=self.chains,
+            ),
         )
         self.http: HealthServer | None = None
         self.gauges: DatabaseGauges | None = None
@@ -414,7 +424,7 @@ class Relay:
             self.gauges = DatabaseGauges(self._dsn, lambda: self.outboxes, self.metrics, config.limits)
         if config.notify:
             self.listener = Listener(self._dsn, self.stopped)
-        self.chains = {}
+        self.chains.clear()
         self.use_sink(self.sink_factory())
         self.roster.start()
         self.upkeep.capture.refuse_wal_without_reader()

@@ -7,7 +7,6 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from typing import Protocol
 
 from outbox.relay.finisher import BatchFinisher
 from outbox.relay.lanes import Lane, RelayStats
@@ -24,27 +23,27 @@ log = logging.getLogger("outbox.relay")
 RETRIES_PER_STEP = 8  # outboxes whose failures are made due at once after an outage, a loop step
 
 
-class Host(Protocol):
-    """The relay's sink, its factory and the key chains, which this service replaces."""
-
-    sink: Sink | None
-    sink_factory: Callable[[], Sink]
-    chains: dict[str, KeyChains]
-
-    def use_sink(self, sink: Sink) -> None: ...
-
-
 class SinkUpkeep:
+    """``sink``: the relay's sink now; ``make``: a new one (the relay's factory); ``use``: the relay
+    takes a new sink on; ``chains``: each outbox's key chains, which the sender wraps sends in."""
+
     def __init__(
         self,
-        relay: Host,
         chores: Chores,
         scheduler: ClaimScheduler,
         finisher: BatchFinisher,
         stats: RelayStats,
         metrics: RelayMetrics,
+        *,
+        sink: Callable[[], Sink | None],
+        make: Callable[[], Sink],
+        use: Callable[[Sink], None],
+        chains: dict[str, KeyChains],
     ) -> None:
-        self.relay = relay
+        self.sink = sink
+        self._make = make
+        self._use = use
+        self.chains = chains
         self.chores = chores
         self.scheduler = scheduler
         self.finisher = finisher
@@ -62,8 +61,8 @@ class SinkUpkeep:
 
     def replace_sink(self) -> None:
         """A new sink from the factory; the unhealthy one's in-flight batches settled first."""
-        relay = self.relay
-        if relay.sink is not None:
+        old = self.sink()
+        if old is not None:
             self.finisher.await_all()
             self.stats.sinks_replaced += 1
             self.metrics.sinks_replaced.inc()
@@ -78,11 +77,11 @@ class SinkUpkeep:
             # was delivered is archived once, not sent again by the next claim; the rest counts
             # as failed for an unreachable sink (the key holds its later events, per-key order),
             # due again as soon as the replacement answers (sinks_back), not after a backoff.
-            relay.sink.close(0)
+            old.close(0)
             self.finisher.settle_unreported()
             self.sinks_were_down()
-        relay.use_sink(relay.sink_factory())
-        relay.chains = {}
+        self._use(self._make())
+        self.chains.clear()
         for lane in self.scheduler.rotation:
             self.chain(lane)
 
@@ -91,12 +90,12 @@ class SinkUpkeep:
         keys are an outbox's own, and one outbox's failure must not hold another's events. A
         router over several sinks gets them too, across its sinks: a key's event waits for the
         key's events in flight to another sink (chains.py)."""
-        relay = self.relay
-        assert relay.sink is not None
-        inner = router.unwrap(relay.sink)
+        sink = self.sink()
+        assert sink is not None
+        inner = router.unwrap(sink)
         if lane.ordering.ordered and not keeps_key_order(inner):
             route = inner.destination if isinstance(inner, router.Router) else None
-            relay.chains[lane.name] = KeyChains(relay.sink, parks=lane.ordering.parks, route=route)
+            self.chains[lane.name] = KeyChains(sink, parks=lane.ordering.parks, route=route)
 
     def sinks_were_down(self) -> None:
         """A sink was down: every outbox's events that failed only for that are due at once when
@@ -108,8 +107,7 @@ class SinkUpkeep:
     def sinks_back(self) -> None:
         """With the membership heartbeat (every few seconds): probe the sinks counted down; while
         one is, every outbox's failures for it wait to be retried at once when it answers."""
-        relay = self.relay
-        sink = relay.sink
+        sink = self.sink()
         if sink is None:
             return
         down = False
