@@ -156,7 +156,6 @@ class Relay:
         beats = Beats()
         self.scheduler = ClaimScheduler(config, beats)
         self.roster = Roster(self, chosen, beats)
-        self.sender = BatchSender(self)
         self.health = RelayHealth(self)
         self.listener: Listener | None = None
         self._hygiene: Hygiene | None = None
@@ -185,6 +184,11 @@ class Relay:
                 chains=self.chains,
             ),
         )
+        self.sender = BatchSender(
+            self.sessions, self.link, self.membership, self.scheduler, self.finisher, self.recorder,
+            self.metrics, self.transforms, sink=lambda: self.sink, chains=self.chains,
+            metrics_on=lambda: self.metrics_on, progress=self._progressed, lane_error=self.lane_error,
+        )  # fmt: skip
         self.http: HealthServer | None = None
         self.gauges: DatabaseGauges | None = None
         self._waiting = 0  # events in flight awaiting a report, at the last loop step
@@ -214,6 +218,10 @@ class Relay:
         """Ask the loop to stop claiming and shut down gracefully. Thread/signal safe."""
         self.stopped.set()
         self._wakeup.set()
+
+    def _progressed(self) -> None:
+        """The loop went on: a claim went through (the stall watchdog's)."""
+        self.health.loop_progress = time.monotonic()
 
     def _unreachable(self) -> None:
         """The database cannot be reached: WAL capture's readers let go (BatchFinisher)."""

@@ -8,7 +8,7 @@ import math
 import time
 from collections.abc import Callable
 from functools import partial
-from typing import Any, Protocol, cast
+from typing import Any, cast
 
 import psycopg
 
@@ -17,15 +17,14 @@ from outbox.observe import tracing
 from outbox.relay import limits
 from outbox.relay.batch import PIPELINE, Batch, Shared
 from outbox.relay.finisher import BatchFinisher
-from outbox.relay.health import RelayHealth
-from outbox.relay.lanes import Lane, RelayStats
+from outbox.relay.lanes import Lane
 from outbox.relay.limits import Gate
 from outbox.relay.membership import Membership
 from outbox.relay.metrics import RelayMetrics
 from outbox.relay.pipelined import Picks, Pipelined
 from outbox.relay.recorder import BatchRecorder
 from outbox.relay.scheduler import ClaimScheduler
-from outbox.relay.upkeep import LaneUpkeep
+from outbox.relay.upkeep import CaptureWatch
 from outbox.relay.wal_batch import WalBatch
 from outbox.sinks import router
 from outbox.sinks.base import ProducesMany, Sink, send_now
@@ -38,39 +37,50 @@ GATE_RETRY = 1.0  # seconds before a limit whose tokens could not be taken (an e
 CAP_RECHECK = 0.05  # seconds before a limit at its in-flight cap looks again (another relay's may end)
 
 
-class Host(Protocol):
-    """What the sender uses of the relay."""
-
-    sessions: Sessions
-    link: Link
-    membership: Membership
-    sink: Sink | None
-    transforms: Transforms
-    chains: dict[str, KeyChains]
-    stats: RelayStats
-    metrics: RelayMetrics
-    recorder: BatchRecorder
-    scheduler: ClaimScheduler
-    finisher: BatchFinisher
-    upkeep: LaneUpkeep
-    health: RelayHealth
-
-    @property
-    def metrics_on(self) -> bool: ...
-
-    def lane_error(self, lane: Lane, conn: psycopg.Connection[Any], error: str) -> None: ...
-
-
 class BatchSender:
-    def __init__(self, relay: Host) -> None:
-        self.relay = relay
+    """Claims a batch (or takes one from the WAL) and hands its events to the sink.
+
+    ``sink``: the relay's sink now (it is replaced when unhealthy); ``chains``: each outbox's key
+    chains (SinkUpkeep's); ``metrics_on``: whether metrics are kept; ``progress``: the loop went
+    on (a claim went through: RelayHealth's watchdog); ``lane_error``: an error of one outbox's
+    own, which rests it."""
+
+    def __init__(
+        self,
+        sessions: Sessions,
+        link: Link,
+        membership: Membership,
+        scheduler: ClaimScheduler,
+        finisher: BatchFinisher,
+        recorder: BatchRecorder,
+        metrics: RelayMetrics,
+        transforms: Transforms,
+        *,
+        sink: Callable[[], Sink | None],
+        chains: dict[str, KeyChains],
+        metrics_on: Callable[[], bool],
+        progress: Callable[[], None],
+        lane_error: Callable[[Lane, psycopg.Connection[Any], str], None],
+    ) -> None:
+        self.sessions = sessions
+        self.link = link
+        self.membership = membership
+        self.scheduler = scheduler
+        self.finisher = finisher
+        self.recorder = recorder
+        self.metrics = metrics
+        self.transforms = transforms
+        self._sink = sink
+        self.chains = chains
+        self._metrics_on = metrics_on
+        self._progress = progress
+        self._lane_error = lane_error
         self.ahead: Pipelined | None = None  # claims sent during the last step, their rows not read
 
     def claim_and_send(self, lane: Lane, limit: int) -> int:
         """A batch of at most ``limit`` events of ``lane``, sent; how many it had."""
-        relay = self.relay
-        sessions = relay.sessions
-        if not relay.upkeep.capture.table_known(lane):  # a slot to read before the table?
+        sessions = self.sessions
+        if not CaptureWatch.table_known(lane):  # a slot to read before the table?
             return 0
         wal = lane.wal
         if wal is not None:
@@ -99,7 +109,7 @@ class BatchSender:
             return 0
         if wal is not None:
             lane.table.due = len(rows) >= limit
-            lane.table.next_claim = time.monotonic() + relay.scheduler.jittered_poll()
+            lane.table.next_claim = time.monotonic() + self.scheduler.jittered_poll()
         if not rows:
             sessions.give_back(conn)
             return 0
@@ -114,8 +124,7 @@ class BatchSender:
         The claims are those sent ahead during the last step (``self.ahead``) if there are, else
         sent now. Once their rows are in, the next claims (``next_claims()``) are sent ahead: the
         server runs them while these batches are decoded and sent (outbox.pipelined)."""
-        relay = self.relay
-        sessions = relay.sessions
+        sessions = self.sessions
         claims, self.ahead = self.ahead, None
         if claims is None:
             conn = sessions.take()
@@ -154,7 +163,7 @@ class BatchSender:
         if not shared.members:
             sessions.end(conn)
             return counts
-        sink = relay.sink
+        sink = self._sink()
         assert sink is not None
         if short:
             send_now(sink)  # one wait for the acks of them all (see _send)
@@ -165,7 +174,7 @@ class BatchSender:
         """The claims of ``picks`` sent now, read at the loop's next claim (``self.ahead``)."""
         if not picks:
             return
-        conn = self.relay.sessions.take()
+        conn = self.sessions.take()
         if conn is not None:
             claims = Pipelined(conn, picks, time.time_ns())
             if self._sent(claims):
@@ -182,7 +191,7 @@ class BatchSender:
         return True
 
     def _claims_failed(self, claims: Pipelined, exc: psycopg.Error) -> None:
-        sessions = self.relay.sessions
+        sessions = self.sessions
         if isinstance(exc, psycopg.OperationalError):
             sessions.lost(claims.conn, f"claim failed: {sessions.clean(exc)}")
             return
@@ -190,12 +199,12 @@ class BatchSender:
         # away): which one, each one's claim alone says, in its own lane.
         now = time.monotonic()
         for lane, _ in claims.picks:
-            self.relay.scheduler.alone(lane, now)
+            self.scheduler.alone(lane, now)
         sessions.roll_back(claims.conn)
 
     def _claim_again(self, picks: Picks) -> None:
         for lane, _ in picks:
-            self.relay.scheduler.claim_again(lane)
+            self.scheduler.claim_again(lane)
 
     def table_news(self, lane: Lane) -> None:
         """WAL capture: rows were inserted into ``lane``'s events table: its table takes its next
@@ -210,25 +219,24 @@ class BatchSender:
             return
         claims.close()
         self._claim_again(claims.picks)
-        self.relay.sessions.roll_back(claims.conn)
+        self.sessions.roll_back(claims.conn)
 
     def claim_gate(self, lane: Lane, gate: Gate, most: int) -> int:
         """Events of one limit (--limit) of ``lane``, in a batch of their own: as many as the
         tokens taken from the bucket its relays share allow now, ``most`` at most. None taken:
         the limit waits for its next token; the events wait in the table."""
-        relay = self.relay
-        sessions = relay.sessions
+        sessions = self.sessions
         now = time.monotonic()
         if not sessions.available():
             return 0
-        if not relay.upkeep.capture.table_known(lane):  # the capture look failed: the events wait
+        if not CaptureWatch.table_known(lane):  # the capture look failed: the events wait
             gate.next_try = now + GATE_RETRY
             return 0
         try:
-            granted, wait = limits.take(relay.link.get(), relay.membership.id, lane.schema, gate, most)
+            granted, wait = limits.take(self.link.get(), self.membership.id, lane.schema, gate, most)
         except psycopg.Error as exc:
             if isinstance(exc, psycopg.OperationalError):
-                relay.link.lost()
+                self.link.lost()
             gate.throttle(now, now + GATE_RETRY)
             lane.pause(f"limit {gate.limit.glob}: taking tokens failed: {sessions.clean(exc)}")
             return 0
@@ -248,7 +256,7 @@ class BatchSender:
             gate.pending = False  # nothing more of it now: the next NOTIFY, poll or backlog claim
             # The tokens it could not use go back (another relay of the outbox may have the
             # events: its partitions), and its events in flight are what it claimed.
-            limits.report(relay.link, relay.membership.id, lane.schema, gate, len(rows), granted - len(rows))
+            limits.report(self.link, self.membership.id, lane.schema, gate, len(rows), granted - len(rows))
         if not rows:
             sessions.give_back(conn)
             return 0
@@ -259,16 +267,15 @@ class BatchSender:
         return self._send(lane, batch, claim_start, granted)
 
     def _throttled(self, lane: Lane, gate: Gate, seconds: float) -> None:
-        if seconds and self.relay.metrics_on:
-            self.relay.metrics.limit_throttled.inc((lane.name, gate.limit.glob), seconds)
+        if seconds and self._metrics_on():
+            self.metrics.limit_throttled.inc((lane.name, gate.limit.glob), seconds)
 
     def _claim(
         self, lane: Lane, conn: psycopg.Connection[Any], limit: int, only: str | None, skip: str | None
     ) -> list[tuple[Any, ...]] | None:
         """Claim on ``conn``: the rows (none: rolled back), or None when it failed (the session
         lost, or this outbox's own error)."""
-        relay = self.relay
-        sessions = relay.sessions
+        sessions = self.sessions
         try:
             rows = lane.ordering.claim(conn, limit, only, skip)
             if not rows:
@@ -282,18 +289,17 @@ class BatchSender:
         except psycopg.Error as exc:
             # The database answers, but not for this outbox (its schema dropped, not migrated,
             # a privilege taken away): this outbox rests, the others go on.
-            relay.lane_error(lane, conn, f"claim failed: {sessions.clean(exc)}")
+            self._lane_error(lane, conn, f"claim failed: {sessions.clean(exc)}")
             return None
         self._went_through(lane, rows)
         return rows
 
     def _went_through(self, lane: Lane, rows: list[tuple[Any, ...]]) -> None:
         """A claim of ``lane`` went through, empty or not: the database and the outbox answer."""
-        relay = self.relay
-        relay.sessions.database.ok()
+        self.sessions.database.ok()
         lane.trouble.ok()
-        relay.health.loop_progress = time.monotonic()
-        relay.recorder.claim(lane)
+        self._progress()
+        self.recorder.claim(lane)
         if rows:
             lane.last_work = time.monotonic()
 
@@ -302,8 +308,7 @@ class BatchSender:
         events of a key that has events waiting in the table (or a parked dead letter) are held,
         and go into the table behind them when the batch finishes."""
         assert lane.wal is not None
-        relay = self.relay
-        sessions = relay.sessions
+        sessions = self.sessions
         conn = sessions.take()
         if conn is None:
             return 0
@@ -328,40 +333,40 @@ class BatchSender:
             if isinstance(exc, psycopg.OperationalError):
                 sessions.lost(conn, f"WAL batch failed: {sessions.clean(exc)}")
             else:
-                relay.lane_error(lane, conn, f"WAL batch failed: {sessions.clean(exc)}")
+                self._lane_error(lane, conn, f"WAL batch failed: {sessions.clean(exc)}")
             return 0
         if found:  # held (into the table, behind them) when the key has older events waiting there
             waiting: dict[bytes | None, float] = {row[0]: row[1] for row in found}
             for i, event in enumerate(batch.events):
                 if event is not None and waiting.get(event.key, math.inf) <= event.created_at:
                     batch.hold(i)
-        relay.health.loop_progress = lane.last_work = time.monotonic()
-        relay.recorder.claim(lane)
+        lane.last_work = time.monotonic()
+        self._progress()
+        self.recorder.claim(lane)
         return self._send(lane, batch, claim_start, limit)
 
     def _send(self, lane: Lane, batch: Batch, claim_start: int, limit: int, flush: bool = True) -> int:
         """Hand a batch's events to the sink (their outcomes come back through ``batch.settle``)."""
-        relay = self.relay
-        sink = relay.sink
+        sink = self._sink()
         assert sink is not None
         ordering = lane.ordering
         if batch.expiring:  # before anything else: an expired event is neither sent nor transformed
             batch.expire(time.time())
-        if relay.transforms:  # before routing: a transform may re-route, re-key or drop an event
-            batch.transform(relay.transforms)
+        if self.transforms:  # before routing: a transform may re-route, re-key or drop an event
+            batch.transform(self.transforms)
         batch.spans = tracing.start_batch(
             batch.events, claim_start, time.time_ns(), partial(_span_shape, sink, lane.name)
         )
-        relay.recorder.sending(lane, len(batch))
-        if relay.metrics_on:
-            relay.metrics.batch_size.observe(len(batch), (lane.name,))
+        self.recorder.sending(lane, len(batch))
+        if self._metrics_on():
+            self.metrics.batch_size.observe(len(batch), (lane.name,))
         # Per-key order: once an event of key K fails (in this batch or in one
         # still in flight), K's later events are held: left pending, untouched.
         # When the failure is committed, the claim query blocks them instead.
         held = ordering.holds.keys if ordering.ordered else None
         events = batch.events
         start = 0
-        chains = relay.chains.get(lane.name)
+        chains = self.chains.get(lane.name)
         # A lane with key chains goes through them, event by event: never around them.
         if chains is None and isinstance(sink, ProducesMany) and not held and batch.waiting == len(batch):
             # Nothing held, nothing corrupt: the batch goes to the sink in one call
@@ -378,7 +383,7 @@ class BatchSender:
             outcome = produce(event, partial(batch.settle, i))
             if outcome is not None:
                 batch.settle(i, outcome)
-        relay.finisher.sent(lane, batch)
+        self.finisher.sent(lane, batch)
         if not flush:  # one of several batches sent together: the caller sends them
             return len(batch)
         # (WAL capture: a batch cut short by a transaction's end is no sign of an idle outbox

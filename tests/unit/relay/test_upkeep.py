@@ -52,17 +52,10 @@ class _Sessions:
 
 
 @dataclass
-class _Upkeep:
-    capture: CaptureWatch
-
-
-@dataclass
 class _Relay:
-    """What BatchSender uses of the relay, for this path."""
-
     sessions: _Sessions
     scheduler: ClaimScheduler
-    upkeep: _Upkeep
+    capture: CaptureWatch
 
 
 def _never(*args: Any) -> None:
@@ -73,7 +66,7 @@ def _relay(lanes: int, up: bool = True) -> tuple[_Relay, list[Lane]]:
     scheduler = ClaimScheduler(RelayConfig("postgresql://unused"), Beats())
     sessions = _Sessions(up=up)
     watch = CaptureWatch(Chores(cast(Any, sessions), _never), scheduler.rotation, _never)
-    relay = _Relay(sessions, scheduler, _Upkeep(watch))
+    relay = _Relay(sessions, scheduler, watch)
     made = []
     for i in range(lanes):
         lane = Lane(Outbox(f"o{i}", "postgresql://unused", f"o{i}"), cast(Any, _Ordering()))
@@ -86,21 +79,21 @@ def _relay(lanes: int, up: bool = True) -> tuple[_Relay, list[Lane]]:
 def test_outboxes_that_joined_are_looked_at_before_the_steps_claims_in_one_statement() -> None:
     relay, lanes = _relay(50)
     assert not any(CaptureWatch.table_known(lane) for lane in lanes)  # not claimed before a look
-    relay.upkeep.capture.due(100.0)
+    relay.capture.due(100.0)
     assert all(lane.upkept.capture_mode == "table" and lane.wal is None for lane in lanes)
     assert relay.sessions.asked == ["database_slots"]  # one look for every outbox without a slot
     assert all(CaptureWatch.table_known(lane) for lane in lanes)
-    relay.upkeep.capture.due(101.0)
+    relay.capture.due(101.0)
     assert relay.sessions.asked == ["database_slots"]  # looked at once
 
 
 def test_a_first_look_that_fails_leaves_the_table_unclaimed_and_is_tried_again_next_step() -> None:
     relay, lanes = _relay(50, up=False)
-    relay.upkeep.capture.due(100.0)
+    relay.capture.due(100.0)
     assert relay.sessions.taken == 1  # the pass stops at the first failure, not 50 tries a step
     assert not any(CaptureWatch.table_known(lane) for lane in lanes)
     relay.sessions.up = True
-    relay.upkeep.capture.due(100.5)
+    relay.capture.due(100.5)
     assert all(CaptureWatch.table_known(lane) for lane in lanes)
 
 
@@ -108,7 +101,11 @@ def test_a_claim_of_an_outbox_not_looked_at_takes_no_session_and_starts_nothing(
     """The claim path only asks whether the look was done: the look (and a WAL reader it may
     start) is the upkeep's, in its own part of the step."""
     relay, (lane,) = _relay(1, up=True)
-    sender = BatchSender(cast(Any, relay))
+    sender = BatchSender(
+        *(cast(Any, relay.sessions), cast(Any, None), cast(Any, None), relay.scheduler),
+        *(cast(Any, None), cast(Any, None), cast(Any, None), cast(Any, None)),
+        sink=lambda: None, chains={}, metrics_on=lambda: False, progress=_never, lane_error=_never,
+    )  # fmt: skip
     assert sender.claim_and_send(lane, 100) == 0
     assert relay.sessions.taken == 0 and lane.wal is None and not lane.upkept.capture_mode
 
