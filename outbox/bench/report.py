@@ -573,6 +573,39 @@ def _rate_curve(
     return ts, rates
 
 
+def _steady_plot(runs: list[dict[str, Any]], out: Path, plt: Any) -> str:
+    """One panel per write rate, each run's distribution; a contender's repeats share a colour."""
+    runs = [r for r in runs if r["latency_samples_ms"]]
+    rates = sorted({r["target_rate"] for r in runs}) or [0]
+    fig, axes = plt.subplots(1, len(rates), figsize=(4.2 * len(rates), 4.6), sharey=True, squeeze=False)
+    handles: dict[str, Any] = {}
+    for ax, rate in zip(axes[0], rates, strict=True):
+        for r in runs:
+            if r["target_rate"] != rate:
+                continue
+            how = "WAL capture" if r.get("capture") == "wal" else f"NOTIFY {'on' if r['notify'] else 'off'}"
+            label = f"{_contender(r)}, {how}"
+            colour = f"C{list(handles).index(label) if label in handles else len(handles)}"
+            xs = r["latency_samples_ms"]
+            ys = [(i + 1) / len(xs) for i in range(len(xs))]
+            (handles[label],) = ax.plot(xs, ys, color=colour, lw=1.2, alpha=0.8)
+        ax.set_xscale("log")
+        ax.set_xlabel("commit → broker ack, ms (log)")
+        ax.set_title(f"{rate:,} events/s")
+        ax.axvline(10, color="grey", ls=":", lw=1)
+        ax.axvline(50, color="grey", ls="--", lw=1)
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel("share of events")
+    fig.suptitle("Latency distribution per write rate (each run; a contender's repeats in one colour)")
+    fig.legend(
+        list(handles.values()), list(handles), loc="lower center", ncol=min(4, len(handles)), frameon=False
+    )
+    fig.tight_layout(rect=(0, 0.1, 1, 0.95))
+    fig.savefig(out / "steady_latency.png", dpi=110)
+    plt.close(fig)
+    return "steady_latency.png"
+
+
 def plots(results: dict[str, Any], out: Path) -> list[str]:
     """Draw the PNGs; return their file names."""
     import matplotlib
@@ -610,28 +643,7 @@ def plots(results: dict[str, Any], out: Path) -> list[str]:
         plt.close(fig)
         made.append("drain_throughput.png")
     if "steady" in s:
-        fig, ax = plt.subplots(figsize=(8, 4.5))
-        for r in s["steady"]["runs"]:
-            xs = r["latency_samples_ms"]
-            if not xs:
-                continue
-            ys = [(i + 1) / len(xs) for i in range(len(xs))]
-            label = f"{_contender(r)} {r['target_rate']:,}/s, " + (
-                "WAL capture" if r.get("capture") == "wal" else f"NOTIFY {'on' if r['notify'] else 'off'}"
-            )
-            ax.plot(xs, ys, label=label)
-        ax.set_xscale("log")
-        ax.set_xlabel("commit → broker ack, ms (log)")
-        ax.set_ylabel("share of events")
-        ax.set_title("Latency distribution per write rate")
-        ax.axvline(10, color="grey", ls=":", lw=1)
-        ax.axvline(50, color="grey", ls="--", lw=1)
-        ax.legend()
-        ax.grid(alpha=0.3)
-        fig.tight_layout()
-        fig.savefig(out / "steady_latency.png", dpi=110)
-        plt.close(fig)
-        made.append("steady_latency.png")
+        made.append(_steady_plot(s["steady"]["runs"], out, plt))
     if "soak" in s and s["soak"]["samples"]:
         k = s["soak"]
         t = [x["t"] for x in k["samples"]]
