@@ -59,6 +59,7 @@ from outbox.relay.endpoints import HealthServer
 from outbox.relay.finisher import BatchFinisher
 from outbox.relay.gauges import DatabaseGauges
 from outbox.relay.health import OUTBOXES_NOT_SERVED, Readiness, RelayHealth
+from outbox.relay.heartbeats import Heartbeats
 from outbox.relay.lanes import Beats, Lane, RelayStats
 from outbox.relay.membership import Membership
 from outbox.relay.metrics import RelayMetrics
@@ -188,6 +189,11 @@ class Relay:
             self.sessions, self.link, self.membership, self.scheduler, self.finisher, self.recorder,
             self.metrics, self.transforms, sink=lambda: self.sink, chains=self.chains,
             metrics_on=lambda: self.metrics_on, progress=self._progressed, lane_error=self.lane_error,
+        )  # fmt: skip
+        self.heartbeats = Heartbeats(
+            self.membership, self.sessions, self.finisher, self.roster.lanes, beats, self.metrics,
+            sink=lambda: self.sink, sinks_back=self.upkeep.sinks.sinks_back, label=self.health.label,
+            progress=self._progressed, metrics_on=lambda: self.metrics_on,
         )  # fmt: skip
         self.http: HealthServer | None = None
         self.gauges: DatabaseGauges | None = None
@@ -319,7 +325,7 @@ class Relay:
         finisher.finish_complete()
         if self.sink is None or not self.sink.healthy():
             self.upkeep.sinks.replace_sink()
-        self.roster.heartbeats_due()
+        self.heartbeats.due()
         now = time.monotonic()
         self.upkeep.due(now)
         scheduler = self.scheduler
@@ -434,7 +440,8 @@ class Relay:
             self.listener = Listener(self._dsn, self.stopped)
         self.chains.clear()
         self.use_sink(self.sink_factory())
-        self.roster.start()
+        self.roster.apply()
+        self.heartbeats.first(self.scheduler.rotation)
         self.upkeep.capture.refuse_wal_without_reader()
         if config.vacuum:
             self._hygiene = Hygiene(

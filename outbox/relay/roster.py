@@ -1,41 +1,34 @@
 """The roster: the outboxes a relay serves. They join (a lane each, its ownership looked at, its
-NOTIFY channel watched) and leave (their batches finished, their partitions handed over). The
-relay's one membership heartbeat keeps every lease; an outbox's ownership is looked at when it
-joins, when the database's relays change, and now and then (a few a loop step)."""
+NOTIFY channel watched) and leave (their batches finished, their partitions handed over). Their
+heartbeats are :mod:`outbox.relay.heartbeats`'."""
 
 from __future__ import annotations
 
 import logging
 import random
 import threading
-import time
 from collections.abc import Sequence
 from functools import partial
 from typing import Protocol
 
 from outbox.errors import ConfigError
 from outbox.relay.config import RelayConfig
-from outbox.relay.finisher import BatchFinisher
 from outbox.relay.health import RelayHealth
 from outbox.relay.lanes import Beats, Lane, Pace
 from outbox.relay.limits import either, gates, weight_of
 from outbox.relay.membership import Membership
 from outbox.relay.metrics import RelayMetrics
 from outbox.relay.ordering import Ordering
-from outbox.relay.scheduler import BEAT_EARLY, ClaimScheduler
+from outbox.relay.scheduler import ClaimScheduler
 from outbox.relay.upkeep import LaneUpkeep
 from outbox.sinks.base import Sink
 from outbox.sinks.chains import KeyChains
 from outbox.store.listener import Listener
 from outbox.store.outboxes import DEFAULT_NAME, Outbox
 from outbox.store.schema import channel_name
-from outbox.store.sessions import Link, Sessions
+from outbox.store.sessions import Sessions
 
 log = logging.getLogger("outbox.relay")
-
-HEARTBEATS_PER_STEP = 8  # outboxes looked at in one loop step at most (the rest: next step)
-# Seconds over which the looks at every outbox spread when the database's relays changed.
-LOOK_SPREAD = 0.5
 
 
 class Host(Protocol):
@@ -43,7 +36,6 @@ class Host(Protocol):
 
     config: RelayConfig
     sessions: Sessions
-    link: Link
     membership: Membership
     running: threading.Event
     sink: Sink | None
@@ -51,12 +43,8 @@ class Host(Protocol):
     listener: Listener | None
     metrics: RelayMetrics
     scheduler: ClaimScheduler
-    finisher: BatchFinisher
     upkeep: LaneUpkeep
     health: RelayHealth
-
-    @property
-    def metrics_on(self) -> bool: ...
 
     def wake(self) -> None: ...
 
@@ -186,82 +174,3 @@ class Roster:
         empty claim of it (decision 0004)."""
         lane.wake.read()
         self.relay.wake()
-
-    # -- heartbeats -------------------------------------------------------------------------
-
-    def heartbeats_due(self) -> None:
-        """The membership heartbeat when due; then the outboxes whose look is due, the most
-        overdue first, a few a step: with hundreds of outboxes, claims go on between them."""
-        relay = self.relay
-        now = time.monotonic()
-        member_due = now + BEAT_EARLY >= relay.membership.due_at
-        due = self.beats.due(now + BEAT_EARLY, HEARTBEATS_PER_STEP)
-        if not due and not member_due:
-            return
-        if relay.sink is not None and not relay.finisher.busy:
-            # Idle, nothing else reads the sinks' clients: serve their callbacks here, so that a
-            # broker that went away is seen (readiness, the outage's log line) before events are due.
-            relay.sink.poll(0)
-        if member_due:
-            self.beat()
-            relay.upkeep.sinks.sinks_back()
-        try:
-            for lane in due:
-                if not lane.claiming:  # (else at the next step, its claim read: it owns what it claimed)
-                    self.look(lane)
-        finally:  # left the schedule when taken: back in it at their next (or now, past an error)
-            for lane in due:
-                self.beats.schedule(lane)
-
-    def beat(self) -> None:
-        """The membership heartbeat: every lease of the relay renewed. When the database's relays
-        changed, every outbox is looked at within LOOK_SPREAD seconds."""
-        relay = self.relay
-        sessions = relay.sessions
-        # The pids are recorded for operators (outbox status, pg_stat_activity), not for fencing.
-        conns = [b.conn for lane in self.lanes.values() for b in lane.in_flight]
-        pids = sessions.idle_pids() + [
-            pid for c in conns if not c.closed and (pid := sessions.pid(c)) is not None
-        ]
-        member = relay.membership
-        if member.beat(pids, sessions.stale, relay.health.label()):
-            for lane in self.lanes.values():
-                lane.ordering.look_within(LOOK_SPREAD)
-                self.beats.schedule(lane)
-        self.beats.fleet_at = member.due_at
-        if not member.heartbeat.active:
-            relay.health.loop_progress = time.monotonic()
-
-    def look(self, lane: Lane) -> None:
-        """A look at one outbox's ownership (its registration, hand-overs, acquisitions)."""
-        relay = self.relay
-        ordering = lane.ordering
-        lost_before = ordering.lost_partitions
-        first = ordering.looks == 0
-        if ordering.tick(id(b) for b in lane.in_flight):
-            lane.wake.notified()  # new partitions: there may be work right now
-        if first and ordering.looks:
-            relay.membership.changed = True  # registered: the other relays of the outbox look again
-        if not ordering.heartbeat.active:
-            relay.health.loop_progress = time.monotonic()
-        if relay.metrics_on:
-            relay.metrics.owned_partitions.set(len(ordering.owned), (lane.name,))
-            relay.metrics.partitions_lost.inc((lane.name,), ordering.lost_partitions - lost_before)
-
-    def start(self) -> None:
-        """Join the outboxes, and take a share of their partitions before the first claim; from
-        then on their looks spread over the interval, not all in one step."""
-        self.apply()
-        self.beat()  # the membership first: it is the lease of what the looks take
-        rotation = self.relay.scheduler.rotation
-        for lane in rotation:
-            self.look(lane)
-        now = time.monotonic()
-        for k, lane in enumerate(rotation):
-            # A settled outbox's next look is the one its look chose (spread over SETTLED_LOOK); one
-            # still short of its share looks again within the interval, spread too. Every outbox
-            # looked at again within the interval was 1,000 looks in the middle of the first drain.
-            ordering = lane.ordering
-            if k and ordering.due_at <= now + ordering.interval:
-                ordering.delay_first_heartbeat(random.uniform(0, ordering.interval))
-            self.beats.schedule(lane)
