@@ -11,8 +11,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
 
 from outbox.observe.conditions import Condition
 from outbox.relay.config import RelayConfig
@@ -80,29 +80,33 @@ def lane_trouble(lane: Lane) -> str:
     return ""
 
 
-class Host(Protocol):
-    """What the health looks at of the relay (from the health server's thread too)."""
-
-    config: RelayConfig
-    sessions: Sessions
-    membership: Membership
-    sink: Sink | None
-    running: threading.Event
-    stopped: threading.Event
-
-    @property
-    def lanes(self) -> dict[str, Lane]: ...
-
-    @property
-    def stopping(self) -> bool: ...
-
-
 class RelayHealth:
     """Readiness and stall of one relay, and the watchdog behind ``/readyz``: when the loop last
     completed a claim or a heartbeat, and when a sink last reported on a batch."""
 
-    def __init__(self, relay: Host) -> None:
-        self.relay = relay
+    def __init__(
+        self,
+        config: RelayConfig,
+        sessions: Sessions,
+        membership: Membership,
+        lanes: dict[str, Lane],
+        running: threading.Event,
+        stopped: threading.Event,
+        *,
+        sink: Callable[[], Sink | None],
+        stopping: Callable[[], bool],
+    ) -> None:
+        """``lanes``: the outboxes served (the roster's); ``running``: set once the relay
+        produces; ``stopped``: set when it is to stop; ``sink``: the sink of the moment;
+        ``stopping``: whether it is draining to stop."""
+        self.config = config
+        self.sessions = sessions
+        self.membership = membership
+        self.lanes = lanes
+        self.running = running
+        self.stopped = stopped
+        self._sink = sink
+        self._stopping = stopping
         self.loop_progress = time.monotonic()
         self.sink_progress = time.monotonic()
         # A database that stops answering without an error (a blackhole: the bytes are taken, no
@@ -114,22 +118,21 @@ class RelayHealth:
 
     def readiness(self) -> Readiness:
         """Database reachable, every sink up, every outbox served, not shutting down."""
-        r = self.relay
-        if r.stopping:
+        if self._stopping():
             return Readiness("draining", "shutting down")
-        if not r.running.is_set():
+        if not self.running.is_set():
             return Readiness("starting")
-        sink = r.sink
+        sink = self._sink()
         if sink is None or not sink.healthy():
             failing = router.states_of(sink)[0] if sink is not None else []
             return Readiness("sink unhealthy", failing[0] if failing else "")
         trouble, states = router.states_of(sink)
         sinks = tuple(states)
-        lanes = list(r.lanes.values())  # read from the health server's thread: a copy
+        lanes = list(self.lanes.values())  # read from the health server's thread: a copy
         beating = [lane.ordering.heartbeat.active for lane in lanes]
         # The database is unreachable when sessions fail, the membership heartbeat does, or every
         # outbox's look does; one outbox's failing look (its schema dropped) is its trouble only.
-        if r.sessions.database.active or r.membership.heartbeat.active or (beating and all(beating)):
+        if self.sessions.database.active or self.membership.heartbeat.active or (beating and all(beating)):
             return Readiness("database unreachable", sinks=sinks)
         if trouble:
             return Readiness("sink down", trouble[0], sinks)
@@ -158,13 +161,12 @@ class RelayHealth:
         flight, a sink reports on one at least every delivery timeout; a silent broker stops
         that, or answers every event with a timeout: no event delivered (or dead-lettered)
         since the first batch that only failed."""
-        r = self.relay
         now = time.monotonic()
-        limit = r.config.stall_timeout
+        limit = self.config.stall_timeout
         loop_age = now - self.loop_progress
-        if loop_age > max(limit, 2 * r.config.poll_interval):
+        if loop_age > max(limit, 2 * self.config.poll_interval):
             return f"no claim or heartbeat completed for {loop_age:.0f} s"
-        lanes = list(r.lanes.values())
+        lanes = list(self.lanes.values())
         failing = [lane.failing_since for lane in lanes if lane.failing_since]
         if failing and now - min(failing) > limit:
             return f"every delivery attempt failed for {now - min(failing):.0f} s"
@@ -190,14 +192,13 @@ class RelayHealth:
     def _watch(self) -> None:
         """Every second: has the loop completed a claim or a heartbeat within the stall timeout?
         One line when it has not (the loop is stuck in a statement), one when it has again."""
-        r = self.relay
-        limit = max(r.config.stall_timeout, 2 * r.config.poll_interval)
-        while not r.stopped.wait(WATCH_EVERY):
+        limit = max(self.config.stall_timeout, 2 * self.config.poll_interval)
+        while not self.stopped.wait(WATCH_EVERY):
             age = time.monotonic() - self.loop_progress
-            lanes = list(r.lanes.values())
+            lanes = list(self.lanes.values())
             said = (
-                r.sessions.database.active
-                or r.membership.heartbeat.active
+                self.sessions.database.active
+                or self.membership.heartbeat.active
                 or any(lane.ordering.heartbeat.active for lane in lanes)
             )
             if age > limit and not said:  # an error already said it: one problem, one line

@@ -157,11 +157,14 @@ class Relay:
         beats = Beats()
         self.scheduler = ClaimScheduler(config, beats)
         self.roster = Roster(self, chosen, beats)
-        self.health = RelayHealth(self)
         self.listener: Listener | None = None
         self._hygiene: Hygiene | None = None
         self.stats = RelayStats()  # of every outbox served
         self.running = threading.Event()  # set once connected and producing
+        self.health = RelayHealth(
+            config, self.sessions, self.membership, self.roster.lanes, self.running, self.stopped,
+            sink=lambda: self.sink, stopping=lambda: self.stopping,
+        )  # fmt: skip
         self._shared_metrics = metrics is not None
         self.metrics = metrics if metrics is not None else RelayMetrics()
         self.recorder = BatchRecorder(self.stats, self.metrics, lambda: self.metrics_on)

@@ -1,0 +1,43 @@
+"""outbox.relay.health.RelayHealth, built from its collaborators alone (no database): readiness
+as the relay's state changes, and a stall said from the clock."""
+
+from __future__ import annotations
+
+import threading
+import time
+from types import SimpleNamespace
+from typing import Any, cast
+
+from outbox.relay.config import RelayConfig
+from outbox.relay.health import RelayHealth
+
+_QUIET = SimpleNamespace(active=False)  # a condition that has said nothing
+
+
+class _Sink:
+    def __init__(self, healthy: bool) -> None:
+        self._healthy = healthy
+
+    def healthy(self) -> bool:
+        return self._healthy
+
+
+def test_readiness_follows_the_relays_state() -> None:
+    running, stopped = threading.Event(), threading.Event()
+    state: dict[str, Any] = {"sink": _Sink(True), "stopping": False}
+    health = RelayHealth(
+        RelayConfig("postgresql://unused", stall_timeout=30.0),
+        cast(Any, SimpleNamespace(database=_QUIET)), cast(Any, SimpleNamespace(heartbeat=_QUIET)), {},
+        running, stopped, sink=lambda: state["sink"], stopping=lambda: state["stopping"],
+    )  # fmt: skip
+    assert health.readiness().label == "starting"
+    running.set()
+    assert health.readiness().label == "ready"
+    state["sink"] = _Sink(False)
+    assert health.readiness().label == "sink unhealthy"
+    state["sink"] = _Sink(True)
+    health.loop_progress = time.monotonic() - 120  # no claim or heartbeat for two minutes
+    assert health.readiness().label == "stalled"
+    health.loop_progress = time.monotonic()
+    state["stopping"] = True
+    assert health.readiness().label == "draining"
