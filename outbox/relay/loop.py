@@ -156,13 +156,13 @@ class Relay:
         )
         beats = Beats()
         self.scheduler = ClaimScheduler(config, beats)
-        self.roster = Roster(self, chosen, beats)
+        lanes: dict[str, Lane] = {}  # the outboxes served, by name (the roster's to change)
         self.listener: Listener | None = None
         self._hygiene: Hygiene | None = None
         self.stats = RelayStats()  # of every outbox served
         self.running = threading.Event()  # set once connected and producing
         self.health = RelayHealth(
-            config, self.sessions, self.membership, self.roster.lanes, self.running, self.stopped,
+            config, self.sessions, self.membership, lanes, self.running, self.stopped,
             sink=lambda: self.sink, stopping=lambda: self.stopping,
         )  # fmt: skip
         self._shared_metrics = metrics is not None
@@ -188,13 +188,18 @@ class Relay:
                 chains=self.chains,
             ),
         )
+        self.roster = Roster(
+            config, self.membership, self.scheduler, self.upkeep, self.metrics, lanes, beats, self.chains,
+            chosen, outages=(self.sessions.database, self.health.loop_stall), running=self.running,
+            sink=lambda: self.sink, listener=lambda: self.listener, wake=self.wake,
+        )  # fmt: skip
         self.sender = BatchSender(
             self.sessions, self.link, self.membership, self.scheduler, self.finisher, self.recorder,
             self.metrics, self.transforms, sink=lambda: self.sink, chains=self.chains,
             metrics_on=lambda: self.metrics_on, progress=self._progressed, lane_error=self.lane_error,
         )  # fmt: skip
         self.heartbeats = Heartbeats(
-            self.membership, self.sessions, self.finisher, self.roster.lanes, beats, self.metrics,
+            self.membership, self.sessions, self.finisher, lanes, beats, self.metrics,
             sink=lambda: self.sink, sinks_back=self.upkeep.sinks.sinks_back, label=self.health.label,
             progress=self._progressed, metrics_on=lambda: self.metrics_on,
         )  # fmt: skip

@@ -7,13 +7,12 @@ from __future__ import annotations
 import logging
 import random
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from functools import partial
-from typing import Protocol
 
 from outbox.errors import ConfigError
+from outbox.observe.conditions import Condition
 from outbox.relay.config import RelayConfig
-from outbox.relay.health import RelayHealth
 from outbox.relay.lanes import Beats, Lane, Pace
 from outbox.relay.limits import either, gates, weight_of
 from outbox.relay.membership import Membership
@@ -26,35 +25,48 @@ from outbox.sinks.chains import KeyChains
 from outbox.store.listener import Listener
 from outbox.store.outboxes import DEFAULT_NAME, Outbox
 from outbox.store.schema import channel_name
-from outbox.store.sessions import Sessions
 
 log = logging.getLogger("outbox.relay")
 
 
-class Host(Protocol):
-    """What the roster uses of the relay."""
-
-    config: RelayConfig
-    sessions: Sessions
-    membership: Membership
-    running: threading.Event
-    sink: Sink | None
-    chains: dict[str, KeyChains]
-    listener: Listener | None
-    metrics: RelayMetrics
-    scheduler: ClaimScheduler
-    upkeep: LaneUpkeep
-    health: RelayHealth
-
-    def wake(self) -> None: ...
-
-
 class Roster:
-    def __init__(self, relay: Host, outboxes: list[Outbox], beats: Beats) -> None:
-        self.relay = relay
-        self.lanes: dict[str, Lane] = {}
+    """``lanes``: the outboxes served, by name (the relay's, which the health and the heartbeats
+    read too); ``outages``: the conditions whose line names the outboxes a database outage stops;
+    ``running``: set once the relay produces; ``sink``: the sink of the moment; ``listener``: the
+    relay's NOTIFY listener, once started; ``wake``: the loop's wake-up."""
+
+    def __init__(
+        self,
+        config: RelayConfig,
+        membership: Membership,
+        scheduler: ClaimScheduler,
+        upkeep: LaneUpkeep,
+        metrics: RelayMetrics,
+        lanes: dict[str, Lane],
+        beats: Beats,
+        chains: dict[str, KeyChains],
+        outboxes: list[Outbox],
+        *,
+        outages: Sequence[Condition],
+        running: threading.Event,
+        sink: Callable[[], Sink | None],
+        listener: Callable[[], Listener | None],
+        wake: Callable[[], None],
+    ) -> None:
+        self.config = config
+        self.membership = membership
+        self.scheduler = scheduler
+        self.upkeep = upkeep
+        self.metrics = metrics
+        self.lanes = lanes
         self.beats = beats  # when each lane's heartbeat is due
-        self.weights = relay.config.weights
+        self.chains = chains
+        self._outages = outages
+        self._running = running
+        self._sink = sink
+        self._listener = listener
+        self._wake = wake
+        self.weights = config.weights
         self._wanted: list[Outbox] | None = outboxes  # the outboxes to serve from the next step
         self._wanted_lock = threading.Lock()
 
@@ -93,22 +105,21 @@ class Roster:
 
     def _name_outage(self) -> None:
         """The database's outage line names the outboxes it stops (but the lone default one)."""
-        relay = self.relay
-        names = [lane.name for lane in relay.scheduler.rotation if not lane.leaving]
+        names = [lane.name for lane in self.scheduler.rotation if not lane.leaving]
         if names == [DEFAULT_NAME] or not names:
             return
         shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
         said = f"outbox {shown}" if len(names) == 1 else f"outboxes {shown}"
-        relay.sessions.database.description = f"{said}: cannot reach PostgreSQL"
-        relay.sessions.database.fields = {"outbox": ",".join(names)}
-        relay.health.loop_stall.description = f"{said}: the database has not answered"
-        relay.health.loop_stall.fields = {"outbox": ",".join(names)}
+        database, stall = self._outages
+        database.description = f"{said}: cannot reach PostgreSQL"
+        stall.description = f"{said}: the database has not answered"
+        for condition in self._outages:
+            condition.fields = {"outbox": ",".join(names)}
 
     def _join(self, o: Outbox) -> None:
-        relay = self.relay
-        config = relay.config
+        config = self.config
         ordering = Ordering(
-            member=relay.membership,
+            member=self.membership,
             schema=o.schema,
             name=config.name,
             lease=config.ownership_lease,
@@ -117,23 +128,24 @@ class Roster:
             on_dead=config.on_dead,
             outbox=o.name,
         )
-        if relay.running.is_set():
+        if self._running.is_set():
             # Joining a running relay: its first heartbeat at a random point of the interval.
             ordering.delay_first_heartbeat(random.uniform(0, ordering.interval))
-        lane = Lane(o, ordering, pace=Pace(cap=relay.scheduler.start_claim))
+        lane = Lane(o, ordering, pace=Pace(cap=self.scheduler.start_claim))
         limits = config.limits
         lane.gates = gates(limits)
         lane.skip = either([limit.glob for limit in limits])
         lane.weight = weight_of(self.weights, o.name)
         self.lanes[o.name] = lane
-        relay.scheduler.add(lane)
+        self.scheduler.add(lane)
         self.beats.schedule(lane)
-        relay.upkeep.capture.joined(lane)
-        if relay.sink is not None:
-            relay.upkeep.sinks.chain(lane)
-        if relay.listener is not None:
-            relay.listener.watch(channel_name(o.schema), partial(self.notified, lane))
-        if relay.running.is_set():
+        self.upkeep.capture.joined(lane)
+        if self._sink() is not None:
+            self.upkeep.sinks.chain(lane)
+        listener = self._listener()
+        if listener is not None:
+            listener.watch(channel_name(o.schema), partial(self.notified, lane))
+        if self._running.is_set():
             log.info("serving outbox %s", o.display, extra={"event": "outbox.joined", "outbox": o.name})
 
     def _leave(self, lane: Lane) -> None:
@@ -147,18 +159,18 @@ class Roster:
 
     def forget_left(self) -> None:
         """Lanes that left and have nothing in flight hand their partitions over and go."""
-        relay = self.relay
-        for lane in [x for x in relay.scheduler.rotation if x.leaving and not x.in_flight and not x.claiming]:
-            relay.upkeep.capture.stop_reader(lane)
+        listener = self._listener()
+        for lane in [x for x in self.scheduler.rotation if x.leaving and not x.in_flight and not x.claiming]:
+            self.upkeep.capture.stop_reader(lane)
             lane.ordering.release_all()
-            relay.scheduler.remove(lane)
+            self.scheduler.remove(lane)
             self.beats.forget(lane)
-            relay.membership.changed = True  # the other relays of its outbox look at it again
+            self.membership.changed = True  # the other relays of its outbox look at it again
             del self.lanes[lane.name]
-            relay.chains.pop(lane.name, None)
-            if relay.listener is not None:
-                relay.listener.unwatch(channel_name(lane.schema))
-            m = relay.metrics  # the gauges of an outbox no longer served go (its counters stay)
+            self.chains.pop(lane.name, None)
+            if listener is not None:
+                listener.unwatch(channel_name(lane.schema))
+            m = self.metrics  # the gauges of an outbox no longer served go (its counters stay)
             for gauge in (m.pending, m.oldest_age, m.dead_tuples, m.table_bytes, m.oldest_xmin, m.up):
                 gauge.forget(0, lane.name)
             m.owned_partitions.forget(0, lane.name)
@@ -166,11 +178,11 @@ class Roster:
     def notified(self, lane: Lane) -> None:
         """A NOTIFY for this outbox (the listener's thread): claim it at the next step."""
         lane.wake.notified()
-        self.relay.wake()
+        self._wake()
 
     def wal_read(self, lane: Lane) -> None:
         """The WAL reader queued a transaction (its thread): send it at the next step. Not a sign
         of rows in the table: marking the table due here made every other WAL batch wait for an
         empty claim of it (decision 0004)."""
         lane.wake.read()
-        self.relay.wake()
+        self._wake()

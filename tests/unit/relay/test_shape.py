@@ -68,3 +68,15 @@ def test_every_lane_field_is_written_by_one_part_of_the_relay() -> None:
     assert {"in_flight", "more_work", "retry_at", "wal", "upkept"} <= set(writers)  # the reader works
     shared = {field: sorted(parts) for field, parts in writers.items() if len(parts) > 1}
     assert shared == {}, f"lane fields written by more than one part: {shared}"
+
+
+def test_no_part_of_the_relay_reaches_it_through_a_host_protocol() -> None:
+    """Each part gets what it uses in its constructor (the relay, loop.py, is the composition
+    root): a Protocol of the relay's members hid what a part depends on and let it grow."""
+    hosts = [
+        f"{path.relative_to(RELAY)}:{node.lineno}"
+        for path in RELAY.rglob("*.py")
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.ClassDef) and any(ast.unparse(base) == "Protocol" for base in node.bases)
+    ]
+    assert hosts == []
