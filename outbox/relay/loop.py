@@ -2,16 +2,18 @@
 
 A relay serves the outboxes of one database (a schema each; one, the ``--dsn``/``--schema``
 outbox, unless told more): each is a :class:`~outbox.relay.lanes.Lane`. :class:`Relay` is the loop and
-the facade over its parts, each in its own module:
+the facade over its parts, each in its own module and given its collaborators here:
 
-- :class:`~outbox.relay.roster.Roster`: the outboxes served, joining and leaving, heartbeats;
+- :class:`~outbox.relay.roster.Roster`: the outboxes served, joining and leaving;
+- :class:`~outbox.relay.heartbeats.Heartbeats`: the membership heartbeat and the ownership looks;
 - :class:`~outbox.relay.scheduler.ClaimScheduler`: which outbox claims next, how much, pacing, idle
   waits (no SQL, no sink);
 - :class:`~outbox.relay.sender.BatchSender`: claim (or read from the WAL), then send;
 - :class:`~outbox.relay.finisher.BatchFinisher`: finish complete batches on its threads, in WAL order;
   the one place a batch leaves the loop;
 - :class:`~outbox.relay.recorder.BatchRecorder`: what a batch did, in spans, metrics, counters, logs;
-- :class:`~outbox.relay.upkeep.LaneUpkeep`: partitions, capture checks, sinks replaced and back;
+- :class:`~outbox.relay.upkeep.LaneUpkeep`: services run before each step's claims: capture looks
+  and WAL readers, archive partitions, sinks replaced and back;
 - :class:`~outbox.relay.health.RelayHealth`: readiness (one value) and the stall watchdog.
 
 The loop, readable top to bottom::
