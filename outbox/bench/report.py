@@ -722,7 +722,7 @@ def plots(results: dict[str, Any], out: Path) -> list[str]:
         k = s["sinks"]["sinks"]
         names = list(k)
         fig, ax = plt.subplots(figsize=(8, 4.5))
-        xs = range(len(names))
+        xs = list(range(len(names)))
         ax.bar([x - 0.2 for x in xs], [k[n]["relay_events_per_s_median"] for n in names], 0.4, label="relay")
         ax.bar(
             [x + 0.2 for x in xs],
@@ -806,7 +806,7 @@ def plots(results: dict[str, Any], out: Path) -> list[str]:
         w = s["writer"]["stacks"]
         names = list(w)
         fig, ax = plt.subplots(figsize=(9, 4.5))
-        xs = range(len(names))
+        xs = list(range(len(names)))
         for offset, key, label in ((-0.2, "notify_on", "NOTIFY on"), (0.2, "notify_off", "NOTIFY off")):
             ax.bar([x + offset for x in xs], [w[n][key]["enqueue_overhead_p50_ms"] for n in names], 0.4,
                    label=label)  # fmt: skip
