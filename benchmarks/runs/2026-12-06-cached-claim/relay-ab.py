@@ -1,43 +1,111 @@
-"""A/B: drain 100k realistic events with `outbox relay` of two checkouts, interleaved; wall and CPU."""
-import os, subprocess, sys, time, resource, statistics, psycopg, uuid, json
-sys.path.insert(0, "/work/main")
+"""A/B of the relay's drain: two checkouts, interleaved, 200,000 realistic events each time.
+
+Usage, from a checkout with its .venv (the other one is BEFORE, a `git worktree` of the commit):
+    BEFORE=/tmp/before AFTER=$PWD .venv/bin/python benchmarks/runs/2026-12-06-cached-claim/relay-ab.py
+
+Each run fills the outbox (no statistics, autovacuum off), starts `outbox relay` of one checkout
+against an embedded Tansu broker and times it from its start to an empty events table; the relay
+process's CPU is read from /proc when it is drained.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import subprocess
+import sys
+import time
+import uuid
+
+import psycopg
+
 from outbox.harness.embedded import Broker
 from outbox.write.writer import enqueue_many
-DSN = "postgresql://root@127.0.0.1:5432/test"
-PY = "/work/main/.venv/bin/python"
-broker = Broker().start()
-results = {"before": [], "after": []}
-def fill(schema):
-    with psycopg.connect(DSN, autocommit=True) as a:
-        a.execute(f"DROP SCHEMA IF EXISTS {schema} CASCADE")
-    subprocess.run([PY, "-m", "outbox", "migrate", "--dsn", DSN, "--schema", schema], check=True, capture_output=True, cwd="/work/main")
-    with psycopg.connect(DSN, autocommit=True) as a:
-        a.execute(f"ALTER TABLE {schema}.events SET (autovacuum_enabled = false)")
+
+DSN = os.environ.get("DSN", "postgresql://root@127.0.0.1:5432/test")
+EVENTS, RUNS = 200_000, 8
+CHECKOUTS = {"before": os.environ["BEFORE"], "after": os.environ["AFTER"]}
+
+
+def fill(schema: str) -> None:
+    with psycopg.connect(DSN, autocommit=True) as admin:
+        admin.execute(f"DROP SCHEMA IF EXISTS {schema} CASCADE")
+    subprocess.run([sys.executable, "-m", "outbox", "migrate", "--dsn", DSN, "--schema", schema], check=True)
+    with psycopg.connect(DSN, autocommit=True) as admin:
+        admin.execute(f"ALTER TABLE {schema}.events SET (autovacuum_enabled = false)")
+    line = {"sku": "A-1", "qty": 2, "price": "19.99"}
+    headers = {"traceparent": "00-" + "a" * 32 + "-" + "b" * 16 + "-01", "source": "shop"}
     with psycopg.connect(DSN) as conn:
-        for start in range(0, 200_000, 10_000):
-            enqueue_many(conn, [{"topic": f"orders.{i%4}", "key": f"customer-{i % 5000}", "payload": {"order_id": str(uuid.uuid4()), "lines": [{"sku": "A-1", "qty": 2, "price": "19.99"}] * 3, "note": "x" * 120}, "headers": {"traceparent": "00-" + "a"*32 + "-" + "b"*16 + "-01", "source": "shop"}} for i in range(start, start + 10_000)], schema=schema)
+        for start in range(0, EVENTS, 10_000):
+            events = [
+                {
+                    "topic": f"orders.{i % 4}",
+                    "key": f"customer-{i % 5000}",
+                    "payload": {"order_id": str(uuid.uuid4()), "lines": [line] * 3, "note": "x" * 120},
+                    "headers": headers,
+                }
+                for i in range(start, start + 10_000)
+            ]
+            enqueue_many(conn, events, schema=schema)
             conn.commit()
-def pending(schema):
-    with psycopg.connect(DSN) as c:
-        return c.execute(f"SELECT count(*) FROM {schema}.events").fetchone()[0]
-for rep in range(8):
-    for side, cwd in (("before", "/tmp/before"), ("after", "/work/main")) if rep % 2 == 0 else (("after", "/work/main"), ("before", "/tmp/before")):
-        schema = f"ab_{side}"
-        fill(schema)
-        t0 = time.monotonic()
-        p = subprocess.Popen([PY, "-m", "outbox", "relay", "--dsn", DSN, "--schema", schema, "--kafka-bootstrap", broker.bootstrap], cwd=cwd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        deadline = time.monotonic() + 120
-        while pending(schema) > 0:
-            if p.poll() is not None or time.monotonic() > deadline:
-                raise SystemExit(f"relay {side} exited or stalled: {p.poll()}")
-            time.sleep(0.05)
-        wall = time.monotonic() - t0
-        with open(f"/proc/{p.pid}/stat") as f:
-            parts = f.read().split(")")[1].split()
-        cpu = (int(parts[11]) + int(parts[12])) / os.sysconf("SC_CLK_TCK")
-        p.terminate(); p.wait()
-        results[side].append((round(wall, 2), round(cpu, 2)))
-        print(side, rep, "wall", round(wall, 2), "cpu", round(cpu, 2), flush=True)
-broker.stop()
-for side, r in results.items():
-    print(side, "median wall", statistics.median(w for w, _ in r), "median cpu", statistics.median(c for _, c in r))
+
+
+def pending(schema: str) -> int:
+    with psycopg.connect(DSN) as conn:
+        row = conn.execute(f"SELECT count(*) FROM {schema}.events").fetchone()
+    return int(row[0]) if row else 0
+
+
+def drain(side: str, broker: Broker) -> tuple[float, float]:
+    schema = f"ab_{side}"
+    fill(schema)
+    started = time.monotonic()
+    relay = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "outbox",
+            "relay",
+            "--dsn",
+            DSN,
+            "--schema",
+            schema,
+            "--kafka-bootstrap",
+            broker.bootstrap,
+        ],
+        cwd=CHECKOUTS[side],  # python -m: the checkout's own package first on the path
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    deadline = started + 120
+    while pending(schema) > 0:
+        if relay.poll() is not None or time.monotonic() > deadline:
+            raise SystemExit(f"the {side} relay exited or stalled")
+        time.sleep(0.05)
+    wall = time.monotonic() - started
+    with open(f"/proc/{relay.pid}/stat") as stat:
+        fields = stat.read().split(")")[1].split()
+    cpu = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    relay.terminate()
+    relay.wait()
+    return wall, cpu
+
+
+def main() -> None:
+    broker = Broker().start()
+    results: dict[str, list[tuple[float, float]]] = {"before": [], "after": []}
+    try:
+        for run in range(RUNS):
+            for side in ("before", "after") if run % 2 == 0 else ("after", "before"):
+                wall, cpu = drain(side, broker)
+                results[side].append((wall, cpu))
+                print(side, run, "wall", round(wall, 2), "cpu", round(cpu, 2), flush=True)
+    finally:
+        broker.stop()
+    for side, runs in results.items():
+        walls, cpus = [w for w, _ in runs], [c for _, c in runs]
+        print(side, "median wall", statistics.median(walls), "median cpu", statistics.median(cpus))
+
+
+if __name__ == "__main__":
+    main()
