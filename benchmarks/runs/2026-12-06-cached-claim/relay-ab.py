@@ -18,6 +18,7 @@ import time
 import uuid
 
 import psycopg
+from psycopg import sql
 
 from outbox.harness.embedded import Broker
 from outbox.write.writer import enqueue_many
@@ -29,10 +30,11 @@ CHECKOUTS = {"before": os.environ["BEFORE"], "after": os.environ["AFTER"]}
 
 def fill(schema: str) -> None:
     with psycopg.connect(DSN, autocommit=True) as admin:
-        admin.execute(f"DROP SCHEMA IF EXISTS {schema} CASCADE")
+        admin.execute(sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(sql.Identifier(schema)))
     subprocess.run([sys.executable, "-m", "outbox", "migrate", "--dsn", DSN, "--schema", schema], check=True)
     with psycopg.connect(DSN, autocommit=True) as admin:
-        admin.execute(f"ALTER TABLE {schema}.events SET (autovacuum_enabled = false)")
+        events = sql.Identifier(schema, "events")
+        admin.execute(sql.SQL("ALTER TABLE {} SET (autovacuum_enabled = false)").format(events))
     line = {"sku": "A-1", "qty": 2, "price": "19.99"}
     headers = {"traceparent": "00-" + "a" * 32 + "-" + "b" * 16 + "-01", "source": "shop"}
     with psycopg.connect(DSN) as conn:
@@ -52,7 +54,9 @@ def fill(schema: str) -> None:
 
 def pending(schema: str) -> int:
     with psycopg.connect(DSN) as conn:
-        row = conn.execute(f"SELECT count(*) FROM {schema}.events").fetchone()
+        row = conn.execute(
+            sql.SQL("SELECT count(*) FROM {}").format(sql.Identifier(schema, "events"))
+        ).fetchone()
     return int(row[0]) if row else 0
 
 
