@@ -63,7 +63,7 @@ DROP TABLE {schema}.{partition}
 -- %(since)s: the caller widens the window until it has enough, so that the BRIN index on
 -- delivered_at, not a sort of the whole archive, finds them.
 SELECT d.id, d.event_id::text, d.topic, d.key, d.payload, nullif(d.headers, '{{}}'::jsonb)::text,
-       extract(epoch FROM d.created_at)::float8, d.attempts, d.type, d.subject, NULL::float8
+       extract(epoch FROM d.created_at)::float8, d.attempts, d.type, d.subject, NULL::float8, NULL::float8
 FROM {schema}.delivered AS d
 WHERE d.delivered_at >= %(since)s::timestamptz AND d.topic ~ %(topics)s
 ORDER BY d.delivered_at DESC, d.id DESC
