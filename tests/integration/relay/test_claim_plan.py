@@ -174,8 +174,12 @@ def test_a_relay_without_limits_claims_with_a_cached_plan_not_one_planned_per_cl
             assert len(relay.claim(conn, 100)) == (i + 1) // 2  # none is finished: they add up
             sessions.end(conn)  # as the relay ends a claim it does not send
             assert sessions.take() is conn
+        # PostgreSQL 14 counts each prepared statement's plans; 13 only lists what is prepared.
+        counted = conn.info.server_version >= 140000
         plans = conn.execute(
-            "SELECT generic_plans, custom_plans FROM pg_prepared_statements WHERE statement LIKE %s",
+            "SELECT generic_plans, custom_plans FROM pg_prepared_statements WHERE statement LIKE %s"
+            if counted
+            else "SELECT name, NULL FROM pg_prepared_statements WHERE statement LIKE %s",
             ("%FOR UPDATE OF e SKIP LOCKED%",),
         ).fetchall()
     finally:
@@ -183,4 +187,7 @@ def test_a_relay_without_limits_claims_with_a_cached_plan_not_one_planned_per_cl
             conn.close()
         sessions.close_all()
         relay.link.close()
-    assert plans == [(12 - 5 - 5, 5)], "the claim was planned anew each time"  # prepared at the 6th
+    if counted:
+        assert plans == [(12 - 5 - 5, 5)], "the claim was planned anew each time"  # prepared at the 6th
+    else:
+        assert len(plans) == 1, "the claim was not kept prepared across the claims' ends"
