@@ -315,13 +315,12 @@ class Batch:
             names = set(map(TOPIC_OF, events))
             if len(names) == 1:
                 only = topics[names.pop()] = TopicResult(delivered=len(events))
-                if latencies:
+                if latencies:  # from the commit where it is known, else from the creation
                     committed = list(map(COMMITTED_OF, events))
-                    if None not in committed:  # WAL capture, or a table's first attempts
-                        only.commit_latencies = [now - c for c in committed]
-                    else:
-                        for e in events:
-                            _latency(only, e, now)
+                    only.commit_latencies = [now - c for c in committed if c is not None]
+                    if len(only.commit_latencies) < len(events):
+                        pairs = zip(events, committed, strict=True)
+                        only.latencies = [now - e.created_at for e, c in pairs if c is None]
             else:
                 for e in events:
                     tr = topics.get(e.topic)
