@@ -1,6 +1,6 @@
 """``/metrics``, ``/livez`` and ``/readyz``: ``/livez`` says the process is alive; ``/readyz``
 says the relay can do its job (database reachable, sinks healthy, every outbox served, not
-draining for shutdown), from :class:`outbox.relay.health.Readiness`."""
+draining for shutdown), from :class:`outbox.observe.readiness.Readiness`."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from outbox.relay.gauges import DatabaseGauges
 from outbox.relay.metrics import RelayMetrics
 
 if TYPE_CHECKING:
-    from outbox.relay.health import Readiness
+    from outbox.observe.readiness import Readiness
 
 
 class HealthServer:

@@ -27,11 +27,11 @@ from outbox.relay import limits
 from outbox.relay.batch import Batch, BatchResult, RolledBack, Shared
 from outbox.relay.config import RelayConfig
 from outbox.relay.lanes import Lane
-from outbox.relay.membership import Membership
 from outbox.relay.recorder import BatchRecorder
 from outbox.relay.scheduler import ClaimScheduler
 from outbox.relay.wal_batch import WalBatch
 from outbox.sinks.base import SINK_REPLACED, Retry, Sink
+from outbox.store.membership import Membership
 from outbox.store.sessions import Link, Sessions
 
 log = logging.getLogger("outbox.relay")

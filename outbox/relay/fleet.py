@@ -26,10 +26,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from outbox.errors import RelayFailed
+from outbox.observe.readiness import Readiness
 from outbox.relay.config import RelayConfig
 from outbox.relay.endpoints import HealthServer
 from outbox.relay.gauges import DatabaseGauges
-from outbox.relay.health import OUTBOXES_NOT_SERVED, Readiness, lane_trouble
+from outbox.relay.health import OUTBOXES_NOT_SERVED, lane_trouble
 from outbox.relay.loop import Relay
 from outbox.relay.metrics import RelayMetrics
 from outbox.sinks.base import Sink

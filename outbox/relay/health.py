@@ -1,10 +1,5 @@
-"""A relay's health: readiness as one structured value, the stall watchdog, and the progress
-stamps both read.
-
-:class:`Readiness` is what ``/readyz`` answers, what the heartbeats record (its ``label``: shown
-by ``outbox status`` and the console), and what the ``outbox_not_ready`` metric counts (its
-``reason``): built once, never parsed back from its text.
-"""
+"""A relay's health: its readiness (:class:`~outbox.observe.readiness.Readiness`), the stall
+watchdog, and the progress stamps both read."""
 
 from __future__ import annotations
 
@@ -12,14 +7,14 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
 from outbox.observe.conditions import Condition
+from outbox.observe.readiness import Readiness
 from outbox.relay.config import RelayConfig
 from outbox.relay.lanes import Lane
-from outbox.relay.membership import Membership
 from outbox.sinks import router
 from outbox.sinks.base import Sink
+from outbox.store.membership import Membership
 from outbox.store.sessions import Sessions
 
 log = logging.getLogger("outbox.relay")
@@ -30,42 +25,6 @@ WATCH_EVERY = 1.0  # seconds between the watchdog's looks at the loop's progress
 # status and the console). A look reads every lane: once a heartbeat, it kept a relay of 1,000
 # idle outboxes busy.
 READINESS_EVERY = 1.0
-# The metric's reason of each label: database, sink, stalled, or lifecycle (the rest).
-_REASONS = {
-    "database unreachable": "database",
-    "sink unhealthy": "sink",
-    "sink down": "sink",
-    "stalled": "stalled",
-}
-
-
-@dataclass(frozen=True)
-class Readiness:
-    """``label``: the kind (ready, starting, draining: shutting down, sink unhealthy, sink down,
-    database unreachable, stalled, outboxes not served); ``detail`` what follows it on the first
-    line; ``sinks`` one line per sink; ``outboxes`` one line per outbox worth a line."""
-
-    label: str
-    detail: str = ""
-    sinks: tuple[str, ...] = ()
-    outboxes: tuple[str, ...] = ()
-
-    @property
-    def ok(self) -> bool:
-        return self.label == "ready"
-
-    @property
-    def reason(self) -> str:
-        """The ``outbox_not_ready`` metric's label: database, sink, stalled or lifecycle."""
-        return _REASONS.get(self.label, "lifecycle")
-
-    @property
-    def head(self) -> str:
-        return f"{self.label}: {self.detail}" if self.detail else self.label
-
-    def text(self) -> str:
-        """/readyz's body: the head, then the sinks' lines, then the outboxes'."""
-        return "\n".join([self.head, *self.sinks, *self.outboxes])
 
 
 def lane_trouble(lane: Lane) -> str:

@@ -10,10 +10,10 @@ from collections.abc import Callable
 
 from outbox.relay.finisher import BatchFinisher
 from outbox.relay.lanes import Beats, Lane
-from outbox.relay.membership import Membership
 from outbox.relay.metrics import RelayMetrics
 from outbox.relay.scheduler import BEAT_EARLY
 from outbox.sinks.base import Sink
+from outbox.store.membership import Membership
 from outbox.store.sessions import Sessions
 
 HEARTBEATS_PER_STEP = 8  # outboxes looked at in one loop step at most (the rest: next step)

@@ -56,14 +56,14 @@ from typing import Any
 import psycopg
 
 from outbox.errors import ConfigError, MissingExtra
+from outbox.observe.readiness import Readiness
 from outbox.relay.config import RelayConfig
 from outbox.relay.endpoints import HealthServer
 from outbox.relay.finisher import BatchFinisher
 from outbox.relay.gauges import DatabaseGauges
-from outbox.relay.health import OUTBOXES_NOT_SERVED, Readiness, RelayHealth
+from outbox.relay.health import OUTBOXES_NOT_SERVED, RelayHealth
 from outbox.relay.heartbeats import Heartbeats
 from outbox.relay.lanes import Beats, Lane, RelayStats
-from outbox.relay.membership import Membership
 from outbox.relay.metrics import RelayMetrics
 from outbox.relay.ordering import Ordering
 from outbox.relay.pipelined import Picks
@@ -77,6 +77,7 @@ from outbox.sinks.chains import KeyChains
 from outbox.store.dsn import with_net_timeouts
 from outbox.store.hygiene import Hygiene
 from outbox.store.listener import Listener
+from outbox.store.membership import Membership
 from outbox.store.outboxes import DEFAULT_NAME, Outbox
 from outbox.store.sessions import Link, Sessions
 from outbox.transform import Transforms

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 from outbox.observe.prometheus import Counter, Gauge, Histogram, Metric
 
 if TYPE_CHECKING:
-    from outbox.relay.health import Readiness
+    from outbox.observe.readiness import Readiness
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300)  # seconds
 BATCH_BUCKETS = (1, 10, 50, 100, 250, 500, 1000, 2500, 5000)  # events

@@ -14,7 +14,7 @@ on the row). In ordered mode a relay claims only events of partitions it owns,
 so a key is delivered by one process at a time, in id order.
 
 A relay's leases in every outbox of a database are one row, its membership
-(:mod:`outbox.relay.membership`), renewed every ``lease / 5`` seconds on its own
+(:mod:`outbox.store.membership`), renewed every ``lease / 5`` seconds on its own
 autocommit connection. A look at an outbox (:meth:`Ordering.tick`) registers
 the relay in it and moves it toward its fair share of partitions (computed
 from the outbox's live relays in join order):
@@ -83,7 +83,7 @@ from typing import Any, NamedTuple
 import psycopg
 
 from outbox.observe.conditions import Condition
-from outbox.relay.membership import HEARTBEAT_FRACTION, Membership
+from outbox.store.membership import HEARTBEAT_FRACTION, Membership
 from outbox.store.queries import int_array, query
 
 log = logging.getLogger("outbox.ordering")

@@ -15,7 +15,6 @@ from outbox.observe.conditions import Condition
 from outbox.relay.config import RelayConfig
 from outbox.relay.lanes import Beats, Lane, Pace
 from outbox.relay.limits import either, gates, weight_of
-from outbox.relay.membership import Membership
 from outbox.relay.metrics import RelayMetrics
 from outbox.relay.ordering import Ordering
 from outbox.relay.scheduler import ClaimScheduler
@@ -23,6 +22,7 @@ from outbox.relay.upkeep import LaneUpkeep
 from outbox.sinks.base import Sink
 from outbox.sinks.chains import KeyChains
 from outbox.store.listener import Listener
+from outbox.store.membership import Membership
 from outbox.store.outboxes import DEFAULT_NAME, Outbox
 from outbox.store.schema import channel_name
 

@@ -19,7 +19,6 @@ from outbox.relay.batch import PIPELINE, Batch, Shared
 from outbox.relay.finisher import BatchFinisher
 from outbox.relay.lanes import Lane
 from outbox.relay.limits import Gate
-from outbox.relay.membership import Membership
 from outbox.relay.metrics import RelayMetrics
 from outbox.relay.pipelined import Picks, Pipelined
 from outbox.relay.recorder import BatchRecorder
@@ -29,6 +28,7 @@ from outbox.relay.wal_batch import WalBatch
 from outbox.sinks import router
 from outbox.sinks.base import ProducesMany, Sink, send_now
 from outbox.sinks.chains import KeyChains
+from outbox.store.membership import Membership
 from outbox.store.queries import query
 from outbox.store.sessions import Link, Sessions
 from outbox.transform import Transforms

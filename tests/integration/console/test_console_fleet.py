@@ -15,7 +15,7 @@ from starlette.testclient import TestClient
 import outbox
 from outbox.console import app
 from outbox.relay.limits import gates, parse_limit, take
-from outbox.relay.membership import Membership
+from outbox.store.membership import Membership
 from outbox.store.migrate import migrate
 from outbox.store.outboxes import Outbox
 from outbox.store.sessions import Link
