@@ -8,7 +8,6 @@ import random
 import time
 from collections.abc import Callable
 
-from outbox.relay.finisher import BatchFinisher
 from outbox.relay.lanes import Beats, Lane
 from outbox.relay.metrics import RelayMetrics
 from outbox.relay.scheduler import BEAT_EARLY
@@ -23,20 +22,21 @@ LOOK_SPREAD = 0.5
 
 class Heartbeats:
     """``lanes``: the outboxes served (the roster's, read as they change); ``beats``: when each
-    one's look is due. ``sink``: the relay's sink now; ``sinks_back``: the sinks probed while
-    down (SinkUpkeep's); ``label``: the relay's readiness, recorded with each heartbeat;
-    ``progress``: the loop went on (RelayHealth's watchdog); ``metrics_on``: metrics are kept."""
+    one's look is due. ``sink``: the relay's sink now; ``busy``: some batch is in flight;
+    ``sinks_back``: the sinks probed while down (SinkUpkeep's); ``label``: the relay's readiness,
+    recorded with each heartbeat; ``progress``: the loop went on (RelayHealth's watchdog);
+    ``metrics_on``: metrics are kept."""
 
     def __init__(
         self,
         membership: Membership,
         sessions: Sessions,
-        finisher: BatchFinisher,
         lanes: dict[str, Lane],
         beats: Beats,
         metrics: RelayMetrics,
         *,
         sink: Callable[[], Sink | None],
+        busy: Callable[[], bool],
         sinks_back: Callable[[], None],
         label: Callable[[], str],
         progress: Callable[[], None],
@@ -44,11 +44,11 @@ class Heartbeats:
     ) -> None:
         self.membership = membership
         self.sessions = sessions
-        self.finisher = finisher
         self.lanes = lanes
         self.beats = beats
         self.metrics = metrics
         self._sink = sink
+        self._busy = busy
         self._sinks_back = sinks_back
         self._label = label
         self._progress = progress
@@ -63,7 +63,7 @@ class Heartbeats:
         if not due and not member_due:
             return
         sink = self._sink()
-        if sink is not None and not self.finisher.busy:
+        if sink is not None and not self._busy():
             # Idle, nothing else reads the sinks' clients: serve their callbacks here, so that a
             # broker that went away is seen (readiness, the outage's log line) before events are due.
             sink.poll(0)

@@ -182,13 +182,14 @@ class Relay:
             SinkUpkeep(
                 chores,
                 self.scheduler,
-                self.finisher,
                 self.stats,
                 self.metrics,
                 sink=lambda: self.sink,
                 make=self.sink_factory,
                 use=self.use_sink,
                 chains=self.chains,
+                await_finishers=self.finisher.await_all,
+                settle_unreported=self.finisher.settle_unreported,
             ),
         )
         self.roster = Roster(
@@ -202,8 +203,9 @@ class Relay:
             metrics_on=lambda: self.metrics_on, progress=self._progressed, lane_error=self.lane_error,
         )  # fmt: skip
         self.heartbeats = Heartbeats(
-            self.membership, self.sessions, self.finisher, lanes, beats, self.metrics,
-            sink=lambda: self.sink, sinks_back=self.upkeep.sinks.sinks_back, label=self.health.label,
+            self.membership, self.sessions, lanes, beats, self.metrics,
+            sink=lambda: self.sink, busy=lambda: bool(self.finisher.busy),
+            sinks_back=self.upkeep.sinks.sinks_back, label=self.health.label,
             progress=self._progressed, metrics_on=lambda: self.metrics_on,
         )  # fmt: skip
         self.http: HealthServer | None = None

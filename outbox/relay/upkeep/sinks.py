@@ -8,7 +8,6 @@ import logging
 import time
 from collections.abc import Callable
 
-from outbox.relay.finisher import BatchFinisher
 from outbox.relay.lanes import Lane, RelayStats
 from outbox.relay.metrics import RelayMetrics
 from outbox.relay.scheduler import ClaimScheduler
@@ -25,13 +24,13 @@ RETRIES_PER_STEP = 8  # outboxes whose failures are made due at once after an ou
 
 class SinkUpkeep:
     """``sink``: the relay's sink now; ``make``: a new one (the relay's factory); ``use``: the relay
-    takes a new sink on; ``chains``: each outbox's key chains, which the sender wraps sends in."""
+    takes a new sink on; ``chains``: each outbox's key chains, which the sender wraps sends in;
+    ``await_finishers`` and ``settle_unreported``: the finisher's, as a sink is replaced."""
 
     def __init__(
         self,
         chores: Chores,
         scheduler: ClaimScheduler,
-        finisher: BatchFinisher,
         stats: RelayStats,
         metrics: RelayMetrics,
         *,
@@ -39,6 +38,8 @@ class SinkUpkeep:
         make: Callable[[], Sink],
         use: Callable[[Sink], None],
         chains: dict[str, KeyChains],
+        await_finishers: Callable[[], None],
+        settle_unreported: Callable[[], None],
     ) -> None:
         self.sink = sink
         self._make = make
@@ -46,7 +47,8 @@ class SinkUpkeep:
         self.chains = chains
         self.chores = chores
         self.scheduler = scheduler
-        self.finisher = finisher
+        self._await_finishers = await_finishers
+        self._settle_unreported = settle_unreported
         self.stats = stats
         self.metrics = metrics
         self.sinks_up = True  # every sink answered the last probe
@@ -63,7 +65,7 @@ class SinkUpkeep:
         """A new sink from the factory; the unhealthy one's in-flight batches settled first."""
         old = self.sink()
         if old is not None:
-            self.finisher.await_all()
+            self._await_finishers()
             self.stats.sinks_replaced += 1
             self.metrics.sinks_replaced.inc()
             rotation = self.scheduler.rotation
@@ -78,7 +80,7 @@ class SinkUpkeep:
             # as failed for an unreachable sink (the key holds its later events, per-key order),
             # due again as soon as the replacement answers (sinks_back), not after a backoff.
             old.close(0)
-            self.finisher.settle_unreported()
+            self._settle_unreported()
             self.sinks_were_down()
         self._use(self._make())
         self.chains.clear()

@@ -176,15 +176,15 @@ def test_a_quiet_relay_renews_every_lease_in_one_row_and_reads_its_readiness_onc
         lanes = list(relay.lanes.values())
         start, before = time.monotonic(), len(looks)
         tallies = [lane.ordering.looks for lane in lanes]
-        beats = store.membership.beats
+        beats = relay.membership.beats
         time.sleep(3.0)
         seconds, read = time.monotonic() - start, len(looks) - before
         outbox_looks = sum(lane.ordering.looks for lane in lanes) - sum(tallies)
-        beats = store.membership.beats - beats
+        beats = relay.membership.beats - beats
         with psycopg.connect(pg_dsn) as conn:
             age = conn.execute(
                 "SELECT extract(epoch FROM now() - heartbeat_at) FROM outbox_fleet.relays WHERE id = %s",
-                [store.membership.id],
+                [relay.membership.id],
             ).fetchone()
         owned = [len(owners(pg_dsn, o.schema)) for o in boxes]
     assert read <= seconds + 1, f"readiness read {read} times in {seconds:.1f} s"

@@ -144,8 +144,8 @@ def _ordering(
     **connect: Any,
 ) -> Any:
     """An outbox's ordering with a membership of its own (one relay's view of one outbox)."""
-    from outbox.store.membership import Membership
     from outbox.relay.ordering import Ordering
+    from outbox.store.membership import Membership
     from outbox.store.sessions import Link
 
     member = Membership(

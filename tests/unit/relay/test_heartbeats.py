@@ -30,8 +30,8 @@ def _heartbeats(member: _Membership) -> tuple[Heartbeats, list[str]]:
     happened: list[str] = []
     sessions = SimpleNamespace(idle_pids=lambda: [41, 42], stale=[], pid=lambda conn: None)
     beats = Heartbeats(
-        cast(Any, member), cast(Any, sessions), cast(Any, SimpleNamespace(busy={})), {}, Beats(),
-        RelayMetrics(), sink=lambda: None, sinks_back=lambda: happened.append("sinks probed"),
+        cast(Any, member), cast(Any, sessions), {}, Beats(),
+        RelayMetrics(), sink=lambda: None, busy=lambda: False, sinks_back=lambda: happened.append("sinks probed"),
         label=lambda: "ready", progress=lambda: happened.append("progress"), metrics_on=lambda: True,
     )  # fmt: skip
     return beats, happened
