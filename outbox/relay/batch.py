@@ -19,7 +19,7 @@ import contextlib
 import time
 from dataclasses import dataclass, field
 from operator import itemgetter
-from typing import Any, cast
+from typing import Any, ClassVar, cast
 
 import psycopg
 
@@ -102,6 +102,8 @@ class Batch:
     """Events claimed in one transaction on one connection, and their outcomes."""
 
     made = 0  # the number of the last batch made (the loop's thread makes them)
+    # Read from a WAL slot (WalBatch): a lane's such batches commit one at a time, in the order read.
+    from_wal: ClassVar[bool] = False
 
     def __init__(
         self,

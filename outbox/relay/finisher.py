@@ -1,13 +1,11 @@
-"""The batch finisher: a batch whose every event has an outcome is finished here, and leaves the
-relay's loop in one place.
+"""The batch finisher (the completer): a batch whose every event has an outcome is finished here.
 
 Finishing a batch is its statements and its commit (archive the delivered, persist the retries,
 dead-letter the dead), run on a finisher thread so that the loop produces the next batch
-meanwhile; the loop records the result when the thread is done. A lane's WAL batches commit one
-at a time, in the order read: each commits the slot position it reaches, and a later one
-committed first would have a restart skip the earlier one's events. A batch leaves in
-:meth:`BatchFinisher.done`: its session goes back, its key holds are released, and a WAL batch's
-position is confirmed to the slot, or the slot is read again from the last one confirmed.
+meanwhile; the thread wakes the loop, which records the result and lets the batch leave through
+the :class:`~outbox.relay.ledger.Ledger`. A lane's WAL batches commit one at a time, in the order
+read: each commits the slot position it reaches, and a later one committed first would have a
+restart skip the earlier one's events.
 
 Anchors: River's ``jobcompleter``, kept apart from its producer; Sequin's reorder buffer.
 """
@@ -16,23 +14,20 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import psycopg
 
 from outbox.errors import FencingError
-from outbox.relay import limits
 from outbox.relay.batch import Batch, BatchResult, RolledBack, Shared
 from outbox.relay.config import RelayConfig
 from outbox.relay.lanes import Lane
+from outbox.relay.ledger import Ledger
 from outbox.relay.recorder import BatchRecorder
-from outbox.relay.scheduler import ClaimScheduler
-from outbox.relay.wal_batch import WalBatch
 from outbox.sinks.base import SINK_REPLACED, Retry, Sink
-from outbox.store.membership import Membership
-from outbox.store.sessions import Link, Sessions
+from outbox.store.sessions import Sessions
 
 log = logging.getLogger("outbox.relay")
 
@@ -42,34 +37,31 @@ class _NotHandedOn(Exception):
 
 
 class BatchFinisher:
-    """The batches in flight of every lane (``busy``: the lanes with some, in the order they
-    became so, which is what the loop's every step looks at), and those being finished."""
+    """The batches being finished, on the finisher's threads; the ledger keeps those in flight."""
 
     def __init__(
         self,
         config: RelayConfig,
         sessions: Sessions,
-        link: Link,
-        membership: Membership,
-        scheduler: ClaimScheduler,
+        ledger: Ledger,
         recorder: BatchRecorder,
         *,
+        lanes: Callable[[], Iterable[Lane]],
         sink: Callable[[], Sink | None],
         metrics_on: Callable[[], bool],
         wake: Callable[[], None],
     ) -> None:
-        """``sink``: the relay's sink now (it is replaced when unhealthy); ``metrics_on``: whether
-        a finish lists its latencies; ``wake``: the loop's wake-up, called as a finish is done."""
+        """``lanes``: the outboxes served; ``sink``: the relay's sink now (it is replaced when
+        unhealthy); ``metrics_on``: whether a finish lists its latencies; ``wake``: the loop's
+        wake-up, called as a finish is done."""
         self.config = config
         self.sessions = sessions
-        self.link = link
-        self.membership = membership
-        self.scheduler = scheduler
+        self.ledger = ledger
         self.recorder = recorder
+        self._lanes = lanes
         self._sink = sink
         self._metrics_on = metrics_on
         self._wake = wake
-        self.busy: dict[Lane, None] = {}
         # A finisher per session of the budget (each batch has a session of its own): one
         # outbox's finish that waits (a lock on its archive) holds up no other outbox's.
         self._pool = ThreadPoolExecutor(config.max_connections, thread_name_prefix="outbox-finish")
@@ -81,23 +73,14 @@ class BatchFinisher:
         """A batch was finished (its thread): the loop records it and frees its slot now."""
         self._wake()
 
-    def sent(self, lane: Lane, batch: Batch) -> None:
-        """``batch`` is out: its outcomes will come through ``batch.settle``."""
-        lane.in_flight.append(batch)
-        self.busy[lane] = None
-
-    def waiting(self) -> int:
-        """Events in flight awaiting a report."""
-        return sum(b.waiting for lane in self.busy for b in lane.in_flight)
-
     def finish_complete(self) -> None:
         """Hand each batch whose every event has an outcome to a finisher thread, and record
         those finished. A WAL batch complete while the one read before it is still on a
         finisher is handed over to wait for it there, and to commit only if that one did (the
         loop would see that one done only at its next look, and the slot was idle meanwhile);
         one that fails rewinds the reader and releases those read after it (see done)."""
-        for lane in list(self.busy):
-            earlier: tuple[WalBatch, Future[BatchResult]] | None = None  # on a finisher, not done
+        for lane in list(self.ledger.busy):
+            earlier: tuple[Batch, Future[BatchResult]] | None = None  # on a finisher, not done
             wal_waiting = False  # a WAL batch read earlier is not complete yet
             for batch in list(lane.in_flight):
                 if batch not in lane.in_flight:  # abandoned by an earlier one's failure
@@ -106,12 +89,12 @@ class BatchFinisher:
                 if pending is not None:
                     # A WAL batch's result is taken only after the one before it: that one may
                     # have finished (and this one, behind it, given up) since it was looked at.
-                    if pending[0].done() and (earlier is None or not isinstance(batch, WalBatch)):
+                    if pending[0].done() and (earlier is None or not batch.from_wal):
                         self._finished(lane, batch)
-                    elif isinstance(batch, WalBatch):
+                    elif batch.from_wal:
                         earlier = (batch, pending[0])
                     continue
-                if isinstance(batch, WalBatch):
+                if batch.from_wal:
                     if batch.complete and not wal_waiting:
                         self._hand_over(lane, batch, earlier)
                         earlier = (batch, self.finishing[batch][0])
@@ -126,7 +109,7 @@ class BatchFinisher:
                     self._hand_over(lane, batch)
 
     def _hand_over(
-        self, lane: Lane, batch: Batch, earlier: tuple[WalBatch, Future[BatchResult]] | None = None
+        self, lane: Lane, batch: Batch, earlier: tuple[Batch, Future[BatchResult]] | None = None
     ) -> None:
         """Finish ``batch`` on a finisher thread: its statements and commit, a round trip the
         loop does not wait for. The next batch is produced meanwhile (decision 0002).
@@ -164,7 +147,7 @@ class BatchFinisher:
         )
 
     def _finish_after(
-        self, earlier: WalBatch, its: Future[BatchResult], lane: Lane, batch: Batch
+        self, earlier: Batch, its: Future[BatchResult], lane: Lane, batch: Batch
     ) -> BatchResult:
         """On a finisher: wait for the WAL batch read before ``batch``, then finish ``batch`` if
         that one committed. If it did not, ``batch`` is left as it is, unwritten: the loop
@@ -180,7 +163,7 @@ class BatchFinisher:
         """Wait for the finishers and record what they finished: before anything that rolls back,
         settles or finishes batches in flight on the loop itself (a finisher owns a batch's
         session until then)."""
-        for lane in list(self.busy):
+        for lane in list(self.ledger.busy):
             for batch in list(lane.in_flight):
                 pending = self.finishing.get(batch)
                 if pending is not None:
@@ -208,7 +191,7 @@ class BatchFinisher:
                 return
             shared.handed = True
             results = self._shared_statements(shared)
-            lanes = {b: each for each in self.scheduler.rotation for b in each.in_flight}
+            lanes = {b: each for each, b in self.ledger.flights()}
             for _, member in shared.members:
                 self._outcome(lanes[member], member, results[member], ack_start)
             return
@@ -224,7 +207,7 @@ class BatchFinisher:
         an unreachable sink, and every batch is finished here, not rolled back, so that what was
         delivered is archived once (the key holds its later events: per-key order)."""
         unreported = Retry(SINK_REPLACED, "the sink's client was replaced before it reported")
-        flights = [(each, b) for each in self.scheduler.rotation for b in each.in_flight]
+        flights = self.ledger.flights()
         for _, batch in flights:
             for i, outcome in enumerate(batch.outcomes):
                 if outcome is None:
@@ -248,72 +231,52 @@ class BatchFinisher:
                 sessions.discard(batch.conn)
                 # The lease ran out (not a server restart or a dropped connection): too slow.
                 now = time.monotonic()
-                self.scheduler.pace(lane, batch, now - batch.claimed_at >= self.config.lease, now)
-            else:  # the statement failed on a live connection: a bug or a schema change
-                if batch.shared is not None:  # each claims alone for a while: the error is one's own
-                    self.scheduler.alone(lane, time.monotonic())
-                log.error(
-                    "ack of %d events failed, they stay pending: %s",
-                    len(batch),
-                    sessions.clean(exc),
-                    extra={
-                        "outbox": lane.name,
-                        "event": "batch.rolled_back",
-                        "batch_age": round(time.monotonic() - batch.claimed_at, 3),
-                    },
-                )
-                recorder.end_spans(batch, ack_start, type(exc).__name__)
-                batch.release()
-            self.done(lane, batch)
+                self.done(lane, batch, paced=(now - batch.claimed_at >= self.config.lease, now))
+                return
+            # The statement failed on a live connection: a bug or a schema change.
+            log.error(
+                "ack of %d events failed, they stay pending: %s",
+                len(batch),
+                sessions.clean(exc),
+                extra={
+                    "outbox": lane.name,
+                    "event": "batch.rolled_back",
+                    "batch_age": round(time.monotonic() - batch.claimed_at, 3),
+                },
+            )
+            recorder.end_spans(batch, ack_start, type(exc).__name__)
+            batch.release()
+            # A shared one's outbox claims alone for a while: the error is its own.
+            self.done(lane, batch, alone=batch.shared is not None)
             return
         assert isinstance(outcome, BatchResult)
         result = outcome
-        if result.next_retry is not None:  # claim again when it comes due, not at the next poll
-            self.scheduler.retry_due_in(lane, result.next_retry)
-        self.done(lane, batch)
         recorder.record(lane, batch, result, ack_start, self._sink())
-        if result.delivered:  # a batch that only failed says nothing about the sink's pace
-            # (A batch of a shared transaction: when its own events had settled, not when the
-            # slowest member's had: a slow outbox does not make the others' claims smaller.)
-            self.scheduler.pace(lane, batch, False, batch.settled_at or time.monotonic())
+        # A batch that only failed says nothing about the sink's pace. (A batch of a shared
+        # transaction: when its own events had settled, not when the slowest member's had: a slow
+        # outbox does not make the others' claims smaller.)
+        paced = (False, batch.settled_at or time.monotonic()) if result.delivered else None
+        self.done(lane, batch, paced=paced, retry_in=result.next_retry)
 
-    def done(self, lane: Lane, batch: Batch) -> None:
-        """The one place a batch leaves the loop: its session back to the pool, its key holds
-        released; a WAL batch's position confirmed to the slot if it committed, else read again."""
-        if batch not in lane.in_flight:  # abandoned already: a WAL batch read before it failed
-            return
-        self._leave(lane, batch)
-        if isinstance(batch, WalBatch) and lane.wal is not None:
-            if batch.finished:
-                lane.wal.confirm(batch.after)
-                return
-            # Not handed on: the slot sends it again, from the confirmed position; so every WAL
-            # batch read after it goes too (sent again, and not archived twice).
-            lane.wal.rewind()
-            for later in [b for b in lane.in_flight if isinstance(b, WalBatch)]:
-                waiting = self.finishing.pop(later, None)
-                if waiting is not None:  # its finisher waited for this one: it gives up, unwritten
-                    waiting[0].exception()
-                self.recorder.end_spans(later, time.time_ns(), "released")
-                later.release()
-                self._leave(lane, later)
-
-    def _leave(self, lane: Lane, batch: Batch) -> None:
-        if batch.gate is not None:
-            limits.finished(self.link, self.membership.id, lane.schema, batch.gate, len(batch))
-        lane.in_flight.remove(batch)
-        lane.ordering.holds.release(id(batch))
-        shared = batch.shared
-        if shared is not None:
-            shared.left -= 1
-            if shared.left == 0:
-                # Its batches and it refer to each other: a cycle only the garbage collector
-                # frees, when it runs, and their rows stayed in memory until then (decision 0002).
-                shared.members.clear()
-        if shared is None or shared.left == 0:  # a shared session goes back with its last batch
-            self.sessions.give_back(batch.conn)
-        if not lane.in_flight:
-            self.busy.pop(lane, None)
+    def done(
+        self,
+        lane: Lane,
+        batch: Batch,
+        *,
+        paced: tuple[bool, float] | None = None,
+        retry_in: float | None = None,
+        alone: bool = False,
+    ) -> None:
+        """``batch`` leaves through the ledger; the WAL batches read after one that did not commit
+        go with it, once their finishers gave up (they waited for it), unwritten."""
+        ledger = self.ledger
+        for later in ledger.done(lane, batch, paced=paced, retry_in=retry_in, alone=alone):
+            waiting = self.finishing.pop(later, None)
+            if waiting is not None:  # its finisher waited for this one: it gives up, unwritten
+                waiting[0].exception()
+            self.recorder.end_spans(later, time.time_ns(), "released")
+            later.release()
+            ledger.leave(lane, later)
 
     def let_go_of_the_wal(self) -> None:
         """The database cannot be reached (take() waits to try again): WAL capture's readers let
@@ -324,10 +287,10 @@ class BatchFinisher:
         flight are released (they cannot commit now) and the reader reads again once the
         database is back, from the position last committed."""
         self.await_all()
-        for lane in self.scheduler.rotation:
+        for lane in self._lanes():
             if lane.wal is None:
                 continue
-            first = next((b for b in lane.in_flight if isinstance(b, WalBatch)), None)
+            first = next((b for b in lane.in_flight if b.from_wal), None)
             if first is None:
                 lane.wal.rewind()  # what it queued, and its stream
                 continue
@@ -338,8 +301,8 @@ class BatchFinisher:
     def release_all(self, why: str) -> None:
         """Roll back every in-flight batch: their events can be claimed again at once."""
         self.await_all()
-        for lane in self.scheduler.rotation:
-            for batch in list(lane.in_flight):
+        for lane, batch in self.ledger.flights():
+            if batch in lane.in_flight:  # (not abandoned with a WAL batch read before it)
                 self.recorder.end_spans(batch, time.time_ns(), "released")
                 batch.release()
                 self.done(lane, batch)

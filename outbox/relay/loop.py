@@ -64,6 +64,7 @@ from outbox.relay.gauges import DatabaseGauges
 from outbox.relay.health import OUTBOXES_NOT_SERVED, RelayHealth
 from outbox.relay.heartbeats import Heartbeats
 from outbox.relay.lanes import Beats, Lane, RelayStats
+from outbox.relay.ledger import Ledger
 from outbox.relay.metrics import RelayMetrics
 from outbox.relay.ordering import Ordering
 from outbox.relay.pipelined import Picks
@@ -171,8 +172,9 @@ class Relay:
         self._shared_metrics = metrics is not None
         self.metrics = metrics if metrics is not None else RelayMetrics()
         self.recorder = BatchRecorder(self.stats, self.metrics, lambda: self.metrics_on)
+        self.ledger = Ledger(self.sessions, self.link, self.membership, self.scheduler)
         self.finisher = BatchFinisher(
-            config, self.sessions, self.link, self.membership, self.scheduler, self.recorder,
+            config, self.sessions, self.ledger, self.recorder, lanes=lambda: self.scheduler.rotation,
             sink=lambda: self.sink, metrics_on=lambda: self.metrics_on, wake=self.wake,
         )  # fmt: skip
         chores = Chores(self.sessions, self.lane_error)
@@ -198,13 +200,13 @@ class Relay:
             sink=lambda: self.sink, listener=lambda: self.listener, wake=self.wake,
         )  # fmt: skip
         self.sender = BatchSender(
-            self.sessions, self.link, self.membership, self.scheduler, self.finisher, self.recorder,
+            self.sessions, self.link, self.membership, self.scheduler, self.ledger, self.recorder,
             self.metrics, self.transforms, sink=lambda: self.sink, chains=self.chains,
             metrics_on=lambda: self.metrics_on, progress=self._progressed, lane_error=self.lane_error,
         )  # fmt: skip
         self.heartbeats = Heartbeats(
             self.membership, self.sessions, lanes, beats, self.metrics,
-            sink=lambda: self.sink, busy=lambda: bool(self.finisher.busy),
+            sink=lambda: self.sink, busy=lambda: bool(self.ledger.busy),
             sinks_back=self.upkeep.sinks.sinks_back, label=self.health.label,
             progress=self._progressed, metrics_on=lambda: self.metrics_on,
         )  # fmt: skip
@@ -328,7 +330,7 @@ class Relay:
         if signalled:
             self._wakeup.clear()  # first: news that comes while this step looks sets it again
             self.sink.poll(0)  # type: ignore[union-attr]
-        waiting = finisher.waiting()
+        waiting = self.ledger.waiting()
         reported = waiting != self._waiting
         if reported:  # a sink reported (or a batch came or went)
             self._waiting = waiting
@@ -371,7 +373,7 @@ class Relay:
                 else:
                     assert self.sink is not None
                     self.sink.poll(REPORT_WAIT)
-        elif finisher.busy:
+        elif self.ledger.busy:
             assert self.sink is not None
             if signalled:
                 # Reports, finished batches and NOTIFY all wake the loop; else the next deadline,

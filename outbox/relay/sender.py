@@ -16,8 +16,8 @@ from outbox.events import KEY_OF, ClaimedEvent
 from outbox.observe import tracing
 from outbox.relay import limits
 from outbox.relay.batch import PIPELINE, Batch, Shared
-from outbox.relay.finisher import BatchFinisher
 from outbox.relay.lanes import Lane
+from outbox.relay.ledger import Ledger
 from outbox.relay.limits import Gate
 from outbox.relay.metrics import RelayMetrics
 from outbox.relay.pipelined import Picks, Pipelined
@@ -51,7 +51,7 @@ class BatchSender:
         link: Link,
         membership: Membership,
         scheduler: ClaimScheduler,
-        finisher: BatchFinisher,
+        ledger: Ledger,
         recorder: BatchRecorder,
         metrics: RelayMetrics,
         transforms: Transforms,
@@ -66,7 +66,7 @@ class BatchSender:
         self.link = link
         self.membership = membership
         self.scheduler = scheduler
-        self.finisher = finisher
+        self.ledger = ledger
         self.recorder = recorder
         self.metrics = metrics
         self.transforms = transforms
@@ -383,7 +383,7 @@ class BatchSender:
             outcome = produce(event, partial(batch.settle, i))
             if outcome is not None:
                 batch.settle(i, outcome)
-        self.finisher.sent(lane, batch)
+        self.ledger.sent(lane, batch)
         if not flush:  # one of several batches sent together: the caller sends them
             return len(batch)
         # (WAL capture: a batch cut short by a transaction's end is no sign of an idle outbox

@@ -45,6 +45,8 @@ class WalBatch(Batch):
     parked there as table events are), records the position, commits; the relay then lets
     the reader confirm it."""
 
+    from_wal = True
+
     def __init__(
         self,
         conn: psycopg.Connection[Any],

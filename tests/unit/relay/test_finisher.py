@@ -1,5 +1,6 @@
-"""outbox.relay.finisher.BatchFinisher: the one place a batch leaves the loop, built from its
-collaborators alone, with a session that answers as scripted (no database)."""
+"""outbox.relay.finisher.BatchFinisher and outbox.relay.ledger.Ledger: a batch finished, and the
+one place it leaves the loop, built from their collaborators alone, with a session that answers
+as scripted (no database)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from outbox.relay.batch import Batch
 from outbox.relay.config import RelayConfig
 from outbox.relay.finisher import BatchFinisher
 from outbox.relay.lanes import Beats, Lane, RelayStats
+from outbox.relay.ledger import Ledger
 from outbox.relay.metrics import RelayMetrics
 from outbox.relay.ordering import Ordering
 from outbox.relay.recorder import BatchRecorder
@@ -55,7 +57,7 @@ def _row(i: int, key: bytes) -> tuple[Any, ...]:
     return (i, str(uuid.uuid4()), "t", key, b"p", None, 1_700_000_000.0, 0, None, None, None, None)
 
 
-def _finisher(sessions: _Sessions) -> tuple[BatchFinisher, BatchRecorder, Lane]:
+def _finisher(sessions: _Sessions) -> tuple[BatchFinisher, Ledger, BatchRecorder, Lane]:
     config = RelayConfig("postgresql://unused")
     scheduler = ClaimScheduler(config, Beats())
     recorder = BatchRecorder(RelayStats(), RelayMetrics(), lambda: True)
@@ -66,17 +68,18 @@ def _finisher(sessions: _Sessions) -> tuple[BatchFinisher, BatchRecorder, Lane]:
     )  # fmt: skip
     lane = Lane(Outbox("o", "postgresql://unused", "s"), ordering)
     scheduler.add(lane)
+    ledger = Ledger(cast(Any, sessions), cast(Any, None), cast(Any, member), scheduler)
     finisher = BatchFinisher(
-        config, cast(Any, sessions), cast(Any, None), cast(Any, member), scheduler, recorder,
+        config, cast(Any, sessions), ledger, recorder, lanes=lambda: scheduler.rotation,
         sink=lambda: None, metrics_on=lambda: True, wake=lambda: None,
     )  # fmt: skip
-    return finisher, recorder, lane
+    return finisher, ledger, recorder, lane
 
 
-def _sent(finisher: BatchFinisher, lane: Lane, conn: _Conn) -> Batch:
+def _sent(ledger: Ledger, lane: Lane, conn: _Conn) -> Batch:
     batch = Batch(cast(Any, conn), [_row(1, b"a"), _row(2, b"b")], holds=lane.ordering.holds)
     lane.ordering.holds.add(id(batch), b"a")  # a key this batch holds (as a failure would)
-    finisher.sent(lane, batch)
+    ledger.sent(lane, batch)
     for i in range(len(batch)):
         batch.settle(i, Delivered())
     return batch
@@ -84,13 +87,13 @@ def _sent(finisher: BatchFinisher, lane: Lane, conn: _Conn) -> Batch:
 
 def test_a_finished_batch_commits_and_leaves_in_one_place() -> None:
     sessions = _Sessions()
-    finisher, recorder, lane = _finisher(sessions)
+    finisher, ledger, recorder, lane = _finisher(sessions)
     conn = _Conn(rowcount=2)
-    _sent(finisher, lane, conn)
-    assert finisher.busy == {lane: None} and lane.ordering.holds.keys == {b"a": 1}
+    _sent(ledger, lane, conn)
+    assert ledger.busy == {lane: None} and lane.ordering.holds.keys == {b"a": 1}
     finisher.finish_here(lane, lane.in_flight[0])
     assert (conn.statements, conn.commits) == (1, 1)  # the archive, then the commit
-    assert sessions.back == [conn] and not lane.in_flight and not finisher.busy
+    assert sessions.back == [conn] and not lane.in_flight and not ledger.busy
     assert not lane.ordering.holds.keys  # every key hold released
     assert recorder.stats.delivered == 2 and recorder.stats.leases_lost == 0
 
@@ -99,11 +102,11 @@ def test_a_batch_whose_lease_was_lost_commits_nothing_and_still_leaves_in_one_pl
     """Its archive changed fewer rows than it holds (another relay took its events): refused
     before the commit, counted as a lease lost, and the batch leaves as any other does."""
     sessions = _Sessions()
-    finisher, recorder, lane = _finisher(sessions)
+    finisher, ledger, recorder, lane = _finisher(sessions)
     conn = _Conn(rowcount=1)
-    _sent(finisher, lane, conn)
+    _sent(ledger, lane, conn)
     finisher.finish_here(lane, lane.in_flight[0])
     assert (conn.commits, conn.rollbacks) == (0, 1)
-    assert sessions.back == [conn] and not lane.in_flight and not finisher.busy
+    assert sessions.back == [conn] and not lane.in_flight and not ledger.busy
     assert not lane.ordering.holds.keys
     assert recorder.stats.delivered == 0 and recorder.stats.leases_lost == 1
