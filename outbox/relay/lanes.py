@@ -14,14 +14,17 @@ import heapq
 import itertools
 import logging
 import math
+import random
 import time
 from dataclasses import dataclass, field
 
 from outbox.capture.wal_reader import WalReader
 from outbox.observe.conditions import Condition
 from outbox.relay.batch import Batch
-from outbox.relay.limits import Gate
+from outbox.relay.config import RelayConfig
+from outbox.relay.limits import Gate, either, gates, weight_of
 from outbox.relay.ordering import Ordering
+from outbox.store.membership import Membership
 from outbox.store.outboxes import DEFAULT_NAME, Outbox
 
 log = logging.getLogger("outbox.relay")
@@ -126,8 +129,9 @@ class Lane:
     weight: int = 1  # its shares (--weight)
     # The pipelined claims' (outbox.pipelined)
     claiming: bool = False  # its claim is sent, its rows not read yet
-    # BatchSender's
+    # The intake's
     last_work: float = 0.0  # monotonic time its last claim found events
+    # WalIntake's
     table: TableTurns = field(default_factory=TableTurns)  # WAL capture: the table's turns
     # BatchRecorder's (read by RelayHealth)
     failing_since: float = 0.0  # since when every finished batch only failed (0: one delivered)
@@ -158,6 +162,13 @@ class Lane:
     @property
     def schema(self) -> str:
         return self.outbox.schema
+
+    @property
+    def table_known(self) -> bool:
+        """May the table be claimed? Not before a look at the capture said how it captures (a
+        slot to read before the table?): a look that failed leaves it unknown (``capture_mode``
+        ""), and the table waits for the next step's look (CaptureWatch.look_first)."""
+        return self.wal is not None or bool(self.upkept.capture_mode)
 
     def pause(self, error: str, rest: float = LANE_PAUSE) -> None:
         """An error of this outbox's own: say so (once per episode) and rest ``rest`` seconds."""
@@ -237,3 +248,30 @@ class Beats:
         none). Possibly earlier than any lane's: a stale entry only wakes the loop once for nothing."""
         times = [t for t in (self.fleet_at, self._heap[0][0] if self._heap else None) if t is not None]
         return min(times) if times else None
+
+
+def new_lane(outbox: Outbox, config: RelayConfig, membership: Membership, *, cap: int, running: bool) -> Lane:
+    """The lane of an outbox joining the relay: its partitions' ordering, a gate per limit, its
+    shares, and its first claims at most ``cap`` events. Joining a running relay (``running``),
+    its first heartbeat comes at a random point of the interval."""
+    ordering = Ordering(
+        member=membership,
+        schema=outbox.schema,
+        name=config.name,
+        lease=config.ownership_lease,
+        batch_lease=config.lease,
+        ordering=config.ordering,
+        on_dead=config.on_dead,
+        outbox=outbox.name,
+    )
+    if running:
+        ordering.delay_first_heartbeat(random.uniform(0, ordering.interval))
+    limits = config.limits
+    return Lane(
+        outbox,
+        ordering,
+        pace=Pace(cap=cap),
+        gates=gates(limits),
+        skip=either([limit.glob for limit in limits]),
+        weight=weight_of(config.weights, outbox.name),
+    )

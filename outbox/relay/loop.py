@@ -58,11 +58,14 @@ import psycopg
 from outbox.errors import ConfigError, MissingExtra
 from outbox.observe.readiness import Readiness
 from outbox.relay.config import RelayConfig
+from outbox.relay.dispatch import Dispatcher
 from outbox.relay.endpoints import HealthServer
 from outbox.relay.finisher import BatchFinisher
+from outbox.relay.gated import GateIntake
 from outbox.relay.gauges import DatabaseGauges
 from outbox.relay.health import OUTBOXES_NOT_SERVED, RelayHealth
 from outbox.relay.heartbeats import Heartbeats
+from outbox.relay.intake import Intake
 from outbox.relay.lanes import Beats, Lane, RelayStats
 from outbox.relay.ledger import Ledger
 from outbox.relay.metrics import RelayMetrics
@@ -71,8 +74,8 @@ from outbox.relay.pipelined import Picks
 from outbox.relay.recorder import BatchRecorder
 from outbox.relay.roster import Roster
 from outbox.relay.scheduler import ClaimScheduler
-from outbox.relay.sender import BatchSender
 from outbox.relay.upkeep import ArchivePartitions, CaptureWatch, Chores, LaneUpkeep, SinkUpkeep
+from outbox.relay.wal_intake import WalIntake
 from outbox.sinks.base import Sink, wake_of
 from outbox.sinks.chains import KeyChains
 from outbox.store.dsn import with_net_timeouts
@@ -195,15 +198,28 @@ class Relay:
             ),
         )
         self.roster = Roster(
-            config, self.membership, self.scheduler, self.upkeep, self.metrics, lanes, beats, self.chains,
-            chosen, outages=(self.sessions.database, self.health.loop_stall), running=self.running,
+            config, self.membership, self.scheduler, self.metrics, lanes, beats, self.chains, chosen,
+            outages=(self.sessions.database, self.health.loop_stall), running=self.running,
             sink=lambda: self.sink, listener=lambda: self.listener, wake=self.wake,
+            joined=self.upkeep.capture.joined, chain=self.upkeep.sinks.chain,
+            stop_reader=self.upkeep.capture.stop_reader,
         )  # fmt: skip
-        self.sender = BatchSender(
-            self.sessions, self.link, self.membership, self.scheduler, self.ledger, self.recorder,
-            self.metrics, self.transforms, sink=lambda: self.sink, chains=self.chains,
-            metrics_on=lambda: self.metrics_on, progress=self._progressed, lane_error=self.lane_error,
+        self.dispatcher = Dispatcher(
+            self.ledger, self.recorder, self.metrics, self.transforms,
+            sink=lambda: self.sink, chains=self.chains, metrics_on=lambda: self.metrics_on,
         )  # fmt: skip
+        send = self.dispatcher.send
+        self.intake = Intake(
+            self.sessions, self.scheduler, send=send, flush=self.dispatcher.flush, claimed=self._claimed,
+            lane_error=self.lane_error,
+        )  # fmt: skip
+        self.gated = GateIntake(
+            self.sessions, self.link, self.membership, self.intake, self.metrics, send=send,
+            metrics_on=lambda: self.metrics_on,
+        )  # fmt: skip
+        self.wal_intake = WalIntake(
+            self.sessions, self.scheduler, self.intake, send=send, lane_error=self.lane_error
+        )
         self.heartbeats = Heartbeats(
             self.membership, self.sessions, lanes, beats, self.metrics,
             sink=lambda: self.sink, busy=lambda: bool(self.ledger.busy),
@@ -243,6 +259,11 @@ class Relay:
     def _progressed(self) -> None:
         """The loop went on: a claim went through (the stall watchdog's)."""
         self.health.loop_progress = time.monotonic()
+
+    def _claimed(self, lane: Lane) -> None:
+        """A claim of ``lane`` went through, or a WAL batch was taken."""
+        self.recorder.claim(lane)
+        self._progressed()
 
     def _unreachable(self) -> None:
         """The database cannot be reached: WAL capture's readers let go (BatchFinisher)."""
@@ -286,7 +307,7 @@ class Relay:
                         "database connection lost on an unguarded path; releasing in-flight batches"
                     )
                     self.sessions.database.fail(self.sessions.clean(exc))
-                    self.sender.give_up_ahead()
+                    self.intake.give_up_ahead()
                     self.finisher.release_all("connection lost")
                     self.stopped.wait(NET_PAUSE)
         except Exception as exc:
@@ -344,7 +365,7 @@ class Relay:
         now = time.monotonic()
         self.upkeep.due(now)
         scheduler = self.scheduler
-        ahead = self.sender.ahead
+        ahead = self.intake.ahead
         if ahead is not None:  # claims sent during the last step (outbox.pipelined): their rows now
             self._claim_shared(ahead.picks)
             return
@@ -354,7 +375,7 @@ class Relay:
             chosen = None  # a claim came back empty behind batches in flight: wait for a report first
         gate = chosen.gate_due(now, self.config.max_batches_in_flight) if chosen is not None else None
         if chosen is not None and gate is not None:
-            self.sender.claim_gate(chosen, gate, scheduler.batch_limit(chosen, now))
+            self.gated.claim_gate(chosen, gate, scheduler.batch_limit(chosen, now))
         elif chosen is not None:
             group = self._shareable([chosen, *scheduler.companions(chosen, now)])
             limit = self._claiming(chosen, now)
@@ -362,7 +383,9 @@ class Relay:
                 picks = [(chosen, limit)] + [(c, self._claiming(c, now, companion=True)) for c in group[1:]]
                 claimed = self._claim_shared(picks)
             else:
-                claimed = self.sender.claim_and_send(chosen, limit)
+                claimed = (self.wal_intake if chosen.wal is not None else self.intake).claim_and_send(
+                    chosen, limit
+                )
                 scheduler.claimed(chosen, limit, claimed)
             if claimed == 0 and chosen.in_flight:
                 # When every pending key waits behind the batches in flight (after an outage) and
@@ -399,7 +422,7 @@ class Relay:
     def _claim_shared(self, picks: Picks) -> int:
         """The claims of ``picks`` in one transaction, sent now or (the sender's ``ahead``) during
         the last step; how many events they took (-1: they failed)."""
-        counts = self.sender.claim_shared(picks, self._next_claims)
+        counts = self.intake.claim_shared(picks, self._next_claims)
         if counts is None:  # failed: each claims again soon (alone, after an outbox's error)
             for lane, _ in picks:
                 self.scheduler.claim_again(lane)
@@ -433,7 +456,7 @@ class Relay:
                 g.pending = True
         if lane.wake.table_news:  # WAL capture: rows were inserted into its events table
             lane.wake.table_news = False
-            self.sender.table_news(lane)
+            self.wal_intake.table_news(lane)
         lane.wake.woken = False  # a NOTIFY arriving during the claim sets it again
         scheduler = self.scheduler
         scheduler.taking(lane, now)
@@ -483,7 +506,7 @@ class Relay:
 
     def _shutdown(self) -> None:
         """Stop claiming; give in-flight batches the grace budget; release the rest."""
-        self.sender.give_up_ahead()  # claims sent ahead: their events stay pending, none was sent
+        self.intake.give_up_ahead()  # claims sent ahead: their events stay pending, none was sent
         rotation = self.scheduler.rotation
         deadline = time.monotonic() + self.config.grace
         while any(lane.in_flight for lane in rotation) and self.sink is not None:

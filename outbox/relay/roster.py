@@ -5,7 +5,6 @@ heartbeats are :mod:`outbox.relay.heartbeats`'."""
 from __future__ import annotations
 
 import logging
-import random
 import threading
 from collections.abc import Callable, Sequence
 from functools import partial
@@ -13,12 +12,9 @@ from functools import partial
 from outbox.errors import ConfigError
 from outbox.observe.conditions import Condition
 from outbox.relay.config import RelayConfig
-from outbox.relay.lanes import Beats, Lane, Pace
-from outbox.relay.limits import either, gates, weight_of
+from outbox.relay.lanes import Beats, Lane, new_lane
 from outbox.relay.metrics import RelayMetrics
-from outbox.relay.ordering import Ordering
 from outbox.relay.scheduler import ClaimScheduler
-from outbox.relay.upkeep import LaneUpkeep
 from outbox.sinks.base import Sink
 from outbox.sinks.chains import KeyChains
 from outbox.store.listener import Listener
@@ -33,14 +29,15 @@ class Roster:
     """``lanes``: the outboxes served, by name (the relay's, which the health and the heartbeats
     read too); ``outages``: the conditions whose line names the outboxes a database outage stops;
     ``running``: set once the relay produces; ``sink``: the sink of the moment; ``listener``: the
-    relay's NOTIFY listener, once started; ``wake``: the loop's wake-up."""
+    relay's NOTIFY listener, once started; ``wake``: the loop's wake-up; ``joined``, ``chain`` and
+    ``stop_reader``: the upkeep's, as an outbox joins (its capture looked at, its key chains) and
+    leaves (its WAL reader stopped)."""
 
     def __init__(
         self,
         config: RelayConfig,
         membership: Membership,
         scheduler: ClaimScheduler,
-        upkeep: LaneUpkeep,
         metrics: RelayMetrics,
         lanes: dict[str, Lane],
         beats: Beats,
@@ -52,11 +49,16 @@ class Roster:
         sink: Callable[[], Sink | None],
         listener: Callable[[], Listener | None],
         wake: Callable[[], None],
+        joined: Callable[[Lane], None],
+        chain: Callable[[Lane], None],
+        stop_reader: Callable[[Lane], None],
     ) -> None:
         self.config = config
         self.membership = membership
         self.scheduler = scheduler
-        self.upkeep = upkeep
+        self._joined = joined
+        self._chain = chain
+        self._stop_reader = stop_reader
         self.metrics = metrics
         self.lanes = lanes
         self.beats = beats  # when each lane's heartbeat is due
@@ -66,7 +68,6 @@ class Roster:
         self._sink = sink
         self._listener = listener
         self._wake = wake
-        self.weights = config.weights
         self._wanted: list[Outbox] | None = outboxes  # the outboxes to serve from the next step
         self._wanted_lock = threading.Lock()
 
@@ -117,31 +118,15 @@ class Roster:
             condition.fields = {"outbox": ",".join(names)}
 
     def _join(self, o: Outbox) -> None:
-        config = self.config
-        ordering = Ordering(
-            member=self.membership,
-            schema=o.schema,
-            name=config.name,
-            lease=config.ownership_lease,
-            batch_lease=config.lease,
-            ordering=config.ordering,
-            on_dead=config.on_dead,
-            outbox=o.name,
+        lane = new_lane(
+            o, self.config, self.membership, cap=self.scheduler.start_claim, running=self._running.is_set()
         )
-        if self._running.is_set():
-            # Joining a running relay: its first heartbeat at a random point of the interval.
-            ordering.delay_first_heartbeat(random.uniform(0, ordering.interval))
-        lane = Lane(o, ordering, pace=Pace(cap=self.scheduler.start_claim))
-        limits = config.limits
-        lane.gates = gates(limits)
-        lane.skip = either([limit.glob for limit in limits])
-        lane.weight = weight_of(self.weights, o.name)
         self.lanes[o.name] = lane
         self.scheduler.add(lane)
         self.beats.schedule(lane)
-        self.upkeep.capture.joined(lane)
+        self._joined(lane)
         if self._sink() is not None:
-            self.upkeep.sinks.chain(lane)
+            self._chain(lane)
         listener = self._listener()
         if listener is not None:
             listener.watch(channel_name(o.schema), partial(self.notified, lane))
@@ -161,7 +146,7 @@ class Roster:
         """Lanes that left and have nothing in flight hand their partitions over and go."""
         listener = self._listener()
         for lane in [x for x in self.scheduler.rotation if x.leaving and not x.in_flight and not x.claiming]:
-            self.upkeep.capture.stop_reader(lane)
+            self._stop_reader(lane)
             lane.ordering.release_all()
             self.scheduler.remove(lane)
             self.beats.forget(lane)

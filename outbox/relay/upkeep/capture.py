@@ -1,7 +1,7 @@
 """Each outbox's capture mode, looked at before its first claim and then every CAPTURE_CHECK s: a
 slot to read starts the outbox's WAL reader, a slot that went stops it. The looks are this
 service's, in their own part of the loop's step: a claim only asks whether one was done
-(:meth:`CaptureWatch.table_known`), and starts no reader."""
+(:attr:`Lane.table_known <outbox.relay.lanes.Lane.table_known>`), and starts no reader."""
 
 from __future__ import annotations
 
@@ -57,13 +57,6 @@ class CaptureWatch:
             self.look_first(now)
         if now >= self._next:
             self._look_next(now)
-
-    @staticmethod
-    def table_known(lane: Lane) -> bool:
-        """May ``lane``'s table be claimed? Not before a look at its capture said how it captures
-        (a slot to read before the table?): a look that failed leaves it unknown (``capture_mode``
-        ""), and the table waits for the next step's look (:meth:`look_first`)."""
-        return lane.wal is not None or bool(lane.upkept.capture_mode)
 
     def look_first(self, now: float) -> None:
         """The first look at each outbox whose capture is not known yet, in the order they joined,

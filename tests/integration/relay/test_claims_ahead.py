@@ -35,7 +35,7 @@ class _Watching(SinkWrapper):
         relay = self.relay
         if relay is not None:
             self.sends += 1
-            ahead = relay.sender.ahead
+            ahead = relay.intake.ahead
             if ahead is not None:
                 self.with_claims_ahead += 1
                 if self.stop and not self.ahead_schemas:
@@ -86,7 +86,7 @@ def test_claims_sent_ahead_of_a_stop_are_rolled_back_with_nothing_sent(
     with running_relay(config, lambda: sink, outboxes=boxes) as relay:
         sink.relay = relay
         wait_for(lambda: relay.stopping, timeout=60, what="the next claims out")
-    left = relay.sender.ahead
+    left = relay.intake.ahead
     if left is not None:  # (closed, so that a regression fails here, not in the schemas' teardown)
         left.conn.close()
     assert left is None and sink.ahead_schemas

@@ -63,7 +63,7 @@ def _writers() -> dict[str, set[str]]:
 
 def test_every_lane_field_is_written_by_one_part_of_the_relay() -> None:
     """A lane is the loop thread's, and each of its fields one part's to write: the others ask
-    that part (ClaimScheduler.claimed, BatchRecorder.claim, BatchSender.table_news ...)."""
+    that part (ClaimScheduler.claimed, BatchRecorder.claim, WalIntake.table_news ...)."""
     writers = _writers()
     assert {"in_flight", "more_work", "retry_at", "wal", "upkept"} <= set(writers)  # the reader works
     shared = {field: sorted(parts) for field, parts in writers.items() if len(parts) > 1}

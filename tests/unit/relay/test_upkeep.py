@@ -8,9 +8,9 @@ from dataclasses import dataclass, field
 from typing import Any, cast
 
 from outbox.relay.config import RelayConfig
+from outbox.relay.intake import Intake
 from outbox.relay.lanes import Beats, Lane
 from outbox.relay.scheduler import ClaimScheduler
-from outbox.relay.sender import BatchSender
 from outbox.relay.upkeep import CaptureWatch, Chores
 from outbox.store.outboxes import Outbox
 
@@ -78,11 +78,11 @@ def _relay(lanes: int, up: bool = True) -> tuple[_Relay, list[Lane]]:
 
 def test_outboxes_that_joined_are_looked_at_before_the_steps_claims_in_one_statement() -> None:
     relay, lanes = _relay(50)
-    assert not any(CaptureWatch.table_known(lane) for lane in lanes)  # not claimed before a look
+    assert not any(lane.table_known for lane in lanes)  # not claimed before a look
     relay.capture.due(100.0)
     assert all(lane.upkept.capture_mode == "table" and lane.wal is None for lane in lanes)
     assert relay.sessions.asked == ["database_slots"]  # one look for every outbox without a slot
-    assert all(CaptureWatch.table_known(lane) for lane in lanes)
+    assert all(lane.table_known for lane in lanes)
     relay.capture.due(101.0)
     assert relay.sessions.asked == ["database_slots"]  # looked at once
 
@@ -91,22 +91,25 @@ def test_a_first_look_that_fails_leaves_the_table_unclaimed_and_is_tried_again_n
     relay, lanes = _relay(50, up=False)
     relay.capture.due(100.0)
     assert relay.sessions.taken == 1  # the pass stops at the first failure, not 50 tries a step
-    assert not any(CaptureWatch.table_known(lane) for lane in lanes)
+    assert not any(lane.table_known for lane in lanes)
     relay.sessions.up = True
     relay.capture.due(100.5)
-    assert all(CaptureWatch.table_known(lane) for lane in lanes)
+    assert all(lane.table_known for lane in lanes)
 
 
 def test_a_claim_of_an_outbox_not_looked_at_takes_no_session_and_starts_nothing() -> None:
     """The claim path only asks whether the look was done: the look (and a WAL reader it may
     start) is the upkeep's, in its own part of the step."""
     relay, (lane,) = _relay(1, up=True)
-    sender = BatchSender(
-        *(cast(Any, relay.sessions), cast(Any, None), cast(Any, None), relay.scheduler),
-        *(cast(Any, None), cast(Any, None), cast(Any, None), cast(Any, None)),
-        sink=lambda: None, chains={}, metrics_on=lambda: False, progress=_never, lane_error=_never,
-    )  # fmt: skip
-    assert sender.claim_and_send(lane, 100) == 0
+    intake = Intake(
+        cast(Any, relay.sessions),
+        relay.scheduler,
+        send=_never,
+        flush=_never,
+        claimed=_never,
+        lane_error=_never,
+    )
+    assert intake.claim_and_send(lane, 100) == 0
     assert relay.sessions.taken == 0 and lane.wal is None and not lane.upkept.capture_mode
 
 
