@@ -20,7 +20,7 @@ from confluent_kafka.admin import AdminClient
 from psycopg import sql
 from psycopg.conninfo import make_conninfo
 
-from outbox.relay.loop import Relay, RelayConfig
+from outbox.relay.relay import Relay, RelayConfig
 from outbox.sinks.base import Sink
 from outbox.sinks.kafka import KafkaSink
 from outbox.store.outboxes import Outbox

@@ -67,7 +67,7 @@ from outbox import capture
 from outbox.capture import wal_message
 from outbox.events import EVENT_ID_HEADER, ClaimedEvent, MessageHeaders, decode_headers
 from outbox.relay.config import BATCH_SIZE, MAX_BATCHES_IN_FLIGHT
-from outbox.relay.loop import Relay, RelayConfig, tune_gc
+from outbox.relay.relay import Relay, RelayConfig, tune_gc
 from outbox.sinks.base import Delivered, Outcome, OutcomeSlots, Report, Settle, SinkWrapper
 from outbox.sinks.kafka import KafkaSink, produce_each
 from outbox.store.outboxes import Outbox

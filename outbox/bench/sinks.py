@@ -39,7 +39,7 @@ from outbox.harness.sinktaps import Receiver, SinkTap
 from outbox.harness.taps import tap_class
 from outbox.observe.progress import Progress
 from outbox.relay.config import MAX_BATCHES_IN_FLIGHT, RelayConfig
-from outbox.relay.loop import Relay
+from outbox.relay.relay import Relay
 from outbox.sinks.make import routed
 from outbox.sinks.routes import parse_routes
 from outbox.store.migrate import migrate

@@ -20,7 +20,7 @@ from outbox.cli.outboxes import DiscoveryOptions, add_outboxes, choose, is_fleet
 from outbox.errors import ConfigError, MissingExtra, RelayFailed, SchemaTooNew
 from outbox.relay.config import RelayConfig
 from outbox.relay.fleet import Fleet, Found
-from outbox.relay.loop import Relay, tune_gc
+from outbox.relay.relay import Relay, tune_gc
 from outbox.relay.retry import RetryPolicy
 from outbox.settings import setting
 from outbox.sinks.base import Sink

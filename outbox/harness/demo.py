@@ -26,7 +26,7 @@ from outbox.harness.infra import infrastructure
 from outbox.harness.load import Load, prepare
 from outbox.harness.tap import Tap
 from outbox.relay.config import RelayConfig
-from outbox.relay.loop import Relay
+from outbox.relay.relay import Relay
 from outbox.sinks.kafka import KafkaSink
 from outbox.store.migrate import migrate
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+OUTBOXES_NOT_SERVED = "outboxes not served"  # /readyz: the relay is fine, some of its outboxes are not
 # The metric's reason of each label: database, sink, stalled, or lifecycle (the rest).
 _REASONS = {
     "database unreachable": "database",

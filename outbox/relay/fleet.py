@@ -2,7 +2,7 @@
 
 ``outbox relay --outbox …``, ``--schemas GLOB`` and ``--outboxes-file`` name outboxes in one
 or more databases. The database is the unit of failure (down, blackholed, slow) and of
-pooling, so each gets a :class:`~outbox.relay.loop.Relay` of its own, running in its own thread
+pooling, so each gets a :class:`~outbox.relay.relay.Relay` of its own, running in its own thread
 with its own sessions, LISTEN, heartbeat connection and sinks; the outboxes (schemas) of a
 database are that relay's lanes. A database that stops answering stops only its relay.
 
@@ -26,13 +26,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from outbox.errors import RelayFailed
-from outbox.observe.readiness import Readiness
+from outbox.observe.readiness import OUTBOXES_NOT_SERVED, Readiness
 from outbox.relay.config import RelayConfig
 from outbox.relay.endpoints import HealthServer
 from outbox.relay.gauges import DatabaseGauges
-from outbox.relay.health import OUTBOXES_NOT_SERVED, lane_trouble
-from outbox.relay.loop import Relay
 from outbox.relay.metrics import RelayMetrics
+from outbox.relay.relay import Relay
 from outbox.sinks.base import Sink
 from outbox.store.outboxes import Outbox
 
@@ -140,7 +139,7 @@ class Fleet:
             # some of its outboxes are not served (those say so; the others are ready).
             whole = not r.ok and r.label != OUTBOXES_NOT_SERVED
             for lane in list(relay.lanes.values()):
-                trouble = lane_trouble(lane)
+                trouble = lane.not_served
                 if trouble:
                     lines.append(f"outbox {lane.name}: not served: {trouble}")
                 else:

@@ -9,7 +9,7 @@ from collections.abc import Callable
 import psycopg
 
 from outbox.relay import limits
-from outbox.relay.intake import Intake, Send, batch_of
+from outbox.relay.claim import Send, TableClaim, batch_of
 from outbox.relay.lanes import Lane
 from outbox.relay.limits import Gate
 from outbox.relay.metrics import RelayMetrics
@@ -21,7 +21,7 @@ CAP_RECHECK = 0.05  # seconds before a limit at its in-flight cap looks again (a
 
 
 class GateIntake:
-    """Claims a limit's batches through the ``intake`` and hands them on (``send``: the
+    """Claims a limit's batches through ``table`` and hands them on (``send``: the
     dispatcher's). ``metrics_on``: whether metrics are kept."""
 
     def __init__(
@@ -29,7 +29,7 @@ class GateIntake:
         sessions: Sessions,
         link: Link,
         membership: Membership,
-        intake: Intake,
+        table: TableClaim,
         metrics: RelayMetrics,
         *,
         send: Send,
@@ -38,7 +38,7 @@ class GateIntake:
         self.sessions = sessions
         self.link = link
         self.membership = membership
-        self.intake = intake
+        self.table = table
         self.metrics = metrics
         self._send = send
         self._metrics_on = metrics_on
@@ -67,7 +67,7 @@ class GateIntake:
             return 0
         self._throttled(lane, gate, gate.flowing(now))
         gate.next_try = now
-        claimed = self.intake.claim(lane, granted, gate.only, gate.skip)
+        claimed = self.table.claim(lane, granted, gate.only, gate.skip)
         if claimed is None:
             return 0
         conn, rows, claim_start = claimed

@@ -9,7 +9,7 @@ import time
 from collections.abc import Callable
 
 from outbox.observe.conditions import Condition
-from outbox.observe.readiness import Readiness
+from outbox.observe.readiness import OUTBOXES_NOT_SERVED, Readiness
 from outbox.relay.config import RelayConfig
 from outbox.relay.lanes import Lane
 from outbox.sinks import router
@@ -19,24 +19,11 @@ from outbox.store.sessions import Sessions
 
 log = logging.getLogger("outbox.relay")
 
-OUTBOXES_NOT_SERVED = "outboxes not served"  # /readyz: the relay is fine, some of its outboxes are not
 WATCH_EVERY = 1.0  # seconds between the watchdog's looks at the loop's progress
 # Seconds between looks at the relay's readiness for the heartbeats to record (its label, shown by
 # status and the console). A look reads every lane: once a heartbeat, it kept a relay of 1,000
 # idle outboxes busy.
 READINESS_EVERY = 1.0
-
-
-def lane_trouble(lane: Lane) -> str:
-    """Why an outbox is not served (its own error, its heartbeat's, its WAL slot's), or ""."""
-    if lane.trouble.active:
-        return lane.trouble.last_error
-    if lane.ordering.heartbeat.active:
-        return lane.ordering.heartbeat.last_error
-    wal = lane.wal
-    if wal is not None and wal.condition.active:
-        return f"reading its WAL slot: {wal.condition.last_error}"
-    return ""
 
 
 class RelayHealth:
@@ -98,7 +85,7 @@ class RelayHealth:
         stalled = self.stalled()
         if stalled:
             return Readiness("stalled", stalled, sinks)
-        troubled = [(lane.name, why) for lane in lanes if (why := lane_trouble(lane))]
+        troubled = [(lane.name, why) for lane in lanes if (why := lane.not_served)]
         if troubled:
             lines = tuple(f"outbox {name}: {why}" for name, why in troubled)
             return Readiness(OUTBOXES_NOT_SERVED, f"{len(troubled)} of {len(lanes)}", sinks, lines)

@@ -83,7 +83,7 @@ class Pace:
 
 @dataclass
 class TableTurns:
-    """WAL capture: the slot's transactions and the table's events take turns (BatchSender)."""
+    """WAL capture: the slot's transactions and the table's events take turns (WalIntake)."""
 
     turn: bool = False  # the table's turn to be claimed from next
     # Has the table work to claim (a NOTIFY since, or the last claim was full), and when to look
@@ -162,6 +162,18 @@ class Lane:
     @property
     def schema(self) -> str:
         return self.outbox.schema
+
+    @property
+    def not_served(self) -> str:
+        """Why the outbox is not served (its own error, its heartbeat's, its WAL slot's), or ""."""
+        if self.trouble.active:
+            return self.trouble.last_error
+        if self.ordering.heartbeat.active:
+            return self.ordering.heartbeat.last_error
+        wal = self.wal
+        if wal is not None and wal.condition.active:
+            return f"reading its WAL slot: {wal.condition.last_error}"
+        return ""
 
     @property
     def table_known(self) -> bool:

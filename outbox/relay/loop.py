@@ -1,392 +1,125 @@
-"""The relay: claim committed events, publish them, record what happened.
+"""The loop: one thread owns every lane, batch and key hold, and waits in one place.
 
-A relay serves the outboxes of one database (a schema each; one, the ``--dsn``/``--schema``
-outbox, unless told more): each is a :class:`~outbox.relay.lanes.Lane`. :class:`Relay` is the loop and
-the facade over its parts, each in its own module and given its collaborators here:
+One step, readable top to bottom::
 
-- :class:`~outbox.relay.roster.Roster`: the outboxes served, joining and leaving;
-- :class:`~outbox.relay.heartbeats.Heartbeats`: the membership heartbeat and the ownership looks;
-- :class:`~outbox.relay.scheduler.ClaimScheduler`: which outbox claims next, how much, pacing, idle
-  waits (no SQL, no sink);
-- :class:`~outbox.relay.sender.BatchSender`: claim (or read from the WAL), then send;
-- :class:`~outbox.relay.finisher.BatchFinisher`: finish complete batches on its threads, in WAL order;
-  the one place a batch leaves the loop;
-- :class:`~outbox.relay.recorder.BatchRecorder`: what a batch did, in spans, metrics, counters, logs;
-- :class:`~outbox.relay.upkeep.LaneUpkeep`: services run before each step's claims: capture looks
-  and WAL readers, archive partitions, sinks replaced and back;
-- :class:`~outbox.relay.health.RelayHealth`: readiness (one value) and the stall watchdog.
+    serve what the sink reported                          (a sink that signals: poll(0))
+    apply changes to the outboxes served                  (discovery, SIGHUP)
+    finish the batches whose every event has an outcome   (on a finisher thread; recorded here)
+    replace an unhealthy sink
+    heartbeat each outbox whose turn it is                (partition leases)
+    the upkeep that is due                                (capture looks, partitions, sinks back)
+    if a session is free and an outbox may have work:     claim a batch of it, hand it on
+    else:                                                 wait for news, or the next deadline
 
-The loop, readable top to bottom::
-
-    while not stopping:
-        apply changes to the outboxes served                  (discovery, SIGHUP)
-        finish the batches whose every event has an outcome   (ack/retry/dead + commit, on a
-                                                              finisher thread; recorded here)
-        heartbeat each outbox whose turn it is                (partition leases)
-        if a session is free and an outbox may have work:     claim a batch of it, produce it
-                                                              (empty, with batches out: serve reports)
-        else:                                                 serve delivery reports, or sleep
-                                                              until NOTIFY / the poll timer
-
-Pipelining: up to ``max_batches_in_flight`` batches of one outbox are out at once, each in
-its own transaction on its own connection, so the next batch is produced while the previous
-one awaits its acks. Capacity bounds the claim: never more than ``batch_size ×
-max_batches_in_flight`` events of an outbox are held, and never more sessions than the
-budget (``max_connections``) are open.
-
-Threads: the loop owns the lanes. The listener's thread (NOTIFY) and each WAL reader's thread
-only set a lane's ``woken``/``table_news`` flags and wake the loop (:meth:`Relay.wake`); the
-finisher's threads run a batch's statements and hand the result back as a future the loop reads,
-and wake it; a sink that signals (Kafka's report thread, the asyncio sinks' loops) sets the same
-wake-up when reports are ready, so the loop waits in one place for all of them, and each step
-starts by serving what the sink reported. A sink that does not signal is polled in slices, as
-before. The health server's thread reads copies.
+Every other thread (NOTIFY, the WAL readers, the finishers, a sink's report thread, serve and
+stop) does its I/O and sets the one :class:`Wakeup`; a sink that signals makes it its own. A sink
+that does not signal is polled in slices instead.
 """
 
 from __future__ import annotations
 
-import gc
-import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
-from functools import partial
-from typing import Any
+from collections.abc import Callable
 
-import psycopg
-
-from outbox.errors import ConfigError, MissingExtra
-from outbox.observe.readiness import Readiness
-from outbox.relay.config import RelayConfig
-from outbox.relay.dispatch import Dispatcher
-from outbox.relay.endpoints import HealthServer
+from outbox.relay.claims import ClaimStep
 from outbox.relay.finisher import BatchFinisher
-from outbox.relay.gated import GateIntake
-from outbox.relay.gauges import DatabaseGauges
-from outbox.relay.health import OUTBOXES_NOT_SERVED, RelayHealth
 from outbox.relay.heartbeats import Heartbeats
-from outbox.relay.intake import Intake
-from outbox.relay.lanes import Beats, Lane, RelayStats
 from outbox.relay.ledger import Ledger
-from outbox.relay.metrics import RelayMetrics
-from outbox.relay.ordering import Ordering
-from outbox.relay.pipelined import Picks
-from outbox.relay.recorder import BatchRecorder
 from outbox.relay.roster import Roster
 from outbox.relay.scheduler import ClaimScheduler
-from outbox.relay.upkeep import ArchivePartitions, CaptureWatch, Chores, LaneUpkeep, SinkUpkeep
-from outbox.relay.wal_intake import WalIntake
-from outbox.sinks.base import Sink, wake_of
-from outbox.sinks.chains import KeyChains
-from outbox.store.dsn import with_net_timeouts
-from outbox.store.hygiene import Hygiene
-from outbox.store.listener import Listener
-from outbox.store.membership import Membership
-from outbox.store.outboxes import DEFAULT_NAME, Outbox
-from outbox.store.sessions import Link, Sessions
-from outbox.transform import Transforms
-
-__all__ = ["OUTBOXES_NOT_SERVED", "Relay", "RelayConfig", "RelayStats"]
-
-log = logging.getLogger("outbox.relay")
+from outbox.relay.upkeep import LaneUpkeep
+from outbox.sinks.base import Sink
+from outbox.store.sessions import Sessions
 
 REPORT_WAIT = 0.005  # seconds to wait for delivery reports while a claim could start
 REPORT_WAIT_FULL = 0.05  # seconds to wait for delivery reports when all slots are busy
-NET_PAUSE = 1.0  # seconds to pause after a dropped connection caught by the loop's net
-GC_THRESHOLD = 50_000  # allocations between collections of the youngest generation (Python: 700)
 
 
-def tune_gc() -> None:
-    """Set the garbage collector for a process that runs the relay (``outbox relay``, and every
-    contender of ``outbox bench``, so that ratios compare like with like): the young generation
-    every GC_THRESHOLD allocations, more than a batch in flight allocates, since each collection
-    walks every object in flight (docs/decisions/0002-finishing-and-sharing.md has the numbers).
-    An application that embeds :class:`Relay` keeps its own setting unless it calls this.
-    """
-    _, older, oldest = gc.get_threshold()
-    gc.set_threshold(GC_THRESHOLD, older, oldest)
+class Wakeup:
+    """The loop's one wait: NOTIFY, WAL reads, finished batches, serve and stop set it, and so
+    does a sink that signals its reports (then it is that sink's own event: :meth:`use`)."""
+
+    def __init__(self) -> None:
+        self.event = threading.Event()
+        self.signalled = False  # the sink sets the event when reports are ready
+
+    def set(self) -> None:
+        """Wake the loop (any thread)."""
+        self.event.set()
+
+    def use(self, wake: threading.Event | None) -> None:
+        """The sink's wake-up from now on (None: it does not signal, and is polled)."""
+        self.signalled = wake is not None
+        self.event = wake if wake is not None else threading.Event()
+        self.event.set()  # a wake-up set on the one before is not lost: look once more
 
 
-class Relay:
-    """One worker over the outboxes of one database: a loop over claimed batches. Call
-    ``run()``; ``stop()`` from anywhere; ``serve(outboxes)`` from anywhere to change the
-    outboxes served.
-
-    ``outboxes``: the outboxes (schemas) of one database to serve; by default the one of
-    ``config.dsn``/``config.schema``, named ``default``. ``metrics``: a registry shared with
-    other relays of the process (then the process serves /metrics, not this relay).
-    ``transforms``: the functions loaded once for every relay of the process (by default
-    ``config.transforms``, loaded here).
-    """
+class Loop:
+    """``sink``: the relay's sink now (it is replaced when unhealthy); ``reported``: a sink reported
+    (the stall watchdog's stamp)."""
 
     def __init__(
         self,
-        config: RelayConfig,
-        sink_factory: Callable[[], Sink],
-        outboxes: Sequence[Outbox] | None = None,
+        sessions: Sessions,
+        scheduler: ClaimScheduler,
+        ledger: Ledger,
+        finisher: BatchFinisher,
+        roster: Roster,
+        heartbeats: Heartbeats,
+        upkeep: LaneUpkeep,
+        claims: ClaimStep,
+        wakeup: Wakeup,
         *,
-        metrics: RelayMetrics | None = None,
-        transforms: Transforms | None = None,
+        sink: Callable[[], Sink | None],
+        reported: Callable[[], None],
     ) -> None:
-        self.config = config
-        chosen = list(outboxes) if outboxes is not None else [Outbox(DEFAULT_NAME, config.dsn, config.schema)]
-        if not chosen:
-            raise ConfigError("a relay needs at least one outbox")
-        if len({o.database for o in chosen}) > 1:
-            raise ConfigError("a relay serves the outboxes of one database; run one per database")
-        self.dsn = chosen[0].dsn
-        self.sink_factory = sink_factory
-        self.sink: Sink | None = None
-        # --transform: each event of a matching topic goes through its function before routing.
-        self.transforms = transforms if transforms is not None else config.transforms
-        self.chains: dict[str, KeyChains] = {}  # per outbox, around the sink, where it needs them
-        self.stopped = threading.Event()
-        # The loop's one wait: NOTIFY, WAL reads, finished batches, serve/stop, and the reports of
-        # a sink that signals (then it is that sink's own wake-up: see use_sink).
-        self._wakeup = threading.Event()
-        self._signalled = False  # the sink sets _wakeup when reports are ready
-        self._empty_until = 0.0  # no claim before this, but after a report (see _step)
-        # Every connection of the relay notices a dead peer within net_timeout seconds.
-        self._dsn = with_net_timeouts(self.dsn, config.net_timeout)
-        self.sessions = Sessions(
-            self._dsn,
-            lease=config.lease,
-            stop=self.stopped,
-            limit=config.max_connections,
-            unreachable=self._unreachable,
-        )
-        # The outboxes' heartbeats share one connection, outside the sessions' budget.
-        self.link = Link(partial(self.sessions.connect, pooled=False))
-        # One row in the database's membership: the lease of every partition in every outbox.
-        self.membership = Membership(
-            self.link, name=config.name, lease=config.ownership_lease, batch_lease=config.lease
-        )
-        beats = Beats()
-        self.scheduler = ClaimScheduler(config, beats)
-        lanes: dict[str, Lane] = {}  # the outboxes served, by name (the roster's to change)
-        self.listener: Listener | None = None
-        self._hygiene: Hygiene | None = None
-        self.stats = RelayStats()  # of every outbox served
-        self.running = threading.Event()  # set once connected and producing
-        self.health = RelayHealth(
-            config, self.sessions, self.membership, lanes, self.running, self.stopped,
-            sink=lambda: self.sink, stopping=lambda: self.stopping,
-        )  # fmt: skip
-        self._shared_metrics = metrics is not None
-        self.metrics = metrics if metrics is not None else RelayMetrics()
-        self.recorder = BatchRecorder(self.stats, self.metrics, lambda: self.metrics_on)
-        self.ledger = Ledger(self.sessions, self.link, self.membership, self.scheduler)
-        self.finisher = BatchFinisher(
-            config, self.sessions, self.ledger, self.recorder, lanes=lambda: self.scheduler.rotation,
-            sink=lambda: self.sink, metrics_on=lambda: self.metrics_on, wake=self.wake,
-        )  # fmt: skip
-        chores = Chores(self.sessions, self.lane_error)
-        self.upkeep = LaneUpkeep(
-            CaptureWatch(chores, self.scheduler.rotation, self.wal_read),
-            ArchivePartitions(chores, self.scheduler.rotation),
-            SinkUpkeep(
-                chores,
-                self.scheduler,
-                self.stats,
-                self.metrics,
-                sink=lambda: self.sink,
-                make=self.sink_factory,
-                use=self.use_sink,
-                chains=self.chains,
-                await_finishers=self.finisher.await_all,
-                settle_unreported=self.finisher.settle_unreported,
-            ),
-        )
-        self.roster = Roster(
-            config, self.membership, self.scheduler, self.metrics, lanes, beats, self.chains, chosen,
-            outages=(self.sessions.database, self.health.loop_stall), running=self.running,
-            sink=lambda: self.sink, listener=lambda: self.listener, wake=self.wake,
-            joined=self.upkeep.capture.joined, chain=self.upkeep.sinks.chain,
-            stop_reader=self.upkeep.capture.stop_reader,
-        )  # fmt: skip
-        self.dispatcher = Dispatcher(
-            self.ledger, self.recorder, self.metrics, self.transforms,
-            sink=lambda: self.sink, chains=self.chains, metrics_on=lambda: self.metrics_on,
-        )  # fmt: skip
-        send = self.dispatcher.send
-        self.intake = Intake(
-            self.sessions, self.scheduler, send=send, flush=self.dispatcher.flush, claimed=self._claimed,
-            lane_error=self.lane_error,
-        )  # fmt: skip
-        self.gated = GateIntake(
-            self.sessions, self.link, self.membership, self.intake, self.metrics, send=send,
-            metrics_on=lambda: self.metrics_on,
-        )  # fmt: skip
-        self.wal_intake = WalIntake(
-            self.sessions, self.scheduler, self.intake, send=send, lane_error=self.lane_error
-        )
-        self.heartbeats = Heartbeats(
-            self.membership, self.sessions, lanes, beats, self.metrics,
-            sink=lambda: self.sink, busy=lambda: bool(self.ledger.busy),
-            sinks_back=self.upkeep.sinks.sinks_back, label=self.health.label,
-            progress=self._progressed, metrics_on=lambda: self.metrics_on,
-        )  # fmt: skip
-        self.http: HealthServer | None = None
-        self.gauges: DatabaseGauges | None = None
-        self._waiting = 0  # events in flight awaiting a report, at the last loop step
+        self.sessions = sessions
+        self.scheduler = scheduler
+        self.ledger = ledger
+        self.finisher = finisher
+        self.roster = roster
+        self.heartbeats = heartbeats
+        self.upkeep = upkeep
+        self.claims = claims
+        self.wakeup = wakeup
+        self._sink = sink
+        self._reported = reported
+        self._empty_until = 0.0  # no claim before this, but after a report (see step)
+        self._waiting = 0  # events in flight awaiting a report, at the last step
 
-    # -- public -----------------------------------------------------------------
-
-    @property
-    def lanes(self) -> dict[str, Lane]:
-        return self.roster.lanes
-
-    @property
-    def ordering(self) -> Ordering:
-        """The ordering of the relay's first outbox (the only one, unless it serves several)."""
-        return next(iter(self.lanes.values())).ordering
-
-    @property
-    def outboxes(self) -> list[Outbox]:
-        return [lane.outbox for lane in self.lanes.values()]
-
-    def serve(self, outboxes: Sequence[Outbox]) -> None:
-        """Serve these outboxes from the loop's next step (thread safe): new ones join, those
-        left out finish their batches in flight, hand their partitions over and leave."""
-        self.roster.serve(outboxes)
-        self._wakeup.set()
-
-    def stop(self) -> None:
-        """Ask the loop to stop claiming and shut down gracefully. Thread/signal safe."""
-        self.stopped.set()
-        self._wakeup.set()
-
-    def _progressed(self) -> None:
-        """The loop went on: a claim went through (the stall watchdog's)."""
-        self.health.loop_progress = time.monotonic()
-
-    def _claimed(self, lane: Lane) -> None:
-        """A claim of ``lane`` went through, or a WAL batch was taken."""
-        self.recorder.claim(lane)
-        self._progressed()
-
-    def _unreachable(self) -> None:
-        """The database cannot be reached: WAL capture's readers let go (BatchFinisher)."""
-        self.finisher.let_go_of_the_wal()
-
-    def wake(self) -> None:
-        """Wake the loop (any thread): a lane has news."""
-        self._wakeup.set()
-
-    def use_sink(self, sink: Sink) -> None:
-        """Deliver through ``sink`` from now on; wait on its wake-up if it signals its reports."""
-        self.sink = sink
-        wake = wake_of(sink)
-        self._signalled = wake is not None
-        self._wakeup = wake if wake is not None else threading.Event()
-        self._wakeup.set()  # a wake-up set on the one before is not lost: look once more
-
-    def wal_read(self, lane: Lane) -> None:
-        """A lane's WAL reader queued a transaction (its thread)."""
-        self.roster.wal_read(lane)
-
-    @property
-    def stopping(self) -> bool:
-        return self.stopped.is_set()
-
-    def run(self) -> None:
-        """Relay until ``stop()``; then finish in-flight batches within the grace budget."""
-        starting = True
-        try:
-            self._start()
-            starting = False
-            self.running.set()
-            while not self.stopped.is_set():
-                try:
-                    self._step()
-                except psycopg.OperationalError as exc:
-                    # Every database call on the loop handles a lost connection
-                    # itself; this is the net under a path that does not. A relay
-                    # runs for months: it must not exit on a dropped connection.
-                    log.exception(
-                        "database connection lost on an unguarded path; releasing in-flight batches"
-                    )
-                    self.sessions.database.fail(self.sessions.clean(exc))
-                    self.intake.give_up_ahead()
-                    self.finisher.release_all("connection lost")
-                    self.stopped.wait(NET_PAUSE)
-        except Exception as exc:
-            if not (starting and isinstance(exc, MissingExtra)):  # refused at start: one line, the caller's
-                log.exception("relay loop failed; in-flight events stay pending for the next owner")
-            raise
-        finally:
-            self.running.clear()
-            self.stopped.set()
-            self._shutdown()
-
-    def readiness(self) -> Readiness:
-        """Database reachable, every sink up, every outbox served, not shutting down."""
-        return self.health.readiness()
-
-    def ready(self) -> tuple[bool, str]:
-        """For /readyz: (ready?, why): the first line says why (or ``ready``); then one line per
-        sink, and with several outboxes, one line per outbox that is not."""
-        r = self.health.readiness()
-        return r.ok, r.text()
-
-    def stalled(self) -> str | None:
-        """Why the relay is making no progress though nothing reported an error, or None."""
-        why = self.health.stalled()
-        return f"stalled: {why}" if why else None
-
-    @property
-    def metrics_on(self) -> bool:
-        return self.http is not None or self._shared_metrics
-
-    def lane_error(self, lane: Lane, conn: psycopg.Connection[Any], error: str) -> None:
-        """An error of this outbox's own on ``conn``: the lane rests, the session goes back."""
-        lane.pause(error)
-        self.sessions.roll_back(conn)
-
-    # -- the loop ---------------------------------------------------------------
-
-    def _step(self) -> None:
+    def step(self) -> None:
         finisher = self.finisher
-        signalled = self._signalled and self.sink is not None
+        wakeup = self.wakeup
+        sink = self._sink()
+        signalled = wakeup.signalled and sink is not None
         if signalled:
-            self._wakeup.clear()  # first: news that comes while this step looks sets it again
-            self.sink.poll(0)  # type: ignore[union-attr]
+            wakeup.event.clear()  # first: news that comes while this step looks sets it again
+            sink.poll(0)  # type: ignore[union-attr]
         waiting = self.ledger.waiting()
         reported = waiting != self._waiting
         if reported:  # a sink reported (or a batch came or went)
             self._waiting = waiting
-            self.health.sink_progress = time.monotonic()
+            self._reported()
         if self.roster.changed:
             self.roster.apply()
         finisher.finish_complete()
-        if self.sink is None or not self.sink.healthy():
+        if sink is None or not sink.healthy():
             self.upkeep.sinks.replace_sink()
+            sink = self._sink()
+            signalled = wakeup.signalled and sink is not None
         self.heartbeats.due()
         now = time.monotonic()
         self.upkeep.due(now)
         scheduler = self.scheduler
-        ahead = self.intake.ahead
-        if ahead is not None:  # claims sent during the last step (outbox.pipelined): their rows now
-            self._claim_shared(ahead.picks)
+        if self.claims.claim_ahead():  # claims sent during the last step (outbox.pipelined)
             return
-        free = self.sessions.available()
-        chosen = scheduler.next_claim(now, free)
+        chosen = scheduler.next_claim(now, self.sessions.available())
         if chosen is not None and now < self._empty_until and not reported:
             chosen = None  # a claim came back empty behind batches in flight: wait for a report first
-        gate = chosen.gate_due(now, self.config.max_batches_in_flight) if chosen is not None else None
-        if chosen is not None and gate is not None:
-            self.gated.claim_gate(chosen, gate, scheduler.batch_limit(chosen, now))
-        elif chosen is not None:
-            group = self._shareable([chosen, *scheduler.companions(chosen, now)])
-            limit = self._claiming(chosen, now)
-            if len(group) > 1 and group[0] is chosen:
-                picks = [(chosen, limit)] + [(c, self._claiming(c, now, companion=True)) for c in group[1:]]
-                claimed = self._claim_shared(picks)
-            else:
-                claimed = (self.wal_intake if chosen.wal is not None else self.intake).claim_and_send(
-                    chosen, limit
-                )
-                scheduler.claimed(chosen, limit, claimed)
+        assert sink is not None
+        if chosen is not None:
+            claimed = self.claims.claim(chosen, now)
             if claimed == 0 and chosen.in_flight:
                 # When every pending key waits behind the batches in flight (after an outage) and
                 # writers keep notifying, claims come back empty one after another: the next one
@@ -394,10 +127,8 @@ class Relay:
                 if signalled:
                     self._empty_until = time.monotonic() + REPORT_WAIT
                 else:
-                    assert self.sink is not None
-                    self.sink.poll(REPORT_WAIT)
+                    sink.poll(REPORT_WAIT)
         elif self.ledger.busy:
-            assert self.sink is not None
             if signalled:
                 # Reports, finished batches and NOTIFY all wake the loop; else the next deadline,
                 # at most REPORT_WAIT_FULL (the sink's health is looked at each step). One that is
@@ -406,142 +137,15 @@ class Relay:
                 wait = min(wait, REPORT_WAIT_FULL) if wait > 0 else REPORT_WAIT_FULL
                 if self._empty_until > now:
                     wait = min(wait, self._empty_until - now)
-                self._wakeup.wait(wait)
+                wakeup.event.wait(wait)
             else:
                 # A batch on the finisher frees its slot when the loop next looks: look again soon.
                 full = not finisher.finishing and not scheduler.slot_free(now, self.sessions.available())
-                self.sink.poll(REPORT_WAIT_FULL if full else REPORT_WAIT)
+                sink.poll(REPORT_WAIT_FULL if full else REPORT_WAIT)
         else:
             # Idle: sleep until the next poll, NOTIFY, or the next heartbeat (a long
             # poll interval must not let the ownership leases lapse).
             if not signalled:
-                self._wakeup.clear()
+                wakeup.event.clear()
             if not scheduler.woken():
-                self._wakeup.wait(scheduler.idle_wait(now, self.upkeep.next_at()))
-
-    def _claim_shared(self, picks: Picks) -> int:
-        """The claims of ``picks`` in one transaction, sent now or (the sender's ``ahead``) during
-        the last step; how many events they took (-1: they failed)."""
-        counts = self.intake.claim_shared(picks, self._next_claims)
-        if counts is None:  # failed: each claims again soon (alone, after an outbox's error)
-            for lane, _ in picks:
-                self.scheduler.claim_again(lane)
-            return -1
-        for (lane, most), count in zip(picks, counts, strict=True):
-            self.scheduler.claimed(lane, most, count)
-        return sum(counts)
-
-    def _next_claims(self) -> Picks:
-        """The next claim's outboxes and limits, to send ahead (ClaimScheduler.ahead), in the
-        order and with the limits the step would give them."""
-        now = time.monotonic()
-        lanes = self.scheduler.ahead(now, self.sessions.available())
-        group = self._shareable(lanes)
-        if not group or group[0] is not lanes[0]:
-            return []
-        lead, *others = group
-        return [(lead, self._claiming(lead, now))] + [
-            (c, self._claiming(c, now, companion=True)) for c in others
-        ]
-
-    def _shareable(self, lanes: list[Lane]) -> list[Lane]:
-        """Those of ``lanes`` that may claim in a shared transaction: outboxes whose events are in
-        their table (capture mode known; no WAL reader, whose batches commit in the order read)."""
-        return [lane for lane in lanes if lane.wal is None and lane.upkept.capture_mode == "table"]
-
-    def _claiming(self, lane: Lane, now: float, companion: bool = False) -> int:
-        """``lane`` claims now: what woke it is taken, and its claim's limit returned."""
-        if lane.wake.woken or now >= lane.next_poll:
-            for g in lane.gates:  # a NOTIFY or a poll: a limit's events may wait too
-                g.pending = True
-        if lane.wake.table_news:  # WAL capture: rows were inserted into its events table
-            lane.wake.table_news = False
-            self.wal_intake.table_news(lane)
-        lane.wake.woken = False  # a NOTIFY arriving during the claim sets it again
-        scheduler = self.scheduler
-        scheduler.taking(lane, now)
-        return scheduler.companion_limit(lane, now) if companion else scheduler.batch_limit(lane, now)
-
-    # -- start and stop ---------------------------------------------------------
-
-    def _start(self) -> None:
-        config = self.config
-        if config.metrics_port is not None and not self._shared_metrics:
-            self.gauges = DatabaseGauges(self._dsn, lambda: self.outboxes, self.metrics, config.limits)
-            self.http = HealthServer(
-                config.metrics_host, config.metrics_port, self.metrics, [self.gauges], self.readiness
-            ).start()
-            log.info("serving /metrics, /livez, /readyz on %s:%d", config.metrics_host, self.http.port)
-        elif self._shared_metrics:
-            self.gauges = DatabaseGauges(self._dsn, lambda: self.outboxes, self.metrics, config.limits)
-        if config.notify:
-            self.listener = Listener(self._dsn, self.stopped)
-        self.chains.clear()
-        self.use_sink(self.sink_factory())
-        self.roster.apply()
-        self.heartbeats.first(self.scheduler.rotation)
-        self.upkeep.capture.refuse_wal_without_reader()
-        if config.vacuum:
-            self._hygiene = Hygiene(
-                self._dsn, lambda: [lane.schema for lane in self.scheduler.rotation], self.stopped,
-                threshold=config.vacuum_threshold,
-            )  # fmt: skip
-            self._hygiene.start()
-        if self.listener is not None:
-            self.listener.start()
-        self.health.start_watchdog()
-        lanes = list(self.lanes.values())
-        shown = f"schema={lanes[0].schema}" if len(lanes) == 1 else f"{len(lanes)} outboxes"
-        log.info(
-            "relay %s started: %s ordering=%s on-dead=%s batch=%d in-flight batches=%d lease=%ss notify=%s",
-            config.name,
-            shown,
-            config.ordering,
-            config.on_dead,
-            config.batch_size,
-            config.max_batches_in_flight,
-            config.lease,
-            config.notify,
-        )
-
-    def _shutdown(self) -> None:
-        """Stop claiming; give in-flight batches the grace budget; release the rest."""
-        self.intake.give_up_ahead()  # claims sent ahead: their events stay pending, none was sent
-        rotation = self.scheduler.rotation
-        deadline = time.monotonic() + self.config.grace
-        while any(lane.in_flight for lane in rotation) and self.sink is not None:
-            if time.monotonic() >= deadline:
-                break
-            self.sink.poll(REPORT_WAIT_FULL)
-            self.finisher.finish_complete()
-        unfinished = sum(len(lane.in_flight) for lane in rotation)
-        if unfinished:
-            log.warning(
-                "grace budget spent: releasing %d unfinished batches (their events stay pending)", unfinished
-            )
-            self.finisher.release_all("")
-        self.finisher.shutdown()
-        if self.sink is not None:
-            self.sink.close(max(0.0, min(1.0, deadline - time.monotonic())))
-            self.sink = None
-        # No batch holds locks any more: hand the partitions over at once.
-        for lane in rotation:
-            self.upkeep.capture.stop_reader(lane)
-            lane.ordering.release_all()
-        self.membership.leave()
-        self.link.close()
-        self.sessions.close_all()
-        # (Not started when the relay was refused at start.)
-        if self.listener is not None and self.listener.ident is not None:
-            self.listener.join(timeout=2.0)
-        if self._hygiene is not None and self._hygiene.ident is not None:
-            self._hygiene.join(timeout=2.0)
-        if self.http is not None:
-            self.http.stop()
-            self.http = None
-        log.info(
-            "relay stopped: delivered=%d retried=%d dead=%d",
-            self.stats.delivered,
-            self.stats.retried,
-            self.stats.dead,
-        )
+                wakeup.event.wait(scheduler.idle_wait(now, self.upkeep.next_at()))

@@ -12,7 +12,7 @@ import psycopg
 
 from outbox.capture import behind
 from outbox.events import KEY_OF
-from outbox.relay.intake import Intake, Send
+from outbox.relay.claim import Send, TableClaim
 from outbox.relay.lanes import Lane
 from outbox.relay.scheduler import ClaimScheduler
 from outbox.relay.wal_batch import WalBatch
@@ -20,21 +20,21 @@ from outbox.store.sessions import Sessions
 
 
 class WalIntake:
-    """``intake``: the table's claims; ``send``: the dispatcher's; ``lane_error``: an error of one
+    """``table``: the table's claims; ``send``: the dispatcher's; ``lane_error``: an error of one
     outbox's own, which rests it."""
 
     def __init__(
         self,
         sessions: Sessions,
         scheduler: ClaimScheduler,
-        intake: Intake,
+        table: TableClaim,
         *,
         send: Send,
         lane_error: Callable[[Lane, psycopg.Connection[Any], str], None],
     ) -> None:
         self.sessions = sessions
         self.scheduler = scheduler
-        self.intake = intake
+        self.table = table
         self._send = send
         self._lane_error = lane_error
 
@@ -58,12 +58,12 @@ class WalIntake:
             # relay has read the slot up to what the server has (a relay that stands by
             # claims nothing of this outbox until the slot is dropped).
             return 0
-        claimed = self.intake.claim(lane, limit, None, lane.skip)
+        claimed = self.table.claim(lane, limit, None, lane.skip)
         if claimed is None:
             return 0
         lane.table.due = len(claimed[1]) >= limit
         lane.table.next_claim = time.monotonic() + self.scheduler.jittered_poll()
-        return self.intake.hand_on(lane, claimed, limit)
+        return self.table.hand_on(lane, claimed, limit)
 
     def table_news(self, lane: Lane) -> None:
         """Rows were inserted into ``lane``'s events table: its table takes its next turn."""
@@ -103,5 +103,5 @@ class WalIntake:
             for i, event in enumerate(batch.events):
                 if event is not None and waiting.get(event.key, math.inf) <= event.created_at:
                     batch.hold(i)
-        self.intake.went_through(lane, True)
+        self.table.went_through(lane, True)
         return self._send(lane, batch, claim_start, limit, True)

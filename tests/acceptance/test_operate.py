@@ -11,7 +11,7 @@ from typing import Any
 import psycopg
 
 import outbox
-from outbox.relay.loop import RelayConfig
+from outbox.relay.relay import RelayConfig
 from tests.helpers import count, read_topic, running_relay, wait_for
 
 

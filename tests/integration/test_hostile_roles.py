@@ -26,7 +26,7 @@ from outbox import capture
 from outbox.capture import wal_message
 from outbox.cli import main
 from outbox.events import encode_event
-from outbox.relay.loop import RelayConfig
+from outbox.relay.relay import RelayConfig
 from outbox.store.migrate import migrate
 from tests.helpers import (
     FAST,

@@ -96,7 +96,7 @@ def test_no_import_circles_in_the_package() -> None:
 # command line of each of them. None of it may load the bench or the harness (test tooling, peers'
 # clients, embedded servers): the relay's image need not carry them, and a bug there is not its.
 RUNTIME = (
-    "outbox", "outbox.relay.loop", "outbox.relay.fleet", "outbox.console.web", "outbox.console.fleet",
+    "outbox", "outbox.relay.relay", "outbox.relay.fleet", "outbox.console.web", "outbox.console.fleet",
     "outbox.write.writer", "outbox.inbox", "outbox.store.migrate", "outbox.testing", "outbox.contrib.alembic",
 )  # fmt: skip
 COMMANDS = (
@@ -137,7 +137,7 @@ def test_a_command_that_moves_no_event_imports_neither_the_relay_nor_the_console
         f"sys.argv = ['outbox', *{argv!r}]\n"
         "try:\n    runpy.run_module('outbox', run_name='__main__')\n"
         "except SystemExit:\n    pass\n"
-        "print(sorted(m for m in sys.modules if m.startswith(('outbox.relay.loop', 'outbox.console', "
+        "print(sorted(m for m in sys.modules if m.startswith(('outbox.relay.relay', 'outbox.console', "
         "'outbox.sinks.kafka', 'outbox.cli.relay', 'outbox.cli.console', 'outbox.cli.demo'))), file=sys.stderr)\n"
     )
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)

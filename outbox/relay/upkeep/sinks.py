@@ -24,7 +24,7 @@ RETRIES_PER_STEP = 8  # outboxes whose failures are made due at once after an ou
 
 class SinkUpkeep:
     """``sink``: the relay's sink now; ``make``: a new one (the relay's factory); ``use``: the relay
-    takes a new sink on; ``chains``: each outbox's key chains, which the sender wraps sends in;
+    takes a new sink on; ``chains``: each outbox's key chains, which the dispatcher wraps sends in;
     ``await_finishers`` and ``settle_unreported``: the finisher's, as a sink is replaced."""
 
     def __init__(

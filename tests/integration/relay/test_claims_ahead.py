@@ -9,7 +9,7 @@ import pytest
 from psycopg import sql
 
 from outbox.events import ClaimedEvent
-from outbox.relay.loop import Relay
+from outbox.relay.relay import Relay
 from outbox.sinks.base import Outcome, Report, SinkWrapper
 from outbox.sinks.kafka import KafkaSink
 from outbox.store.outboxes import Outbox

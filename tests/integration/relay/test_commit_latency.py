@@ -15,7 +15,7 @@ import psycopg
 import pytest
 
 import outbox
-from outbox.relay.loop import RelayConfig
+from outbox.relay.relay import RelayConfig
 from outbox.store.migrate import migrate
 from tests.helpers import http_get, running_relay, wait_for
 

@@ -9,7 +9,7 @@ from typing import Any
 import psycopg
 
 import outbox
-from outbox.relay.loop import RelayConfig
+from outbox.relay.relay import RelayConfig
 from outbox.sinks.kafka import KafkaSink
 from tests.helpers import count, read_topic, running_relay, wait_for
 from tests.sinks import FlakySink

@@ -15,7 +15,7 @@ import outbox
 from outbox.cli import main
 from outbox.harness.embedded import Broker
 from outbox.operate import status
-from outbox.relay.loop import RelayConfig
+from outbox.relay.relay import RelayConfig
 from tests.helpers import count, first_occurrences, http_get, read_topic, running_relay, wait_for
 
 SOON = 2.0  # seconds: the expiry of the events that must expire during the outage

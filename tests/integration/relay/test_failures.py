@@ -15,7 +15,7 @@ from psycopg import sql
 import outbox
 from outbox.events import ClaimedEvent
 from outbox.harness.embedded import Broker
-from outbox.relay.loop import RelayConfig
+from outbox.relay.relay import RelayConfig
 from outbox.relay.retry import RetryPolicy
 from outbox.sinks.base import Delivered, Outcome, Report, Retry, SinkWrapper
 from outbox.sinks.kafka import KafkaSink

@@ -14,7 +14,7 @@ import pytest
 from psycopg import sql
 
 import outbox
-from outbox.relay.loop import RelayConfig
+from outbox.relay.relay import RelayConfig
 from outbox.store.migrate import migrate
 from outbox.store.outboxes import Outbox
 from tests.helpers import (
@@ -158,7 +158,7 @@ def test_a_quiet_relay_renews_every_lease_in_one_row_and_reads_its_readiness_onc
     renewed every lease / 5 (0.4 s here), and looks at each outbox's ownership only now and then:
     it heartbeated each outbox in turn, 500 statements a second at 1,000 outboxes. The readiness
     the heartbeat records is looked at once a second at most (it reads every outbox)."""
-    from outbox.relay.loop import Relay
+    from outbox.relay.relay import Relay
 
     looks: list[float] = []
     ready = Relay.ready

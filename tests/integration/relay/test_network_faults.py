@@ -17,7 +17,7 @@ import outbox
 from outbox.harness.embedded import Broker, free_port
 from outbox.harness.proxy import Proxy
 from outbox.relay.config import RelayConfig
-from outbox.relay.loop import Relay
+from outbox.relay.relay import Relay
 from outbox.relay.retry import RetryPolicy
 from outbox.sinks.make import routed
 from outbox.sinks.routes import parse_routes

@@ -17,7 +17,7 @@ from opentelemetry.trace import SpanKind
 
 import outbox
 from outbox.events import ClaimedEvent
-from outbox.relay.loop import Relay, RelayConfig
+from outbox.relay.relay import Relay, RelayConfig
 from outbox.sinks.base import Outcome, Report, SinkWrapper
 from outbox.sinks.kafka import KafkaSink
 from tests.helpers import count, http_get, read_topic, running_relay, wait_for

@@ -16,7 +16,7 @@ from psycopg import sql
 import outbox
 from outbox.events import ClaimedEvent
 from outbox.operate import dead, status
-from outbox.relay.loop import RelayConfig
+from outbox.relay.relay import RelayConfig
 from outbox.relay.retry import RetryPolicy
 from outbox.sinks.base import Dead, Delivered, Outcome, Report, Retry, SinkWrapper
 from outbox.sinks.kafka import KafkaSink

@@ -18,7 +18,7 @@ from psycopg import sql
 import outbox
 from outbox.events import ClaimedEvent
 from outbox.relay.batch import Batch, Shared
-from outbox.relay.loop import Relay, RelayConfig
+from outbox.relay.relay import Relay, RelayConfig
 from outbox.relay.retry import RetryPolicy
 from outbox.sinks.base import Outcome, Report, SinkWrapper
 from outbox.sinks.kafka import KafkaSink

@@ -21,7 +21,7 @@ import pytest
 
 import outbox
 from outbox.events import ClaimedEvent
-from outbox.relay.loop import RelayConfig
+from outbox.relay.relay import RelayConfig
 from outbox.relay.retry import RetryPolicy
 from outbox.sinks.base import Outcome, Report, Retry, SinkWrapper
 from outbox.sinks.kafka import KafkaSink

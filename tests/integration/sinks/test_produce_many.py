@@ -12,7 +12,7 @@ import pytest
 
 import outbox
 from outbox.events import ClaimedEvent
-from outbox.relay.loop import RelayConfig
+from outbox.relay.relay import RelayConfig
 from outbox.sinks.base import Delivered, Outcome, Sink, SinkWrapper
 from outbox.sinks.kafka import KafkaSink
 from outbox.sinks.router import Router

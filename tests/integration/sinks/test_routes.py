@@ -9,7 +9,7 @@ import psycopg
 
 import outbox
 from outbox.operate import dead
-from outbox.relay.loop import RelayConfig
+from outbox.relay.relay import RelayConfig
 from outbox.sinks import router
 from outbox.sinks.base import Sink
 from outbox.sinks.kafka import KafkaSink

@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import outbox
-from outbox.relay.loop import RelayConfig
+from outbox.relay.relay import RelayConfig
 from tests.helpers import count, read_topic, running_relay, wait_for
 
 FIELDS = ("topic", "payload", "key", "headers", "delay")

@@ -11,7 +11,7 @@ import psycopg
 import pytest
 
 import outbox
-from outbox.relay.loop import RelayConfig
+from outbox.relay.relay import RelayConfig
 from outbox.store.hygiene import Hygiene
 from outbox.store.queries import query
 from tests.helpers import count, running_relay, wait_for

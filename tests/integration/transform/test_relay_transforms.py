@@ -12,7 +12,7 @@ import pytest
 
 import outbox
 from outbox.operate import status
-from outbox.relay.loop import RelayConfig
+from outbox.relay.relay import RelayConfig
 from outbox.sinks.kafka import KafkaSink
 from tests.helpers import Message, count, first_occurrences, read_topic, running_relay, wait_for
 from tests.sinks import FlakySink

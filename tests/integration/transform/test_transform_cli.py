@@ -8,7 +8,7 @@ import pytest
 
 import outbox
 from outbox.cli import main
-from outbox.relay.loop import RelayConfig
+from outbox.relay.relay import RelayConfig
 from tests.helpers import count, running_relay, wait_for
 
 

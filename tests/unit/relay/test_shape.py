@@ -71,7 +71,7 @@ def test_every_lane_field_is_written_by_one_part_of_the_relay() -> None:
 
 
 def test_no_part_of_the_relay_reaches_it_through_a_host_protocol() -> None:
-    """Each part gets what it uses in its constructor (the relay, loop.py, is the composition
+    """Each part gets what it uses in its constructor (the relay, relay.py, is the composition
     root): a Protocol of the relay's members hid what a part depends on and let it grow."""
     hosts = [
         f"{path.relative_to(RELAY)}:{node.lineno}"
@@ -80,3 +80,72 @@ def test_no_part_of_the_relay_reaches_it_through_a_host_protocol() -> None:
         if isinstance(node, ast.ClassDef) and any(ast.unparse(base) == "Protocol" for base in node.bases)
     ]
     assert hosts == []
+
+
+ROOT = "relay"  # the composition root (relay.py): it builds every part
+LOOP = "loop"
+
+
+def _module(path: Path) -> str:
+    parts = list(path.relative_to(RELAY).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts = parts[:-1]
+    return ".".join(parts)
+
+
+def _imports() -> dict[str, set[str]]:
+    """Each relay module and the relay modules it imports (type-only imports too: a part that
+    names another in its annotations depends on it)."""
+    modules = {_module(p): p for p in RELAY.rglob("*.py") if _module(p)}
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        found: set[str] = set()
+        package = name.split(".")[:-1] if path.name != "__init__.py" else name.split(".")
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                if node.level:
+                    base = ".".join(
+                        package[: len(package) - node.level + 1] + ([node.module] if node.module else [])
+                    )
+                elif (node.module or "").startswith("outbox.relay"):
+                    base = (node.module or "").removeprefix("outbox.relay").lstrip(".")
+                else:
+                    continue
+                for alias in node.names:
+                    target = f"{base}.{alias.name}" if base else alias.name
+                    found.add(target if target in modules else base)
+        graph[name] = {m for m in found if m in modules and m != name}
+    return graph
+
+
+def _layers(graph: dict[str, set[str]]) -> dict[str, int]:
+    layers: dict[str, int] = {}
+
+    def layer(name: str) -> int:
+        if name not in layers:
+            layers[name] = 1 + max((layer(m) for m in graph[name]), default=0)
+        return layers[name]
+
+    for name in graph:
+        layer(name)
+    return layers
+
+
+def test_each_part_of_the_relay_imports_at_most_five_others_and_the_loop_eight() -> None:
+    """A part that needs more of its siblings does more than one thing; the loop sees the stages
+    and the services, not how they work. Only the composition root builds them all."""
+    graph = _imports()
+    assert {"loop", "intake", "dispatch", "ledger", "finisher"} <= set(graph)  # the reader works
+    over = {
+        name: len(deps) for name, deps in graph.items() if name != ROOT and len(deps) > 5 and name != LOOP
+    }
+    assert over == {}
+    assert len(graph[LOOP]) <= 8, sorted(graph[LOOP])
+
+
+def test_the_relay_modules_import_graph_stays_shallow() -> None:
+    """Each module one layer above the deepest relay module it imports. One relay is 8 layers
+    (the composition root on top); the fleet, the process's relays over several databases, is the
+    ninth. It was 12 before the stages (docs/decisions/0011-relay-stages.md)."""
+    layers = _layers(_imports())
+    assert layers[ROOT] <= 8 and max(layers.values()) <= 9, sorted(layers.items(), key=lambda x: x[1])

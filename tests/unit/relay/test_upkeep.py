@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, cast
 
+from outbox.relay.claim import TableClaim
 from outbox.relay.config import RelayConfig
 from outbox.relay.intake import Intake
 from outbox.relay.lanes import Beats, Lane
@@ -101,14 +102,9 @@ def test_a_claim_of_an_outbox_not_looked_at_takes_no_session_and_starts_nothing(
     """The claim path only asks whether the look was done: the look (and a WAL reader it may
     start) is the upkeep's, in its own part of the step."""
     relay, (lane,) = _relay(1, up=True)
-    intake = Intake(
-        cast(Any, relay.sessions),
-        relay.scheduler,
-        send=_never,
-        flush=_never,
-        claimed=_never,
-        lane_error=_never,
-    )
+    sessions = cast(Any, relay.sessions)
+    table = TableClaim(sessions, send=_never, claimed=_never, lane_error=_never)
+    intake = Intake(sessions, relay.scheduler, table, send=_never, flush=_never)
     assert intake.claim_and_send(lane, 100) == 0
     assert relay.sessions.taken == 0 and lane.wal is None and not lane.upkept.capture_mode
 

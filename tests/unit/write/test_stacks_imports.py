@@ -13,7 +13,7 @@ pytestmark = pytest.mark.same_on_every_python
 
 def test_importing_outbox_and_enqueueing_loads_no_optional_stack() -> None:
     code = (
-        "import sys, outbox, outbox.write.stacks, outbox.write.writer, outbox.relay.loop, outbox.cli\n"
+        "import sys, outbox, outbox.write.stacks, outbox.write.writer, outbox.relay.relay, outbox.cli\n"
         "loaded = sorted(m for m in ('psycopg2', 'asyncpg', 'sqlalchemy', 'django', 'alembic') if m in sys.modules)\n"
         "print(loaded)\n"
     )
