@@ -1,0 +1,157 @@
+"""outbox.relay.loop.Loop: one step, with its parts as fakes that record what they were asked,
+a sink that signals or not, and the one wait recorded instead of slept (no database, no broker,
+no clock waited on)."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Any, cast
+
+from outbox.relay.config import RelayConfig
+from outbox.relay.lanes import Beats, Lane
+from outbox.relay.ledger import Ledger
+from outbox.relay.loop import REPORT_WAIT, Loop, Wakeup
+from outbox.relay.ordering import Ordering
+from outbox.relay.scheduler import ClaimScheduler
+from outbox.store.outboxes import Outbox
+
+
+@dataclass
+class _Event:
+    """The loop's one wait, recorded: how long it would have slept each time."""
+
+    waits: list[float] = field(default_factory=list)
+    is_on: bool = False
+
+    def set(self) -> None:
+        self.is_on = True
+
+    def clear(self) -> None:
+        self.is_on = False
+
+    def is_set(self) -> bool:
+        return self.is_on
+
+    def wait(self, timeout: float) -> bool:
+        self.waits.append(timeout)
+        return self.is_on
+
+
+@dataclass
+class _Sink:
+    polls: list[float] = field(default_factory=list)
+    up: bool = True
+
+    def poll(self, timeout: float) -> int:
+        self.polls.append(timeout)
+        return 0
+
+    def healthy(self) -> bool:
+        return self.up
+
+
+@dataclass
+class _Parts:
+    """Each part the step calls, and what it was asked, in order."""
+
+    asked: list[str] = field(default_factory=list)
+    claimed: int = 0  # events each claim takes
+    changed: bool = False
+    finishing: dict[Any, Any] = field(default_factory=dict)
+
+    def apply(self) -> None:
+        self.asked.append("roster")
+
+    def finish_complete(self) -> None:
+        self.asked.append("finish")
+
+    def replace_sink(self) -> None:
+        self.asked.append("replace sink")
+
+    def due(self, now: float | None = None) -> None:
+        self.asked.append("due")
+
+    def next_at(self) -> float:
+        return float("inf")
+
+    def claim_ahead(self) -> bool:
+        return False
+
+    def claim(self, lane: Lane, now: float) -> int:
+        self.asked.append(f"claim {lane.name}")
+        return self.claimed
+
+
+def _loop(signals: bool) -> tuple[Loop, Lane, _Parts, _Sink, _Event]:
+    scheduler = ClaimScheduler(RelayConfig("postgresql://unused"), Beats())
+    member = SimpleNamespace(id=uuid.uuid4(), link=None)
+    ordering = Ordering(
+        member=cast(Any, member), schema="s", name="r", lease=30.0, batch_lease=30.0, ordering="key",
+        on_dead="park",
+    )  # fmt: skip
+    lane = Lane(Outbox("o", "postgresql://unused", "s"), ordering)
+    lane.next_poll = time.monotonic() + 60  # not due unless woken
+    lane.more_work = lane.wake.woken = False
+    scheduler.add(lane)
+    parts = _Parts()
+    sessions = SimpleNamespace(available=lambda: True, give_back=lambda conn: None)
+    ledger = Ledger(cast(Any, sessions), cast(Any, None), cast(Any, member), scheduler)
+    upkeep = SimpleNamespace(
+        due=parts.due, next_at=parts.next_at, sinks=SimpleNamespace(replace_sink=parts.replace_sink)
+    )
+    sink = _Sink()
+    wakeup = Wakeup()
+    event = _Event()
+    wakeup.use(cast(Any, event) if signals else None)
+    if not signals:
+        wakeup.event = cast(Any, event)
+    loop = Loop(
+        cast(Any, sessions), scheduler, ledger, cast(Any, parts), cast(Any, parts), cast(Any, parts),
+        cast(Any, upkeep), cast(Any, parts), wakeup, sink=lambda: cast(Any, sink), reported=lambda: None,
+    )  # fmt: skip
+    return loop, lane, parts, sink, event
+
+
+def test_an_idle_step_finishes_beats_upkeeps_and_then_waits_in_one_place() -> None:
+    loop, _, parts, sink, event = _loop(signals=True)
+    loop.step()
+    assert parts.asked == ["finish", "due", "due"]  # the finisher, the heartbeats, the upkeep
+    assert sink.polls == [0] and len(event.waits) == 1 and event.waits[0] > 1  # until the next poll
+
+
+def test_a_woken_outbox_is_claimed_and_nothing_waits() -> None:
+    loop, lane, parts, _, event = _loop(signals=True)
+    lane.wake.notified()
+    loop.step()
+    assert parts.asked[-1] == "claim o" and event.waits == []
+
+
+def test_an_empty_claim_behind_batches_in_flight_waits_for_a_report_not_each_notify() -> None:
+    """Signalled: the next claim waits until a report comes (or REPORT_WAIT); polled: the sink is
+    polled that long at once."""
+    loop, lane, parts, _, event = _loop(signals=True)
+    lane.in_flight.append(cast(Any, SimpleNamespace(waiting=1)))
+    loop.ledger.busy[lane] = None
+    lane.wake.notified()
+    loop.step()
+    assert parts.asked[-1] == "claim o"
+    lane.wake.notified()
+    loop.step()  # no report since: no claim, a wait of at most REPORT_WAIT
+    assert parts.asked.count("claim o") == 1 and 0 < event.waits[-1] <= REPORT_WAIT
+    polled, lane2, parts2, sink2, _ = _loop(signals=False)
+    lane2.in_flight.append(cast(Any, SimpleNamespace(waiting=1)))
+    polled.ledger.busy[lane2] = None
+    lane2.wake.notified()
+    polled.step()
+    assert parts2.asked[-1] == "claim o" and sink2.polls == [REPORT_WAIT]
+
+
+def test_an_unhealthy_sink_is_replaced_before_anything_is_claimed() -> None:
+    loop, lane, parts, sink, _ = _loop(signals=False)
+    sink.up = False
+    lane.wake.notified()
+    loop.step()
+    assert parts.asked.index("replace sink") < parts.asked.index("claim o")
