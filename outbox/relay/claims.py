@@ -100,9 +100,10 @@ class ClaimStep:
         if lane.wake.woken or now >= lane.next_poll:
             for g in lane.gates:  # a NOTIFY or a poll: a limit's events may wait too
                 g.pending = True
-        if lane.wake.table_news:  # WAL capture: rows were inserted into its events table
+        if lane.wake.table_news:  # rows were inserted into its events table
             lane.wake.table_news = False
-            self.wal.table_news(lane)
+            if lane.wal is not None:  # WAL capture: its table takes its next turn
+                self.wal.table_news(lane)
         lane.wake.woken = False  # a NOTIFY arriving during the claim sets it again
         scheduler = self.scheduler
         scheduler.taking(lane, now)

@@ -1,0 +1,97 @@
+"""One event's path through the relay, traced on a real relay: from its claim to the batch
+leaving the ledger, which relay modules it enters and how often. The stages hand on one way,
+so the path is short and enters each stage once or twice; the claim path starts no thread and
+reads no capture state."""
+
+from __future__ import annotations
+
+import sys
+import threading
+from collections import Counter
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+import psycopg
+
+import outbox
+import outbox.capture
+import outbox.relay
+from outbox.relay.relay import RelayConfig
+from tests.helpers import count, running_relay, wait_for
+
+RELAY = Path(outbox.relay.__file__).parent
+CAPTURE = Path(outbox.capture.__file__).parent
+# Where an event's path starts on each thread: its claim and hand-on (the loop), its finish
+# (a finisher thread), its batch recorded and let go (the loop again).
+ROOTS = {("claims.py", "claim"), ("finisher.py", "finish_complete"), ("finisher.py", "_statements")}
+
+
+class _Path:
+    """A profile hook on every thread: the relay modules entered (from another module) inside a
+    root; and on the claim path, the capture modules reached and the threads started."""
+
+    def __init__(self) -> None:
+        self.entries: Counter[str] = Counter()
+        self.named: Counter[str] = Counter()
+        self.capture: set[str] = set()
+        self.started: list[str] = []
+        self.on = False
+        self._inside = threading.local()
+        self._lock = threading.Lock()
+
+    def hook(self, frame: FrameType, event: str, arg: Any) -> None:
+        if event not in ("call", "return") or not self.on:
+            return
+        code = frame.f_code
+        path = Path(code.co_filename)
+        roots: list[str] = self._inside.__dict__.setdefault("roots", [])
+        root = path.parent == RELAY and (path.name, code.co_name) in ROOTS
+        if event == "return":
+            if root and roots:
+                roots.pop()
+            return
+        if root:
+            roots.append(code.co_name)
+        if not roots:
+            return
+        caller = frame.f_back
+        claiming = "claim" in roots  # the claim path: from the claim to the batch handed on
+        with self._lock:
+            if RELAY in path.parents:
+                if caller is None or caller.f_code.co_filename != code.co_filename:
+                    self.entries[str(path.relative_to(RELAY))] += 1
+                    self.named[f"{path.relative_to(RELAY)}:{code.co_name}"] += 1
+            elif path.parent == CAPTURE and claiming:
+                self.capture.add(path.name)
+            elif path.name == "threading.py" and code.co_name == "start" and claiming:
+                self.started.append(threading.current_thread().name)
+
+
+def test_one_events_path_enters_few_relay_modules_each_at_most_twice(
+    pg_dsn: str, schema: str, kafka: str, topic: str
+) -> None:
+    traced = _Path()
+    threading.setprofile(traced.hook)  # the relay's threads, started from here on
+    try:
+        with running_relay(RelayConfig(pg_dsn, schema=schema), bootstrap=kafka) as relay:
+            wait_for(relay.running.is_set, what="the relay started")
+            wait_for(lambda: not relay.ledger.busy, what="the relay idle")
+            traced.on = True
+            with psycopg.connect(pg_dsn) as conn, conn.transaction():
+                outbox.enqueue(conn, topic, {"order": 1}, key="k", schema=schema)
+            wait_for(lambda: count(pg_dsn, schema, "delivered") == 1, what="the event delivered")
+            wait_for(lambda: not relay.ledger.busy, what="its batch left")
+            traced.on = False
+    finally:
+        threading.setprofile(None)  # type: ignore[arg-type]
+        sys.setprofile(None)
+    entries = dict(traced.entries)
+    print("relay modules entered on one event's path:", sorted(traced.named.items()))
+    stages = {"claims.py", "intake.py", "claim.py", "dispatch.py", "ledger.py", "finisher.py"}
+    assert stages <= set(entries)
+    # The stages, the scheduler and the recorder they ask, the event's batch, lane and key holds,
+    # and the root's wiring (the sink of the moment): 12 modules (docs/decisions/0011).
+    assert len(entries) <= 12 and "wal_intake.py" not in entries, entries
+    assert all(entries[stage] <= 2 for stage in stages - {"finisher.py"}), entries
+    assert traced.started == [] and traced.capture == set()
