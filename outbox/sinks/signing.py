@@ -13,6 +13,8 @@ from collections.abc import Mapping, Sequence
 
 from outbox.errors import ConfigError
 
+SECRET_BYTES = (24, 64)  # the specification's bounds of a signing secret, in bytes
+
 
 def parse_secrets(text: str | None, field: str = "--webhook-secret") -> list[bytes]:
     """``whsec_<base64>`` secrets, space-separated, as keys; ConfigError without echoing them."""
@@ -24,8 +26,11 @@ def parse_secrets(text: str | None, field: str = "--webhook-secret") -> list[byt
             keys.append(base64.b64decode(item[len("whsec_") :], validate=True))
         except ValueError:
             raise ConfigError(f"{field}: secret {i} is not whsec_ followed by base64") from None
-        if not keys[-1]:
-            raise ConfigError(f"{field}: secret {i} is empty")
+        if not SECRET_BYTES[0] <= len(keys[-1]) <= SECRET_BYTES[1]:
+            raise ConfigError(
+                f"{field}: secret {i} is {len(keys[-1])} bytes; Standard Webhooks secrets are "
+                f"{SECRET_BYTES[0]} to {SECRET_BYTES[1]} bytes (whsec_ and their base64)"
+            )
     return keys
 
 

@@ -172,7 +172,7 @@ def test_sink_passwords_and_the_webhook_secret_never_reach_logs_errors_status_or
         "token": "HttpToken-3b8f",
         "path": "HttpPathToken-61dc",  # a Slack-style hook's token is in its path
     }
-    raw_key = b"WebhookSecret-e4c1"
+    raw_key = b"WebhookSecret-e4c1-never-shown"
     whsec = "whsec_" + base64.b64encode(raw_key).decode()
     receiver = Receiver(respond=lambda r: (500, {}, b"server error"))
     port = free_port()

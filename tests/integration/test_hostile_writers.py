@@ -242,9 +242,9 @@ def test_each_webhook_receiver_verifies_only_its_own_secret(
 
     from outbox.sinks.signing import parse_secret_envs
 
-    a_secret = "whsec_" + base64.b64encode(b"partner-a-secret").decode()
-    b_secret = "whsec_" + base64.b64encode(b"partner-b-secret").decode()
-    shared = "whsec_" + base64.b64encode(b"the-shared-one").decode()
+    a_secret = "whsec_" + base64.b64encode(b"partner-a-secret-of-24-bytes").decode()
+    b_secret = "whsec_" + base64.b64encode(b"partner-b-secret-of-24-bytes").decode()
+    shared = "whsec_" + base64.b64encode(b"the-shared-one-of-24-bytes").decode()
     monkeypatch.setenv("PARTNER_A_SECRET", a_secret)
     monkeypatch.setenv("PARTNER_B_SECRET", b_secret)
     a, b = HttpTarget(), HttpTarget()

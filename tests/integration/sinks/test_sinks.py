@@ -249,11 +249,12 @@ def test_a_refused_event_is_dead_lettered_with_the_sinks_reason_and_parks_its_ke
 
 def test_webhook_signatures_verify_with_an_independent_implementation(pg_dsn: str, schema: str) -> None:
     """Standard Webhooks' own Python library checks every signature, under each of two
-    rotated secrets; a wrong secret is refused."""
+    rotated secrets; a wrong secret is refused. Bodies that are not UTF-8 (raw bytes) verify too,
+    with the package's 1.3 and ``json_parse=False`` (docs/sinks.md)."""
     from standardwebhooks import Webhook, WebhookVerificationError
 
     old, new = (
-        "whsec_" + base64.b64encode(b"old-secret-bytes").decode(),
+        "whsec_" + base64.b64encode(b"old-secret-bytes-rotated-out").decode(),
         "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw",
     )
     sink = HttpTarget()
@@ -261,25 +262,34 @@ def test_webhook_signatures_verify_with_an_independent_implementation(pg_dsn: st
         with psycopg.connect(pg_dsn) as conn:
             for i in range(20):
                 outbox.enqueue(conn, sink.topic, {"n": i, "text": "é"}, key=f"k{i % 3}", schema=schema)
+            for i in range(3):
+                outbox.enqueue(conn, sink.topic, b"\xff\xfe raw " + bytes([i]), key="raw", schema=schema)
         config = _config(pg_dsn, schema)
         with running_relay(
             config, _factory(config, f"*={sink.url()}", secrets=parse_secrets(f"{old} {new}"))
         ):
-            got = sink.read(20)
+            got = sink.read(23)
         with sink.receiver.lock:
             requests = list(sink.accepted)
     finally:
         sink.close()
-    assert len(requests) == 20
-    for r in requests:
+    assert len(requests) == 23
+    raw = [r for r in requests if r.body.startswith(b"\xff")]
+    assert len(raw) == 3
+    for r in raw:
+        for secret in (old, new):
+            assert Webhook(secret).verify(r.body, r.headers, json_parse=False) is None
+    for r in [r for r in requests if r not in raw]:
         assert r.headers["webhook-id"] == r.headers["event-id"]
         assert abs(int(r.headers["webhook-timestamp"]) - time.time()) < 60
         assert len(r.headers["webhook-signature"].split(" ")) == 2
         for secret in (old, new):
             assert Webhook(secret).verify(r.body, r.headers)["n"] in range(20)
         with pytest.raises(WebhookVerificationError):
-            Webhook("whsec_" + base64.b64encode(b"another").decode()).verify(r.body, r.headers)
-    assert len(got) == 20
+            Webhook("whsec_" + base64.b64encode(b"another-secret-of-24-bytes").decode()).verify(
+                r.body, r.headers
+            )
+    assert len(got) == 23
 
 
 def test_one_sink_down_leaves_the_other_routes_flowing_and_readyz_names_it(

@@ -32,18 +32,26 @@ def test_the_signature_matches_the_standard_webhooks_example() -> None:
     assert sig == "v1,g0hM9SsE+OTPJTGt/tmIKtSyZlE3uFJELVlNIOLJ1OE="
 
 
+def _whsec(raw: bytes) -> str:
+    return "whsec_" + base64.b64encode(raw).decode()
+
+
 def test_several_secrets_give_one_signature_each_and_bad_ones_are_named_not_shown() -> None:
-    keys = parse_secrets(
-        "whsec_" + base64.b64encode(b"a").decode() + "  whsec_" + base64.b64encode(b"b").decode()
-    )
-    assert keys == [b"a", b"b"] and len(signature(keys, "id", 1, b"x").split(" ")) == 2
+    a, b = b"a" * 24, b"b" * 64
+    keys = parse_secrets(_whsec(a) + "  " + _whsec(b))
+    assert keys == [a, b] and len(signature(keys, "id", 1, b"x").split(" ")) == 2
     for bad, why in (
         ("s3cr3t", "does not start with 'whsec_'"),
         ("whsec_%%%", "not whsec_ followed by base64"),
+        (_whsec(b"k" * 23), "is 23 bytes; Standard Webhooks secrets are 24 to 64 bytes"),
+        (_whsec(b"k" * 65), "is 65 bytes; Standard Webhooks secrets are 24 to 64 bytes"),
+        ("whsec_", "is 0 bytes"),
     ):
         with pytest.raises(ConfigError) as err:
-            parse_secrets(f"whsec_YQ== {bad}")
-        assert "secret 2" in str(err.value) and why in str(err.value) and bad not in str(err.value)
+            parse_secrets(f"{_whsec(a)} {bad}")
+        text = str(err.value)
+        assert "secret 2" in text and why in text and "\n" not in text, text
+        assert bad.removeprefix("whsec_") not in text or bad == "whsec_"  # never the secret
 
 
 def test_retry_after_takes_seconds_or_a_date() -> None:
