@@ -21,6 +21,9 @@ Redis Streams           ``ce_<attr>``     no binding exists: in the entry's ``he
                                           a log with string headers)
 ======================  ================  =============================================
 
+Over HTTP, every ``ce-`` header's value is percent-encoded as the binding says (section
+3.1.3.2): space, ``"``, ``%`` and everything outside U+0021-U+007E, as UTF-8 bytes ``%XX``.
+
 Attributes: ``id`` = the event id, ``source`` = ``--cloudevents-source``, ``specversion``
 = ``1.0``, ``type`` = ``enqueue(type=...)`` (default: the topic), ``time`` = the event's
 creation time (RFC 3339, UTC, microseconds), ``subject`` = ``enqueue(subject=...)`` when
@@ -30,7 +33,7 @@ given.
 from __future__ import annotations
 
 import time
-from urllib.parse import urlsplit
+from urllib.parse import quote, urlsplit
 
 from outbox.errors import ConfigError
 from outbox.events import ClaimedEvent
@@ -48,6 +51,15 @@ PREFIXES = {
     "redis": "ce_",
     "rediss": "ce_",
 }
+
+
+# What the HTTP binding leaves as it is in a header value: printable ASCII but space, '"' and '%'.
+_HTTP_SAFE = "".join(chr(c) for c in range(0x21, 0x7F) if chr(c) not in '"%')
+
+
+def http_header_value(value: bytes) -> bytes:
+    """A ``ce-`` header's value as the HTTP binding sends it: percent-encoded (UTF-8 bytes)."""
+    return quote(value, safe=_HTTP_SAFE).encode("ascii")
 
 
 def validate_source(source: object, field: str = "--cloudevents-source") -> str:
@@ -83,6 +95,7 @@ class CloudEventsSink(SinkWrapper):
         self._names = tuple(prefix + a for a in ("id", "source", "specversion", "type", "time", "subject"))
         self._lower = frozenset(n.lower() for n in self._names)
         self._source = validate_source(source).encode()
+        self._http = scheme in ("http", "https")
 
     def produce(self, event: ClaimedEvent, report: Report) -> Outcome | None:
         id_, source, specversion, type_, time_, subject = self._names
@@ -99,4 +112,11 @@ class CloudEventsSink(SinkWrapper):
         ]
         if event.subject is not None:
             headers.append((subject, event.subject.encode()))
+        if self._http:  # the writer's ce- extensions too: the binding's rule is for every one
+            headers = [
+                (k, http_header_value(v.encode() if isinstance(v, str) else v))
+                if k[:3].lower() == "ce-" and v is not None
+                else (k, v)
+                for k, v in headers
+            ]
         return self.inner.produce(event._replace(headers=headers), report)
