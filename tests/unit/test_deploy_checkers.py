@@ -11,6 +11,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -97,12 +98,17 @@ def test_the_helm_chart_renders_and_each_manifest_passes_kubernetes_validate(
 ) -> None:
     rendered = _render(values)
     docs = [d for d in yaml.safe_load_all(rendered) if d]
-    assert sorted(d["kind"] for d in docs) == ["Deployment", "Service"]
+    # The Prometheus Operator's objects are off by default; the second values turn them on.
+    operator = ["PrometheusRule", "ServiceMonitor"] if values else []
+    assert sorted(d["kind"] for d in docs) == sorted(["Deployment", "Service", *operator])
+    core = [d for d in docs if d["kind"] not in operator]  # kubernetes-validate knows no CRD
     out = tmp_path / "rendered.yaml"
-    out.write_text(rendered)
+    out.write_text(yaml.safe_dump_all(core))
     done = _validate([str(out)])
     assert done.returncode == 0, done.stdout + done.stderr
     assert done.stdout.count(" passed for resource ") == 2, done.stdout
+    if values:
+        _check_operator_objects(docs, yaml.safe_load(values.read_text()))
     wanted = yaml.safe_load((values or CHART / "values.yaml").read_text())
     (deployment,) = [d for d in docs if d["kind"] == "Deployment"]
     (relay,) = deployment["spec"]["template"]["spec"]["containers"]
@@ -114,6 +120,20 @@ def test_the_helm_chart_renders_and_each_manifest_passes_kubernetes_validate(
         for var in ("OUTBOX_KAFKA_CONFIG", "OUTBOX_ROUTES", "OUTBOX_WEBHOOK_SECRET"):
             assert "secretKeyRef" in env[var]["valueFrom"], var
         assert env["OTEL_EXPORTER_OTLP_ENDPOINT"]["value"] == wanted["otel"]["endpoint"]
+
+
+def _check_operator_objects(docs: list[Any], wanted: dict[str, Any]) -> None:
+    """The PrometheusRule holds exactly the shipped rules; the ServiceMonitor scrapes the metrics
+    Service by its labels and its port's name."""
+    by_kind = {d["kind"]: d for d in docs}
+    rule, monitor, service = by_kind["PrometheusRule"], by_kind["ServiceMonitor"], by_kind["Service"]
+    shipped = yaml.safe_load((ROOT / "deploy" / "prometheus" / "outbox-relay-rules.yaml").read_text())
+    assert rule["apiVersion"] == "monitoring.coreos.com/v1" and rule["spec"] == shipped
+    assert rule["metadata"]["labels"]["release"] == wanted["prometheusRule"]["labels"]["release"]
+    assert monitor["spec"]["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
+    (endpoint,) = monitor["spec"]["endpoints"]
+    assert endpoint["port"] == service["spec"]["ports"][0]["name"] and endpoint["path"] == "/metrics"
+    assert endpoint["interval"] == wanted["serviceMonitor"]["interval"]
 
 
 def test_helm_refuses_a_broken_template(tmp_path: Path) -> None:
