@@ -219,7 +219,9 @@ class BatchFinisher:
         recorder = self.recorder
         if isinstance(outcome, FencingError):
             recorder.lease_lost(lane, batch, str(outcome), ack_start)
-            self.done(lane, batch)  # fenced: its partition was taken over, nothing about the sink
+            self._release_after(
+                lane, self.ledger.done(lane, batch)
+            )  # fenced: its partition was taken over, nothing about the sink
             return
         if isinstance(outcome, (psycopg.Error, RolledBack)):
             exc = outcome
@@ -231,7 +233,8 @@ class BatchFinisher:
                 sessions.discard(batch.conn)
                 # The lease ran out (not a server restart or a dropped connection): too slow.
                 now = time.monotonic()
-                self.done(lane, batch, paced=(now - batch.claimed_at >= self.config.lease, now))
+                lost = now - batch.claimed_at >= self.config.lease
+                self._release_after(lane, self.ledger.done(lane, batch, paced=(lost, now)))
                 return
             # The statement failed on a live connection: a bug or a schema change.
             log.error(
@@ -247,7 +250,7 @@ class BatchFinisher:
             recorder.end_spans(batch, ack_start, type(exc).__name__)
             batch.release()
             # A shared one's outbox claims alone for a while: the error is its own.
-            self.done(lane, batch, alone=batch.shared is not None)
+            self._release_after(lane, self.ledger.done(lane, batch, alone=batch.shared is not None))
             return
         assert isinstance(outcome, BatchResult)
         result = outcome
@@ -256,27 +259,18 @@ class BatchFinisher:
         # transaction: when its own events had settled, not when the slowest member's had: a slow
         # outbox does not make the others' claims smaller.)
         paced = (False, batch.settled_at or time.monotonic()) if result.delivered else None
-        self.done(lane, batch, paced=paced, retry_in=result.next_retry)
+        self._release_after(lane, self.ledger.done(lane, batch, paced=paced, retry_in=result.next_retry))
 
-    def done(
-        self,
-        lane: Lane,
-        batch: Batch,
-        *,
-        paced: tuple[bool, float] | None = None,
-        retry_in: float | None = None,
-        alone: bool = False,
-    ) -> None:
-        """``batch`` leaves through the ledger; the WAL batches read after one that did not commit
-        go with it, once their finishers gave up (they waited for it), unwritten."""
-        ledger = self.ledger
-        for later in ledger.done(lane, batch, paced=paced, retry_in=retry_in, alone=alone):
-            waiting = self.finishing.pop(later, None)
-            if waiting is not None:  # its finisher waited for this one: it gives up, unwritten
+    def _release_after(self, lane: Lane, later: list[Batch]) -> None:
+        """The WAL batches read after one that did not commit (``Ledger.done`` returned them) go
+        too, once their finishers gave up (they waited for it), unwritten."""
+        for batch in later:
+            waiting = self.finishing.pop(batch, None)
+            if waiting is not None:  # its finisher waited for the failed one: it gives up, unwritten
                 waiting[0].exception()
-            self.recorder.end_spans(later, time.time_ns(), "released")
-            later.release()
-            ledger.leave(lane, later)
+            self.recorder.end_spans(batch, time.time_ns(), "released")
+            batch.release()
+            self.ledger.leave(lane, batch)
 
     def let_go_of_the_wal(self) -> None:
         """The database cannot be reached (take() waits to try again): WAL capture's readers let
@@ -296,7 +290,9 @@ class BatchFinisher:
                 continue
             self.recorder.end_spans(first, time.time_ns(), "released")
             first.release()
-            self.done(lane, first)  # rewinds the reader, releases the WAL batches read after it
+            self._release_after(
+                lane, self.ledger.done(lane, first)
+            )  # rewinds the reader, releases the WAL batches read after it
 
     def release_all(self, why: str) -> None:
         """Roll back every in-flight batch: their events can be claimed again at once."""
@@ -305,7 +301,7 @@ class BatchFinisher:
             if batch in lane.in_flight:  # (not abandoned with a WAL batch read before it)
                 self.recorder.end_spans(batch, time.time_ns(), "released")
                 batch.release()
-                self.done(lane, batch)
+                self._release_after(lane, self.ledger.done(lane, batch))
         if why:
             log.info("released in-flight batches: %s", why)
 

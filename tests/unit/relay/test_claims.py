@@ -4,7 +4,6 @@ what they were asked (pure routing; no database)."""
 from __future__ import annotations
 
 import time
-import uuid
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any, cast
@@ -13,9 +12,8 @@ from outbox.relay.claims import ClaimStep
 from outbox.relay.config import RelayConfig
 from outbox.relay.lanes import Beats, Lane
 from outbox.relay.limits import Limit, gates
-from outbox.relay.ordering import Ordering
 from outbox.relay.scheduler import ClaimScheduler
-from outbox.store.outboxes import Outbox
+from tests.unit.relay.lanes import a_lane
 
 
 @dataclass
@@ -45,14 +43,9 @@ class _Intake:
 def _step(n: int, **config: Any) -> tuple[ClaimStep, list[Lane], _Intake, _Intake, _Intake]:
     cfg = RelayConfig("postgresql://unused", **config)
     scheduler = ClaimScheduler(cfg, Beats())
-    member = SimpleNamespace(id=uuid.uuid4(), link=None)
     lanes = []
     for i in range(n):
-        ordering = Ordering(
-            member=cast(Any, member), schema=f"s{i}", name="r", lease=30.0, batch_lease=30.0,
-            ordering="key", on_dead="park",
-        )  # fmt: skip
-        lane = Lane(Outbox(f"o{i}", "postgresql://unused", f"s{i}"), ordering)
+        lane = a_lane(f"o{i}", f"s{i}")
         lane.upkept.capture_mode = "table"
         lane.wake.woken = True
         scheduler.add(lane)

@@ -3,7 +3,6 @@ ledger, with a sink that records what it was given (no database, no broker)."""
 
 from __future__ import annotations
 
-import uuid
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any, cast
@@ -15,11 +14,10 @@ from outbox.relay.dispatch import Dispatcher
 from outbox.relay.lanes import Beats, Lane, RelayStats
 from outbox.relay.ledger import Ledger
 from outbox.relay.metrics import RelayMetrics
-from outbox.relay.ordering import Ordering
 from outbox.relay.recorder import BatchRecorder
 from outbox.relay.scheduler import ClaimScheduler
 from outbox.sinks.base import Delivered, Report
-from outbox.store.outboxes import Outbox
+from tests.unit.relay.lanes import a_lane
 
 
 @dataclass
@@ -55,12 +53,8 @@ class _Sink:
 def _setup() -> tuple[Dispatcher, Ledger, Lane, _Sink]:
     config = RelayConfig("postgresql://unused")
     scheduler = ClaimScheduler(config, Beats())
-    member = SimpleNamespace(id=uuid.uuid4(), link=None)
-    ordering = Ordering(
-        member=cast(Any, member), schema="s", name="r", lease=30.0, batch_lease=30.0, ordering="key",
-        on_dead="park",
-    )  # fmt: skip
-    lane = Lane(Outbox("o", "postgresql://unused", "s"), ordering)
+    lane = a_lane("o", "s")
+    member = lane.ordering.member
     ledger = Ledger(cast(Any, SimpleNamespace()), cast(Any, None), cast(Any, member), scheduler)
     sink = _Sink()
     recorder = BatchRecorder(RelayStats(), RelayMetrics(), lambda: True)

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import uuid
 from dataclasses import dataclass, field
-from types import SimpleNamespace
 from typing import Any, cast
 
 from outbox.relay.batch import Batch
@@ -15,11 +14,10 @@ from outbox.relay.finisher import BatchFinisher
 from outbox.relay.lanes import Beats, Lane, RelayStats
 from outbox.relay.ledger import Ledger
 from outbox.relay.metrics import RelayMetrics
-from outbox.relay.ordering import Ordering
 from outbox.relay.recorder import BatchRecorder
 from outbox.relay.scheduler import ClaimScheduler
 from outbox.sinks.base import Delivered
-from outbox.store.outboxes import Outbox
+from tests.unit.relay.lanes import a_lane
 
 
 @dataclass
@@ -61,12 +59,8 @@ def _finisher(sessions: _Sessions) -> tuple[BatchFinisher, Ledger, BatchRecorder
     config = RelayConfig("postgresql://unused")
     scheduler = ClaimScheduler(config, Beats())
     recorder = BatchRecorder(RelayStats(), RelayMetrics(), lambda: True)
-    member = SimpleNamespace(id=uuid.uuid4(), link=None)
-    ordering = Ordering(
-        member=cast(Any, member), schema="s", name="r", lease=30.0, batch_lease=30.0, ordering="key",
-        on_dead="park",
-    )  # fmt: skip
-    lane = Lane(Outbox("o", "postgresql://unused", "s"), ordering)
+    lane = a_lane("o", "s")
+    member = lane.ordering.member
     scheduler.add(lane)
     ledger = Ledger(cast(Any, sessions), cast(Any, None), cast(Any, member), scheduler)
     finisher = BatchFinisher(

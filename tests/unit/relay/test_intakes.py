@@ -18,10 +18,9 @@ from outbox.relay.gated import GateIntake
 from outbox.relay.lanes import Beats, Lane
 from outbox.relay.limits import Limit, gates
 from outbox.relay.metrics import RelayMetrics
-from outbox.relay.ordering import Ordering
 from outbox.relay.scheduler import ClaimScheduler
 from outbox.relay.wal_intake import WalIntake
-from outbox.store.outboxes import Outbox
+from tests.unit.relay.lanes import a_lane
 
 
 @dataclass
@@ -65,12 +64,7 @@ class _Table:
 
 
 def _lane() -> Lane:
-    member = SimpleNamespace(id=uuid.uuid4(), link=None)
-    ordering = Ordering(
-        member=cast(Any, member), schema="s", name="r", lease=30.0, batch_lease=30.0, ordering="key",
-        on_dead="park",
-    )  # fmt: skip
-    lane = Lane(Outbox("o", "postgresql://unused", "s"), ordering)
+    lane = a_lane("o", "s")
     lane.upkept.capture_mode = "table"
     return lane
 

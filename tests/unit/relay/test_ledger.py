@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import uuid
 from dataclasses import dataclass, field
-from types import SimpleNamespace
 from typing import Any, cast
 
 from outbox.events import ClaimedEvent
@@ -13,10 +12,9 @@ from outbox.relay.batch import Batch
 from outbox.relay.config import RelayConfig
 from outbox.relay.lanes import Beats, Lane
 from outbox.relay.ledger import Ledger
-from outbox.relay.ordering import Ordering
 from outbox.relay.scheduler import ClaimScheduler
 from outbox.relay.wal_batch import WalBatch
-from outbox.store.outboxes import Outbox
+from tests.unit.relay.lanes import a_lane
 
 
 @dataclass
@@ -43,12 +41,8 @@ class _Reader:
 def _lane() -> tuple[Ledger, Lane, _Sessions, ClaimScheduler]:
     config = RelayConfig("postgresql://unused")
     scheduler = ClaimScheduler(config, Beats())
-    member = SimpleNamespace(id=uuid.uuid4(), link=None)
-    ordering = Ordering(
-        member=cast(Any, member), schema="s", name="r", lease=30.0, batch_lease=30.0, ordering="key",
-        on_dead="park",
-    )  # fmt: skip
-    lane = Lane(Outbox("o", "postgresql://unused", "s"), ordering)
+    lane = a_lane("o", "s")
+    member = lane.ordering.member
     scheduler.add(lane)
     sessions = _Sessions()
     return (

@@ -5,7 +5,6 @@ no clock waited on)."""
 from __future__ import annotations
 
 import time
-import uuid
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any, cast
@@ -14,9 +13,8 @@ from outbox.relay.config import RelayConfig
 from outbox.relay.lanes import Beats, Lane
 from outbox.relay.ledger import Ledger
 from outbox.relay.loop import REPORT_WAIT, Loop, Wakeup
-from outbox.relay.ordering import Ordering
 from outbox.relay.scheduler import ClaimScheduler
-from outbox.store.outboxes import Outbox
+from tests.unit.relay.lanes import a_lane
 
 
 @dataclass
@@ -87,12 +85,8 @@ class _Parts:
 
 def _loop(signals: bool) -> tuple[Loop, Lane, _Parts, _Sink, _Event]:
     scheduler = ClaimScheduler(RelayConfig("postgresql://unused"), Beats())
-    member = SimpleNamespace(id=uuid.uuid4(), link=None)
-    ordering = Ordering(
-        member=cast(Any, member), schema="s", name="r", lease=30.0, batch_lease=30.0, ordering="key",
-        on_dead="park",
-    )  # fmt: skip
-    lane = Lane(Outbox("o", "postgresql://unused", "s"), ordering)
+    lane = a_lane("o", "s")
+    member = lane.ordering.member
     lane.next_poll = time.monotonic() + 60  # not due unless woken
     lane.more_work = lane.wake.woken = False
     scheduler.add(lane)
