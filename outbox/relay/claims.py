@@ -8,12 +8,10 @@ import time
 from collections.abc import Callable
 
 from outbox.relay.gated import GateIntake
-from outbox.relay.intake import Intake
+from outbox.relay.intake import Intake, Picks
 from outbox.relay.lanes import Lane
 from outbox.relay.scheduler import ClaimScheduler
 from outbox.relay.wal_intake import WalIntake
-
-Picks = list[tuple[Lane, int]]  # outboxes claimed together, each with its claim's limit
 
 
 class ClaimStep:

@@ -18,6 +18,8 @@ from outbox.relay.pipelined import Picks, Pipelined
 from outbox.relay.scheduler import ClaimScheduler
 from outbox.store.sessions import Sessions
 
+__all__ = ["Intake", "Picks"]  # Picks: what a shared claim takes, for the claim step
+
 
 class Intake:
     """Claims batches from the outboxes' tables (through ``table``). ``send`` and ``flush``: the

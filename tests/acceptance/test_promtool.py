@@ -73,13 +73,14 @@ def _expressions() -> dict[str, str]:
     for group in yaml.safe_load(RULES.read_text())["groups"]:
         for rule in group["rules"]:
             found[f"rule {rule['alert']}"] = rule["expr"]
-    for panel in json.loads(DASHBOARD.read_text())["panels"]:
+    dashboard = json.loads(DASHBOARD.read_text())
+    for panel in dashboard["panels"]:
         for target in panel.get("targets", []):
             expr = target["expr"]
             for variable, value in GRAFANA_VARIABLES.items():
                 expr = expr.replace(variable, value)
             found[f"panel {panel['title']!r} {target['refId']}"] = expr
-    for variable in json.loads(DASHBOARD.read_text())["templating"]["list"]:
+    for variable in dashboard["templating"]["list"]:
         if variable["type"] == "query":  # label_values(METRIC, LABEL): Grafana's, not PromQL
             metric = variable["query"].removeprefix("label_values(").split(",")[0]
             found[f"variable {variable['name']}"] = metric
