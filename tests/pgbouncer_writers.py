@@ -170,8 +170,7 @@ def main() -> None:
 def _configure_django(dsn: str) -> None:
     """docs/writers.md's settings: no server-side cursors; on psycopg 3, no prepared statements."""
     from django.db.backends.postgresql.psycopg_any import is_psycopg3
-
-    from outbox.bench.writers import configure_django
+    from outbox_bench.writers import configure_django
 
     options = {"prepare_threshold": None} if is_psycopg3 else {}
     configure_django(dsn, {"DISABLE_SERVER_SIDE_CURSORS": True, "OPTIONS": options})

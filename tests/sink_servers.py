@@ -20,8 +20,8 @@ from typing import Any
 import aiormq
 import nats
 import redis
+from outbox_bench.harness.sinktaps import Receiver, Request
 
-from outbox.harness.sinktaps import Receiver, Request
 from tests.helpers import Message
 
 RABBIT = ("127.0.0.1", 5672)

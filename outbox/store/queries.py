@@ -15,12 +15,16 @@ from __future__ import annotations
 import functools
 import importlib.resources
 import re
-from collections.abc import Hashable, Iterable, Mapping
+from collections.abc import Callable, Hashable, Iterable, Mapping
+from typing import TYPE_CHECKING
 
 from psycopg import sql
 from psycopg.abc import AdaptContext
 
 from outbox.store.schema import channel_name, validate_schema
+
+if TYPE_CHECKING:
+    from importlib.abc import Traversable
 
 _BLOCK = re.compile(r"^-- name: (\w+)\n", re.MULTILINE)
 
@@ -44,20 +48,27 @@ APPLICATION_SESSION = frozenset(
 )
 
 
-@functools.cache
-def _raw_queries() -> dict[str, str]:
+def read_named(folder: Traversable, where: str) -> dict[str, str]:
+    """Every ``-- name: NAME`` block of the ``.sql`` files in ``folder``, comment lines dropped;
+    a name defined twice is refused (``where`` names the folder). Another distribution built on
+    this one (the bench) loads its own statements so."""
     queries: dict[str, str] = {}
-    for entry in sorted(importlib.resources.files("outbox.store").joinpath("sql").iterdir(), key=str):
+    for entry in sorted(folder.iterdir(), key=lambda e: e.name):
         if not entry.name.endswith(".sql"):
             continue
         parts = _BLOCK.split(entry.read_text("utf-8"))
         # parts = [preamble, name1, body1, name2, body2, ...]
         for name, body in zip(parts[1::2], parts[2::2], strict=True):
             if name in queries:
-                raise RuntimeError(f"query {name!r} is defined twice in outbox/store/sql/")
+                raise RuntimeError(f"query {name!r} is defined twice in {where}")
             lines = [line for line in body.strip().splitlines() if not line.startswith("--")]
             queries[name] = "\n".join(lines).strip()
     return queries
+
+
+@functools.cache
+def _raw_queries() -> dict[str, str]:
+    return read_named(importlib.resources.files("outbox.store").joinpath("sql"), "outbox/store/sql/")
 
 
 def names() -> list[str]:
@@ -90,13 +101,24 @@ def query(
     ``fragments`` fill placeholders with another named block's text (None: nothing), before the
     rest is bound: a clause that only some executions need stays out of the others' plans.
     """
+    return compose(raw, name, schema, keywords=keywords, identifiers=identifiers, literals=literals,
+                   fragments=fragments)  # fmt: skip
+
+
+def compose(
+    source: Callable[[str], str],
+    name: str,
+    schema: str,
+    *,
+    keywords: Mapping[str, str] | None = None,
+    identifiers: Mapping[str, str] | None = None,
+    literals: Mapping[str, Hashable] | None = None,
+    fragments: Mapping[str, str | None] | None = None,
+) -> Statement:
+    """:func:`query` of a statement that ``source`` gives by name: another distribution's own
+    (a module-level function, so that the composed statements are cached)."""
     return _query(
-        name,
-        schema,
-        _items(keywords),
-        _items(identifiers),
-        _items(literals),
-        _items(fragments),
+        source, name, schema, _items(keywords), _items(identifiers), _items(literals), _items(fragments)
     )
 
 
@@ -129,17 +151,18 @@ class Statement(sql.Composed):
 
 @functools.lru_cache(maxsize=512)
 def _query(
+    source: Callable[[str], str],
     name: str,
     schema: str,
     keywords: tuple[tuple[str, Hashable], ...],
     identifiers: tuple[tuple[str, Hashable], ...],
     literals: tuple[tuple[str, Hashable], ...],
-    fragments: tuple[tuple[str, Hashable], ...] = (),
+    fragments: tuple[tuple[str, Hashable], ...],
 ) -> Statement:
     validate_schema(schema)
-    text = raw(name)
+    text = source(name)
     for placeholder, block in fragments:
-        text = text.replace("{" + placeholder + "}", raw(str(block)) if block else "")
+        text = text.replace("{" + placeholder + "}", source(str(block)) if block else "")
     parts: dict[str, sql.Composable] = {
         "schema": sql.Identifier(schema),
         "schema_name": sql.Literal(schema),

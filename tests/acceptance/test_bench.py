@@ -13,8 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
-from outbox.bench.config import SCENARIOS
+from outbox_bench.config import SCENARIOS
 
 GROUPS = [
     ("drain",), ("steady", "writer", "tenants"), ("soak", "scale", "snapshot"), ("sinks", "console", "limits"),
@@ -71,7 +70,7 @@ def test_bench_smoke_drain(pg_dsn: str, kafka: str, tmp_path: Path) -> None:
         "txoutbox",
         "txoutbox_unordered",
         "faststream_outbox",
-    }  # the dev extras hold outbox-relay[bench-peers]
+    }  # the dev extras hold outbox-relay-bench[peers]'s packages
     # WAL capture races too: the suite's server runs with wal_level = logical (scripts/bootstrap).
     captures = {
         "relay",

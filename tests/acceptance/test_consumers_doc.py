@@ -17,10 +17,10 @@ import nats
 import psycopg
 import pytest
 import redis
+from outbox_bench.harness.sinktaps import Request
 from psycopg import sql
 
 import outbox
-from outbox.harness.sinktaps import Request
 from outbox.relay.config import RelayConfig
 from outbox.sinks.make import routed
 from outbox.sinks.routes import parse_routes

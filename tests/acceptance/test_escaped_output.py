@@ -18,11 +18,11 @@ from collections.abc import Iterator
 
 import psycopg
 import pytest
+from outbox_bench.harness.sinktaps import Receiver, Request
 from psycopg import sql
 
 import outbox
 from outbox.escape import escape
-from outbox.harness.sinktaps import Receiver, Request
 from tests.helpers import ModuleProcess, count, wait_for
 
 TITLE = "\x1b]0;pwned\x07"

@@ -19,9 +19,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
-from outbox.bench.faults.config import WINDOW_COMMITS
-from outbox.bench.faults.scenarios import SCENARIOS
+from outbox_bench.faults.config import WINDOW_COMMITS
+from outbox_bench.faults.scenarios import SCENARIOS
 
 # Each runs a whole `outbox bench` process with a timeout of its own (600 s), which says what it
 # was doing: pytest's default 300 s would cut it short first when it shares the cores (CI runs

@@ -13,11 +13,11 @@ from collections.abc import Iterator
 
 import psycopg
 import pytest
+from outbox_bench.harness.proxy import Proxy
 from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 from outbox.harness.embedded import free_port
-from outbox.harness.proxy import Proxy
 from outbox.store.migrate import migrate
 from tests.helpers import (
     FAST,

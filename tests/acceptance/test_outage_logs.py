@@ -2,7 +2,7 @@
 one line when it ends — for a 30 s broker outage with a 20 s database outage inside it.
 
 The broker is a Tansu process the test stops and starts (back empty); the database is taken
-away by a loopback proxy that resets every connection (``outbox.harness.proxy``). A writer
+away by a loopback proxy that resets every connection (``outbox_bench.harness.proxy``). A writer
 keeps committing straight to PostgreSQL meanwhile, so the relay always has work.
 """
 
@@ -18,11 +18,11 @@ from pathlib import Path
 from typing import Any
 
 import psycopg
+from outbox_bench.harness.proxy import Proxy
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 import outbox
 from outbox.harness.embedded import Broker, free_port
-from outbox.harness.proxy import Proxy
 from tests.helpers import count, wait_for
 
 BROKER_OUTAGE = 30.0  # seconds

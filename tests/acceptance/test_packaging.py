@@ -134,6 +134,16 @@ def test_the_release_installs_from_its_wheel_and_the_quickstart_runs(tmp_path: P
     assert {n.split("/")[0] for n in names} == {"outbox", info}
     packages = {p.parent.relative_to(ROOT).as_posix() for p in (ROOT / "outbox").rglob("__init__.py")}
     assert packages <= {n.rsplit("/", 1)[0] for n in names if n.endswith("/__init__.py")}
+    # The runtime alone: the bench, the fault suite, the explorer and their taps, proxy and SQL
+    # are outbox-relay-bench's (benchmarks/), and the harness keeps what `outbox demo` and
+    # `outbox dev` run.
+    assert not [n for n in names if n.startswith(("outbox/bench/", "outbox_bench/"))]
+    harness = {n.removeprefix("outbox/harness/") for n in names if n.startswith("outbox/harness/")}
+    assert harness == {
+        f"{m}.py" for m in ("__init__", "demo", "dev", "embedded", "pginstall", "infra", "load", "tap")
+    }
+    assert not {"outbox/store/sql/bench.sql", "outbox/store/sql/explore.sql"} & names
+    _bench_distribution(tmp_path / "bench-dist")
     metadata = zipfile.ZipFile(wheel).read(f"{info}/METADATA").decode()
     for line in ("Name: outbox-relay", f"Version: {outbox.__version__}", "License-Expression: Apache-2.0"):
         assert line in metadata.splitlines(), line
@@ -157,11 +167,44 @@ def test_the_release_installs_from_its_wheel_and_the_quickstart_runs(tmp_path: P
     where = _run(python, "-c", "import outbox; print(outbox.__file__)", env=env, cwd=tmp_path)
     assert where.stdout.strip().startswith(str(venv)), where.stdout
 
+    # Without outbox-relay-bench, `outbox bench` is one line saying what to install.
+    bench = subprocess.run(
+        [bin_ / "outbox", "bench", "--smoke"], env=env, cwd=tmp_path, capture_output=True, text=True
+    )
+    assert bench.returncode == 2 and bench.stdout == "", bench
+    assert bench.stderr.count("\n") == 1 and "pip install outbox-relay-bench" in bench.stderr, bench.stderr
+
     blocks = dict(TERMINAL.findall(README))
     demo = _lines(blocks["demo"]).replace("--seconds 20", "--seconds 3")  # the same, shorter
     done = _run("bash", "-euo", "pipefail", "-c", demo, env=env, cwd=tmp_path, timeout=180)
     assert "demo: every committed event was consumed" in done.stdout + done.stderr, done.stdout + done.stderr
     _quickstart(env, bin_, tmp_path, blocks)
+
+
+def _bench_distribution(dist: Path) -> None:
+    """outbox-relay-bench, built from benchmarks/ as the release builds it: its modules, its SQL
+    under its own package, `outbox bench` as an entry point, and outbox-relay at the same version."""
+    _run(sys.executable, "-m", "build", "--outdir", dist, ROOT / "benchmarks", timeout=400)
+    [wheel] = dist.glob("outbox_relay_bench-*.whl")
+    assert wheel.name == f"outbox_relay_bench-{outbox.__version__}-py3-none-any.whl"
+    _run(sys.executable, "-m", "twine", "check", "--strict", *dist.iterdir())
+    zipped = zipfile.ZipFile(wheel)
+    info = f"outbox_relay_bench-{outbox.__version__}.dist-info"
+    names = set(zipped.namelist())
+    for shipped in (
+        "outbox_bench/cli.py",
+        "outbox_bench/faults/suite.py",
+        "outbox_bench/explore/seeds.py",
+        "outbox_bench/harness/proxy.py",
+        "outbox_bench/sql/bench.sql",
+        "outbox_bench/sql/explore.sql",
+    ):
+        assert shipped in names, shipped
+    assert {n.split("/")[0] for n in names} == {"outbox_bench", info}
+    entry = zipped.read(f"{info}/entry_points.txt").decode()
+    assert "[outbox.commands]\nbench = outbox_bench.cli:register" in entry, entry
+    metadata = zipped.read(f"{info}/METADATA").decode().splitlines()
+    assert f"Requires-Dist: outbox-relay[embedded]=={outbox.__version__}" in metadata
 
 
 def _lines(block: str) -> str:

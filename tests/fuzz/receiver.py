@@ -15,7 +15,7 @@ import threading
 from collections import Counter
 from dataclasses import dataclass, field
 
-from outbox.harness.sinktaps import Request, read_request
+from outbox_bench.harness.sinktaps import Request, read_request
 
 _CONTROL = re.compile(rb"[\x00-\x08\x0a-\x1f\x7f]")
 

@@ -10,16 +10,19 @@ import pytest
 
 pytestmark = pytest.mark.same_on_every_python
 
-PACKAGE = Path(__file__).resolve().parents[2] / "outbox"
+ROOT = Path(__file__).resolve().parents[2]
+# The runtime (outbox-relay) and the bench (outbox-relay-bench, in benchmarks/): one graph.
+PACKAGES = (ROOT / "outbox", ROOT / "benchmarks" / "outbox_bench")
 
 
 def _module_name(path: Path) -> str:
-    parts = ["outbox", *path.relative_to(PACKAGE).with_suffix("").parts]
+    package = next(p for p in PACKAGES if p in path.parents)
+    parts = [package.name, *path.relative_to(package).with_suffix("").parts]
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
 def _graph() -> dict[str, set[str]]:
-    modules = {_module_name(p): p for p in PACKAGE.rglob("*.py")}
+    modules = {_module_name(p): p for package in PACKAGES for p in package.rglob("*.py")}
     graph: dict[str, set[str]] = {name: set() for name in modules}
     for name, path in modules.items():
         package = name if path.name == "__init__.py" else name.rpartition(".")[0]
@@ -80,7 +83,16 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 def test_the_graph_sees_lazy_imports() -> None:
     graph = _graph()
-    assert "outbox.bench.runner" in graph["outbox.bench.cli"]  # imported inside cmd_perf
+    assert "outbox_bench.runner" in graph["outbox_bench.cli"]  # imported inside cmd_perf
+
+
+def test_the_runtime_never_imports_the_bench() -> None:
+    """Not even lazily: the bench is another distribution, built on the runtime. The command line
+    finds `outbox bench` through an entry point (outbox.cli.PLUGINS)."""
+    graph = _graph()
+    upward = {(m, t) for m, targets in graph.items() if m.startswith("outbox.") for t in targets}
+    assert {(m, t) for m, t in upward if t.startswith("outbox_bench")} == set()
+    assert any(t.startswith("outbox.") for t in graph["outbox_bench.cli"])  # the graph holds both
 
 
 def test_no_import_circles_in_the_package() -> None:
@@ -119,7 +131,7 @@ def test_the_runtime_imports_nothing_of_the_bench_or_the_harness() -> None:
         f"for m in {RUNTIME!r}: importlib.import_module(m)\n"
         "from outbox.cli import build_parser\n"
         f"for argv in {COMMANDS!r}: build_parser(bench=False).parse_args(argv)\n"
-        "print(sorted(m for m in sys.modules if m.startswith(('outbox.bench', 'outbox.harness'))))\n"
+        "print(sorted(m for m in sys.modules if m.startswith(('outbox_bench', 'outbox.harness'))))\n"
     )
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]", out.stdout
@@ -146,7 +158,7 @@ def test_a_command_that_moves_no_event_imports_neither_the_relay_nor_the_console
 
 # The one import that runs upward between packages: the command line registers `outbox bench`,
 # whose package stands above it (the bench drives relays through the command line's options).
-UPWARD = {("outbox.cli", "outbox.bench")}
+UPWARD = {("outbox.cli", "outbox_bench")}
 
 
 def test_the_packages_stand_in_layers_with_one_import_upward() -> None:

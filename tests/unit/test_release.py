@@ -91,6 +91,22 @@ def test_the_distribution_its_version_and_its_extras() -> None:
     assert project["license-files"] == ["LICENSE"]
 
 
+def test_the_bench_is_released_with_the_runtime_at_its_version() -> None:
+    """outbox-relay-bench (benchmarks/) has outbox-relay's version and requires exactly it: a
+    bench measures the relay it was released with."""
+    tomllib = pytest.importorskip("tomllib")
+    import outbox_bench._version
+    from outbox_bench.needs import NEEDS
+
+    project = tomllib.loads((ROOT / "benchmarks" / "pyproject.toml").read_text())["project"]
+    assert project["name"] == "outbox-relay-bench" and project["dynamic"] == ["version"]
+    assert outbox_bench._version.__version__ == outbox.__version__
+    assert f"outbox-relay[embedded]=={outbox.__version__}" in project["dependencies"]
+    assert set(NEEDS) - {""} <= set(project["optional-dependencies"])
+    runtime = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert not {"bench", "bench-peers"} & set(runtime["optional-dependencies"])
+
+
 def test_the_root_files_a_user_looks_for_exist() -> None:
     for name in ("README.md", "LICENSE", "CHANGELOG.md", "SECURITY.md", "CONTRIBUTING.md"):
         assert (ROOT / name).is_file(), name

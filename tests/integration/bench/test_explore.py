@@ -9,11 +9,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from outbox_bench.explore.checker import check
+from outbox_bench.explore.schedule import Schedule, draw
+from outbox_bench.explore.seeds import CI_SEEDS, MUTANT_SEEDS, REGRESSIONS
+from outbox_bench.explore.world import World
 
-from outbox.bench.explore.checker import check
-from outbox.bench.explore.schedule import Schedule, draw
-from outbox.bench.explore.seeds import CI_SEEDS, MUTANT_SEEDS, REGRESSIONS
-from outbox.bench.explore.world import World
 from outbox.harness.embedded import EmbeddedPostgres, embedded_postgres_server
 
 

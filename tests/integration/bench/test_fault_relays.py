@@ -6,9 +6,9 @@ import time
 from pathlib import Path
 
 import pytest
+from outbox_bench.faults.config import FaultConfig
+from outbox_bench.faults.relays import Relays
 
-from outbox.bench.faults.config import FaultConfig
-from outbox.bench.faults.relays import Relays
 from outbox.harness.embedded import free_port
 
 

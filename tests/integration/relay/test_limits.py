@@ -11,11 +11,11 @@ from typing import Any
 
 import psycopg
 import pytest
+from outbox_bench.harness.sinktaps import Clocked
 from psycopg import sql
 
 import outbox
 from outbox.errors import ConfigError
-from outbox.harness.sinktaps import Clocked
 from outbox.operate import status
 from outbox.relay.config import RelayConfig
 from outbox.relay.limits import BURST_SECONDS

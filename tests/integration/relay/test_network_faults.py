@@ -10,12 +10,12 @@ import threading
 import time
 
 import psycopg
+from outbox_bench.harness.proxy import Proxy
 from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 import outbox
 from outbox.harness.embedded import Broker, free_port
-from outbox.harness.proxy import Proxy
 from outbox.relay.config import RelayConfig
 from outbox.relay.relay import Relay
 from outbox.relay.retry import RetryPolicy

@@ -12,9 +12,9 @@ from typing import Any
 
 import psycopg
 import pytest
+from outbox_bench.harness.proxy import Proxy
 
 import outbox
-from outbox.harness.proxy import Proxy
 from outbox.relay.config import RelayConfig
 from outbox.relay.retry import RetryPolicy
 from outbox.sinks.make import routed

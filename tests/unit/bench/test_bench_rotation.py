@@ -1,6 +1,6 @@
 """The drain's run order: every contender leads a run in turn (pure logic)."""
 
-from outbox.bench.scenarios import rotated
+from outbox_bench.scenarios import rotated
 
 
 def test_each_run_starts_one_contender_later() -> None:

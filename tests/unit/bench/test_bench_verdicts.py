@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from outbox.bench.report import FAIRNESS_SAMPLES, tenants_markdown
-from outbox.bench.tenants import _phase
+from outbox_bench.report import FAIRNESS_SAMPLES, tenants_markdown
+from outbox_bench.tenants import _phase
 
 
 def _tenants(acked: int, p99: float | None) -> dict[str, Any]:

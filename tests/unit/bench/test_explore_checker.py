@@ -1,5 +1,5 @@
 """The schedule explorer's checker and schedules, on records made by hand: each invariant breaks
-when it should, and holds when it should (outbox/bench/explore/checker.py)."""
+when it should, and holds when it should (benchmarks/outbox_bench/explore/checker.py)."""
 
 from __future__ import annotations
 
@@ -8,10 +8,11 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from outbox.bench.explore.checker import check
-from outbox.bench.explore.schedule import Schedule, draw
-from outbox.bench.explore.search import _smaller
-from outbox.bench.explore.world import Record
+from outbox_bench.explore.checker import check
+from outbox_bench.explore.schedule import Schedule, draw
+from outbox_bench.explore.search import _smaller
+from outbox_bench.explore.world import Record
+
 from outbox.cli import JsonFormatter
 
 T0 = 1000.0

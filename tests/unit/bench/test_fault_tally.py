@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from outbox.bench.faults.tally import tally
+from outbox_bench.faults.tally import tally
+
 from outbox.harness.load import Written
 from outbox.harness.tap import Seen
 

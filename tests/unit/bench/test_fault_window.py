@@ -7,9 +7,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
-
-from outbox.bench.faults import run as fault_run
-from outbox.bench.faults.config import FaultConfig
+from outbox_bench.faults import run as fault_run
+from outbox_bench.faults.config import FaultConfig
 
 
 class _Clock:

@@ -7,9 +7,9 @@ import json
 import struct
 
 import pytest
+from outbox_bench.writers import sqlalchemy_url
 
 from outbox import capture
-from outbox.bench.writers import sqlalchemy_url
 from outbox.capture import pgoutput, wal_message
 from outbox.events import Unusable, encode_event
 

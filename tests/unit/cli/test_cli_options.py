@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from importlib.metadata import entry_points
 from typing import Any
 
 import pytest
@@ -71,13 +72,27 @@ def test_metrics_port_zero_means_off_on_the_command_line(monkeypatch: pytest.Mon
 
 
 def test_every_command_is_in_groups_and_its_group_alone_builds_it() -> None:
-    from outbox.cli import GROUPS
+    from outbox.cli import GROUPS, PLUGINS
 
     every = build_parser()._subparsers._group_actions[0].choices  # type: ignore[union-attr]
-    assert set(every) == set(GROUPS)
+    assert set(every) == set(GROUPS) | set(PLUGINS)
     for command in every:
         alone = build_parser(command=command)._subparsers._group_actions[0].choices  # type: ignore[union-attr]
-        assert command in alone and len(alone) < len(every), command
+        assert (command in alone and len(alone) < len(every)) or command in PLUGINS, command
+
+
+def test_the_bench_is_another_distributions_command_and_only_its_own_command_loads_it() -> None:
+    """`outbox bench` comes from outbox-relay-bench's entry point (installed here, from
+    benchmarks/); any other command line lists it by its help line and imports none of it."""
+    from outbox.cli import ENTRY_POINTS, PLUGINS
+
+    [entry] = entry_points(group=ENTRY_POINTS, name="bench")
+    assert entry.value == "outbox_bench.cli:register" and entry.dist is not None
+    assert entry.dist.name == "outbox-relay-bench" and "bench" in PLUGINS
+    listed = build_parser(bench=False)._subparsers._group_actions[0].choices  # type: ignore[union-attr]
+    assert listed["bench"].format_usage().strip() == "usage: outbox bench"
+    loaded = build_parser()._subparsers._group_actions[0].choices  # type: ignore[union-attr]
+    assert "--scenarios" in loaded["bench"].format_help()
 
 
 def test_outbox_dev_refuses_a_taken_port_in_one_line(capsys: pytest.CaptureFixture[str]) -> None:
