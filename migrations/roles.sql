@@ -48,6 +48,10 @@ GRANT SELECT (id, key, retire_at) ON {schema}.capture_keys TO {relay};
 GRANT EXECUTE ON FUNCTION {schema}.ensure_delivered_partitions(integer) TO {relay};
 -- The audit trail of operators' actions: read by `outbox audit` and `outbox status`.
 GRANT SELECT ON {schema}.audit TO {relay};
+-- Its own verifications (--verify-every: migration 0027), and the repairs a verify made.
+GRANT SELECT, INSERT ON {schema}.verifications TO {relay};
+GRANT USAGE ON SEQUENCE {schema}.verifications_id_seq TO {relay};
+GRANT SELECT ON {schema}.repaired TO {relay};
 -- The claim-check store (--claim-check-store postgres:): store, read, and purge old payloads.
 GRANT SELECT, INSERT, UPDATE, DELETE ON {schema}.claim_checks TO {relay};
 -- Membership in the database's fleet (migration 0018): the one row whose lease keeps its
@@ -67,7 +71,7 @@ GRANT EXECUTE ON FUNCTION outbox_fleet.limit_take(
 GRANT USAGE ON SCHEMA {schema} TO {console};
 GRANT SELECT ON {schema}.schema_migrations, {schema}.events, {schema}.delivered, {schema}.dead_letters,
     {schema}.relays, {schema}.partitions, {schema}.claim_checks, {schema}.capture,
-    {schema}.capture_positions TO {console};
+    {schema}.capture_positions, {schema}.verifications, {schema}.repaired TO {console};
 GRANT INSERT ON {schema}.events TO {console};
 GRANT USAGE ON SCHEMA outbox_fleet TO {console};
 GRANT SELECT ON outbox_fleet.relays, outbox_fleet.limits, outbox_fleet.limit_flights TO {console};

@@ -38,6 +38,10 @@ EVENT_ID_HEADER = "event-id"
 """The header that carries each event's id (a UUID, as text) on every sink: what a consumer keys
 its duplicates on (:func:`outbox.inbox.first_delivery`)."""
 KEY_HEADER = "event-key"  # the event's key, on sinks whose messages have no key of their own
+# Set on an event `outbox verify --repair` sent again (its audit entry's id): the event keeps its
+# event id, and a sink that drops a second message of an event id (JetStream's duplicate window)
+# takes this one.
+REPAIR_HEADER = "outbox-repair"
 CLAIM_CHECK_HEADER = "outbox-claim-check"  # a big payload's reference (outbox.claim_check)
 CORRUPT_TOPIC = "(corrupt)"  # the topic of what could not be decoded (results, WAL dead letters)
 CONTENT_TYPE_HEADER = "content-type"

@@ -10,7 +10,7 @@ import argparse
 
 from outbox.cli import options
 from outbox.cli.common import add_common
-from outbox.cli.relay import KafkaOptions
+from outbox.cli.routes import KafkaOptions
 
 
 def add_servers(parser: argparse.ArgumentParser) -> None:

@@ -6,11 +6,11 @@ neither ``--dsn`` nor ``OUTBOX_DSN`` is set. Options are made from the
 settings they configure (``outbox.cli.options``), so they are declared once.
 
 Each command group registers itself: ``cli.relay`` (relay), ``cli.operate``
-(migrate, status, notify, inbox), ``cli.repair`` (dead, retry, replay, purge, audit), ``cli.demo``
-(demo, dev), ``cli.console`` (console). Another distribution adds commands through the
-``outbox.commands`` entry points: ``outbox-relay-bench`` adds ``bench`` (:data:`PLUGINS`). An expected error
-(:class:`~outbox.errors.OutboxError`) is one line on stderr and an exit code;
-anything else is a bug and keeps its traceback.
+(migrate, status, notify, inbox), ``cli.repair`` (dead, retry, replay, purge, audit),
+``cli.demo`` (demo, dev), ``cli.console`` (console), ``cli.verify`` (verify). Another
+distribution adds commands through the ``outbox.commands`` entry points: ``outbox-relay-bench``
+adds ``bench`` (:data:`PLUGINS`). An expected error (:class:`~outbox.errors.OutboxError`) is one
+line on stderr and an exit code; anything else is a bug and keeps its traceback.
 """
 
 from __future__ import annotations
@@ -122,7 +122,7 @@ GROUPS: dict[str, str] = {
     "migrate": "operate", "status": "operate", "notify": "operate", "inbox": "operate",
     "dead": "repair", "retry": "repair", "replay": "repair", "purge": "repair", "audit": "repair",
     "capture": "capture", "transform": "transform", "relay": "relay", "demo": "demo", "dev": "demo",
-    "console": "console",
+    "console": "console", "verify": "verify",
 }  # fmt: skip
 # Commands of other distributions, each an ``outbox.commands`` entry point (``register(sub)``),
 # and what installs it: the bench, the fault suite and the explorer are not in outbox-relay.

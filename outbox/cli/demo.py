@@ -9,7 +9,7 @@ from typing import Any
 
 from outbox.cli import options
 from outbox.cli.common import add_common, add_logs, dsn_of, schema_of
-from outbox.cli.relay import KafkaOptions, parse_kafka_config
+from outbox.cli.routes import KafkaOptions, parse_kafka_config
 from outbox.settings import setting
 
 

@@ -8,7 +8,7 @@ import logging
 import os
 import signal
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,6 +17,7 @@ import psycopg
 from outbox.cli import options
 from outbox.cli.common import Common, add_common, connect, dsn_of, schema_of, schema_owners
 from outbox.cli.outboxes import DiscoveryOptions, add_outboxes, choose, is_fleet
+from outbox.cli.routes import KafkaOptions, RouteOptions, parse_kafka_config
 from outbox.errors import ConfigError, MissingExtra, RelayFailed, SchemaTooNew
 from outbox.relay.config import RelayConfig
 from outbox.relay.fleet import Fleet, Found
@@ -38,31 +39,6 @@ from outbox.store.schema import FLEET_SCHEMA
 from outbox.store.trust import require_trusted
 
 log = logging.getLogger("outbox")
-
-
-@dataclass
-class KafkaOptions:
-    kafka_bootstrap: str | None = setting(None, "Kafka bootstrap servers HOST:PORT[,...]")
-    kafka_config: list[str] = setting(
-        default_factory=list,
-        help="librdkafka producer setting, repeatable, e.g. security.protocol=SASL_SSL "
-        "(in the variable: a comma-separated KEY=VALUE list)",
-        metavar="KEY=VALUE",
-    )
-
-
-@dataclass
-class RouteOptions:
-    route: list[str] = setting(
-        default_factory=list,
-        help="GLOB=URL: events whose topic matches GLOB (fnmatch, first match wins) go to the sink at "
-        "URL: kafka://host:port[,...], amqp://user:pass@host:port/vhost?exchange=X, nats://host:port, "
-        "redis://host:port/db?maxlen=N, http(s)://host/path/{topic}/{key}; repeatable (in the "
-        "variable: separated by whitespace or newlines); --kafka-bootstrap B adds a last route "
-        "*=kafka://B",
-        env="OUTBOX_ROUTES",
-        metavar="GLOB=URL",
-    )
 
 
 @dataclass
@@ -144,21 +120,6 @@ def relay_config(args: argparse.Namespace) -> RelayConfig:
     # With a list of outboxes, each names its own database and schema.
     dsn = "" if is_fleet(args) else dsn_of(args)
     return options.build(RelayConfig, args, dsn=dsn, schema=schema_of(args), retry=retry, metrics_port=port)
-
-
-def parse_kafka_config(items: Sequence[str]) -> dict[str, str]:
-    """``KEY=VALUE`` strings (or comma-separated lists of them) as a dict."""
-    config: dict[str, str] = {}
-    for item in items:
-        for part in item.split(","):
-            part = part.strip()
-            if not part:
-                continue
-            key, sep, value = part.partition("=")
-            if not sep or not key.strip():
-                raise ConfigError(f"--kafka-config: expected KEY=VALUE, got {part.split('=')[0]!r}")
-            config[key.strip()] = value.strip()
-    return config
 
 
 SinkFactory = Callable[[str, dict[str, str], float], Sink]

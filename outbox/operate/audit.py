@@ -22,7 +22,7 @@ import psycopg
 from outbox.escape import escape
 from outbox.store.queries import query
 
-ACTIONS = ("redrive", "skip", "replay", "purge")
+ACTIONS = ("redrive", "skip", "replay", "purge", "repair")
 VIAS = ("cli", "console")
 
 

@@ -9,7 +9,8 @@ one connection and each is settled by its PubAck.
 - Subject: the event's topic. Body: the payload bytes.
 - Headers: the event's headers + ``event-id`` + ``event-key`` (the key, absent
   when null) + ``Nats-Msg-Id`` = event id, so
-  the stream's duplicate window drops a redelivery.
+  the stream's duplicate window drops a redelivery (an event ``outbox verify --repair`` sent
+  again, with its ``outbox-repair`` header, gets an id of its own).
 - Delivered only on the PubAck; the archive keeps the stream (``sink_ref``) and
   its sequence (``sink_offset``).
 - No stream takes the subject (503 no responders) -> retried, saying so.
@@ -36,6 +37,7 @@ from typing import Any
 import nats
 import nats.errors
 
+from outbox.events import REPAIR_HEADER
 from outbox.sinks.aio import TIMEOUT, UNAVAILABLE, AsyncSink, Item, Refused, text_headers
 from outbox.sinks.base import Dead, Delivered, Outcome, Report, Retry
 
@@ -133,7 +135,8 @@ class NatsSink(AsyncSink):
             try:
                 headers = text_headers(event)
                 server_headers(headers)
-                headers["Nats-Msg-Id"] = event.event_id
+                repair = headers.get(REPAIR_HEADER)  # sent again by verify --repair: not a duplicate
+                headers["Nats-Msg-Id"] = event.event_id if repair is None else f"{event.event_id}.{repair}"
                 if len(event.payload) > max_payload:
                     raise Refused(
                         "message_too_large",

@@ -114,6 +114,7 @@ def test_no_command_and_no_log_line_shows_a_writers_or_a_receivers_text_raw(
         ["transform", "test", "*=tests.transforms:fail_with_payload", *common, "--last", "10"],
         ["transform", "test", "*=tests.transforms:noop", *common, "--last", "10"],
         ["audit", *common],
+        ["verify", *common, "--since", "1h", "--route", "*=amqp://127.0.0.1:1/"],
         ["dead", "list", *common, "--topic", f"t{TITLE}"],  # an operator's own argument echoed
         ["migrate", *common, "--check-grants"],
     ]

@@ -196,6 +196,7 @@ def test_migrate_every_cli_command_and_the_console_fire_no_trap(trapped: Trapped
         ("retry", *base, "--all", "--yes"),
         ("replay", *base, "--since", "1h", "--yes"),
         ("purge", *base, "--older-than", "30d", "--yes"),
+        ("verify", *base, "--since", "1h", "--route", "*=amqp://127.0.0.1:1/", "--repair"),
         ("audit", *base),
         ("inbox", "prune", *base, "--older-than", "7d"),
     ):

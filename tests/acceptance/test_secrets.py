@@ -127,6 +127,8 @@ def test_secrets_never_reach_the_output_of_any_cli_command(pg_dsn: str, schema: 
             *sasl_args,
         ],  # argparse error
         ["purge", "--older-than", "30d", "--dry-run"],
+        ["verify", "--since", "1h", "--kafka-bootstrap", "127.0.0.1:1", *sasl_args],
+        ["verify", "--since", "1h", "--route", f"*=redis://:{sasl}@127.0.0.1:1/0", "--json"],
         ["notify", "on"],
         ["relay", "--kafka-bootstrap", "127.0.0.1:1", "--grace", "0", *sasl_args],
     ]
