@@ -1,5 +1,6 @@
 """Which reader reads a route's sink back: the sinks that keep a log (Kafka, JetStream, Redis
-Streams); None for those that keep none to read (queues, webhooks, Pub/Sub, exchanges)."""
+Streams, Kinesis); None for those that keep none to read (SQS, SNS, EventBridge, RabbitMQ,
+webhooks, Pub/Sub)."""
 
 from __future__ import annotations
 
@@ -27,4 +28,9 @@ def reader_for(
         from outbox.verify.nats import NatsReader
 
         return NatsReader(url, timeout=timeout, compare_bodies=compare_bodies)
+    if url.scheme == "kinesis":
+        require("aws", "outbox verify of a kinesis:// route")
+        from outbox.verify.kinesis import KinesisReader
+
+        return KinesisReader(url, timeout=timeout, compare_bodies=compare_bodies)
     return None

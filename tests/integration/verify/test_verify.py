@@ -10,7 +10,8 @@ import contextlib
 import json
 import subprocess
 import sys
-from collections.abc import Iterator
+import uuid
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import nats
@@ -24,6 +25,7 @@ from outbox.harness.embedded import Broker
 from outbox.relay.relay import RelayConfig
 from outbox.sinks.make import routed
 from outbox.sinks.routes import parse_routes
+from tests.aws_servers import KinesisTarget, Moto
 from tests.helpers import count, read_topic, running_relay, wait_for
 from tests.sink_servers import NatsTarget, RedisTarget
 
@@ -65,10 +67,13 @@ def _sink_ref(dsn: str, schema: str, event_id: str) -> tuple[Any, ...]:
     return tuple(row)
 
 
-def _repair_then_verify(dsn: str, schema: str, route: str, lost: list[str], total: int) -> None:
-    """--repair queues exactly ``lost`` under their own ids; once the relay delivers them, a
-    second verify finds nothing missing; the audit trail records the repair."""
+def _repair_then_verify(
+    dsn: str, schema: str, route: str, lost: list[str], total: int, mended: Callable[[], Any] = lambda: None
+) -> None:
+    """--repair queues exactly ``lost`` under their own ids; once the sink is ``mended`` and the
+    relay delivers them, a second verify finds nothing missing; the audit trail records the repair."""
     code, report, _ = _verify(dsn, schema, route, "--repair")
+    mended()
     assert code == 1 and sorted(report["missing"]) == sorted(lost) and report["repaired"] == len(lost)
     with psycopg.connect(dsn) as conn:
         queued = [str(r[0]) for r in conn.execute(f'SELECT event_id FROM "{schema}".events ORDER BY id')]
@@ -198,3 +203,31 @@ def test_a_sink_that_cannot_be_read_is_one_line_and_no_verdict(pg_dsn: str, sche
     assert "s3cret" not in done.stderr and "Traceback" not in done.stderr
     with psycopg.connect(pg_dsn) as conn:  # no verdict recorded
         assert conn.execute(f'SELECT count(*) FROM "{schema}".verifications').fetchone() == (0,)
+
+
+@pytest.mark.parametrize("envelope", [False, True], ids=["plain", "envelope"])
+def test_kinesis_on_moto_a_restart_lost_the_stream_and_repair_sends_it_again(
+    pg_dsn: str, schema: str, moto_server: Moto, aws_env: dict[str, str], envelope: bool
+) -> None:
+    """Plain records carry no event id: the sequence number is the event's, its payload and
+    partition key what must be there; with ``envelope=json`` the envelope's id is compared."""
+    target = KinesisTarget(moto_server, envelope=envelope)
+    route = f"*={target.url()}"
+    ids = _write(pg_dsn, schema, f"t-{uuid.uuid4().hex[:8]}")
+    _deliver(pg_dsn, schema, route, N)
+    code, report, _ = _verify(pg_dsn, schema, route)
+    assert (code, report["present"]) == (0, N), report
+    moto_server.stop()
+    moto_server.start()  # in memory: the stream and every record are gone
+    code, report, _ = _verify(pg_dsn, schema, route)
+    assert code == 1 and sorted(report["missing"]) == sorted(ids)
+    # The operator makes the stream again; the relay sends the repaired events there.
+    _repair_then_verify(
+        pg_dsn,
+        schema,
+        route,
+        ids,
+        N,
+        lambda: target.kinesis.create_stream(StreamName=target.name, ShardCount=2),
+    )
+    assert len(target.fetch()) == N
