@@ -54,6 +54,7 @@ RELAY_GROUPS: dict[str, tuple[str, ...]] = {
     ),
     "Limits": ("--limit",),
     "Housekeeping": ("--archive", "--vacuum", "--vacuum-threshold"),
+    "Verification": ("--verify-every", "--verify-window", "--verify-sample", "--verify-rate"),
     "Observability and shutdown": (
         "--metrics-port", "--metrics-host", "--stall-timeout", "--name", "--grace", "--log-format",
         "--log-level",

@@ -29,7 +29,7 @@ from outbox.sinks.claim_check import Store, open_store
 from outbox.sinks.cloudevents import validate_source
 from outbox.sinks.kafka import KafkaSink
 from outbox.sinks.make import check_sinks, require_clients, routed
-from outbox.sinks.routes import parse_routes
+from outbox.sinks.routes import SinkURL, parse_routes
 from outbox.sinks.signing import parse_secret_envs, parse_secrets
 from outbox.store.dsn import with_net_timeouts
 from outbox.store.migrate import require_known
@@ -37,6 +37,9 @@ from outbox.store.outboxes import database_of
 from outbox.store.pooling import require_own_sessions
 from outbox.store.schema import FLEET_SCHEMA
 from outbox.store.trust import require_trusted
+from outbox.verify import readers
+from outbox.verify.outcome import Reader
+from outbox.verify.schedule import Schedule, Verifier, VerifyMetrics
 
 log = logging.getLogger("outbox")
 
@@ -89,6 +92,20 @@ class ClaimCheckOptions:
 
 
 @dataclass
+class VerifyOptions:
+    verify_every: float = setting(
+        0.0,
+        "read a sample of what was delivered back from the sinks every this many seconds (on its own "
+        "thread and connections; outbox_sink_missing_events); 0: never",
+        default_text="off",
+        metavar="SECONDS",
+    )
+    verify_window: float = setting(3600.0, "seconds of deliveries each verification looks back over")
+    verify_sample: int = setting(100, "one delivery in this many is read back (1: every one)")
+    verify_rate: float = setting(1000.0, "deliveries read back a second, at most")
+
+
+@dataclass
 class CustomSink:
     sink: str = setting(
         "kafka",
@@ -108,6 +125,7 @@ def register(sub: Any) -> None:
     options.add(p, CloudEventsOptions)
     options.add(p, ClaimCheckOptions)
     options.add(p, CustomSink)
+    options.add(p, VerifyOptions)
     options.add(p, RelayConfig)
     options.add(p, RetryPolicy)
     p.set_defaults(run=cmd_relay)
@@ -253,14 +271,48 @@ def cmd_relay(args: argparse.Namespace) -> int:
     if claim_check is not None:
         log.info("claim-check on: payloads over %d bytes go to %s", claim_check[1], claim_check[0].name)
     tune_gc()
+    runner: Relay | Fleet
     if fleet:
         discover_every = args.discover_every if args.schemas else None
         if discover_every is not None and not discover_every > 0:
             raise ConfigError(f"--discover-every: must be > 0 seconds, got {discover_every:g}")
-        run_until_signal(Fleet(config, sink, _finder(args), discover_every=discover_every))
+        runner = Fleet(config, sink, _finder(args), discover_every=discover_every)
     else:
-        run_until_signal(Relay(config, sink))
+        runner = Relay(config, sink)
+    verifier = _verifier(args, runner, routes, kafka_config)
+    try:
+        run_until_signal(runner)
+    finally:
+        if verifier is not None:
+            verifier.stop()
     return 0
+
+
+def _verifier(
+    args: argparse.Namespace, runner: Relay | Fleet, routes: list[Any], kafka_config: dict[str, str]
+) -> Verifier | None:
+    """The relay's own verifications (--verify-every), started; None when off."""
+    opts = options.build(VerifyOptions, args)
+    if not opts.verify_every:
+        return None
+    for name in ("verify_every", "verify_window", "verify_rate"):
+        if getattr(opts, name) < 0:
+            raise ConfigError(f"--{name.replace('_', '-')}: must be >= 0, got {getattr(opts, name):g}")
+    if opts.verify_sample < 1:
+        raise ConfigError(f"--verify-sample: must be >= 1, got {opts.verify_sample}")
+    schedule = Schedule(opts.verify_every, opts.verify_window, opts.verify_sample, opts.verify_rate)
+    metrics = VerifyMetrics(runner.metrics.sink_missing, runner.metrics.verify_checked)
+
+    def reader_for(url: SinkURL) -> Reader | None:
+        return readers.reader_for(url, kafka_config=kafka_config)
+
+    verifier = Verifier(lambda: runner.outboxes, routes, reader_for, metrics, schedule)
+    verifier.start()
+    log.info(
+        "verifying one delivery in %d of the last %g s every %g s", opts.verify_sample, opts.verify_window,
+        opts.verify_every,
+    )  # fmt: skip
+    return verifier
 
 
 def _finder(args: argparse.Namespace) -> Callable[[], Found | None]:

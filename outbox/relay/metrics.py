@@ -115,6 +115,17 @@ class RelayMetrics:
             "Events of a limit (--limit) waiting in the outbox (read at scrape time).",
             ["outbox", "limit"],
         )
+        self.sink_missing = Gauge(
+            "outbox_sink_missing_events",
+            "Delivered events the last verification (--verify-every) found missing from their sink "
+            "(a broker lost acknowledged writes); 0 where none is.",
+            ["outbox", "topic", "sink"],
+        )
+        self.verify_checked = Counter(
+            "outbox_verify_checked_total",
+            "Delivered events read back from their sinks by the relay's verifications.",
+            ["outbox"],
+        )
         self.ready = Gauge("outbox_ready", "1 if /readyz answers 200 (the relay can make progress), else 0.")
         self.not_ready_seconds = Gauge(
             "outbox_not_ready_seconds", "How long the relay has not been ready, in seconds (0 when ready)."
@@ -132,7 +143,7 @@ class RelayMetrics:
             self.oldest_age, self.dead_tuples, self.table_bytes, self.oldest_xmin, self.owned_partitions,
             self.up, self.ready,
             self.not_ready_seconds, self.not_ready, self.wal_lag_bytes, self.wal_lag_seconds, self.wal_active,
-            self.limit_throttled, self.limit_waiting,
+            self.limit_throttled, self.limit_waiting, self.sink_missing, self.verify_checked,
         ]  # fmt: skip
 
     def note_readiness(self, readiness: Readiness) -> None:

@@ -102,11 +102,13 @@ def verify(
     until: dt.datetime,
     topics: str | None = None,
     rate: float = 0.0,
+    sample: int = 1,
     progress: Callable[[int], None] | None = None,
     chunk: int = CHUNK,
 ) -> Report:
     """Read back every delivery of ``since``..``until`` (of topics matching the glob ``topics``)
-    from the sink its topic routes to; ``reader_for`` makes each route's reader once."""
+    from the sink its topic routes to (``sample``: one in that many, by id); ``reader_for`` makes
+    each route's reader once."""
     report = Report(since, until)
     readers: dict[str, Reader | None] = {}
     pace = Pace(rate)
@@ -116,7 +118,7 @@ def verify(
         while True:
             rows = conn.execute(
                 query("verify_chunk", schema),
-                {"since": since, "until": until, "topics": regex, "after_at": after_at,
+                {"since": since, "until": until, "topics": regex, "sample": sample, "after_at": after_at,
                  "after_id": after_id, "limit": chunk},
             ).fetchall()  # fmt: skip
             conn.commit()  # no snapshot held while the sinks are read

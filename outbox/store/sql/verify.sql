@@ -3,14 +3,16 @@
 
 -- name: verify_chunk
 -- The next chunk of a window's deliveries, in delivery order: their coordinates, and what the
--- sink should hold there. Left out: what a transform filtered (never sent), and deliveries a
--- repair has replaced (their new delivery is checked instead).
+-- sink should hold there; with a sample of N, one delivery in N (by id). Left out: what a
+-- transform filtered (never sent), and deliveries a repair has replaced (their new delivery is
+-- checked instead).
 SELECT d.id, d.event_id::text, d.topic, d.key, d.payload, d.sink_partition, d.sink_offset, d.sink_ref,
        d.delivered_at
 FROM {schema}.delivered AS d
 WHERE d.delivered_at >= %(since)s AND d.delivered_at < %(until)s
   AND (%(topics)s::text IS NULL OR d.topic ~ %(topics)s)
   AND d.filtered_by IS NULL
+  AND (%(sample)s::int <= 1 OR d.id %% %(sample)s::int = 0)
   AND (d.delivered_at, d.id) > (%(after_at)s::timestamptz, %(after_id)s::bigint)
   AND NOT EXISTS (SELECT FROM {schema}.repaired AS r WHERE r.delivered_id = d.id)
 ORDER BY d.delivered_at, d.id

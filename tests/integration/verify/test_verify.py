@@ -10,6 +10,7 @@ import contextlib
 import json
 import subprocess
 import sys
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -21,12 +22,12 @@ import pytest
 import redis
 
 import outbox
-from outbox.harness.embedded import Broker
+from outbox.harness.embedded import Broker, free_port
 from outbox.relay.relay import RelayConfig
 from outbox.sinks.make import routed
 from outbox.sinks.routes import parse_routes
 from tests.aws_servers import KinesisTarget, Moto
-from tests.helpers import count, read_topic, running_relay, wait_for
+from tests.helpers import FAST, ModuleProcess, count, http_get, read_topic, running_relay, wait_for
 from tests.sink_servers import NatsTarget, RedisTarget
 
 N = 12  # events per test: keys k0..k2, four each
@@ -231,3 +232,57 @@ def test_kinesis_on_moto_a_restart_lost_the_stream_and_repair_sends_it_again(
         lambda: target.kinesis.create_stream(StreamName=target.name, ShardCount=2),
     )
     assert len(target.fetch()) == N
+
+
+def _metric(text: str, name: str) -> dict[str, float]:
+    return {
+        line.split(" ")[0]: float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith(name)
+    }
+
+
+def test_the_relay_verifies_on_its_schedule_a_loss_shows_in_metrics_and_one_line(
+    pg_dsn: str, schema: str
+) -> None:
+    """`outbox relay --verify-every`: a Redis entry deleted after delivery shows as
+    outbox_sink_missing_events 1 and one log line (not one a run); repaired, the gauge goes back
+    to 0 and one line says so; the relay's verifications are recorded."""
+    target = RedisTarget()
+    port = free_port()
+    relay = ModuleProcess(
+        "outbox", "relay", "--dsn", pg_dsn, "--schema", schema, "--route", f"*={target.url()}",
+        "--metrics-port", str(port), *FAST,
+        "--verify-every", "0.5", "--verify-sample", "1", "--verify-window", "600",
+    )  # fmt: skip
+    try:
+        _write(pg_dsn, schema, target.topic)
+        wait_for(lambda: count(pg_dsn, schema, "delivered") == N, timeout=30, what="delivered")
+        series = (
+            f'outbox_sink_missing_events{{outbox="default",topic="{target.topic}",sink="{target.url()}"}}'
+        )
+        wait_for(lambda: _metric(http_get(port, "/metrics")[1], series) == {series: 0.0}, what="verified")
+        client = redis.Redis(host="127.0.0.1", port=6379)
+        client.xdel(target.topic, client.xrange(target.topic)[4][0])
+        wait_for(
+            lambda: _metric(http_get(port, "/metrics")[1], series) == {series: 1.0}, what="the loss seen"
+        )
+        time.sleep(2)  # several runs more: still one line
+        checked = _metric(http_get(port, "/metrics")[1], "outbox_verify_checked_total")
+        assert next(iter(checked.values())) >= 3 * N, checked
+        code, report, _ = _verify(pg_dsn, schema, f"*={target.url()}", "--repair")
+        assert code == 1 and len(report["missing"]) == 1
+        wait_for(lambda: _metric(http_get(port, "/metrics")[1], series) == {series: 0.0}, what="mended")
+        assert relay.stop() == 0
+    finally:
+        out = relay.output()
+        relay.close()
+        target.close()
+    assert out.count("a sink lost delivered events: 1 of 12 read back are missing") == 1, out[-3000:]
+    assert out.count("nothing read back is missing any more") == 1, out[-3000:]
+    with psycopg.connect(pg_dsn) as conn:
+        runs = conn.execute(
+            f'SELECT count(*), max(missing) FROM "{schema}".verifications WHERE via = %s', ("relay",)
+        )
+        n, most = runs.fetchone() or (0, 0)
+    assert n >= 3 and most == 1
