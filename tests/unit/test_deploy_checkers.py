@@ -100,13 +100,14 @@ def test_the_helm_chart_renders_and_each_manifest_passes_kubernetes_validate(
     docs = [d for d in yaml.safe_load_all(rendered) if d]
     # The Prometheus Operator's objects are off by default; the second values turn them on.
     operator = ["PrometheusRule", "ServiceMonitor"] if values else []
-    assert sorted(d["kind"] for d in docs) == sorted(["Deployment", "Service", *operator])
+    verify = ["CronJob"] if values else []  # outbox verify on a schedule, off by default too
+    assert sorted(d["kind"] for d in docs) == sorted(["Deployment", "Service", *operator, *verify])
     core = [d for d in docs if d["kind"] not in operator]  # kubernetes-validate knows no CRD
     out = tmp_path / "rendered.yaml"
     out.write_text(yaml.safe_dump_all(core))
     done = _validate([str(out)])
     assert done.returncode == 0, done.stdout + done.stderr
-    assert done.stdout.count(" passed for resource ") == 2, done.stdout
+    assert done.stdout.count(" passed for resource ") == 2 + len(verify), done.stdout
     if values:
         _check_operator_objects(docs, yaml.safe_load(values.read_text()))
     wanted = yaml.safe_load((values or CHART / "values.yaml").read_text())
@@ -120,6 +121,27 @@ def test_the_helm_chart_renders_and_each_manifest_passes_kubernetes_validate(
         for var in ("OUTBOX_KAFKA_CONFIG", "OUTBOX_ROUTES", "OUTBOX_WEBHOOK_SECRET"):
             assert "secretKeyRef" in env[var]["valueFrom"], var
         assert env["OTEL_EXPORTER_OTLP_ENDPOINT"]["value"] == wanted["otel"]["endpoint"]
+        _check_verify_job(docs, wanted, env)
+
+
+def _check_verify_job(docs: list[Any], wanted: dict[str, Any], relay_env: dict[str, Any]) -> None:
+    """The CronJob runs `outbox verify` on the relays' outbox with the relays' sinks (the same
+    variables, from the same Secrets), and fails its Job rather than retrying a loss."""
+    (job,) = [d for d in docs if d["kind"] == "CronJob"]
+    assert job["spec"]["schedule"] == wanted["verify"]["schedule"]
+    spec = job["spec"]["jobTemplate"]["spec"]
+    (container,) = spec["template"]["spec"]["containers"]
+    assert container["command"] == ["outbox", "verify"] and spec["backoffLimit"] == 0
+    assert container["args"] == [
+        "--since",
+        wanted["verify"]["since"],
+        "--rate",
+        str(wanted["verify"]["rate"]),
+    ]
+    env = {e["name"]: e for e in container["env"]}
+    for var in ("OUTBOX_DSN", "OUTBOX_KAFKA_BOOTSTRAP", "OUTBOX_KAFKA_CONFIG", "OUTBOX_ROUTES"):
+        assert env[var] == relay_env[var], var
+    assert env["OUTBOX_SCHEMA"]["value"] == wanted["schema"]
 
 
 def _check_operator_objects(docs: list[Any], wanted: dict[str, Any]) -> None:
