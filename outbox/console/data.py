@@ -159,9 +159,28 @@ def overview(conn: psycopg.Connection[Any], schema: str) -> dict[str, Any]:
     return {
         "topics": ordered,
         "totals": totals,
+        "verification": verification(conn, schema, now),
         "estimated": {"events": sampled, "events_rows": events_rows, "archive": archive_rows > EXACT_ROWS},
         "status": {**fleet, "table": table},
     }
+
+
+VERIFY_IDS_SHOWN = 10
+
+
+def verification(conn: psycopg.Connection[Any], schema: str, now: dt.datetime) -> dict[str, Any] | None:
+    """The latest `outbox verify` (the CLI's, or the relay's own): when, over which window, what
+    it found, the first missing ids; None if the outbox was never verified."""
+    row = conn.execute(query("verification_latest", schema)).fetchone()
+    if row is None:
+        return None
+    at, via, since, until, checked, present, missing, expired, unverifiable, ids = row
+    return {
+        "age_seconds": round((now - at).total_seconds(), 1), "via": via,
+        "hours": round((until - since).total_seconds() / 3600, 1), "checked": int(checked),
+        "present": int(present), "missing": int(missing), "expired": int(expired),
+        "unverifiable": int(unverifiable), "missing_ids": list(ids)[:VERIFY_IDS_SHOWN],
+    }  # fmt: skip
 
 
 def chart(conn: psycopg.Connection[Any], schema: str) -> dict[str, Any]:

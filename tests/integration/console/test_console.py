@@ -525,3 +525,26 @@ def test_a_keys_pending_events_are_found_through_the_key_index(pg_dsn: str, sche
             plans[name] = "\n".join(r[0] for r in conn.execute(explain, params).fetchall())
     for name, plan in plans.items():
         assert "events_key_idx" in plan, f"{name}:\n{plan}"
+
+
+def test_the_overview_shows_the_latest_verification_and_links_what_a_sink_lost(
+    pg_dsn: str, schema: str, client: TestClient
+) -> None:
+    assert "Never verified" in client.get("/").text
+    lost = "0b7e5b7c-6b5e-4a55-9a41-2d8f0c1f1e11"
+    with psycopg.connect(pg_dsn) as conn:
+        for missing, ids in ((0, "{}"), (1, "{" + lost + "}")):  # the latest one is shown
+            conn.execute(
+                sql.SQL(
+                    "INSERT INTO {}.verifications (via, since, until, checked, present, missing, expired, "
+                    "unverifiable, missing_ids) VALUES ('relay', now() - interval '1 hour', now(), 40, 36, %s, "
+                    "2, 1, %s::uuid[])"
+                ).format(sql.Identifier(schema)),
+                (missing, ids),
+            )
+    page = client.get("/", headers={"hx-request": "true"}).text
+    table = re.search(r'<table class="grid" id="verification">(.*?)</table>', page, re.S)
+    assert table is not None and "by the relay, over 1.0 h of deliveries" in table.group(1)
+    cells = re.findall(r'<td class="n(?: warn)?">(\d+)</td>', table.group(1))
+    assert cells == ["40", "36", "1", "2", "1"]
+    assert f'href="http://localhost:8000/event/{lost}">{lost}</a>' in page and "--repair" in page
