@@ -71,17 +71,22 @@ class BenchConfig:
     limits_seconds: float = setting(15.0, "limits: seconds of the two relays' limited drain")
     limits_pairs: int = setting(3, "limits: pairs of drains, without and with the limited backlog")
     limits_weight_events: int = setting(60_000, "limits: each weighted outbox's backlog")
+    verify_events: int = setting(1_000_000, "verify: events delivered, then read back by outbox verify")
+    verify_drain_events: int = setting(200_000, "verify: each drain's backlog, alone and beside a read-back")
     max_race_seconds: float = setting(600.0, "longest a race may run", cli=False)
 
 
 # What `outbox bench` (perf) can run, in the order it runs them.
 SCENARIOS = (
     "drain", "steady", "snapshot", "writer", "soak", "scale", "sinks", "console", "tenants", "limits",
+    "verify",
 )  # fmt: skip
 
 # --smoke: every scenario in seconds (CI checks that each runs and writes its outputs).
 SMOKE = {
     "events": 3000,
+    "verify_events": 3000,
+    "verify_drain_events": 3000,
     "big_events": 6000,
     "repeat": 1,
     # Time-boxed races count from their first event moved (a slow spawn on a loaded machine is

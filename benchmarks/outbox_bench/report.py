@@ -7,6 +7,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from outbox_bench import verifying
+
 TARGETS = {
     "relay_vs_ceiling": 0.8,  # relay drain >= 0.8 x the minimal loop on plain tables (every case)
     "cpu_vs_ceiling": 1.3,  # relay CPU per event <= 1.3 x the minimal loop's
@@ -343,6 +345,8 @@ def markdown(results: dict[str, Any]) -> str:
         lines += tenants_markdown(s["tenants"])
     if "limits" in s:
         lines += limits_markdown(s["limits"])
+    if "verify" in s:
+        lines += verifying.markdown(s["verify"])
     return "\n".join(lines)
 
 
@@ -820,6 +824,13 @@ def plots(results: dict[str, Any], out: Path) -> list[str]:
         fig.savefig(out / "writer.png", dpi=110)
         plt.close(fig)
         made.append("writer.png")
+    if "verify" in s:
+        fig, ax = plt.subplots(figsize=(6, 4))
+        verifying.plot(s["verify"], ax)
+        fig.tight_layout()
+        fig.savefig(out / "verify.png", dpi=110)
+        plt.close(fig)
+        made.append("verify.png")
     return made
 
 

@@ -29,6 +29,7 @@ from outbox_bench.queries import query
 from outbox_bench.sinks import sinks as sinks  # the sinks scenario, run by name like the others
 from outbox_bench.snapshot import snapshot as snapshot  # the held snapshot, table and WAL capture
 from outbox_bench.tenants import tenants as tenants  # the tenants scenario: many outboxes, one relay
+from outbox_bench.verifying import verify as verify  # outbox verify's read-back, and beside a drain
 from outbox_bench.workspace import STEADY_GRACE_SECONDS, SnapshotHolder, Workspace, Writers, wal_capable
 from outbox_bench.writers import writer as writer  # the writer scenario, every stack
 

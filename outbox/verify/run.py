@@ -105,17 +105,19 @@ def verify(
     sample: int = 1,
     progress: Callable[[int], None] | None = None,
     chunk: int = CHUNK,
+    stopping: Callable[[], bool] = lambda: False,
 ) -> Report:
     """Read back every delivery of ``since``..``until`` (of topics matching the glob ``topics``)
     from the sink its topic routes to (``sample``: one in that many, by id); ``reader_for`` makes
-    each route's reader once."""
+    each route's reader once. ``stopping``: asked before each chunk; a run told to stop returns
+    what it found so far."""
     report = Report(since, until)
     readers: dict[str, Reader | None] = {}
     pace = Pace(rate)
     after_at, after_id = EPOCH, -1
     regex = None if topics is None else glob_regex(topics)
     try:
-        while True:
+        while not stopping():
             rows = conn.execute(
                 query("verify_chunk", schema),
                 {"since": since, "until": until, "topics": regex, "sample": sample, "after_at": after_at,
@@ -142,6 +144,7 @@ def verify(
                 pace.took(len(group))
             if progress is not None:
                 progress(report.checked)
+        return report
     finally:
         for reader in readers.values():
             if reader is not None:

@@ -85,8 +85,10 @@ class Verifier:
                 pinning.pin(conn)
                 report = run.verify(
                     conn, outbox.schema, self.routes, self.reader_for, since=since, until=until,
-                    rate=s.rate, sample=s.sample,
+                    rate=s.rate, sample=s.sample, stopping=self._stop.is_set,
                 )  # fmt: skip
+                if self._stop.is_set():
+                    return None  # cut short by the relay's shutdown: not a verification
                 run.record(conn, outbox.schema, report, "relay")
         except (OutboxError, psycopg.Error) as exc:
             why = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__

@@ -16,7 +16,7 @@ import pytest
 from outbox_bench.config import SCENARIOS
 
 GROUPS = [
-    ("drain",), ("steady", "writer", "tenants"), ("soak", "scale", "snapshot"), ("sinks", "console", "limits"),
+    ("drain",), ("steady", "writer", "tenants"), ("soak", "scale", "snapshot"), ("sinks", "console", "limits", "verify"),
 ]  # fmt: skip
 
 
@@ -181,7 +181,13 @@ def test_bench_smoke_soak_scale_and_snapshot(pg_dsn: str, kafka: str, tmp_path: 
 
 @pytest.mark.slow
 def test_bench_smoke_sinks_console_and_limits(pg_dsn: str, kafka: str, tmp_path: Path) -> None:
-    results, table = _bench(pg_dsn, kafka, tmp_path, ("sinks", "console", "limits"))
+    results, table = _bench(pg_dsn, kafka, tmp_path, ("sinks", "console", "limits", "verify"))
+    verify = results["scenarios"]["verify"]
+    assert verify["read_back"]["events_per_s_median"] > 0 and verify["events"] == 3000
+    assert all(p["with"]["read_back_meanwhile"] > 0 and p["without"]["read_back_meanwhile"] == 0
+               for p in verify["beside"]["pairs"])  # fmt: skip
+    assert "**Verify**" in table
+    _png(tmp_path / "verify.png")
     limits = results["scenarios"]["limits"]
     assert [set(p) for p in limits["beside"]["pairs"]] == [{"without", "with"}]
     assert all(p["without"] > 0 and p["with"] > 0 for p in limits["beside"]["pairs"])
