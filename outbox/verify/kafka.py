@@ -8,7 +8,7 @@ truncated or started again (missing), as is a topic or partition that no longer 
 from __future__ import annotations
 
 import time
-from collections import defaultdict
+from collections import defaultdict, deque
 
 from confluent_kafka import OFFSET_INVALID, Consumer, KafkaError, KafkaException, TopicPartition
 
@@ -18,6 +18,7 @@ from outbox.verify.outcome import EXPIRED, MISSING, Archived, Held, Reader, Verd
 # The producer's settings a consumer takes too (how to reach and log in to the brokers); the rest
 # (acks, linger.ms) are the producer's alone.
 SHARED = ("security.", "sasl.", "ssl.", "socket.", "client.", "broker.", "metadata.", "reconnect.")
+Place = tuple[str, int]  # a topic and partition
 SEEK_OVER = 500  # offsets apart beyond which a seek is cheaper than reading through
 FETCH_WAIT = 0.05  # seconds one consume() waits for a batch to fill
 
@@ -30,6 +31,8 @@ class KafkaReader(Reader):
         shared = {k: v for k, v in (config or {}).items() if k.startswith(SHARED)}
         self.timeout = timeout
         self.compare_bodies = compare_bodies
+        self._topics: dict[str, set[int] | None] = {}  # a topic's partitions (None: gone), asked once
+        self._marks_at: dict[Place, tuple[int, int]] = {}
         self.consumer = Consumer(
             {
                 **shared,
@@ -39,95 +42,130 @@ class KafkaReader(Reader):
                 "enable.partition.eof": True,
                 "auto.offset.reset": "error",
                 "fetch.wait.max.ms": 20,  # at the end of a log, told so at once
+                "max.partition.fetch.bytes": 8 << 20,  # fewer round trips through a range
             }
         )
 
     def check(self, events: list[Archived]) -> list[Verdict]:
         verdicts: dict[int, Verdict] = {}
-        groups: dict[tuple[str, int], list[Archived]] = defaultdict(list)
+        groups: dict[Place, list[Archived]] = defaultdict(list)
         for event in events:
             if event.partition is None or event.offset is None:
                 verdicts[id(event)] = Verdict(MISSING, "the archive holds no partition and offset")
             else:
                 groups[(event.topic, event.partition)].append(event)
-        for (topic, partition), group in groups.items():
-            verdicts.update(self._partition(topic, partition, group))
-        return [verdicts[id(e)] for e in events]
-
-    def _partition(self, topic: str, partition: int, group: list[Archived]) -> dict[int, Verdict]:
-        gone = self._gone(topic, partition)
-        if gone is not None:
-            return {id(e): Verdict(MISSING, gone) for e in group}
-        try:
-            low, high = self.consumer.get_watermark_offsets(
-                TopicPartition(topic, partition), timeout=self.timeout, cached=False
-            )
-        except KafkaException as exc:
-            why = exc.args[0].str() if exc.args and isinstance(exc.args[0], KafkaError) else str(exc)
-            return {id(e): Verdict(MISSING, f"its partition cannot be read: {why}") for e in group}
-        out: dict[int, Verdict] = {}
-        wanted: dict[int, list[Archived]] = defaultdict(list)
-        for event in group:
-            assert event.offset is not None
-            if event.offset < low:
-                out[id(event)] = Verdict(EXPIRED, f"the partition's log now starts at {low}")
-            else:
-                wanted[event.offset].append(event)
-        # Read even past the high watermark: a broker's may lag behind what it holds (Tansu's
-        # counts batches); what is not there once read is missing.
-        held = self._read(topic, partition, sorted(wanted))
-        for offset, events in wanted.items():
-            for event in events:
-                if offset not in held and offset >= high:
-                    out[id(event)] = Verdict(MISSING, f"the partition's log ends before it (at {high})")
+        wanted: dict[Place, list[int]] = {}
+        for place, group in groups.items():
+            gone = self._gone(*place)
+            if gone is not None:
+                verdicts.update({id(e): Verdict(MISSING, gone) for e in group})
+                continue
+            low, _ = self._marks(place)
+            for event in group:
+                assert event.offset is not None
+                if event.offset < low:
+                    verdicts[id(event)] = Verdict(EXPIRED, f"the partition's log now starts at {low}")
+            offsets = sorted({e.offset for e in group if e.offset is not None and e.offset >= low})
+            if offsets:
+                wanted[place] = offsets
+        held = self._read(wanted)
+        for place, offsets in wanted.items():
+            found = held.get(place, {})
+            if len(found) < len(offsets):
+                self._marks_at.pop(place, None)  # the log may have moved on meanwhile: ask again
+            low, high = self._marks(place)
+            for event in groups[place]:
+                if id(event) in verdicts:
+                    continue
+                assert event.offset is not None
+                if event.offset in found:
+                    verdicts[id(event)] = judge(
+                        event, found[event.offset], compare_bodies=self.compare_bodies
+                    )
+                elif event.offset < low:
+                    verdicts[id(event)] = Verdict(EXPIRED, f"the partition's log now starts at {low}")
+                elif event.offset >= high:
+                    verdicts[id(event)] = Verdict(MISSING, f"the partition's log ends before it (at {high})")
                 else:
-                    out[id(event)] = judge(event, held.get(offset), compare_bodies=self.compare_bodies)
-        return out
+                    verdicts[id(event)] = judge(event, None)
+        return [verdicts[id(e)] for e in events]
 
     def _gone(self, topic: str, partition: int) -> str | None:
         """Why the partition no longer exists, from the brokers' metadata (asked first: the client
-        knows no partition before it has it), or None."""
-        meta = self.consumer.list_topics(topic, timeout=self.timeout).topics.get(topic)
-        if meta is None or (meta.error is not None and meta.error.code() == KafkaError.UNKNOWN_TOPIC_OR_PART):
+        knows no partition before it has it; once a topic a reader), or None."""
+        if topic not in self._topics:
+            meta = self.consumer.list_topics(topic, timeout=self.timeout).topics.get(topic)
+            if meta is None or (
+                meta.error is not None and meta.error.code() == KafkaError.UNKNOWN_TOPIC_OR_PART
+            ):
+                self._topics[topic] = None
+            elif meta.error is not None:
+                raise KafkaException(meta.error)
+            else:
+                self._topics[topic] = set(meta.partitions)
+        partitions = self._topics[topic]
+        if partitions is None:
             return "its topic no longer exists"
-        if meta.error is not None:
-            raise KafkaException(meta.error)
-        if partition not in meta.partitions:
-            return f"its partition no longer exists (the topic has {len(meta.partitions)})"
+        if partition not in partitions:
+            return f"its partition no longer exists (the topic has {len(partitions)})"
         return None
 
-    def _read(self, topic: str, partition: int, offsets: list[int]) -> dict[int, Held]:
-        """The records at ``offsets`` (ascending): read through, seeking over gaps."""
-        wanted, held = set(offsets), {}
-        i = 0
-        while i < len(offsets):
-            start = position = offsets[i]
-            self.consumer.assign([TopicPartition(topic, partition, start)])
-            quiet_since = time.monotonic()
-            while True:
-                # consume() waits its whole timeout unless the batch fills: short waits, and the
-                # reader's timeout only for a broker that sends nothing at all.
-                messages = self.consumer.consume(num_messages=500, timeout=FETCH_WAIT)
-                now = time.monotonic()
-                if messages:
-                    quiet_since = now
-                ended = now - quiet_since > self.timeout  # nothing for that long: not there
-                for message in messages:
-                    if message.error() is not None:  # the end, or an offset out of range: no more
-                        ended = True
-                        break
-                    offset = message.offset()
-                    if offset is None or offset == OFFSET_INVALID:
-                        continue
-                    position = offset + 1
-                    if offset in wanted:
-                        held[offset] = _held(message)
-                while i < len(offsets) and offsets[i] < position:
-                    i += 1
-                if ended or i == len(offsets) or offsets[i] - position > SEEK_OVER:
-                    break  # at the end, done, or a seek is cheaper than reading through
-            if position == start:
-                i += 1  # nothing came back from where it began: that offset is not there
+    def _marks(self, place: Place) -> tuple[int, int]:
+        """The partition's low and high watermarks (once a reader, unless dropped)."""
+        if place not in self._marks_at:
+            low, high = self.consumer.get_watermark_offsets(
+                TopicPartition(*place), timeout=self.timeout, cached=False
+            )
+            self._marks_at[place] = (int(low), int(high))
+        return self._marks_at[place]
+
+    def _read(self, wanted: dict[Place, list[int]]) -> dict[Place, dict[int, Held]]:
+        """The records at each partition's ``wanted`` offsets (ascending): every partition read
+        at once, through its range, seeking over gaps; past its high watermark too (a broker's
+        may lag behind what it holds: Tansu's counts batches)."""
+        held: dict[Place, dict[int, Held]] = {place: {} for place in wanted}
+        if not wanted:
+            return held
+        left = {place: deque(offsets) for place, offsets in wanted.items()}
+        sets = {place: set(offsets) for place, offsets in wanted.items()}
+        position = {place: offsets[0] for place, offsets in wanted.items()}
+        starts = [TopicPartition(*place, offsets[0]) for place, offsets in wanted.items()]
+        self.consumer.assign(starts)
+        self.consumer.resume(starts)  # paused when an earlier read was done with it
+        quiet_since = time.monotonic()
+        while left:
+            # consume() waits its whole timeout unless the batch fills: short waits, and the
+            # reader's timeout only for a broker that sends nothing at all.
+            messages = self.consumer.consume(num_messages=5000, timeout=FETCH_WAIT)
+            now = time.monotonic()
+            if messages:
+                quiet_since = now
+            elif now - quiet_since > self.timeout:
+                break  # nothing for that long: what is left is not there
+            ended: set[Place] = set()
+            for message in messages:
+                place = (str(message.topic()), int(message.partition() or 0))
+                if place not in left:
+                    continue
+                if message.error() is not None:  # the end, or an offset out of range: no more
+                    ended.add(place)
+                    continue
+                offset = message.offset()
+                if offset is None or offset == OFFSET_INVALID:
+                    continue
+                position[place] = offset + 1
+                if offset in sets[place]:
+                    held[place][offset] = _held(message)
+            for place in list(left):
+                queue = left[place]
+                while queue and queue[0] < position[place]:
+                    queue.popleft()
+                if not queue or place in ended:
+                    del left[place]
+                    self.consumer.pause([TopicPartition(*place)])
+                elif queue[0] - position[place] > SEEK_OVER:  # a seek is cheaper than reading through
+                    position[place] = queue[0]
+                    self.consumer.seek(TopicPartition(*place, queue[0]))
         return held
 
     def close(self) -> None:

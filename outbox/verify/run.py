@@ -18,7 +18,7 @@ from outbox.store.dsn import scrub
 from outbox.store.queries import glob_regex, query
 from outbox.verify.outcome import MISSING, UNVERIFIABLE, Archived, Reader, SinkUnreadable, Verdict
 
-CHUNK = 1000  # archived events a statement reads, and a reader checks at once
+CHUNK = 5000  # archived events a statement reads, and a reader checks at once
 SHOWN_IDS = 100  # missing event ids kept in a verification's row
 
 EPOCH = dt.datetime(1970, 1, 1, tzinfo=dt.timezone.utc)
