@@ -8,12 +8,12 @@ truncated or started again (missing), as is a topic or partition that no longer 
 from __future__ import annotations
 
 import time
-from collections import defaultdict, deque
+from collections import deque
 
 from confluent_kafka import OFFSET_INVALID, Consumer, KafkaError, KafkaException, TopicPartition
 
 from outbox.events import EVENT_ID_HEADER
-from outbox.verify.outcome import EXPIRED, MISSING, Archived, Held, Reader, Verdict, judge
+from outbox.verify.outcome import EXPIRED, MISSING, Archived, Held, Reader, Verdict, by_place, judge
 
 # The producer's settings a consumer takes too (how to reach and log in to the brokers); the rest
 # (acks, linger.ms) are the producer's alone.
@@ -47,13 +47,7 @@ class KafkaReader(Reader):
         )
 
     def check(self, events: list[Archived]) -> list[Verdict]:
-        verdicts: dict[int, Verdict] = {}
-        groups: dict[Place, list[Archived]] = defaultdict(list)
-        for event in events:
-            if event.partition is None or event.offset is None:
-                verdicts[id(event)] = Verdict(MISSING, "the archive holds no partition and offset")
-            else:
-                groups[(event.topic, event.partition)].append(event)
+        verdicts, groups = by_place(events, _place, "partition and offset")
         wanted: dict[Place, list[int]] = {}
         for place, group in groups.items():
             gone = self._gone(*place)
@@ -170,6 +164,10 @@ class KafkaReader(Reader):
 
     def close(self) -> None:
         self.consumer.close()
+
+
+def _place(event: Archived) -> Place | None:
+    return None if event.partition is None or event.offset is None else (event.topic, event.partition)
 
 
 def _held(message: object) -> Held:

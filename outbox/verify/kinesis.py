@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections import defaultdict
 from typing import Any
 
 import aiobotocore.session
@@ -20,7 +19,7 @@ from aiobotocore.config import AioConfig
 
 from outbox.sinks.aws import KinesisSink
 from outbox.sinks.routes import SinkURL
-from outbox.verify.outcome import EXPIRED, MISSING, Archived, Held, Reader, Verdict, judge
+from outbox.verify.outcome import EXPIRED, MISSING, Archived, Held, Reader, Verdict, by_place, judge
 
 
 class KinesisReader(Reader):
@@ -37,13 +36,9 @@ class KinesisReader(Reader):
         return [verdicts[id(e)] for e in events]
 
     async def _check(self, events: list[Archived]) -> dict[int, Verdict]:
-        verdicts: dict[int, Verdict] = {}
-        shards: dict[int, list[Archived]] = defaultdict(list)
-        for event in events:
-            if event.partition is None or not event.ref:
-                verdicts[id(event)] = Verdict(MISSING, "the archive holds no shard and sequence number")
-            else:
-                shards[event.partition].append(event)
+        verdicts, shards = by_place(
+            events, lambda e: e.partition if e.ref else None, "shard and sequence number"
+        )
         if not shards:
             return verdicts
         config = AioConfig(connect_timeout=self.timeout, read_timeout=self.timeout,

@@ -8,7 +8,6 @@ exists, means the stream was deleted or made again: missing.
 from __future__ import annotations
 
 import asyncio
-from collections import defaultdict
 from typing import Any
 
 import nats
@@ -16,7 +15,7 @@ import nats.js.errors
 
 from outbox.events import EVENT_ID_HEADER, KEY_HEADER
 from outbox.sinks.routes import SinkURL
-from outbox.verify.outcome import EXPIRED, MISSING, Archived, Held, Reader, Verdict, judge
+from outbox.verify.outcome import EXPIRED, MISSING, Archived, Held, Reader, Verdict, by_place, judge
 
 
 class NatsReader(Reader):
@@ -30,13 +29,9 @@ class NatsReader(Reader):
         return [verdicts[id(e)] for e in events]
 
     async def _check(self, events: list[Archived]) -> dict[int, Verdict]:
-        verdicts: dict[int, Verdict] = {}
-        streams: dict[str, list[Archived]] = defaultdict(list)
-        for event in events:
-            if not event.ref or event.offset is None:
-                verdicts[id(event)] = Verdict(MISSING, "the archive holds no stream and sequence")
-            else:
-                streams[event.ref].append(event)
+        verdicts, streams = by_place(
+            events, lambda e: e.ref if e.ref and e.offset is not None else None, "stream and sequence"
+        )
         if not streams:
             return verdicts
         nc = await nats.connect(servers=[self.server], connect_timeout=self.timeout, max_reconnect_attempts=0)

@@ -4,8 +4,10 @@ and the verdict (present, missing, expired, unverifiable)."""
 from __future__ import annotations
 
 import hashlib
+from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from outbox.errors import OutboxError
 
@@ -72,6 +74,26 @@ def judge(event: Archived, held: Held | None, *, compare_bodies: bool = True) ->
     if compare_bodies and held.key_returned and digest(held.key) != digest(event.key):
         return Verdict(MISSING, "the record there has another key")
     return Verdict(PRESENT)
+
+
+K = TypeVar("K")
+
+
+def by_place(
+    events: list[Archived], place: Callable[[Archived], K | None], lacking: str
+) -> tuple[dict[int, Verdict], dict[K, list[Archived]]]:
+    """``events`` grouped by where their sink keeps them (``place``: a partition, a stream);
+    those whose coordinates the archive lacks (``place`` None) already judged missing, saying
+    ``lacking``. Verdicts are keyed by ``id(event)``."""
+    verdicts: dict[int, Verdict] = {}
+    groups: dict[K, list[Archived]] = defaultdict(list)
+    for event in events:
+        at = place(event)
+        if at is None:
+            verdicts[id(event)] = Verdict(MISSING, f"the archive holds no {lacking}")
+        else:
+            groups[at].append(event)
+    return verdicts, groups
 
 
 class SinkUnreadable(OutboxError):

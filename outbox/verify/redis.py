@@ -8,7 +8,6 @@ generated means the stream was deleted and made again (a restart without persist
 
 from __future__ import annotations
 
-from collections import defaultdict
 from typing import Any
 
 import redis
@@ -16,7 +15,7 @@ import redis.exceptions
 
 from outbox.events import EVENT_ID_HEADER
 from outbox.sinks.routes import SinkURL
-from outbox.verify.outcome import EXPIRED, MISSING, Archived, Held, Reader, Verdict, judge
+from outbox.verify.outcome import EXPIRED, MISSING, Archived, Held, Reader, Verdict, by_place, judge
 
 StreamId = tuple[int, int]
 
@@ -42,13 +41,9 @@ class RedisReader(Reader):
         )
 
     def check(self, events: list[Archived]) -> list[Verdict]:
-        verdicts: dict[int, Verdict] = {}
-        streams: dict[str, list[Archived]] = defaultdict(list)
-        for event in events:
-            if stream_id(event.ref) is None:
-                verdicts[id(event)] = Verdict(MISSING, "the archive holds no entry id")
-            else:
-                streams[event.topic].append(event)
+        verdicts, streams = by_place(
+            events, lambda e: None if stream_id(e.ref) is None else e.topic, "entry id"
+        )
         for stream, group in streams.items():
             verdicts.update(self._stream(stream, group))
         return [verdicts[id(e)] for e in events]
