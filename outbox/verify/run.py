@@ -82,6 +82,43 @@ class Pace:
                 self.sleep(ahead)
 
 
+class Slices:
+    """The window read a time slice at a time, in delivery order: a statement ordered over the
+    whole rest of a day's million deliveries sorted it again for each chunk (PostgreSQL's CPU,
+    not the sinks, set the pace). A slice that filled a chunk is read on from where it stopped
+    and the next one is shorter; one that held few makes the next one longer."""
+
+    FIRST = dt.timedelta(minutes=1)
+    SHORTEST = dt.timedelta(milliseconds=100)
+
+    def __init__(self, since: dt.datetime, until: dt.datetime, chunk: int) -> None:
+        self.lo, self.until, self.chunk = since, until, chunk
+        self.step = self.FIRST
+        self.after_at, self.after_id = EPOCH, -1  # where a full slice is read on from
+        self._hi = since
+        self._on = False  # the slice is read on: its bounds stay
+
+    def next(self) -> tuple[dt.datetime, dt.datetime] | None:
+        """The bounds of the next statement, or None when the window is read."""
+        if self.lo >= self.until:
+            return None
+        if not self._on:
+            self._hi = min(self.until, self.lo + self.step)
+        return self.lo, self._hi
+
+    def read(self, last_at: dt.datetime | None, last_id: int | None, n: int) -> None:
+        """What the statement returned: its last row's time and id, and how many rows."""
+        if n >= self.chunk and last_at is not None and last_id is not None:
+            self.after_at, self.after_id = last_at, last_id  # the slice holds more
+            self.step = max(self.SHORTEST, self.step / 2)  # for the slices after it
+            self._on = True
+            return
+        self._on = False
+        self.lo, self.after_at, self.after_id = self._hi, EPOCH, -1
+        if n < self.chunk // 4:
+            self.step *= 2
+
+
 def count(conn: psycopg.Connection[Any], schema: str, since: dt.datetime, until: dt.datetime,
           topics: str | None) -> int:  # fmt: skip
     """How many deliveries the window holds (what a run will check, for its progress)."""
@@ -114,19 +151,19 @@ def verify(
     report = Report(since, until)
     readers: dict[str, Reader | None] = {}
     pace = Pace(rate)
-    after_at, after_id = EPOCH, -1
     regex = None if topics is None else glob_regex(topics)
+    slices = Slices(since, until, chunk)
     try:
-        while not stopping():
+        while not stopping() and (bounds := slices.next()) is not None:
             rows = conn.execute(
                 query("verify_chunk", schema),
-                {"since": since, "until": until, "topics": regex, "sample": sample, "after_at": after_at,
-                 "after_id": after_id, "limit": chunk},
+                {"since": bounds[0], "until": bounds[1], "topics": regex, "sample": sample,
+                 "after_at": slices.after_at, "after_id": slices.after_id, "limit": chunk},
             ).fetchall()  # fmt: skip
             conn.commit()  # no snapshot held while the sinks are read
+            slices.read(rows[-1][8] if rows else None, int(rows[-1][0]) if rows else None, len(rows))
             if not rows:
-                return report
-            after_at, after_id = rows[-1][8], int(rows[-1][0])
+                continue
             events = [Archived.from_row(row) for row in rows]
             by_sink: dict[str, list[Archived]] = {}
             urls: dict[str, SinkURL] = {}

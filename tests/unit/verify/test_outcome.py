@@ -71,3 +71,30 @@ def test_the_json_summary_has_the_fixed_keys() -> None:
     }
     assert report.missing == [Lost(7, "e-1", "orders", "kafka://k:9092", "nothing at its coordinates")]
     assert report.by_place[("orders", "kafka://k:9092")] == {PRESENT: 1, MISSING: 1, EXPIRED: 1}
+
+
+def test_the_window_is_read_in_slices_each_delivery_once_in_order() -> None:
+    """Slices against a made-up archive: bursts, gaps and many deliveries in one millisecond."""
+    import datetime as dt
+    import random
+
+    from outbox.verify.run import Slices
+
+    t0 = dt.datetime(2026, 1, 1, tzinfo=dt.timezone.utc)
+    rnd = random.Random(7)
+    rows, i = [], 0
+    for burst in range(40):  # bursts of up to 3,000 deliveries, hours apart at times
+        at = t0 + dt.timedelta(seconds=burst * rnd.choice([1, 30, 900, 7200]))
+        for _ in range(rnd.randint(0, 3000)):
+            i += 1
+            rows.append((at + dt.timedelta(microseconds=rnd.randint(0, 2000)), i))
+    rows.sort()
+    until = rows[-1][0] + dt.timedelta(seconds=1)
+    slices, seen, statements = Slices(t0, until, 1000), [], 0
+    while (bounds := slices.next()) is not None:
+        statements += 1
+        after = (slices.after_at, slices.after_id)
+        got = [r for r in rows if bounds[0] <= r[0] < bounds[1] and r > after][:1000]
+        seen += got
+        slices.read(got[-1][0] if got else None, got[-1][1] if got else None, len(got))
+    assert seen == rows and statements < len(rows) / 100
