@@ -85,8 +85,8 @@ class Pace:
 class Slices:
     """The window read a time slice at a time, in delivery order: a statement ordered over the
     whole rest of a day's million deliveries sorted it again for each chunk (PostgreSQL's CPU,
-    not the sinks, set the pace). A slice that filled a chunk is read on from where it stopped
-    and the next one is shorter; one that held few makes the next one longer."""
+    not the sinks, set the pace). A slice that filled a chunk is read on from its last row, to
+    a shorter end; one that held few makes the next one longer."""
 
     FIRST = dt.timedelta(minutes=1)
     SHORTEST = dt.timedelta(milliseconds=100)
@@ -104,13 +104,14 @@ class Slices:
             return None
         if not self._on:
             self._hi = min(self.until, self.lo + self.step)
-        return self.lo, self._hi
+        return max(self.lo, self.after_at), self._hi  # read on: from where the last chunk ended
 
     def read(self, last_at: dt.datetime | None, last_id: int | None, n: int) -> None:
         """What the statement returned: its last row's time and id, and how many rows."""
         if n >= self.chunk and last_at is not None and last_id is not None:
             self.after_at, self.after_id = last_at, last_id  # the slice holds more
-            self.step = max(self.SHORTEST, self.step / 2)  # for the slices after it
+            self.step = max(self.SHORTEST, self.step / 2)
+            self._hi = min(self._hi, last_at + self.step)  # the rest of it: the next slices'
             self._on = True
             return
         self._on = False
