@@ -299,3 +299,37 @@ def test_console_runs_under_the_console_role(pg_dsn: str, logins: Logins, schema
         ("console", "skip", login, 1),
         ("cli", "replay", login, 1),
     ]
+
+
+def test_the_relay_role_verifies_on_its_schedule(pg_dsn: str, logins: Logins, schema: str) -> None:
+    """The relay's own verification (--verify-every: migration 0027) reads the archive and the
+    repairs and records its run, as the relay role."""
+    from outbox.observe.prometheus import Counter, Gauge
+    from outbox.sinks.routes import parse_routes
+    from outbox.store.outboxes import Outbox
+    from outbox.verify.readers import reader_for
+    from outbox.verify.schedule import Schedule, Verifier, VerifyMetrics
+
+    with psycopg.connect(pg_dsn) as conn:
+        conn.execute(
+            sql.SQL(
+                "INSERT INTO {}.delivered (id, event_id, topic, payload, headers, created_at, delivered_at, "
+                "attempts) VALUES (1, gen_random_uuid(), 'orders', '\\x7b7d', '{{}}', now(), "
+                "now() - interval '1 minute', 1)"
+            ).format(sql.Identifier(schema))
+        )
+    metrics = VerifyMetrics(Gauge("m", "m", ["outbox", "topic", "sink"]), Counter("c", "c", ["outbox"]))
+    verifier = Verifier(
+        lambda: [],
+        parse_routes(["*=amqp://127.0.0.1:1/"], None),
+        reader_for,
+        metrics,
+        Schedule(60.0, sample=1),
+    )
+    report = verifier.run_once(Outbox("default", logins.relay_dsn, schema))
+    assert report is not None and report.counts["unverifiable"] == 1
+    with psycopg.connect(pg_dsn) as conn:
+        row = conn.execute(
+            sql.SQL("SELECT via, checked FROM {}.verifications").format(sql.Identifier(schema))
+        )
+        assert row.fetchall() == [("relay", 1)]
