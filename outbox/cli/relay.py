@@ -19,8 +19,8 @@ from outbox.cli.common import Common, add_common, connect, dsn_of, schema_of, sc
 from outbox.cli.outboxes import DiscoveryOptions, add_outboxes, choose, is_fleet
 from outbox.cli.routes import KafkaOptions, RouteOptions, parse_kafka_config
 from outbox.errors import ConfigError, MissingExtra, RelayFailed, SchemaTooNew
+from outbox.fleet.fleet import Fleet, Found
 from outbox.relay.config import RelayConfig
-from outbox.relay.fleet import Fleet, Found
 from outbox.relay.relay import Relay, tune_gc
 from outbox.relay.retry import RetryPolicy
 from outbox.settings import setting

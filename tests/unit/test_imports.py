@@ -108,7 +108,7 @@ def test_no_import_circles_in_the_package() -> None:
 # command line of each of them. None of it may load the bench or the harness (test tooling, peers'
 # clients, embedded servers): the relay's image need not carry them, and a bug there is not its.
 RUNTIME = (
-    "outbox", "outbox.relay.relay", "outbox.relay.fleet", "outbox.console.web", "outbox.console.fleet",
+    "outbox", "outbox.relay.relay", "outbox.fleet.fleet", "outbox.console.web", "outbox.console.fleet",
     "outbox.write.writer", "outbox.inbox", "outbox.store.migrate", "outbox.testing", "outbox.contrib.alembic",
 )  # fmt: skip
 COMMANDS = (

@@ -24,7 +24,7 @@ from outbox import capture
 from outbox.capture import wal_message
 from outbox.errors import ConfigError
 from outbox.events import ClaimedEvent, encode_event
-from outbox.relay.fleet import Fleet
+from outbox.fleet.fleet import Fleet
 from outbox.relay.relay import RelayConfig
 from outbox.relay.retry import RetryPolicy
 from outbox.sinks.base import Dead, Outcome, Report, Retry, SinkWrapper
