@@ -18,6 +18,7 @@ from outbox_bench.measure import backend_cpu, broker_cpu, cpu_delta, median, mid
 from outbox_bench.workspace import Workspace
 
 BESIDE_RATE = 20_000.0  # the read-back beside a drain: outbox verify's default --rate
+SAMPLED = (1000.0, 100)  # and the relay's own verification's defaults: --verify-rate, --verify-sample
 
 
 def verify(cfg: BenchConfig) -> dict[str, Any]:
@@ -33,13 +34,15 @@ def verify(cfg: BenchConfig) -> dict[str, Any]:
         assert all(r["present"] == n for r in alone), [r["present"] for r in alone]
         pairs = []
         for i in range(cfg.repeat):
-            alone_run = _drain(cfg, ws, m, routes, beside=False, label=f"verify: drain alone #{i + 1}")
-            beside_run = _drain(cfg, ws, m, routes, beside=True, label=f"verify: drain beside #{i + 1}")
-            pairs.append({"without": alone_run, "with": beside_run})
+            alone_run = _drain(cfg, ws, m, routes, None, label=f"verify: drain alone #{i + 1}")
+            beside_run = _drain(cfg, ws, m, routes, (BESIDE_RATE, 1), label=f"verify: drain beside #{i + 1}")
+            sampled_run = _drain(cfg, ws, m, routes, SAMPLED, label=f"verify: drain sampled #{i + 1}")
+            pairs.append({"without": alone_run, "with": beside_run, "sampled": sampled_run})
     rates = [r["events_per_s"] for r in alone]
     mid = sorted(alone, key=lambda r: r["events_per_s"])[len(alone) // 2]
     without = median([p["without"]["events_per_s"] for p in pairs])
     with_ = median([p["with"]["events_per_s"] for p in pairs])
+    sampled = median([p["sampled"]["events_per_s"] for p in pairs])
     return {
         "events": n,
         "read_back": {
@@ -57,6 +60,9 @@ def verify(cfg: BenchConfig) -> dict[str, Any]:
             "without_events_per_s_median": round(without, 1),
             "with_events_per_s_median": round(with_, 1),
             "ratio_with_to_without": round(with_ / max(without, 1e-9), 3),
+            "sampled": {"rate": SAMPLED[0], "sample": SAMPLED[1]},
+            "sampled_events_per_s_median": round(sampled, 1),
+            "ratio_sampled_to_without": round(sampled / max(without, 1e-9), 3),
         },
     }
 
@@ -92,10 +98,10 @@ def _read_back(cfg: BenchConfig, ws: Workspace, routes: Any, label: str) -> dict
 
 
 def _drain(
-    cfg: BenchConfig, ws: Workspace, m: int, routes: Any, *, beside: bool, label: str
+    cfg: BenchConfig, ws: Workspace, m: int, routes: Any, beside: tuple[float, int] | None, *, label: str
 ) -> dict[str, Any]:
-    """``m`` events written and drained by the relay; ``beside``: while a read-back of the
-    archive runs (again and again, at outbox verify's default rate) on this process's thread."""
+    """``m`` events written and drained by the relay; ``beside`` (a rate and a sample): while a
+    read-back of the archive runs, again and again, on this process's thread."""
     ws.fill(m, label, shape="realistic")
     stop = threading.Event()
     read: list[int] = []
@@ -104,19 +110,20 @@ def _drain(
         since, until = _window()
         with psycopg.connect(cfg.dsn) as conn:
             while not stop.is_set():
+                assert beside is not None
                 report = run.verify(conn, ws.schema, routes, readers.reader_for, since=since, until=until,
-                                    rate=BESIDE_RATE, stopping=stop.is_set)  # fmt: skip
+                                    rate=beside[0], sample=beside[1], stopping=stop.is_set)  # fmt: skip
                 read.append(report.checked)
 
     thread = threading.Thread(target=verifying, name="bench-verify", daemon=True)
-    if beside:
+    if beside is not None:
         thread.start()
     try:
         result = race([ws.spec("relay")], target=m, max_seconds=cfg.max_race_seconds,
                       progress=Progress(label, m, " ev"))  # fmt: skip
     finally:
         stop.set()
-        if beside:
+        if beside is not None:
             thread.join(60)
     return {
         "events": result.moved,
@@ -142,8 +149,11 @@ def markdown(v: dict[str, Any]) -> list[str]:
         "| the relay's drain | events/s (median) |",
         "| --- | ---: |",
         f"| alone | {b['without_events_per_s_median']:,.0f} |",
-        f"| beside the read-back | {b['with_events_per_s_median']:,.0f} |",
-        f"| ratio | {b['ratio_with_to_without']} |",
+        f"| beside the read-back | {b['with_events_per_s_median']:,.0f} "
+        f"({b['ratio_with_to_without']} of alone) |",
+        f"| beside the relay's own verification (1 in {b['sampled']['sample']}, at most "
+        f"{b['sampled']['rate']:,.0f}/s) | {b['sampled_events_per_s_median']:,.0f} "
+        f"({b['ratio_sampled_to_without']} of alone) |",
         "",
     ]
 
@@ -152,9 +162,11 @@ def plot(v: dict[str, Any], ax: Any) -> None:
     b = v["beside"]
     alone = [p["without"]["events_per_s"] for p in b["pairs"]]
     beside = [p["with"]["events_per_s"] for p in b["pairs"]]
+    sampled = [p["sampled"]["events_per_s"] for p in b["pairs"]]
     xs = range(len(alone))
-    ax.bar([x - 0.2 for x in xs], alone, 0.4, label="drain alone")
-    ax.bar([x + 0.2 for x in xs], beside, 0.4, label=f"beside verify ({b['verify_rate']:,.0f}/s)")
+    ax.bar([x - 0.27 for x in xs], alone, 0.27, label="drain alone")
+    ax.bar(list(xs), beside, 0.27, label=f"beside verify ({b['verify_rate']:,.0f}/s)")
+    ax.bar([x + 0.27 for x in xs], sampled, 0.27, label="beside the relay's sampled verify")
     ax.set_xlabel("pair")
     ax.set_ylabel("events/s")
     ax.set_title(f"read back alone: {v['read_back']['events_per_s_median']:,.0f} events/s")

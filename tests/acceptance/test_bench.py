@@ -185,7 +185,7 @@ def test_bench_smoke_sinks_console_and_limits(pg_dsn: str, kafka: str, tmp_path:
     verify = results["scenarios"]["verify"]
     assert verify["read_back"]["events_per_s_median"] > 0 and verify["events"] == 3000
     assert all(p["with"]["read_back_meanwhile"] > 0 and p["without"]["read_back_meanwhile"] == 0
-               for p in verify["beside"]["pairs"])  # fmt: skip
+               and p["sampled"]["events"] == 3000 for p in verify["beside"]["pairs"])  # fmt: skip
     assert "**Verify**" in table
     _png(tmp_path / "verify.png")
     limits = results["scenarios"]["limits"]
