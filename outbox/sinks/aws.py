@@ -231,6 +231,13 @@ def _header(event: ClaimedEvent, name: str) -> bytes | None:
     return None
 
 
+def partition_key(key: bytes | None, event_id: str) -> str:
+    """A Kinesis record's partition key: the event's key as text (its id when null), or a digest
+    of it when Kinesis would refuse its length (1-256)."""
+    text = key.decode("utf-8", "replace") if key is not None else event_id
+    return text if 1 <= len(text) <= 256 else "sha256-" + hashlib.sha256(key or b"").hexdigest()
+
+
 class AwsSink(AsyncSink):
     """The common part: the client, batches cut by count and size, the answer settled per entry."""
 
@@ -559,9 +566,7 @@ class KinesisSink(AwsSink):
         await client.describe_stream_summary(StreamName=self.resource)
 
     def entry(self, event: ClaimedEvent) -> Entry:
-        key = event.key.decode("utf-8", "replace") if event.key is not None else event.event_id
-        if not 1 <= len(key) <= 256:
-            key = "sha256-" + hashlib.sha256(event.key or b"").hexdigest()
+        key = partition_key(event.key, event.event_id)
         data = self._envelope(event) if self.envelope else event.payload
         return Entry({"Data": data, "PartitionKey": key}, len(data) + len(key.encode()))
 

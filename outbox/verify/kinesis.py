@@ -17,7 +17,7 @@ from typing import Any
 import aiobotocore.session
 from aiobotocore.config import AioConfig
 
-from outbox.sinks.aws import KinesisSink
+from outbox.sinks.aws import KinesisSink, partition_key
 from outbox.sinks.routes import SinkURL
 from outbox.verify.outcome import EXPIRED, MISSING, Archived, Held, Reader, Verdict, by_place, judge
 
@@ -96,8 +96,7 @@ class KinesisReader(Reader):
                 found = None
             return Held(found if isinstance(found, str) else None)
         # Plain records carry no event id: the sequence number is the event's, and what is there
-        # must be its payload under its partition key.
-        key = event.key.decode("utf-8", "replace") if event.key is not None else event.event_id
-        same_key = record.get("PartitionKey") == key or len(key) > 256 or not key
-        return Held(event.event_id, None if same_key else b"(another partition key)", data,
-                    key_returned=not same_key)  # fmt: skip
+        # must be its payload under the partition key the sink gave it.
+        if record.get("PartitionKey") != partition_key(event.key, event.event_id):
+            return Held(event.event_id, b"(another partition key)", data, key_returned=True)
+        return Held(event.event_id, None, data)
