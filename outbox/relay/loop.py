@@ -85,8 +85,9 @@ class Loop:
         self.wakeup = wakeup
         self._sink = sink
         self._reported = reported
-        self._empty_until = 0.0  # no claim before this, but after a report (see step)
+        self._empty_until = 0.0  # no claim before this, but after news of a batch (see step)
         self._waiting = 0  # events in flight awaiting a report, at the last step
+        self._left = 0  # batches that had left the ledger, at the last step
 
     def step(self) -> None:
         finisher = self.finisher
@@ -96,11 +97,15 @@ class Loop:
         if signalled:
             wakeup.event.clear()  # first: news that comes while this step looks sets it again
             sink.poll(0)  # type: ignore[union-attr]
-        waiting = self.ledger.waiting()
-        reported = waiting != self._waiting
-        if reported:  # a sink reported (or a batch came or went)
+        ledger = self.ledger
+        waiting = ledger.waiting()
+        if waiting != self._waiting:  # a sink reported (or a batch came or went)
             self._waiting = waiting
             self._reported()
+            self._empty_until = 0.0
+        if ledger.left != self._left:  # a batch left: its rows' locks and its key holds with it
+            self._left = ledger.left
+            self._empty_until = 0.0
         if self.roster.changed:
             self.roster.apply()
         finisher.finish_complete()
@@ -115,8 +120,8 @@ class Loop:
         if self.claims.claim_ahead():  # claims sent during the last step (outbox.pipelined)
             return
         chosen = scheduler.next_claim(now, self.sessions.available())
-        if chosen is not None and now < self._empty_until and not reported:
-            chosen = None  # a claim came back empty behind batches in flight: wait for a report first
+        if chosen is not None and now < self._empty_until and ledger.busy:
+            chosen = None  # a claim came back empty behind batches in flight: wait for news of them
         assert sink is not None
         if chosen is not None:
             claimed = self.claims.claim(chosen, now)
@@ -128,7 +133,7 @@ class Loop:
                     self._empty_until = time.monotonic() + REPORT_WAIT
                 else:
                     sink.poll(REPORT_WAIT)
-        elif self.ledger.busy:
+        elif ledger.busy:
             if signalled:
                 # Reports, finished batches and NOTIFY all wake the loop; else the next deadline,
                 # at most REPORT_WAIT_FULL (the sink's health is looked at each step). One that is
@@ -144,8 +149,12 @@ class Loop:
                 sink.poll(REPORT_WAIT_FULL if full else REPORT_WAIT)
         else:
             # Idle: sleep until the next poll, NOTIFY, or the next heartbeat (a long
-            # poll interval must not let the ownership leases lapse).
+            # poll interval must not let the ownership leases lapse). An outbox woken that may not
+            # claim now (resting after an error of its own) is not a step after step for nothing.
             if not signalled:
                 wakeup.event.clear()
-            if not scheduler.woken():
-                wakeup.event.wait(scheduler.idle_wait(now, self.upkeep.next_at()))
+            wait = scheduler.idle_wait(now, self.upkeep.next_at())
+            if scheduler.woken():  # (a NOTIFY since the choice above: the event may be cleared)
+                wait = min(wait, scheduler.woken_wait(now, self.sessions.available()))
+            if wait > 0:
+                wakeup.event.wait(wait)

@@ -194,6 +194,20 @@ class ClaimScheduler:
         """Has a NOTIFY (or a WAL reader) woken some lane?"""
         return any(map(WOKEN, self.rotation))
 
+    def woken_wait(self, now: float, sessions_free: bool) -> float:
+        """Seconds until a woken lane may claim: 0 if one may now, else until the first one's rest
+        ends (an error of its own), else never (news wakes the loop: a slot or a session freed)."""
+        per_lane = self.config.max_batches_in_flight
+        soonest = math.inf
+        for lane in self.rotation:
+            if not lane.wake.woken:
+                continue
+            if sessions_free and lane.may_claim(now, per_lane):
+                return 0.0
+            if lane.paused_until > now and not lane.leaving:
+                soonest = min(soonest, lane.paused_until - now)
+        return soonest
+
     def served(self, lane: Lane, events: int) -> None:
         """A claim of ``lane`` took ``events``: its share used, for its weight. A lane that was
         idle starts at the clock (the least served backlog's), not with credit for its idle time."""
