@@ -19,7 +19,7 @@ from outbox.relay.ledger import Ledger
 from outbox.relay.metrics import RelayMetrics
 from outbox.relay.recorder import BatchRecorder
 from outbox.sinks import router
-from outbox.sinks.base import ProducesMany, Sink, send_now
+from outbox.sinks.base import Sink, many_of, send_now
 from outbox.sinks.chains import KeyChains
 from outbox.transform import Transforms
 
@@ -70,10 +70,11 @@ class Dispatcher:
         start = 0
         chains = self.chains.get(lane.name)
         # A lane with key chains goes through them, event by event: never around them.
-        if chains is None and isinstance(sink, ProducesMany) and not held and batch.waiting == len(batch):
+        many = many_of(sink) if chains is None and not held and batch.waiting == len(batch) else None
+        if many is not None:
             # Nothing held, nothing corrupt: the batch goes to the sink in one call
             # (KafkaSink.produce_many), up to the first event the sink does not take as it is.
-            start = sink.produce_many(cast("list[ClaimedEvent]", events), batch.outcomes, batch.settle)
+            start = many.produce_many(cast("list[ClaimedEvent]", events), batch.outcomes, batch.settle)
         produce = chains.produce if chains is not None else sink.produce
         for i in range(start, len(events)):
             event = events[i]

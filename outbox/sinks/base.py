@@ -43,7 +43,7 @@ import hashlib
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple, Protocol, runtime_checkable
+from typing import Any, NamedTuple, Protocol, TypeGuard, cast, runtime_checkable
 
 from outbox.events import ClaimedEvent
 
@@ -216,9 +216,30 @@ def key_digest(key: bytes) -> str:
     return DIGEST_PREFIX + hashlib.sha256(key).hexdigest()
 
 
+# A sink's methods are its class's: the batch path asks its class once, not the instance each
+# time (an isinstance of a runtime Protocol walks its members: 6 % of the loop's time at 500/s).
+_KINDS: dict[tuple[type, type], bool] = {}  # (a sink's class, a protocol): does it have it?
+
+
+def _is(cls: type, protocol: type) -> bool:
+    known = _KINDS.get((cls, protocol))
+    if known is None:
+        known = _KINDS[cls, protocol] = issubclass(cls, protocol)
+    return known
+
+
+def many_of(sink: object) -> ProducesMany | None:
+    """``sink`` if it takes a batch in one call (ProducesMany), else None."""
+    return cast("ProducesMany", sink) if _is(type(sink), ProducesMany) else None
+
+
+def _sends_now(sink: Sink) -> TypeGuard[SendsNow]:
+    return _is(type(sink), SendsNow)
+
+
 def send_now(sink: Sink) -> None:
     """``sink.send_now()`` when the sink has it (SendsNow); else nothing."""
-    if isinstance(sink, SendsNow):
+    if _sends_now(sink):
         sink.send_now()
 
 

@@ -26,7 +26,6 @@ from outbox.sinks.base import (
     Named,
     Outcome,
     OutcomeSlots,
-    ProducesMany,
     Reachable,
     Report,
     Settle,
@@ -35,6 +34,7 @@ from outbox.sinks.base import (
     Sink,
     SinkWrapper,
     keeps_key_order,
+    many_of,
     send_now,
 )
 from outbox.sinks.routes import Route, SinkURL, route_for
@@ -121,7 +121,8 @@ class Router:
         if len(sinks) != 1:
             return 0
         sink = next(iter(sinks.values()))
-        return sink.produce_many(events, outcomes, settle) if isinstance(sink, ProducesMany) else 0
+        many = many_of(sink)
+        return 0 if many is None else many.produce_many(events, outcomes, settle)
 
     def poll(self, timeout: float) -> int:
         if len(self.sinks) == 1:  # the common deployment: one sink, which waits by itself

@@ -197,3 +197,27 @@ def test_outcomes_trickling_in_wake_the_relay_thread_a_few_times_not_once_each()
     # At most one wake-up per REPORT_DELAY while they trickle in (woken once per outcome, the
     # relay's thread would be woken 200 times).
     assert sink.wake.times_set <= min(100, took / REPORT_DELAY + 10), (sink.wake.times_set, took)
+
+
+def test_a_sinks_batch_call_and_send_now_are_found_on_its_class_through_wrappers() -> None:
+    """The batch path asks a sink's class, once: a sink with ``produce_many`` takes batches, one
+    without does not, and a wrapper's ``send_now`` reaches the sink inside it."""
+    from outbox.sinks.base import SinkWrapper, many_of, send_now
+
+    class Plain:
+        def produce(self, event: object, report: object) -> None: ...
+
+    class Batching(Plain):
+        sent_now = 0
+
+        def produce_many(self, events: object, outcomes: object, settle: object) -> int:
+            return 0
+
+        def send_now(self) -> None:
+            self.sent_now += 1
+
+    batching = Batching()
+    assert many_of(batching) is batching and many_of(Plain()) is None
+    send_now(SinkWrapper(batching))  # type: ignore[arg-type]
+    send_now(Plain())  # type: ignore[arg-type]  # (nothing to call)
+    assert batching.sent_now == 1
