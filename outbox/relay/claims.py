@@ -48,7 +48,7 @@ class ClaimStep:
         """A claim of ``lane``, the one the scheduler chose: how many events it took (-1: shared
         claims that failed; None: a limit's claim, which says nothing of the outbox's backlog)."""
         scheduler = self.scheduler
-        gate = lane.gate_due(now, self.per_lane)
+        gate = lane.gate_due(now, self.per_lane) if lane.gates else None  # (limits: --limit)
         if gate is not None:
             self.gated.claim_gate(lane, gate, scheduler.batch_limit(lane, now))
             return None

@@ -41,10 +41,12 @@ class RelayHealth:
         *,
         sink: Callable[[], Sink | None],
         stopping: Callable[[], bool],
+        last_claim: Callable[[], float] | None = None,
     ) -> None:
         """``lanes``: the outboxes served (the roster's); ``running``: set once the relay
         produces; ``stopped``: set when it is to stop; ``sink``: the sink of the moment;
-        ``stopping``: whether it is draining to stop."""
+        ``stopping``: whether it is draining to stop; ``last_claim``: when a claim last went
+        through (monotonic), progress as a heartbeat is."""
         self.config = config
         self.sessions = sessions
         self.membership = membership
@@ -53,6 +55,7 @@ class RelayHealth:
         self.stopped = stopped
         self._sink = sink
         self._stopping = stopping
+        self._last_claim = last_claim
         self.loop_progress = time.monotonic()
         self.sink_progress = time.monotonic()
         # A database that stops answering without an error (a blackhole: the bytes are taken, no
@@ -61,6 +64,11 @@ class RelayHealth:
         self._watchdog: threading.Thread | None = None
         self._label = "starting"  # the label the heartbeats record, and when it is
         self._label_next = 0.0  # looked at again (monotonic)
+
+    def progressed(self) -> float:
+        """When the loop last completed a claim or a heartbeat (monotonic)."""
+        claimed = self._last_claim() if self._last_claim is not None else self.loop_progress
+        return max(self.loop_progress, claimed)
 
     def readiness(self) -> Readiness:
         """Database reachable, every sink up, every outbox served, not shutting down."""
@@ -109,7 +117,7 @@ class RelayHealth:
         since the first batch that only failed."""
         now = time.monotonic()
         limit = self.config.stall_timeout
-        loop_age = now - self.loop_progress
+        loop_age = now - self.progressed()
         if loop_age > max(limit, 2 * self.config.poll_interval):
             return f"no claim or heartbeat completed for {loop_age:.0f} s"
         lanes = list(self.lanes.values())
@@ -140,7 +148,7 @@ class RelayHealth:
         One line when it has not (the loop is stuck in a statement), one when it has again."""
         limit = max(self.config.stall_timeout, 2 * self.config.poll_interval)
         while not self.stopped.wait(WATCH_EVERY):
-            age = time.monotonic() - self.loop_progress
+            age = time.monotonic() - self.progressed()
             lanes = list(self.lanes.values())
             said = (
                 self.sessions.database.active

@@ -43,7 +43,9 @@ class Intake:
 
     def claim_and_send(self, lane: Lane, limit: int) -> int:
         """A batch of at most ``limit`` events of ``lane`` claimed and handed on; how many it had."""
-        if not lane.table_known:  # a slot to read before the table?
+        # Lane.table_known, for a lane with no WAL reader (those have an intake of their own): no
+        # claim before a look at its capture said there is no slot to read first.
+        if not lane.upkept.capture_mode:
             return 0
         claimed = self.table.claim(lane, limit, None, lane.skip)
         return 0 if claimed is None else self.table.hand_on(lane, claimed, limit)

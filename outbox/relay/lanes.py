@@ -112,6 +112,8 @@ class Lane:
 
     outbox: Outbox
     ordering: Ordering
+    name: str = field(init=False)  # the outbox's, which never changes: read, not asked, per batch
+    schema: str = field(init=False)
     in_flight: list[Batch] = field(default_factory=list)  # BatchFinisher's (sent, done)
     wake: Wake = field(default_factory=Wake)  # its methods' (other threads), and the loop's
     # ClaimScheduler's: when it claims
@@ -143,6 +145,8 @@ class Lane:
     delivery: Condition = field(init=False)  # retries batch after batch: one problem, not a line each
 
     def __post_init__(self) -> None:
+        self.name = self.outbox.name
+        self.schema = self.outbox.schema
         fields = {"outbox": self.name}
         self.trouble = Condition(log, "outbox", f"{self.said}cannot be served", fields=fields)
         self.delivery = Condition(
@@ -154,14 +158,6 @@ class Lane:
         """What starts its log lines: the --dsn/--schema outbox of a relay that serves only it
         logs as it always did, without a name."""
         return "" if self.name == DEFAULT_NAME else f"outbox {self.name}: "
-
-    @property
-    def name(self) -> str:
-        return self.outbox.name
-
-    @property
-    def schema(self) -> str:
-        return self.outbox.schema
 
     @property
     def not_served(self) -> str:

@@ -27,11 +27,13 @@ class BatchRecorder:
         self.stats = stats
         self.metrics = metrics
         self.metrics_on = metrics_on
+        self.last_claim = time.monotonic()  # when a claim last went through (the stall watchdog's)
 
     def claim(self, lane: Lane) -> None:
         """A claim of ``lane`` went through (or a WAL batch was taken), empty or not."""
         self.stats.claims += 1
         lane.stats.claims += 1
+        self.last_claim = time.monotonic()
 
     def sending(self, lane: Lane, events: int) -> None:
         """A batch of ``events`` of ``lane`` goes to the sink."""

@@ -73,7 +73,7 @@ from outbox.relay.roster import Roster
 from outbox.relay.scheduler import ClaimScheduler
 from outbox.relay.upkeep import ArchivePartitions, CaptureWatch, Chores, LaneUpkeep, SinkUpkeep
 from outbox.relay.wal_intake import WalIntake
-from outbox.sinks.base import Sink, wake_of
+from outbox.sinks.base import CurrentSink, Sink, wake_of
 from outbox.sinks.chains import KeyChains
 from outbox.store.dsn import with_net_timeouts
 from outbox.store.hygiene import Hygiene
@@ -131,7 +131,7 @@ class Relay:
             raise ConfigError("a relay serves the outboxes of one database; run one per database")
         self.dsn = chosen[0].dsn
         self.sink_factory = sink_factory
-        self.sink: Sink | None = None
+        self.current = CurrentSink()  # the sink of the moment, which every part reads
         # --transform: each event of a matching topic goes through its function before routing.
         self.transforms = transforms if transforms is not None else config.transforms
         self.chains: dict[str, KeyChains] = {}  # per outbox, around the sink, where it needs them
@@ -159,17 +159,18 @@ class Relay:
         self._hygiene: Hygiene | None = None
         self.stats = RelayStats()  # of every outbox served
         self.running = threading.Event()  # set once connected and producing
+        self._shared_metrics = metrics is not None
+        self._metrics_kept = threading.Event()  # someone reads them: served, or the fleet's (_start)
+        self.metrics = metrics if metrics is not None else RelayMetrics()
+        self.recorder = BatchRecorder(self.stats, self.metrics, self._metrics_kept.is_set)
         self.health = RelayHealth(
             config, self.sessions, self.membership, lanes, self.running, self.stopped,
-            sink=lambda: self.sink, stopping=lambda: self.stopping,
+            sink=self.current, stopping=lambda: self.stopping, last_claim=lambda: self.recorder.last_claim,
         )  # fmt: skip
-        self._shared_metrics = metrics is not None
-        self.metrics = metrics if metrics is not None else RelayMetrics()
-        self.recorder = BatchRecorder(self.stats, self.metrics, lambda: self.metrics_on)
         self.ledger = Ledger(self.sessions, self.link, self.membership, self.scheduler)
         self.finisher = BatchFinisher(
             config, self.sessions, self.ledger, self.recorder, lanes=lambda: self.scheduler.rotation,
-            sink=lambda: self.sink, metrics_on=lambda: self.metrics_on, wake=self.wake,
+            sink=self.current, metrics_on=self._metrics_kept.is_set, wake=self.wake,
         )  # fmt: skip
         chores = Chores(self.sessions, self.lane_error)
         self.upkeep = LaneUpkeep(
@@ -180,7 +181,7 @@ class Relay:
                 self.scheduler,
                 self.stats,
                 self.metrics,
-                sink=lambda: self.sink,
+                sink=self.current,
                 make=self.sink_factory,
                 use=self.use_sink,
                 chains=self.chains,
@@ -191,29 +192,29 @@ class Relay:
         self.roster = Roster(
             config, self.membership, self.scheduler, self.metrics, lanes, beats, self.chains, chosen,
             outages=(self.sessions.database, self.health.loop_stall), running=self.running,
-            sink=lambda: self.sink, listener=lambda: self.listener, wake=self.wake,
+            sink=self.current, listener=lambda: self.listener, wake=self.wake,
             joined=self.upkeep.capture.joined, chain=self.upkeep.sinks.chain,
             stop_reader=self.upkeep.capture.stop_reader,
         )  # fmt: skip
         self.dispatcher = Dispatcher(
             self.ledger, self.recorder, self.metrics, self.transforms,
-            sink=lambda: self.sink, chains=self.chains, metrics_on=lambda: self.metrics_on,
+            sink=self.current, chains=self.chains, metrics_on=self._metrics_kept.is_set,
         )  # fmt: skip
         send = self.dispatcher.send
-        table = TableClaim(self.sessions, send=send, claimed=self._claimed, lane_error=self.lane_error)
+        table = TableClaim(self.sessions, send=send, claimed=self.recorder.claim, lane_error=self.lane_error)
         self.intake = Intake(self.sessions, self.scheduler, table, send=send, flush=self.dispatcher.flush)
         self.gated = GateIntake(
             self.sessions, self.link, self.membership, table, self.metrics, send=send,
-            metrics_on=lambda: self.metrics_on,
+            metrics_on=self._metrics_kept.is_set,
         )  # fmt: skip
         self.wal_intake = WalIntake(
             self.sessions, self.scheduler, table, send=send, lane_error=self.lane_error
         )
         self.heartbeats = Heartbeats(
             self.membership, self.sessions, lanes, beats, self.metrics,
-            sink=lambda: self.sink, busy=lambda: bool(self.ledger.busy),
+            sink=self.current, busy=lambda: bool(self.ledger.busy),
             sinks_back=self.upkeep.sinks.sinks_back, label=self.health.label,
-            progress=self._progressed, metrics_on=lambda: self.metrics_on,
+            progress=self._progressed, metrics_on=self._metrics_kept.is_set,
         )  # fmt: skip
         self.claims = ClaimStep(
             self.scheduler, self.intake, self.gated, self.wal_intake,
@@ -221,7 +222,7 @@ class Relay:
         )  # fmt: skip
         self.loop = Loop(
             self.sessions, self.scheduler, self.ledger, self.finisher, self.roster, self.heartbeats,
-            self.upkeep, self.claims, self._wakeup, sink=lambda: self.sink, reported=self._sink_reported,
+            self.upkeep, self.claims, self._wakeup, sink=self.current, reported=self._sink_reported,
         )  # fmt: skip
         self.http: HealthServer | None = None
         self.gauges: DatabaseGauges | None = None
@@ -260,11 +261,6 @@ class Relay:
         """A sink reported, or a batch came or went (the stall watchdog's)."""
         self.health.sink_progress = time.monotonic()
 
-    def _claimed(self, lane: Lane) -> None:
-        """A claim of ``lane`` went through, or a WAL batch was taken."""
-        self.recorder.claim(lane)
-        self._progressed()
-
     def _unreachable(self) -> None:
         """The database cannot be reached: WAL capture's readers let go (BatchFinisher)."""
         self.finisher.let_go_of_the_wal()
@@ -275,7 +271,7 @@ class Relay:
 
     def use_sink(self, sink: Sink) -> None:
         """Deliver through ``sink`` from now on; wait on its wake-up if it signals its reports."""
-        self.sink = sink
+        self.current.sink = sink
         self._wakeup.use(wake_of(sink))
 
     def wal_read(self, lane: Lane) -> None:
@@ -333,7 +329,7 @@ class Relay:
 
     @property
     def metrics_on(self) -> bool:
-        return self.http is not None or self._shared_metrics
+        return self._metrics_kept.is_set()
 
     def lane_error(self, lane: Lane, conn: psycopg.Connection[Any], error: str) -> None:
         """An error of this outbox's own on ``conn``: the lane rests, the session goes back."""
@@ -352,6 +348,8 @@ class Relay:
             log.info("serving /metrics, /livez, /readyz on %s:%d", config.metrics_host, self.http.port)
         elif self._shared_metrics:
             self.gauges = DatabaseGauges(self._dsn, lambda: self.outboxes, self.metrics, config.limits)
+        if self.http is not None or self._shared_metrics:
+            self._metrics_kept.set()
         if config.notify:
             self.listener = Listener(self._dsn, self.stopped)
         self.chains.clear()
@@ -387,10 +385,10 @@ class Relay:
         self.intake.give_up_ahead()  # claims sent ahead: their events stay pending, none was sent
         rotation = self.scheduler.rotation
         deadline = time.monotonic() + self.config.grace
-        while any(lane.in_flight for lane in rotation) and self.sink is not None:
+        while any(lane.in_flight for lane in rotation) and self.current.sink is not None:
             if time.monotonic() >= deadline:
                 break
-            self.sink.poll(REPORT_WAIT_FULL)
+            self.current.sink.poll(REPORT_WAIT_FULL)
             self.finisher.finish_complete()
         unfinished = sum(len(lane.in_flight) for lane in rotation)
         if unfinished:
@@ -399,9 +397,10 @@ class Relay:
             )
             self.finisher.release_all("")
         self.finisher.shutdown()
-        if self.sink is not None:
-            self.sink.close(max(0.0, min(1.0, deadline - time.monotonic())))
-            self.sink = None
+        sink = self.current.sink
+        if sink is not None:
+            sink.close(max(0.0, min(1.0, deadline - time.monotonic())))
+            self.current.sink = None
         # No batch holds locks any more: hand the partitions over at once.
         for lane in rotation:
             self.upkeep.capture.stop_reader(lane)
@@ -417,6 +416,7 @@ class Relay:
         if self.http is not None:
             self.http.stop()
             self.http = None
+            self._metrics_kept.clear()
         log.info(
             "relay stopped: delivered=%d retried=%d dead=%d",
             self.stats.delivered,

@@ -257,6 +257,19 @@ def wake_of(sink: Sink) -> threading.Event | None:
     return sink.wake if isinstance(sink, Signals) else None
 
 
+class CurrentSink:
+    """A relay's sink of the moment: none before it starts, replaced when it is unhealthy. The
+    parts that send to it, poll it or look at it call this for it; the relay puts one in."""
+
+    __slots__ = ("sink",)
+
+    def __init__(self) -> None:
+        self.sink: Sink | None = None
+
+    def __call__(self) -> Sink | None:
+        return self.sink
+
+
 class SinkWrapper:
     """A sink that delegates to ``inner``; override ``produce`` to observe or alter sends.
 

@@ -105,8 +105,10 @@ def test_one_events_path_enters_few_relay_modules_each_at_most_twice(
     print("empty claims left out:", traced.empty_claims)
     stages = {"claims.py", "intake.py", "claim.py", "dispatch.py", "ledger.py", "finisher.py"}
     assert stages <= set(entries)
-    # The stages, the scheduler and the recorder they ask, the event's batch, lane and key holds,
-    # and the root's wiring (the sink of the moment): 12 modules (docs/decisions/0011).
-    assert len(entries) <= 12 and "wal_intake.py" not in entries, entries
+    # The stages, the scheduler and the recorder they ask, the event's batch and its outbox's key
+    # holds: 10 modules (docs/decisions/0011). The root is not called back (the sink of the
+    # moment, whether metrics are kept) and the lane is read, not asked.
+    assert len(entries) <= 10 and "wal_intake.py" not in entries, entries
+    assert "relay.py" not in entries and "lanes.py" not in entries, entries
     assert all(entries[stage] <= 2 for stage in stages - {"finisher.py"}), entries
     assert traced.started == [] and traced.capture == set()

@@ -41,3 +41,20 @@ def test_readiness_follows_the_relays_state() -> None:
     health.loop_progress = time.monotonic()
     state["stopping"] = True
     assert health.readiness().label == "draining"
+
+
+def test_a_claim_that_went_through_is_progress_as_a_heartbeat_is() -> None:
+    """The claims stamp the recorder (BatchRecorder.last_claim), not the health: a relay whose
+    heartbeats are far apart but whose claims go through is not stalled."""
+    running, stopped = threading.Event(), threading.Event()
+    claimed = {"at": time.monotonic() - 120}
+    health = RelayHealth(
+        RelayConfig("postgresql://unused", stall_timeout=30.0),
+        cast(Any, SimpleNamespace(database=_QUIET)), cast(Any, SimpleNamespace(heartbeat=_QUIET)), {},
+        running, stopped, sink=lambda: _Sink(True), stopping=lambda: False, last_claim=lambda: claimed["at"],
+    )  # fmt: skip
+    running.set()
+    health.loop_progress = time.monotonic() - 120
+    assert health.readiness().label == "stalled"
+    claimed["at"] = time.monotonic()
+    assert health.readiness().label == "ready"
