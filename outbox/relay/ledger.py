@@ -34,7 +34,6 @@ class Ledger:
         self.membership = membership
         self.scheduler = scheduler
         self.busy: dict[Lane, None] = {}
-        self.left = 0  # batches that left, ever: the loop sees one leave (its rows and holds free)
 
     def sent(self, lane: Lane, batch: Batch) -> None:
         """``batch`` is out: its outcomes will come through ``batch.settle``."""
@@ -90,7 +89,6 @@ class Ledger:
         if batch.gate is not None:
             limits.finished(self.link, self.membership.id, lane.schema, batch.gate, len(batch))
         lane.in_flight.remove(batch)
-        self.left += 1
         lane.ordering.holds.release(id(batch))
         shared = batch.shared
         if shared is not None:

@@ -85,9 +85,8 @@ class Loop:
         self.wakeup = wakeup
         self._sink = sink
         self._reported = reported
-        self._empty_until = 0.0  # no claim before this, but after news of a batch (see step)
+        self._empty_until = 0.0  # no claim before this, but after a report (see step)
         self._waiting = 0  # events in flight awaiting a report, at the last step
-        self._left = 0  # batches that had left the ledger, at the last step
 
     def step(self) -> None:
         finisher = self.finisher
@@ -99,13 +98,10 @@ class Loop:
             sink.poll(0)  # type: ignore[union-attr]
         ledger = self.ledger
         waiting = ledger.waiting()
-        if waiting != self._waiting:  # a sink reported (or a batch came or went)
+        reported = waiting != self._waiting
+        if reported:  # a sink reported (or a batch came or went)
             self._waiting = waiting
             self._reported()
-            self._empty_until = 0.0
-        if ledger.left != self._left:  # a batch left: its rows' locks and its key holds with it
-            self._left = ledger.left
-            self._empty_until = 0.0
         if self.roster.changed:
             self.roster.apply()
         finisher.finish_complete()
@@ -120,8 +116,10 @@ class Loop:
         if self.claims.claim_ahead():  # claims sent during the last step (outbox.pipelined)
             return
         chosen = scheduler.next_claim(now, self.sessions.available())
-        if chosen is not None and now < self._empty_until and ledger.busy:
-            chosen = None  # a claim came back empty behind batches in flight: wait for news of them
+        if chosen is not None and now < self._empty_until and not reported and ledger.busy:
+            # A claim came back empty behind batches in flight: wait for a report first (once none
+            # is in flight, there is none to wait for: its rows' locks and key holds went with it).
+            chosen = None
         assert sink is not None
         if chosen is not None:
             claimed = self.claims.claim(chosen, now)
