@@ -1,4 +1,5 @@
-"""AWS sinks: SQS (standard and FIFO), SNS, EventBridge and Kinesis (``outbox-relay[aws]``).
+"""AWS sinks: SQS (standard and FIFO), SNS, EventBridge and Kinesis (``outbox-relay[aws]``); Kinesis's
+own part is :mod:`outbox.sinks.kinesis`.
 
 Routes: ``sqs://QUEUE``, ``sns://TOPIC``, ``eventbridge://BUS``, ``kinesis://STREAM``, each
 with ``?region=…`` (else the standard chain: ``AWS_REGION``, the profile) and
@@ -50,7 +51,6 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import hashlib
 import json
 import os
 import re
@@ -152,7 +152,8 @@ def fifo_id(raw: bytes) -> str:
     return key_digest(raw)
 
 
-def _loose(raw: bytes) -> Any:
+def loose(raw: bytes) -> Any:
+    """``raw`` as text where it is UTF-8, else as ``{"base64": ...}`` (a JSON value either way)."""
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError:
@@ -184,7 +185,7 @@ def message_attributes(event: ClaimedEvent, body_base64: bool) -> dict[str, dict
         if fits and len(out) < MAX_ATTRIBUTES and not rest:
             out[name] = {"DataType": "String", "StringValue": text}  # type: ignore[dict-item]
         else:
-            rest[name] = _loose(raw)
+            rest[name] = loose(raw)
     if rest:
         if len(out) == MAX_ATTRIBUTES:  # make room for the overflow: the last one joins it
             last = next(reversed(out))
@@ -229,13 +230,6 @@ def _header(event: ClaimedEvent, name: str) -> bytes | None:
         if n == name:
             return as_bytes(v)
     return None
-
-
-def partition_key(key: bytes | None, event_id: str) -> str:
-    """A Kinesis record's partition key: the event's key as text (its id when null), or a digest
-    of it when Kinesis would refuse its length (1-256)."""
-    text = key.decode("utf-8", "replace") if key is not None else event_id
-    return text if 1 <= len(text) <= 256 else "sha256-" + hashlib.sha256(key or b"").hexdigest()
 
 
 class AwsSink(AsyncSink):
@@ -539,67 +533,4 @@ class EventBridgeSink(AwsSink):
                 outcomes.append(self.entry_failure(code, str(e.get("ErrorMessage", "")), not retry))
             else:
                 outcomes.append(Retry("no_answer", f"{self.name}: the answer left this entry out"))
-        return outcomes
-
-
-class KinesisSink(AwsSink):
-    scheme = "kinesis"
-    system = "aws_kinesis"
-    service = "kinesis"
-    operation = "PutRecords"
-    batch = 500
-    batch_bytes = 5 * 1024 * 1024
-    entry_bytes = 1024 * 1024
-
-    def __init__(self, url: SinkURL, *, timeout: float, source: str | None = None) -> None:
-        self.envelope = url.options.get("envelope") == "json"
-        super().__init__(url, timeout=timeout, source=source)
-
-    @classmethod
-    def check(cls, url: SinkURL, source: str | None) -> str:
-        envelope = url.options.get("envelope", "")
-        if envelope not in ("", "json"):
-            raise ConfigError(f"route {url.display}: option envelope must be json, got {envelope!r}")
-        return super().check(url, source)
-
-    async def resolve(self, client: Any) -> None:
-        await client.describe_stream_summary(StreamName=self.resource)
-
-    def entry(self, event: ClaimedEvent) -> Entry:
-        key = partition_key(event.key, event.event_id)
-        data = self._envelope(event) if self.envelope else event.payload
-        return Entry({"Data": data, "PartitionKey": key}, len(data) + len(key.encode()))
-
-    @staticmethod
-    def _envelope(event: ClaimedEvent) -> bytes:
-        out: dict[str, Any] = {
-            "id": event.event_id,
-            "topic": event.topic,
-            "key": None if event.key is None else _loose(event.key),
-            "headers": {n: _loose(as_bytes(v)) for n, v in event.headers if n != EVENT_ID_HEADER},
-        }
-        try:
-            out["payload"] = json.loads(event.payload)
-        except ValueError:
-            out["payload_base64"] = base64.b64encode(event.payload).decode("ascii")
-        return json.dumps(out, separators=(",", ":"), ensure_ascii=False).encode()
-
-    async def send(self, client: Any, bodies: list[dict[str, Any]]) -> Any:
-        return await client.put_records(StreamName=self.resource, Records=bodies)
-
-    def settle(self, answer: Any, n: int) -> list[Outcome]:
-        records = answer.get("Records", [])
-        outcomes: list[Outcome] = []
-        for i in range(n):
-            r = records[i] if i < len(records) else {}
-            if r.get("SequenceNumber") and not r.get("ErrorCode"):
-                shard = str(r.get("ShardId", ""))
-                number = int(shard.rsplit("-", 1)[-1]) if shard.rsplit("-", 1)[-1].isdigit() else None
-                outcomes.append(Delivered(number, None, str(r["SequenceNumber"])))
-            elif r.get("ErrorCode"):
-                # Kinesis's per-record errors are throughput and its own faults: both retried.
-                code = str(r["ErrorCode"])
-                outcomes.append(self.entry_failure(code, str(r.get("ErrorMessage", "")), False))
-            else:
-                outcomes.append(Retry("no_answer", f"{self.name}: the answer left this record out"))
         return outcomes

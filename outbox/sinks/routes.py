@@ -64,7 +64,7 @@ SCHEMES: dict[str, Scheme] = {
         "Amazon EventBridge", "aws", "outbox.sinks.aws:EventBridgeSink", {**_AWS_OPTIONS, "source": str}
     ),
     "kinesis": Scheme(
-        "Amazon Kinesis", "aws", "outbox.sinks.aws:KinesisSink", {**_AWS_OPTIONS, "envelope": str}
+        "Amazon Kinesis", "aws", "outbox.sinks.kinesis:KinesisSink", {**_AWS_OPTIONS, "envelope": str}
     ),
     "pubsub": Scheme("Google Cloud Pub/Sub", "gcp", "outbox.sinks.pubsub:PubSubSink", {"endpoint": str}),
 }

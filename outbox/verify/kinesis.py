@@ -17,7 +17,7 @@ from typing import Any
 import aiobotocore.session
 from aiobotocore.config import AioConfig
 
-from outbox.sinks.aws import KinesisSink, partition_key
+from outbox.sinks.kinesis import KinesisSink, partition_key
 from outbox.sinks.routes import SinkURL
 from outbox.verify.outcome import EXPIRED, MISSING, Archived, Held, Reader, Verdict, by_place, judge
 

@@ -8,7 +8,7 @@ import pytest
 
 from outbox.errors import ConfigError
 from outbox.events import ClaimedEvent
-from outbox.sinks import aws
+from outbox.sinks import aws, kinesis
 from outbox.sinks.aio import Refused
 from outbox.sinks.base import Dead, Retry
 from outbox.sinks.routes import parse_url
@@ -48,7 +48,7 @@ def test_a_route_is_checked_at_start(monkeypatch: pytest.MonkeyPatch) -> None:
         aws.EventBridgeSink.check(parse_url("eventbridge://bus?region=eu-west-1", "r"), None)
     assert aws.EventBridgeSink.check(parse_url("eventbridge://bus?region=eu-west-1", "r"), "svc")
     with pytest.raises(ConfigError, match="envelope must be json"):
-        aws.KinesisSink.check(parse_url("kinesis://s?region=eu-west-1&envelope=xml", "r"), None)
+        kinesis.KinesisSink.check(parse_url("kinesis://s?region=eu-west-1&envelope=xml", "r"), None)
 
 
 def test_attributes_put_ids_and_trace_first_and_fold_the_rest_into_one() -> None:
@@ -100,7 +100,7 @@ def test_entries_of_each_service() -> None:
     for payload in (b"[1,2]", b"not json", b"\xff"):
         with pytest.raises(Refused, match="JSON object"):
             bus.entry(_event(payload=payload))
-    stream = aws.KinesisSink.__new__(aws.KinesisSink)
+    stream = kinesis.KinesisSink.__new__(kinesis.KinesisSink)
     stream.envelope = False
     assert (
         stream.entry(_event(payload=b"\xff", key=None)).body["PartitionKey"]
