@@ -35,10 +35,9 @@ from outbox.store.queries import glob_regex, query
 from outbox.store.schema import FLEET_SCHEMA
 from outbox.store.sessions import Link
 
-# A bucket holds this many seconds of its rate (at least one event) ... A quarter of a second lost
-# the tokens that came while a loaded machine's relays were late to take them: two relays sent 45
-# requests/s against 60/s in CI. A second's worth absorbs that, and is what a rate per second
-# allows anyway.
+# A bucket holds this many seconds of its rate (at least one event): less loses the tokens that
+# come while a loaded machine's relays are late to take them (decision 0013), and a second's
+# worth is what a rate per second allows anyway.
 BURST_SECONDS = 1.0
 GRANT_SECONDS = 0.1  # ... and is taken from this many seconds' worth at a time: a batch, not an event
 _RATE = re.compile(r"^(\d+(?:\.\d+)?)/s$")

@@ -321,8 +321,7 @@ class Ordering:
         if settled:
             # The look after the first settled one anywhere in the period, later ones in its
             # second half (every 60-120 s): a relay that started with a thousand outboxes looks at
-            # them evenly, not in a wave. (The two were swapped: every 0-120 s, 16.7 looks a
-            # second at 1,000 outboxes, and the first wave 60-120 s after the start.)
+            # them evenly, not in a wave (decision 0013).
             low = 0.5 if self._settled_before else 0.0
             self._settled_before = True
             self._next = time.monotonic() + SETTLED_LOOK * random.uniform(low, 1.0)

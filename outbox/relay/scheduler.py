@@ -53,7 +53,7 @@ IDLE_POLLS = 50.0  # claims a second, at most, that poll quiet outboxes without 
 IDLE_POLLS_NOTIFIED = 5.0
 
 # The lanes' fields an idle relay reads on every wake-up (idle_wait), read at C speed over all of
-# them (map/min/any): at 1,000 outboxes, a generator over the lanes took 0.7 ms a wake-up.
+# them (map/min/any), not by a generator: at a thousand outboxes, each wake-up's cost (decision 0013).
 WOKEN = attrgetter("wake.woken")
 NEXT_POLL = attrgetter("next_poll")
 RETRY_AT = attrgetter("retry_at")
@@ -317,9 +317,9 @@ class ClaimScheduler:
         took = now - batch.claimed_at
         lease = self.config.lease
         # A batch slowed by an outage (the sink was found down while it was out, or some of its
-        # sends failed only to reach it) says nothing of the sink's pace once it answers: the
-        # blackhole's 16 s batches, finishing as the sink healed, cut the claims to 50 just when
-        # the backlog had to drain.
+        # sends failed only to reach it) says nothing of the sink's pace once it answers: batches
+        # held up by a blackhole, finishing as the sink heals, would cut the claims small just when
+        # the backlog has to drain.
         slow = lost or (took > SLOW_BATCH * lease and not self.outage(batch))  # rare: no scan per batch
         if slow:
             new = max(MIN_CLAIM, min(cap, len(batch)) // (4 if lost else 2))

@@ -217,7 +217,7 @@ def key_digest(key: bytes) -> str:
 
 
 # A sink's methods are its class's: the batch path asks its class once, not the instance each
-# time (an isinstance of a runtime Protocol walks its members: 6 % of the loop's time at 500/s).
+# time (an isinstance of a runtime Protocol walks its members at every call: decision 0013).
 _KINDS: dict[tuple[type, type], bool] = {}  # (a sink's class, a protocol): does it have it?
 
 

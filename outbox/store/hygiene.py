@@ -79,8 +79,8 @@ class Hygiene(threading.Thread):
 
     def run(self) -> None:
         wait = self._interval
-        # One session kept from check to check: a new one read every table's catalog entry
-        # afresh each time (150 ms a check at 1,000 schemas, for the tables' sizes).
+        # One session kept from check to check: a new one reads every table's catalog entry
+        # afresh each time, for the tables' sizes (decision 0013).
         conn: psycopg.Connection[Any] | None = None
         try:
             while not self._stop_event.wait(wait):

@@ -30,8 +30,7 @@ from outbox.store.trust import refusal, require_trusted
 _FILE = re.compile(r"^(\d{4})_(\w+)\.sql$")
 # Outboxes to migrate on one connection before taking a fresh one (``outbox migrate --schemas``,
 # the bench's tenants). A session's processing of every DDL statement's invalidations grows with
-# what it has cached: creating 5,000 outboxes on one session, the 700th migration took about
-# 700 ms where the first took 128 ms and one on a fresh session beside it 120-140 ms.
+# what it has cached, and so does each migration's time on it (decision 0013).
 PER_CONNECTION = 50
 # Who a membership schema's code would run as, in the refusal of one that is not trusted.
 MIGRATOR = "this migration (often a superuser) and every relay of the database"

@@ -8,12 +8,12 @@ new one is opened, with backoff, when none is free. Every session runs with
   session of a worker that stalls with a batch, which is the fence;
 - ``statement_timeout = lease``: no statement outlives the lease either;
 - ``jit = off``: the claim is a millisecond OLTP statement, and JIT compilation
-  (set off by the cost estimates of its guarded subplans) takes ~10 ms;
+  (set off by the cost estimates of its guarded subplans) takes longer than it;
 - ``enable_sort = off``: the claim must walk the primary key in id order. A backlog that
   autovacuum has counted (``reltuples``) but nobody has analyzed makes the planner expect a
   few hundred rows past the claim's filters, and a sequential scan + sort of the whole
-  table looks cheaper: 620 ms per claim of 2,000 at 200,000 pending, against 9 ms. No
-  statement of these sessions needs a sort.
+  table looks cheaper, at many times the time (decision 0013). No statement of these
+  sessions needs a sort.
 
 Before them, ``search_path`` is pinned to ``pg_catalog, pg_temp`` (:mod:`outbox.store.pinning`): no
 overload another role planted in ``"$user"`` or ``public`` is ever called with the relay's rights.
