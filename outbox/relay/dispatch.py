@@ -59,9 +59,10 @@ class Dispatcher:
         batch.spans = tracing.start_batch(
             batch.events, claim_start, time.time_ns(), partial(_span_shape, sink, lane.name)
         )
-        self.recorder.sending(lane, len(batch))
+        size = len(batch)
+        self.recorder.sending(lane, size)
         if self._metrics_on():
-            self.metrics.batch_size.observe(len(batch), (lane.name,))
+            self.metrics.batch_size.observe(size, (lane.name,))
         # Per-key order: once an event of key K fails (in this batch or in one
         # still in flight), K's later events are held: left pending, untouched.
         # When the failure is committed, the claim query blocks them instead.
@@ -70,13 +71,13 @@ class Dispatcher:
         start = 0
         chains = self.chains.get(lane.name)
         # A lane with key chains goes through them, event by event: never around them.
-        many = many_of(sink) if chains is None and not held and batch.waiting == len(batch) else None
+        many = many_of(sink) if chains is None and not held and batch.waiting == size else None
         if many is not None:
             # Nothing held, nothing corrupt: the batch goes to the sink in one call
             # (KafkaSink.produce_many), up to the first event the sink does not take as it is.
             start = many.produce_many(cast("list[ClaimedEvent]", events), batch.outcomes, batch.settle)
         produce = chains.produce if chains is not None else sink.produce
-        for i in range(start, len(events)):
+        for i in range(start, size):
             event = events[i]
             if event is None or batch.outcomes[i] is not None:  # corrupt (dead), or held before
                 continue
@@ -88,16 +89,16 @@ class Dispatcher:
                 batch.settle(i, outcome)
         self.ledger.sent(lane, batch)
         if not flush:  # one of several batches sent together: the caller sends them
-            return len(batch)
+            return size
         # (WAL capture: a batch cut short by a transaction's end is no sign of an idle outbox
         # while the reader holds a full batch more; "anything waiting" was too broad, as
         # docs/decisions/0004-wal-capture.md says.)
-        if len(batch) < limit and not (lane.wal is not None and lane.wal.queued >= limit):
+        if size < limit and not (lane.wal is not None and lane.wal.queued >= limit):
             # No backlog behind this batch, nothing to batch it with: send it without waiting
             # out the client's linger (Kafka). A full batch lingers, and batches on the wire.
             send_now(sink)
         sink.poll(0)  # sinks that queue what they were given send it now, as one burst
-        return len(batch)
+        return size
 
     def flush(self, short: bool) -> None:
         """Batches sent together (``send(flush=False)``) go out: at once when one was short (one
