@@ -12,7 +12,7 @@ import tempfile
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import psycopg
 
@@ -214,7 +214,10 @@ def _ratio(a: float, b: float, digits: int = 3) -> float:
     return round(a / max(b, 1e-9), digits)
 
 
-def rotated(names: tuple[str, ...], run: int) -> tuple[str, ...]:
+_T = TypeVar("_T")
+
+
+def rotated(names: tuple[_T, ...], run: int) -> tuple[_T, ...]:
     """``names`` in run ``run``'s order: each run starts one contender later, so that no
     contender always follows the same one (a checkpoint or an autovacuum that the
     previous drain set off then falls on each in turn)."""
@@ -434,18 +437,27 @@ def cpu_share(result: Race) -> float | None:
 
 
 def steady(cfg: BenchConfig) -> dict[str, Any]:
-    """Each rate: the relay and the minimal loop (``steady_loop``) in turn, ``steady_repeat``
-    times, the order alternating; then the relay without NOTIFY, and in WAL capture."""
+    """Each rate: the relay, the minimal loop (``steady_loop``) and the relay in WAL capture in
+    turn, ``steady_repeat`` times, the order rotated (:func:`steady_order`); then the relay
+    without NOTIFY."""
     out: list[dict[str, Any]] = []
+    wal = wal_capable(cfg.dsn)
     for rate in cfg.rates:
         for i in range(cfg.steady_repeat):
-            pair = ("relay", "steady_loop") if i % 2 == 0 else ("steady_loop", "relay")
-            out += [steady_once(cfg, rate, notify=True, contender=c) for c in pair]
+            out += [
+                steady_once(cfg, rate, notify=True, contender=c, capture_mode=mode)
+                for c, mode in steady_order(i, wal)
+            ]
     out.append(steady_once(cfg, cfg.rates[0], notify=False))
-    if wal_capable(cfg.dsn):  # and each rate in WAL capture, the same run
-        for rate in cfg.rates:
-            out += [steady_once(cfg, rate, notify=True, capture_mode="wal") for _ in range(cfg.steady_repeat)]
     return {"runs": out, "seconds_per_rate": cfg.steady_seconds, "compared": steady_compared(out)}
+
+
+def steady_order(repeat: int, wal: bool) -> list[tuple[str, str]]:
+    """The contenders of one repeat at a rate, as (contender, capture), rotated by ``repeat``: a
+    drift of the machine from one run to the next hits each alike. (The WAL runs came after every
+    other, minutes later.)"""
+    who = (("relay", "table"), ("steady_loop", "table")) + ((("relay", "wal"),) if wal else ())
+    return list(rotated(who, repeat))
 
 
 def steady_compared(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -118,7 +118,7 @@ def test_bench_smoke_steady_writer_and_tenants(pg_dsn: str, kafka: str, tmp_path
         assert run["consumed"] == run["written"], "steady: an event was not consumed"
     steady = results["scenarios"]["steady"]
     assert [(r["contender"], r["capture"], r["notify"]) for r in steady["runs"]] == [
-        ("relay", "table", True), ("steady_loop", "table", True), ("relay", "table", False), ("relay", "wal", True)
+        ("relay", "table", True), ("steady_loop", "table", True), ("relay", "wal", True), ("relay", "table", False)
     ]  # fmt: skip
     (compared,) = steady["compared"]
     assert compared["rate"] == 200 and compared["ratio"]["p50"] > 0 and compared["wal_to_table_p50"] > 0
