@@ -40,17 +40,9 @@ class Ledger:
         lane.in_flight.append(batch)
         self.busy[lane] = None
 
-    def waiting(self) -> tuple[int, bool]:
-        """Events in flight awaiting a report, and whether some batch awaits none (complete: for
-        the finisher to hand over, or on a finisher)."""
-        total = 0
-        complete = False
-        for lane in self.busy:
-            for batch in lane.in_flight:
-                left = batch.waiting
-                total += left
-                complete = complete or not left
-        return total, complete
+    def waiting(self) -> int:
+        """Events in flight awaiting a report."""
+        return sum(b.waiting for lane in self.busy for b in lane.in_flight)
 
     def flights(self) -> list[tuple[Lane, Batch]]:
         """Every batch in flight, with its lane, in the order each lane sent them."""

@@ -97,15 +97,14 @@ class Loop:
             wakeup.event.clear()  # first: news that comes while this step looks sets it again
             sink.poll(0)  # type: ignore[union-attr]
         ledger = self.ledger
-        waiting, complete = ledger.waiting()
+        waiting = ledger.waiting()
         reported = waiting != self._waiting
         if reported:  # a sink reported (or a batch came or went)
             self._waiting = waiting
             self._reported()
         if self.roster.changed:
             self.roster.apply()
-        if complete:  # a batch to hand to a finisher, or on one (none: nothing to finish)
-            finisher.finish_complete()
+        finisher.finish_complete()
         if sink is None or not sink.healthy():
             self.upkeep.sinks.replace_sink()
             sink = self._sink()

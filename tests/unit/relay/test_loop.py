@@ -109,25 +109,11 @@ def _loop(signals: bool) -> tuple[Loop, Lane, _Parts, _Sink, _Event]:
     return loop, lane, parts, sink, event
 
 
-def test_an_idle_step_beats_upkeeps_and_then_waits_in_one_place() -> None:
+def test_an_idle_step_finishes_beats_upkeeps_and_then_waits_in_one_place() -> None:
     loop, _, parts, sink, event = _loop(signals=True)
     loop.step()
-    assert parts.asked == ["due", "due"]  # the heartbeats, the upkeep (nothing to finish)
+    assert parts.asked == ["finish", "due", "due"]  # the finisher, the heartbeats, the upkeep
     assert sink.polls == [0] and len(event.waits) == 1 and event.waits[0] > 1  # until the next poll
-
-
-def test_the_finisher_is_asked_only_while_a_batch_in_flight_awaits_no_report() -> None:
-    """A batch waiting for reports has nothing to finish; once every event has an outcome, the
-    finisher hands it over (and, on a finisher, looks whether it is done) at each step."""
-    loop, lane, parts, _, _ = _loop(signals=True)
-    batch = cast(Any, SimpleNamespace(waiting=2, gate=None, shared=None, conn=None))
-    loop.ledger.sent(lane, batch)
-    loop.step()
-    assert "finish" not in parts.asked
-    batch.waiting = 0  # its reports came
-    loop.step()
-    loop.step()
-    assert parts.asked.count("finish") == 2
 
 
 def test_a_woken_outbox_is_claimed_and_nothing_waits() -> None:
