@@ -74,8 +74,8 @@ class KinesisSink(AwsSink):
         for i in range(n):
             r = records[i] if i < len(records) else {}
             if r.get("SequenceNumber") and not r.get("ErrorCode"):
-                shard = str(r.get("ShardId", ""))
-                number = int(shard.rsplit("-", 1)[-1]) if shard.rsplit("-", 1)[-1].isdigit() else None
+                shard = str(r.get("ShardId", "")).rsplit("-", 1)[-1]  # shardId-000000000001
+                number = int(shard) if shard.isdigit() else None
                 outcomes.append(Delivered(number, None, str(r["SequenceNumber"])))
             elif r.get("ErrorCode"):
                 # Kinesis's per-record errors are throughput and its own faults: both retried.
