@@ -142,6 +142,7 @@ class Batch:
         self._holds = holds
         self._parks = parks  # ... and so does a dead letter (--on-dead park)
         self.ids = ids
+        self.size = len(ids)
         self.attempts = attempts
         # One slot per event, None until its outcome is known. A sink may store a Delivered
         # straight into its slot (KafkaSink.produce_many); every other outcome goes through
@@ -167,9 +168,6 @@ class Batch:
         # holds and parks go by: the table's claims know only those.
         self.filtered: dict[int, str] = {}
         self.stored_keys: dict[int, bytes | None] = {}
-
-    def __len__(self) -> int:
-        return len(self.ids)
 
     def key(self, index: int) -> bytes | None:
         """The stored key of event ``index`` (a transform may send it under another)."""

@@ -20,15 +20,15 @@ Claimed = tuple[psycopg.Connection[Any], list[tuple[Any, ...]], int]  # session,
 
 class TableClaim:
     """``send``: the dispatcher's, which the batches are handed on to; ``claimed``: a claim went
-    through (recorded, and the loop's progress for the stall watchdog); ``lane_error``: an error
-    of one outbox's own, which rests it."""
+    through, with how many events (recorded, and the loop's progress for the stall watchdog);
+    ``lane_error``: an error of one outbox's own, which rests it."""
 
     def __init__(
         self,
         sessions: Sessions,
         *,
         send: Send,
-        claimed: Callable[[Lane], None],
+        claimed: Callable[[Lane, int], None],
         lane_error: Callable[[Lane, psycopg.Connection[Any], str], None],
     ) -> None:
         self.sessions = sessions
@@ -75,16 +75,16 @@ class TableClaim:
             # a privilege taken away): this outbox rests, the others go on.
             self._lane_error(lane, conn, f"claim failed: {sessions.clean(exc)}")
             return None
-        self.went_through(lane, bool(rows))
+        self.went_through(lane, len(rows))
         return rows
 
-    def went_through(self, lane: Lane, work: bool) -> None:
-        """A claim of ``lane`` went through (or a WAL batch was taken), empty or not (``work``):
+    def went_through(self, lane: Lane, events: int) -> None:
+        """A claim of ``lane`` went through (or a WAL batch was taken), with ``events`` (0: empty):
         the database and the outbox answer."""
         self.sessions.database.ok()
         lane.trouble.ok()
-        self._claimed(lane)
-        if work:
+        self._claimed(lane, events)
+        if events:
             lane.last_work = time.monotonic()
 
 

@@ -10,13 +10,12 @@ from collections.abc import Callable
 from outbox.relay.gated import GateIntake
 from outbox.relay.intake import Intake, Picks
 from outbox.relay.lanes import Lane
-from outbox.relay.scheduler import ClaimScheduler
+from outbox.relay.scheduler import ClaimScheduler, Pick
 from outbox.relay.wal_intake import WalIntake
 
 
 class ClaimStep:
-    """``per_lane``: batches of one outbox in flight at most (``--max-batches-in-flight``);
-    ``free``: would a session be free now (within the budget)?"""
+    """``free``: would a session be free now (within the budget)?"""
 
     def __init__(
         self,
@@ -25,14 +24,12 @@ class ClaimStep:
         gated: GateIntake,
         wal: WalIntake,
         *,
-        per_lane: int,
         free: Callable[[], bool],
     ) -> None:
         self.scheduler = scheduler
         self.intake = intake
         self.gated = gated
         self.wal = wal
-        self.per_lane = per_lane
         self._free = free
 
     def claim_ahead(self) -> bool:
@@ -44,22 +41,22 @@ class ClaimStep:
         self._claim_shared(ahead.picks)
         return True
 
-    def claim(self, lane: Lane, now: float) -> int | None:
-        """A claim of ``lane``, the one the scheduler chose: how many events it took (-1: shared
-        claims that failed; None: a limit's claim, which says nothing of the outbox's backlog)."""
-        scheduler = self.scheduler
-        gate = lane.gate_due(now, self.per_lane) if lane.gates else None  # (limits: --limit)
-        if gate is not None:
-            self.gated.claim_gate(lane, gate, scheduler.batch_limit(lane, now))
+    def claim(self, pick: Pick, now: float) -> int | None:
+        """The claim the scheduler chose: how many events it took (-1: shared claims that failed;
+        None: a limit's claim, which says nothing of the outbox's backlog)."""
+        lane = pick.lane
+        if pick.gate is not None:  # (limits: --limit)
+            self.gated.claim_gate(lane, pick.gate, pick.limit)
             return None
-        group = self._shareable([lane, *scheduler.companions(lane, now)])
-        limit = self._claiming(lane, now)
-        if len(group) > 1 and group[0] is lane:
-            picks = [(lane, limit)] + [(c, self._claiming(c, now, companion=True)) for c in group[1:]]
+        if pick.companions:
+            picks = [(lane, pick.limit), *pick.companions]
+            for each, _ in picks:
+                self._woken_taken(each, now)
             return self._claim_shared(picks)
+        self._woken_taken(lane, now)
         intake = self.wal if lane.wal is not None else self.intake
-        claimed = intake.claim_and_send(lane, limit)
-        scheduler.claimed(lane, limit, claimed)
+        claimed = intake.claim_and_send(lane, pick.limit)
+        self.scheduler.claimed(lane, pick.limit, claimed)
         return claimed
 
     def _claim_shared(self, picks: Picks) -> int:
@@ -78,23 +75,16 @@ class ClaimStep:
         """The next claim's outboxes and limits, to send ahead (ClaimScheduler.ahead), in the
         order and with the limits the step would give them."""
         now = time.monotonic()
-        lanes = self.scheduler.ahead(now, self._free())
-        group = self._shareable(lanes)
-        if not group or group[0] is not lanes[0]:
+        pick = self.scheduler.ahead(now, self._free())
+        if pick is None:
             return []
-        lead, *others = group
-        return [(lead, self._claiming(lead, now))] + [
-            (c, self._claiming(c, now, companion=True)) for c in others
-        ]
+        picks = [(pick.lane, pick.limit), *pick.companions]
+        for lane, _ in picks:
+            self._woken_taken(lane, now)
+        return picks
 
-    @staticmethod
-    def _shareable(lanes: list[Lane]) -> list[Lane]:
-        """Those of ``lanes`` that may claim in a shared transaction: outboxes whose events are in
-        their table (capture mode known; no WAL reader, whose batches commit in the order read)."""
-        return [lane for lane in lanes if lane.wal is None and lane.upkept.capture_mode == "table"]
-
-    def _claiming(self, lane: Lane, now: float, companion: bool = False) -> int:
-        """``lane`` claims now: what woke it is taken, and its claim's limit returned."""
+    def _woken_taken(self, lane: Lane, now: float) -> None:
+        """``lane`` claims now: what woke it is taken."""
         if lane.wake.woken or now >= lane.next_poll:
             for g in lane.gates:  # a NOTIFY or a poll: a limit's events may wait too
                 g.pending = True
@@ -103,6 +93,3 @@ class ClaimStep:
             if lane.wal is not None:  # WAL capture: its table takes its next turn
                 self.wal.table_news(lane)
         lane.wake.woken = False  # a NOTIFY arriving during the claim sets it again
-        scheduler = self.scheduler
-        scheduler.taking(lane, now)
-        return scheduler.companion_limit(lane, now) if companion else scheduler.batch_limit(lane, now)

@@ -17,7 +17,6 @@ from outbox.relay.batch import Batch
 from outbox.relay.lanes import Lane
 from outbox.relay.ledger import Ledger
 from outbox.relay.metrics import RelayMetrics
-from outbox.relay.recorder import BatchRecorder
 from outbox.sinks import router
 from outbox.sinks.base import Sink, many_of, send_now
 from outbox.sinks.chains import KeyChains
@@ -31,7 +30,6 @@ class Dispatcher:
     def __init__(
         self,
         ledger: Ledger,
-        recorder: BatchRecorder,
         metrics: RelayMetrics,
         transforms: Transforms,
         *,
@@ -40,7 +38,6 @@ class Dispatcher:
         metrics_on: Callable[[], bool],
     ) -> None:
         self.ledger = ledger
-        self.recorder = recorder
         self.metrics = metrics
         self.transforms = transforms
         self._sink = sink
@@ -59,8 +56,7 @@ class Dispatcher:
         batch.spans = tracing.start_batch(
             batch.events, claim_start, time.time_ns(), partial(_span_shape, sink, lane.name)
         )
-        size = len(batch)
-        self.recorder.sending(lane, size)
+        size = batch.size
         if self._metrics_on():
             self.metrics.batch_size.observe(size, (lane.name,))
         # Per-key order: once an event of key K fails (in this batch or in one

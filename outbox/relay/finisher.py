@@ -16,6 +16,7 @@ import logging
 import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
+from functools import partial
 from typing import Any
 
 import psycopg
@@ -68,10 +69,19 @@ class BatchFinisher:
         # Batches on a finisher, with the time each was handed over (recorded once done).
         # A shared transaction's batches have one future, whose result maps each one to its own.
         self.finishing: dict[Batch, tuple[Future[Any], int]] = {}
+        self._finished_any = False  # a finisher finished a batch since the loop last looked
 
     def _woken(self, _future: Future[Any]) -> None:
         """A batch was finished (its thread): the loop records it and frees its slot now."""
+        self._finished_any = True
         self._wake()
+
+    def to_finish(self, complete: int) -> bool:
+        """Is there work for :meth:`finish_complete`, with ``complete`` batches in flight awaiting
+        no report: one of them not on a finisher yet, or a batch finished since the last look?
+        (Every batch on a finisher is complete: more complete than on finishers is one to hand
+        over.) The loop asks at every step; the walk over the batches is only made for news."""
+        return self._finished_any or complete > len(self.finishing)
 
     def finish_complete(self) -> None:
         """Hand each batch whose every event has an outcome to a finisher thread, and record
@@ -79,6 +89,7 @@ class BatchFinisher:
         finisher is handed over to wait for it there, and to commit only if that one did (the
         loop would see that one done only at its next look, and the slot was idle meanwhile);
         one that fails rewinds the reader and releases those read after it (see done)."""
+        self._finished_any = False  # first: a batch finished during the walk is looked at again
         for lane in list(self.ledger.busy):
             earlier: tuple[Batch, Future[BatchResult]] | None = None  # on a finisher, not done
             wal_waiting = False  # a WAL batch read earlier is not complete yet
@@ -116,9 +127,9 @@ class BatchFinisher:
         ``earlier``: the WAL batch read before it, to wait for (see _finish_after)."""
         ack_start = time.time_ns()
         if earlier is None:
-            future = self._pool.submit(self._statements, lane, batch)
+            future = self._pool.submit(self._finish_of(lane, batch))
         else:
-            future = self._pool.submit(self._finish_after, *earlier, lane, batch)
+            future = self._pool.submit(self._finish_after, *earlier, self._finish_of(lane, batch))
         future.add_done_callback(self._woken)
         self.finishing[batch] = (future, ack_start)
 
@@ -136,28 +147,30 @@ class BatchFinisher:
         config = self.config
         return shared.finish(config.retry, archive=config.archive, latencies=self._metrics_on())
 
-    def _statements(self, lane: Lane, batch: Batch) -> BatchResult:
-        """The batch's statements and commit (on a finisher, or on the loop)."""
+    def _finish_of(self, lane: Lane, batch: Batch) -> Callable[[], BatchResult]:
+        """The batch's statements and commit, as a call to make (on a finisher, or on the loop)."""
         config = self.config
-        return batch.finish(
+        return partial(
+            batch.finish,
             lane.schema,
             config.retry,
             archive=config.archive,
             latencies=self._metrics_on(),  # for the latency histogram only
         )
 
+    @staticmethod
     def _finish_after(
-        self, earlier: Batch, its: Future[BatchResult], lane: Lane, batch: Batch
+        earlier: Batch, its: Future[BatchResult], finish: Callable[[], BatchResult]
     ) -> BatchResult:
-        """On a finisher: wait for the WAL batch read before ``batch``, then finish ``batch`` if
-        that one committed. If it did not, ``batch`` is left as it is, unwritten: the loop
+        """On a finisher: wait for the WAL batch read before this one, then ``finish`` it if
+        that one committed. If it did not, this batch is left as it is, unwritten: the loop
         rewinds the reader and releases it with every batch read after the failed one. (Futures
         are handed over in the order read and never wait for a later one, and a lane's batches
         in flight each hold a session, so no more run than the finisher has threads.)"""
         its.exception()  # waits
         if not earlier.finished:
             raise _NotHandedOn("the WAL batch read before it did not commit")
-        return self._statements(lane, batch)
+        return finish()
 
     def await_all(self) -> None:
         """Wait for the finishers and record what they finished: before anything that rolls back,
@@ -197,7 +210,7 @@ class BatchFinisher:
             return
         outcome: BatchResult | Exception
         try:
-            outcome = self._statements(lane, batch)
+            outcome = self._finish_of(lane, batch)()
         except (FencingError, psycopg.Error) as exc:
             outcome = exc
         self._outcome(lane, batch, outcome, ack_start)
@@ -239,7 +252,7 @@ class BatchFinisher:
             # The statement failed on a live connection: a bug or a schema change.
             log.error(
                 "ack of %d events failed, they stay pending: %s",
-                len(batch),
+                batch.size,
                 sessions.clean(exc),
                 extra={
                     "outbox": lane.name,

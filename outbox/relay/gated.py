@@ -81,7 +81,7 @@ class GateIntake:
             return 0
         batch = batch_of(lane, conn, rows)
         batch.gate = gate
-        gate.flying += len(batch)
+        gate.flying += batch.size
         gate.batches += 1
         return self._send(lane, batch, claim_start, granted, True)
 

@@ -77,7 +77,7 @@ class Intake:
             return None
         try:
             for (lane, _), rows in zip(picks, claimed, strict=True):
-                self.table.went_through(lane, bool(rows))
+                self.table.went_through(lane, 0 if lane.leaving else len(rows))
             if PIPELINE:
                 self._send_ahead(next_claims())
         finally:

@@ -40,9 +40,15 @@ class Ledger:
         lane.in_flight.append(batch)
         self.busy[lane] = None
 
-    def waiting(self) -> int:
-        """Events in flight awaiting a report."""
-        return sum(b.waiting for lane in self.busy for b in lane.in_flight)
+    def waiting(self) -> tuple[int, int]:
+        """Events in flight awaiting a report, and the batches awaiting none (complete)."""
+        events = complete = 0
+        for lane in self.busy:
+            for batch in lane.in_flight:
+                left = batch.waiting
+                events += left
+                complete += not left
+        return events, complete
 
     def flights(self) -> list[tuple[Lane, Batch]]:
         """Every batch in flight, with its lane, in the order each lane sent them."""
@@ -87,7 +93,7 @@ class Ledger:
     def leave(self, lane: Lane, batch: Batch) -> None:
         """``batch`` out of its lane: its limit's slot, its key holds and its session let go."""
         if batch.gate is not None:
-            limits.finished(self.link, self.membership.id, lane.schema, batch.gate, len(batch))
+            limits.finished(self.link, self.membership.id, lane.schema, batch.gate, batch.size)
         lane.in_flight.remove(batch)
         lane.ordering.holds.release(id(batch))
         shared = batch.shared

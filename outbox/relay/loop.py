@@ -97,14 +97,15 @@ class Loop:
             wakeup.event.clear()  # first: news that comes while this step looks sets it again
             sink.poll(0)  # type: ignore[union-attr]
         ledger = self.ledger
-        waiting = ledger.waiting()
+        waiting, complete = ledger.waiting()
         reported = waiting != self._waiting
         if reported:  # a sink reported (or a batch came or went)
             self._waiting = waiting
             self._reported()
         if self.roster.changed:
             self.roster.apply()
-        finisher.finish_complete()
+        if finisher.to_finish(complete):
+            finisher.finish_complete()
         if sink is None or not sink.healthy():
             self.upkeep.sinks.replace_sink()
             sink = self._sink()
@@ -115,15 +116,14 @@ class Loop:
         scheduler = self.scheduler
         if self.claims.claim_ahead():  # claims sent during the last step (outbox.pipelined)
             return
-        chosen = scheduler.next_claim(now, self.sessions.available())
-        if chosen is not None and now < self._empty_until and not reported and ledger.busy:
-            # A claim came back empty behind batches in flight: wait for a report first (once none
-            # is in flight, there is none to wait for: its rows' locks and key holds went with it).
-            chosen = None
+        # A claim came back empty behind batches in flight: wait for a report first (once none is
+        # in flight, there is none to wait for: its rows' locks and key holds went with it).
+        behind = now < self._empty_until and not reported and ledger.busy
+        chosen = None if behind else scheduler.next_claim(now, self.sessions.available())
         assert sink is not None
         if chosen is not None:
             claimed = self.claims.claim(chosen, now)
-            if claimed == 0 and chosen.in_flight:
+            if claimed == 0 and chosen.lane.in_flight:
                 # When every pending key waits behind the batches in flight (after an outage) and
                 # writers keep notifying, claims come back empty one after another: the next one
                 # waits for a report (or REPORT_WAIT), not for each NOTIFY.

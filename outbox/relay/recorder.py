@@ -29,16 +29,14 @@ class BatchRecorder:
         self.metrics_on = metrics_on
         self.last_claim = time.monotonic()  # when a claim last went through (the stall watchdog's)
 
-    def claim(self, lane: Lane) -> None:
-        """A claim of ``lane`` went through (or a WAL batch was taken), empty or not."""
-        self.stats.claims += 1
+    def claim(self, lane: Lane, events: int) -> None:
+        """A claim of ``lane`` went through (or a WAL batch was taken), with ``events`` (0: empty)."""
+        stats = self.stats
+        stats.claims += 1
+        stats.claimed += events
         lane.stats.claims += 1
-        self.last_claim = time.monotonic()
-
-    def sending(self, lane: Lane, events: int) -> None:
-        """A batch of ``events`` of ``lane`` goes to the sink."""
-        self.stats.claimed += events
         lane.stats.claimed += events
+        self.last_claim = time.monotonic()
 
     def record(
         self, lane: Lane, batch: Batch, result: BatchResult, ack_start: int, sink: Sink | None
@@ -108,7 +106,7 @@ class BatchRecorder:
         self.end_spans(batch, ack_start, "lease_lost")
         log.warning(
             "ack of %d events refused, they will be delivered again by their new owner: %s",
-            len(batch),
+            batch.size,
             why,
             # How long the batch was out: every event of it was sent within that time.
             extra={

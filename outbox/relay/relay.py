@@ -197,7 +197,7 @@ class Relay:
             stop_reader=self.upkeep.capture.stop_reader,
         )  # fmt: skip
         self.dispatcher = Dispatcher(
-            self.ledger, self.recorder, self.metrics, self.transforms,
+            self.ledger, self.metrics, self.transforms,
             sink=self.current, chains=self.chains, metrics_on=self._metrics_kept.is_set,
         )  # fmt: skip
         send = self.dispatcher.send
@@ -217,9 +217,8 @@ class Relay:
             progress=self._progressed, metrics_on=self._metrics_kept.is_set,
         )  # fmt: skip
         self.claims = ClaimStep(
-            self.scheduler, self.intake, self.gated, self.wal_intake,
-            per_lane=config.max_batches_in_flight, free=self.sessions.available,
-        )  # fmt: skip
+            self.scheduler, self.intake, self.gated, self.wal_intake, free=self.sessions.available
+        )
         self.loop = Loop(
             self.sessions, self.scheduler, self.ledger, self.finisher, self.roster, self.heartbeats,
             self.upkeep, self.claims, self._wakeup, sink=self.current, reported=self._sink_reported,

@@ -18,12 +18,14 @@ import logging
 import math
 import random
 import time
+from dataclasses import dataclass, field
 from itertools import islice
 from operator import attrgetter
 
 from outbox.relay.batch import Batch
 from outbox.relay.config import RelayConfig
 from outbox.relay.lanes import Beats, Lane
+from outbox.relay.limits import Gate
 from outbox.sinks.base import UNREACHABLE_KINDS, Retry
 
 log = logging.getLogger("outbox.relay")
@@ -58,6 +60,18 @@ WOKEN = attrgetter("wake.woken")
 NEXT_POLL = attrgetter("next_poll")
 RETRY_AT = attrgetter("retry_at")
 GATES = attrgetter("gates")
+
+
+@dataclass(slots=True)
+class Pick:
+    """The scheduler's choice for the next claim: the outbox, its claim's limit, and either the
+    limit (``--limit``) whose tokens are due or the outboxes that claim with it in one transaction,
+    each with its own limit. What was due of each (a retry) is taken: the claim looks for it."""
+
+    lane: Lane
+    limit: int
+    gate: Gate | None = None
+    companions: list[tuple[Lane, int]] = field(default_factory=list)
 
 
 class ClaimScheduler:
@@ -98,7 +112,12 @@ class ClaimScheduler:
         per_lane = self.config.max_batches_in_flight
         return sessions_free and any(lane.may_claim(now, per_lane) for lane in self.rotation)
 
-    def next_claim(self, now: float, sessions_free: bool) -> Lane | None:
+    def next_claim(self, now: float, sessions_free: bool) -> Pick | None:
+        """The next claim, or None: its outbox (:meth:`choose`), how many events, and with whom."""
+        lane = self.choose(now, sessions_free)
+        return None if lane is None else self._pick(lane, now)
+
+    def choose(self, now: float, sessions_free: bool) -> Lane | None:
         """The outbox to claim from next, or None: woken ones first (a quiet outbox's latency),
         then those with a backlog, then those whose poll timer ran out, each kind in turn."""
         if not sessions_free:
@@ -135,6 +154,17 @@ class ClaimScheduler:
             self.clock = max(self.clock, chosen[1].served)
         return chosen[1]
 
+    def _pick(self, lane: Lane, now: float) -> Pick:
+        """``lane``'s claim now: a limit's, if its tokens are due; else its own, with companions."""
+        gate = lane.gate_due(now, self.config.max_batches_in_flight) if lane.gates else None
+        pick = Pick(lane, self.batch_limit(lane, now), gate)
+        if gate is None:
+            pick.companions = [(c, self.companion_limit(c, now)) for c in self.companions(lane, now)]
+            for each in (lane, *(c for c, _ in pick.companions)):
+                if now >= each.retry_at:  # the claim looks for the retry that came due
+                    each.retry_at = math.inf
+        return pick
+
     def companions(self, lead: Lane, now: float) -> list[Lane]:
         """Other outboxes that could claim now, to claim with ``lead`` in one transaction (see
         :class:`outbox.relay.batch.Shared`): at most --shared-outboxes - 1, in turn after it. Only outboxes
@@ -164,26 +194,27 @@ class ClaimScheduler:
         return out
 
     def may_share(self, lane: Lane, now: float) -> bool:
-        """May ``lane`` claim in a shared transaction (or ahead of its claim, outbox.pipelined)?"""
+        """May ``lane`` claim in a shared transaction (or ahead of its claim, outbox.pipelined)?
+        Its events are in its table (its capture known, no WAL reader), nothing of it is out."""
         return (
             self.config.shared_claims
             and not lane.in_flight
             and lane.wal is None
+            and lane.upkept.capture_mode == "table"
             and not lane.pace.slowed
             and now >= lane.solo_until
         )
 
-    def ahead(self, now: float, sessions_free: bool) -> list[Lane]:
-        """The outboxes of the next claim, to be sent ahead (outbox.pipelined): the one
-        :meth:`next_claim` chooses and its companions, if it may share and its claim is not a
-        limit's. Else none, and the turns are as they were."""
+    def ahead(self, now: float, sessions_free: bool) -> Pick | None:
+        """The next claim, to be sent ahead (outbox.pipelined), if its outbox may share and its
+        claim is not a limit's. Else None, and the turns are as they were."""
         turn, clock = self.turn, self.clock
-        lead = self.next_claim(now, sessions_free)
+        lead = self.choose(now, sessions_free)
         per_lane = self.config.max_batches_in_flight
         if lead is None or not self.may_share(lead, now) or lead.gate_due(now, per_lane) is not None:
             self.turn, self.clock = turn, clock
-            return []
-        return [lead, *self.companions(lead, now)]
+            return None
+        return self._pick(lead, now)
 
     def companion_limit(self, lane: Lane, now: float) -> int:
         """A companion's claim: its own limit, within an even share of a --batch-size batch."""
@@ -214,11 +245,6 @@ class ClaimScheduler:
         lane.served = max(lane.served, self.clock) + events / lane.weight
 
     # The lane's claim timing is this module's to write: the other parts say what happened.
-
-    def taking(self, lane: Lane, now: float) -> None:
-        """``lane`` claims now: the claim looks for the retry that came due, if one did."""
-        if now >= lane.retry_at:
-            lane.retry_at = math.inf
 
     def claimed(self, lane: Lane, limit: int, claimed: int) -> None:
         """``lane``'s claim of at most ``limit`` took ``claimed`` events."""
@@ -322,8 +348,8 @@ class ClaimScheduler:
         # the backlog has to drain.
         slow = lost or (took > SLOW_BATCH * lease and not self.outage(batch))  # rare: no scan per batch
         if slow:
-            new = max(MIN_CLAIM, min(cap, len(batch)) // (4 if lost else 2))
-        elif took < FAST_BATCH * lease and len(batch) >= cap and cap < full:
+            new = max(MIN_CLAIM, min(cap, batch.size) // (4 if lost else 2))
+        elif took < FAST_BATCH * lease and batch.size >= cap and cap < full:
             new = min(full, cap * 2)
         else:
             return
@@ -338,7 +364,7 @@ class ClaimScheduler:
                 "%sa batch of %d events took %.1f s of the %.0f s lease%s: claiming at most %d events "
                 "at a time while the sink is this slow",
                 lane.said,
-                len(batch),
+                batch.size,
                 took,
                 lease,
                 " and lost it" if lost else "",

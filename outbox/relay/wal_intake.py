@@ -103,5 +103,5 @@ class WalIntake:
             for i, event in enumerate(batch.events):
                 if event is not None and waiting.get(event.key, math.inf) <= event.created_at:
                     batch.hold(i)
-        self.table.went_through(lane, True)
+        self.table.went_through(lane, batch.size)
         return self._send(lane, batch, claim_start, limit, True)

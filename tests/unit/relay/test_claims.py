@@ -12,7 +12,7 @@ from outbox.relay.claims import ClaimStep
 from outbox.relay.config import RelayConfig
 from outbox.relay.lanes import Beats, Lane
 from outbox.relay.limits import Limit, gates
-from outbox.relay.scheduler import ClaimScheduler
+from outbox.relay.scheduler import ClaimScheduler, Pick
 from tests.unit.relay.lanes import a_lane
 
 
@@ -51,33 +51,37 @@ def _step(n: int, **config: Any) -> tuple[ClaimStep, list[Lane], _Intake, _Intak
         scheduler.add(lane)
         lanes.append(lane)
     intake, gated, wal = _Intake(), _Intake(), _Intake()
-    step = ClaimStep(
-        scheduler, cast(Any, intake), cast(Any, gated), cast(Any, wal), per_lane=2, free=lambda: True
-    )
+    step = ClaimStep(scheduler, cast(Any, intake), cast(Any, gated), cast(Any, wal), free=lambda: True)
     return step, lanes, intake, gated, wal
+
+
+def _next(step: ClaimStep) -> Pick:
+    pick = step.scheduler.next_claim(time.monotonic(), True)
+    assert pick is not None
+    return pick
 
 
 def test_outboxes_due_together_claim_in_one_transaction_and_one_alone_by_itself() -> None:
     step, lanes, intake, _, _ = _step(3, shared_outboxes=8)
-    assert step.claim(lanes[0], time.monotonic()) == 9
+    assert step.claim(_next(step), time.monotonic()) == 9
     assert intake.asked == [("shared", ["o0", "o1", "o2"])]
     assert not any(lane.wake.woken for lane in lanes)  # what woke each is taken
     step, lanes, intake, _, _ = _step(1)
-    assert step.claim(lanes[0], time.monotonic()) == 3 and intake.asked == [("alone", ["o0"])]
+    assert step.claim(_next(step), time.monotonic()) == 3 and intake.asked == [("alone", ["o0"])]
 
 
 def test_a_wal_lane_claims_through_its_own_intake_and_is_told_of_table_news() -> None:
     step, (lane,), intake, _, wal = _step(1)
     lane.wal = cast(Any, SimpleNamespace(waiting=False))
     lane.wake.table_news = True
-    step.claim(lane, time.monotonic())
+    step.claim(_next(step), time.monotonic())
     assert wal.asked == [("table news", ["o0"]), ("alone", ["o0"])] and intake.asked == []
 
 
 def test_a_limit_with_events_waiting_claims_through_the_gate_and_says_nothing_of_a_backlog() -> None:
     step, (lane,), intake, gated, _ = _step(1)
     lane.gates = gates([Limit("orders.*", rate=10.0, in_flight=None)])
-    assert step.claim(lane, time.monotonic()) is None
+    assert step.claim(_next(step), time.monotonic()) is None
     assert gated.asked == [("gate", ["o0", "orders.*"])] and intake.asked == []
 
 

@@ -11,10 +11,9 @@ from outbox.events import ClaimedEvent
 from outbox.relay.batch import Batch
 from outbox.relay.config import RelayConfig
 from outbox.relay.dispatch import Dispatcher
-from outbox.relay.lanes import Beats, Lane, RelayStats
+from outbox.relay.lanes import Beats, Lane
 from outbox.relay.ledger import Ledger
 from outbox.relay.metrics import RelayMetrics
-from outbox.relay.recorder import BatchRecorder
 from outbox.relay.scheduler import ClaimScheduler
 from outbox.sinks.base import Delivered, Report
 from tests.unit.relay.lanes import a_lane
@@ -57,9 +56,8 @@ def _setup() -> tuple[Dispatcher, Ledger, Lane, _Sink]:
     member = lane.ordering.member
     ledger = Ledger(cast(Any, SimpleNamespace()), cast(Any, None), cast(Any, member), scheduler)
     sink = _Sink()
-    recorder = BatchRecorder(RelayStats(), RelayMetrics(), lambda: True)
     dispatcher = Dispatcher(
-        ledger, recorder, RelayMetrics(), {}, sink=lambda: cast(Any, sink), chains={}, metrics_on=lambda: True
+        ledger, RelayMetrics(), {}, sink=lambda: cast(Any, sink), chains={}, metrics_on=lambda: True
     )
     return dispatcher, ledger, lane, sink
 

@@ -74,7 +74,7 @@ def _sent(ledger: Ledger, lane: Lane, conn: _Conn) -> Batch:
     batch = Batch(cast(Any, conn), [_row(1, b"a"), _row(2, b"b")], holds=lane.ordering.holds)
     lane.ordering.holds.add(id(batch), b"a")  # a key this batch holds (as a failure would)
     ledger.sent(lane, batch)
-    for i in range(len(batch)):
+    for i in range(batch.size):
         batch.settle(i, Delivered())
     return batch
 
@@ -104,3 +104,24 @@ def test_a_batch_whose_lease_was_lost_commits_nothing_and_still_leaves_in_one_pl
     assert sessions.back == [conn] and not lane.in_flight and not ledger.busy
     assert not lane.ordering.holds.keys
     assert recorder.stats.delivered == 0 and recorder.stats.leases_lost == 1
+
+
+def test_the_finisher_has_work_only_for_a_batch_not_handed_over_or_one_finished_since() -> None:
+    """BatchFinisher.to_finish, asked at every step: a complete batch not on a finisher is work,
+    one on a finisher is not until its thread finished it (then the loop records it), and after
+    that look nothing is, until the next batch completes."""
+    sessions = _Sessions()
+    finisher, ledger, recorder, lane = _finisher(sessions)
+    conn = _Conn(rowcount=2)
+    assert not finisher.to_finish(ledger.waiting()[1])
+    batch = _sent(ledger, lane, conn)
+    assert ledger.waiting() == (0, 1) and finisher.to_finish(1)
+    finisher.finish_complete()  # handed over to a finisher thread
+    future = finisher.finishing[batch][0]
+    assert not finisher.to_finish(1) or future.done()  # on its thread: no work until it is done
+    future.result(timeout=10)
+    assert finisher.to_finish(ledger.waiting()[1])  # finished on its thread: to be recorded
+    finisher.finish_complete()
+    assert not lane.in_flight and recorder.stats.delivered == 2
+    assert not finisher.to_finish(ledger.waiting()[1])
+    finisher.shutdown()

@@ -59,7 +59,7 @@ class _Table:
     def hand_on(self, lane: Lane, claimed: Any, limit: int) -> int:
         return len(claimed[1])
 
-    def went_through(self, lane: Lane, work: bool) -> None:
+    def went_through(self, lane: Lane, events: int) -> None:
         pass
 
 
@@ -77,7 +77,7 @@ def _gated(grants: list[tuple[int, float]], found: int) -> tuple[GateIntake, _Ta
 
     def send(lane: Lane, batch: Batch, start: int, limit: int, flush: bool) -> int:
         sent.append(batch)
-        return len(batch)
+        return batch.size
 
     table = _Table(found)
     member = SimpleNamespace(id="me")

@@ -13,7 +13,7 @@ from outbox.relay.config import RelayConfig
 from outbox.relay.lanes import Beats, Lane
 from outbox.relay.ledger import Ledger
 from outbox.relay.loop import REPORT_WAIT, Loop, Wakeup
-from outbox.relay.scheduler import ClaimScheduler
+from outbox.relay.scheduler import ClaimScheduler, Pick
 from tests.unit.relay.lanes import a_lane
 
 
@@ -59,9 +59,15 @@ class _Parts:
     claimed: int = 0  # events each claim takes
     changed: bool = False
     finishing: dict[Any, Any] = field(default_factory=dict)
+    finisher_work: bool = False  # what the finisher says when asked (to_finish)
+    complete: list[int] = field(default_factory=list)  # the complete batches it was told of
 
     def apply(self) -> None:
         self.asked.append("roster")
+
+    def to_finish(self, complete: int) -> bool:
+        self.complete.append(complete)
+        return self.finisher_work
 
     def finish_complete(self) -> None:
         self.asked.append("finish")
@@ -78,8 +84,8 @@ class _Parts:
     def claim_ahead(self) -> bool:
         return False
 
-    def claim(self, lane: Lane, now: float) -> int:
-        self.asked.append(f"claim {lane.name}")
+    def claim(self, pick: Pick, now: float) -> int:
+        self.asked.append(f"claim {pick.lane.name}")
         return self.claimed
 
 
@@ -112,7 +118,7 @@ def _loop(signals: bool) -> tuple[Loop, Lane, _Parts, _Sink, _Event]:
 def test_an_idle_step_finishes_beats_upkeeps_and_then_waits_in_one_place() -> None:
     loop, _, parts, sink, event = _loop(signals=True)
     loop.step()
-    assert parts.asked == ["finish", "due", "due"]  # the finisher, the heartbeats, the upkeep
+    assert parts.asked == ["due", "due"]  # the heartbeats, the upkeep (the finisher has no work)
     assert sink.polls == [0] and len(event.waits) == 1 and event.waits[0] > 1  # until the next poll
 
 
@@ -177,3 +183,16 @@ def test_an_outbox_woken_while_it_rests_is_waited_for_not_stepped_for() -> None:
     loop.step()
     assert "claim o" not in parts.asked
     assert len(event.waits) == 1 and 1.5 < event.waits[0] <= 2.0  # until its rest is over
+
+
+def test_the_finisher_walks_its_batches_only_when_it_says_it_has_work() -> None:
+    """The step tells the finisher how many batches in flight await no report; it walks them
+    (finish_complete) only when it has work: a batch to hand over, or one finished since."""
+    loop, lane, parts, _, _ = _loop(signals=True)
+    loop.ledger.sent(lane, cast(Any, SimpleNamespace(waiting=0, gate=None, shared=None, conn=None)))
+    loop.ledger.sent(lane, cast(Any, SimpleNamespace(waiting=2, gate=None, shared=None, conn=None)))
+    loop.step()
+    assert parts.complete == [1] and "finish" not in parts.asked
+    parts.finisher_work = True
+    loop.step()
+    assert parts.complete == [1, 1] and parts.asked.count("finish") == 1

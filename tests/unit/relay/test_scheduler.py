@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import math
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -12,7 +13,7 @@ import pytest
 
 from outbox.relay.config import RelayConfig
 from outbox.relay.lanes import Beats, Lane
-from outbox.relay.limits import Gate, parse_limit
+from outbox.relay.limits import Gate, gates, parse_limit
 from outbox.relay.scheduler import FAIR_BATCH, MIN_CLAIM, QUIET_LOOK, START_CLAIM, ClaimScheduler
 from outbox.sinks.base import Delivered, Retry
 from outbox.store.outboxes import Outbox
@@ -44,6 +45,7 @@ def _lane(s: ClaimScheduler, name: str, **state: Any) -> Lane:
     lane.wake.woken = lane.more_work = False
     lane.next_poll = 1e9
     lane.pace.fresh = False  # claimed from already, unless a test says otherwise
+    lane.upkept.capture_mode = "table"
     for k, v in state.items():
         if k == "woken":
             lane.wake.woken = v
@@ -61,18 +63,18 @@ def test_a_woken_outbox_goes_first_then_backlogs_in_turn_then_polls() -> None:
     b = _lane(s, "b", more_work=True)
     c = _lane(s, "c", next_poll=0.0)
     d = _lane(s, "d", woken=True)
-    assert s.next_claim(10.0, True) is d  # a NOTIFY first: a quiet outbox's latency
+    assert s.choose(10.0, True) is d  # a NOTIFY first: a quiet outbox's latency
     d.wake.woken = False
-    assert [s.next_claim(10.0, True) for _ in range(4)] == [a, b, a, b]  # backlogs take turns
+    assert [s.choose(10.0, True) for _ in range(4)] == [a, b, a, b]  # backlogs take turns
     a.more_work = b.more_work = False
-    assert s.next_claim(10.0, True) is c  # then the poll timer
-    assert s.next_claim(10.0, False) is None  # no session free: nobody
+    assert s.choose(10.0, True) is c  # then the poll timer
+    assert s.choose(10.0, False) is None  # no session free: nobody
 
 
 def test_backlogs_share_claims_evenly() -> None:
     s = _scheduler()
     lanes = [_lane(s, name, more_work=True) for name in "abcde"]
-    got = collections.Counter(s.next_claim(1.0, True) for _ in range(500))
+    got = collections.Counter(s.choose(1.0, True) for _ in range(500))
     assert set(got.values()) == {100} and set(got) == set(lanes)
 
 
@@ -82,10 +84,10 @@ def test_an_outbox_without_a_slot_or_paused_or_leaving_is_passed_over() -> None:
     paused = _lane(s, "paused", woken=True, paused_until=20.0)
     leaving = _lane(s, "leaving", woken=True, leaving=True)
     ok = _lane(s, "ok", more_work=True)
-    assert s.next_claim(10.0, True) is ok
+    assert s.choose(10.0, True) is ok
     assert s.slot_free(10.0, True) and not s.slot_free(10.0, False)  # ok has a slot, if a session is free
     s.remove(ok)
-    assert s.next_claim(10.0, True) is None and not s.slot_free(10.0, True)
+    assert s.choose(10.0, True) is None and not s.slot_free(10.0, True)
     assert {full.name, paused.name, leaving.name} == {"full", "paused", "leaving"}
 
 
@@ -173,8 +175,8 @@ def test_a_retry_the_relay_scheduled_makes_its_outbox_due_when_it_comes_due() ->
     lane.wake.woken = lane.more_work = False
     lane.retry_at = 7.0
     assert s.idle_wait(1.0, 100.0) == pytest.approx(6.0)
-    assert s.next_claim(6.9, True) is None
-    assert s.next_claim(7.0, True) is lane
+    assert s.choose(6.9, True) is None
+    assert s.choose(7.0, True) is lane
 
 
 def test_a_slow_batch_halves_the_claims_a_lost_lease_quarters_them_and_fast_ones_double_them_back(
@@ -211,7 +213,7 @@ def test_backlogs_are_served_by_weight_and_an_idle_lane_gets_no_credit_for_its_i
     _lane(s, "basic", more_work=True)
     chosen = []
     for _ in range(40):
-        lane = s.next_claim(0.0, True)
+        lane = s.choose(0.0, True)
         assert lane is not None
         chosen.append(lane.name)
         s.served(lane, 500)
@@ -220,7 +222,7 @@ def test_backlogs_are_served_by_weight_and_an_idle_lane_gets_no_credit_for_its_i
     s.served(late, 0)
     picks = []
     for _ in range(8):
-        lane = s.next_claim(0.0, True)
+        lane = s.choose(0.0, True)
         assert lane is not None
         picks.append(lane.name)
         s.served(lane, 500)
@@ -274,11 +276,33 @@ def test_the_claims_sent_ahead_are_the_next_claims_outboxes_if_it_may_share() ->
     may not share (a batch out, a limit's claim due), and then the turns are as they were."""
     s = _scheduler(batch_size=2000, shared_outboxes=3)
     lanes = [_lane(s, f"due{i}", more_work=True) for i in range(5)]
-    assert s.ahead(1.0, sessions_free=True) == lanes[:3]
-    assert s.ahead(1.0, sessions_free=False) == []
+    pick = s.ahead(1.0, sessions_free=True)
+    assert pick is not None and [pick.lane, *(c for c, _ in pick.companions)] == lanes[:3]
+    assert s.ahead(1.0, sessions_free=False) is None
     lanes[4].wake.woken = True  # the next claim's, woken: it has a batch out
     lanes[4].in_flight.append(cast(Any, _Batch(10, 0.0)))
     turn, clock = s.turn, s.clock
-    assert s.ahead(1.0, sessions_free=True) == []
+    assert s.ahead(1.0, sessions_free=True) is None
     assert (s.turn, s.clock) == (turn, clock)
-    assert _scheduler(shared_claims=False).ahead(1.0, sessions_free=True) == []
+    assert _scheduler(shared_claims=False).ahead(1.0, sessions_free=True) is None
+
+
+def test_the_next_claim_says_its_limit_and_companions_and_takes_the_retries_due() -> None:
+    """ClaimScheduler.next_claim: the chosen outbox's claim, whole: its limit, the outboxes that
+    claim with it and theirs, and what was due of each (a retry) taken, as the claim looks for it;
+    a limit's claim with its gate, which takes no retry."""
+    s = _scheduler(batch_size=2000, shared_outboxes=3)
+    lead = _lane(s, "lead", woken=True, retry_at=0.5)
+    other = _lane(s, "other", more_work=True, retry_at=0.9)
+    later = _lane(s, "later", more_work=True, retry_at=5.0)  # its retry is not due yet
+    pick = s.next_claim(1.0, True)
+    assert pick is not None and pick.lane is lead and pick.limit == 2000 and pick.gate is None
+    assert pick.companions == [(other, 2000 // 3), (later, 2000 // 3)]
+    assert lead.retry_at == other.retry_at == math.inf and later.retry_at == 5.0
+    assert s.next_claim(1.0, False) is None
+    gated = _scheduler(batch_size=2000)
+    limited = _lane(gated, "limited", woken=True, retry_at=0.5)
+    limited.gates = gates([parse_limit("orders.*=10/s")])
+    pick = gated.next_claim(1.0, True)
+    assert pick is not None and pick.gate is limited.gates[0] and pick.companions == []
+    assert limited.retry_at == 0.5  # a limit's claim looks for its own events only
