@@ -225,8 +225,10 @@ def aws_env(monkeypatch: pytest.MonkeyPatch) -> dict[str, str]:
     return dict(CREDENTIALS)
 
 
-# Modules whose tests each take tens of seconds (real processes, fault scenarios, bench races).
-LONG_MODULES = ("test_faults.py", "test_bench.py", "test_multi_relay.py", "test_process.py", "test_inputs.py")
+# Modules whose tests each take tens of seconds (real processes, fault scenarios, bench races);
+# the first two, a minute or two each (an `outbox bench` process per test), go first of all.
+LONGEST_MODULES = ("test_faults.py", "test_bench.py")
+LONG_MODULES = (*LONGEST_MODULES, "test_multi_relay.py", "test_process.py", "test_inputs.py")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -234,7 +236,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     collection order, so a long test collected last runs alone at the end while the other
     workers idle. Longest first is the classic fix (LPT scheduling); it changes no result."""
 
-    def long(item: pytest.Item) -> bool:
-        return item.get_closest_marker("slow") is not None or item.path.name in LONG_MODULES
+    def length(item: pytest.Item) -> int:
+        if item.path.name in LONGEST_MODULES:
+            return 0
+        return 1 if item.get_closest_marker("slow") is not None or item.path.name in LONG_MODULES else 2
 
-    items.sort(key=lambda item: not long(item))
+    items.sort(key=length)

@@ -22,7 +22,7 @@ GROUPS = [
 
 # Each runs a whole `outbox bench` process with a timeout of its own (600 s), which says what it
 # was doing: pytest's default 300 s would cut it short first when it shares the cores (CI runs
-# the long checks beside the version matrix).
+# them beside the rest of the suite).
 pytestmark = pytest.mark.timeout(660)
 
 
