@@ -9,7 +9,6 @@ from collections.abc import Callable
 
 from outbox.relay.gated import GateIntake
 from outbox.relay.intake import Intake, Picks
-from outbox.relay.lanes import Lane
 from outbox.relay.scheduler import ClaimScheduler, Pick
 from outbox.relay.wal_intake import WalIntake
 
@@ -48,12 +47,9 @@ class ClaimStep:
         if pick.gate is not None:  # (limits: --limit)
             self.gated.claim_gate(lane, pick.gate, pick.limit)
             return None
+        picks = self._taken(pick, now)
         if pick.companions:
-            picks = [(lane, pick.limit), *pick.companions]
-            for each, _ in picks:
-                self._woken_taken(each, now)
             return self._claim_shared(picks)
-        self._woken_taken(lane, now)
         intake = self.wal if lane.wal is not None else self.intake
         claimed = intake.claim_and_send(lane, pick.limit)
         self.scheduler.claimed(lane, pick.limit, claimed)
@@ -76,20 +72,18 @@ class ClaimStep:
         order and with the limits the step would give them."""
         now = time.monotonic()
         pick = self.scheduler.ahead(now, self._free())
-        if pick is None:
-            return []
+        return [] if pick is None else self._taken(pick, now)
+
+    def _taken(self, pick: Pick, now: float) -> Picks:
+        """The outboxes of ``pick`` claim now, each with its limit: what woke each is taken."""
         picks = [(pick.lane, pick.limit), *pick.companions]
         for lane, _ in picks:
-            self._woken_taken(lane, now)
+            if lane.wake.woken or now >= lane.next_poll:
+                for g in lane.gates:  # a NOTIFY or a poll: a limit's events may wait too
+                    g.pending = True
+            if lane.wake.table_news:  # rows were inserted into its events table
+                lane.wake.table_news = False
+                if lane.wal is not None:  # WAL capture: its table takes its next turn
+                    self.wal.table_news(lane)
+            lane.wake.woken = False  # a NOTIFY arriving during the claim sets it again
         return picks
-
-    def _woken_taken(self, lane: Lane, now: float) -> None:
-        """``lane`` claims now: what woke it is taken."""
-        if lane.wake.woken or now >= lane.next_poll:
-            for g in lane.gates:  # a NOTIFY or a poll: a limit's events may wait too
-                g.pending = True
-        if lane.wake.table_news:  # rows were inserted into its events table
-            lane.wake.table_news = False
-            if lane.wal is not None:  # WAL capture: its table takes its next turn
-                self.wal.table_news(lane)
-        lane.wake.woken = False  # a NOTIFY arriving during the claim sets it again
